@@ -1,0 +1,174 @@
+"""``ExperimentConfig``: the one typed schema of an experiment.
+
+It is loaded from YAML in ``configs/``, overridden from the command line as ``key.sub=value``,
+and is the experiment flow's only parameter (the Prefect UI renders it as a form).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Stage = Literal["sft", "dpo"]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(Section):
+    source: str = Field("builtin:tiny-llama", description="`builtin:tiny-llama`, a Hugging Face model id or a local checkpoint path.")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) for a model id.")
+    seed: int = Field(0, description="Initialisation seed of a built-in model.")
+
+
+class AdditionTaskConfig(Section):
+    max_operand: int = Field(49, ge=1, description="Operands are drawn from 0..max_operand.")
+    noise: float = Field(0.3, ge=0.0, lt=1.0, description="Fraction of SFT demonstrations with a wrong answer.")
+    num_eval_problems: int = Field(300, ge=1, description="Held-out problems (eval prompts and eval pairs).")
+    seed: int = Field(0, description="Seed of the problem split and of the noise.")
+
+
+class DatasetSource(Section):
+    path: str = Field(description="Local .json/.jsonl/.parquet/.csv file, or a `datasets.load_dataset` name.")
+    name: str | None = Field(None, description="Dataset configuration name (hub datasets).")
+    split: str = Field("train", description="Split to read (hub datasets).")
+    revision: str | None = Field(None, description="Hub revision of the dataset.")
+
+
+class DataConfig(Section):
+    builtin: AdditionTaskConfig | None = Field(
+        default_factory=AdditionTaskConfig, description="The built-in addition task; it fills every split not given below."
+    )
+    sft: DatasetSource | None = Field(None, description="`prompt`/`completion` rows for SFT.")
+    preference: DatasetSource | None = Field(None, description="`prompt`/`chosen`/`rejected` rows for DPO.")
+    preference_eval: DatasetSource | None = Field(None, description="Held-out preference pairs for reward accuracy.")
+    eval_prompts: DatasetSource | None = Field(None, description="`prompt`/`answer` rows for accuracy.")
+    max_length: int = Field(32, ge=2, description="Maximum prompt + completion tokens.")
+    max_prompt_length: int = Field(16, ge=1, description="Maximum prompt tokens.")
+    truncation_mode: Literal["keep_end", "keep_start"] = Field(
+        "keep_end", description="Which end of a too-long prompt to keep; completions keep their start."
+    )
+
+
+class TrainingConfig(Section):
+    """Optimisation settings shared by every training stage."""
+
+    num_train_epochs: float = Field(1.0, gt=0, description="Epochs over the stage's training split.")
+    max_steps: int = Field(-1, description="If > 0, overrides num_train_epochs.")
+    per_device_train_batch_size: int = Field(32, ge=1)
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    learning_rate: float = Field(5e-4, gt=0)
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="Fraction of steps used for linear warm-up.")
+    weight_decay: float = Field(0.0, ge=0.0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    logging_steps: int = Field(10, ge=1)
+    save_steps: int = Field(0, ge=0, description="Save (and log to MLflow) a checkpoint every N steps; 0 = only at the end.")
+    seed: int = 0
+
+
+class SFTConfig(TrainingConfig):
+    num_train_epochs: float = 50.0
+    per_device_train_batch_size: int = 64
+    learning_rate: float = 3e-3
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"
+    warmup_ratio: float = 0.05
+    logging_steps: int = 50
+
+
+class DPOStageConfig(TrainingConfig):
+    num_train_epochs: float = 3.0
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "constant"
+    beta: float = Field(0.5, gt=0, description="β in −log σ(β·[(π_c − ref_c) − (π_r − ref_r)]).")
+    loss_type: Literal["sigmoid"] = Field("sigmoid", description="Registered preference loss.")
+    reference: Literal["cached", "live"] = Field(
+        "cached", description="`cached`: precomputed reference log-prob columns; `live`: a frozen reference model in memory."
+    )
+    logging_steps: int = 20
+
+
+class ReferenceConfig(Section):
+    batch_size: int = Field(128, ge=1, description="Pairs per reference forward pass.")
+
+
+class EvaluationConfig(Section):
+    num_prompts: int = Field(300, ge=1, description="Held-out prompts scored per model (at most the split's size).")
+    num_samples: int = Field(4, ge=1, description="Samples per prompt at `temperature` for sampled accuracy.")
+    temperature: float = Field(1.0, gt=0)
+    max_new_tokens: int = Field(5, ge=1)
+    batch_size: int = Field(256, ge=1)
+    seed: int = 0
+
+
+class TrackingConfig(Section):
+    experiment_name: str = Field("alignflow", description="MLflow experiment.")
+    run_name: str | None = Field(None, description="Parent run name; defaults to the config name.")
+
+
+class ExperimentConfig(Section):
+    name: str = Field("default", description="Experiment name, used for the run name.")
+    stages: list[Stage] = Field(default_factory=lambda: ["sft", "dpo"], description="Training stages, in order.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    dpo: DPOStageConfig = Field(default_factory=DPOStageConfig)
+    reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @model_validator(mode="after")
+    def _check_data_for_stages(self) -> ExperimentConfig:
+        needed = {"sft": "sft", "dpo": "preference"}
+        for stage in self.stages:
+            split = needed[stage]
+            if self.data.builtin is None and getattr(self.data, split) is None:
+                raise ValueError(f"stage {stage!r} needs data.{split} (or data.builtin)")
+        if len(set(self.stages)) != len(self.stages):
+            raise ValueError(f"stages must not repeat: {self.stages}")
+        return self
+
+    def content_hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+
+    def flat(self) -> dict[str, Any]:
+        """``{"dpo.beta": 0.5, ...}``: the config as MLflow params."""
+        return flatten(self.model_dump(mode="json"))
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def apply_override(tree: dict[str, Any], override: str) -> None:
+    """Set ``a.b.c=value`` in a nested dict; the value is parsed as YAML (numbers, lists, null)."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key:
+        raise ValueError(f"override {override!r} is not of the form key.sub=value")
+    *parents, leaf = key.split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override {override!r}: {part!r} is not a section")
+    node[leaf] = yaml.safe_load(raw)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> ExperimentConfig:
+    tree: dict[str, Any] = {}
+    if path is not None:
+        tree = yaml.safe_load(Path(path).read_text()) or {}
+    for override in overrides:
+        apply_override(tree, override)
+    return ExperimentConfig.model_validate(tree)

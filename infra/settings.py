@@ -1,0 +1,86 @@
+"""Where alignflow keeps its state and which Prefect / MLflow it talks to.
+
+Embedded defaults: everything under one run-state folder (``.alignflow/``): Prefect's local
+temporary API on SQLite, an MLflow SQLite store with a local artifact folder, outputs and
+caches. ``ALIGNFLOW_*`` variables point elsewhere; ``MLFLOW_TRACKING_URI`` and
+``PREFECT_API_URL`` are honoured as usual.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cached_property
+from pathlib import Path
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ALIGNFLOW_")
+
+    home: Path = Path(".alignflow")
+    tracking_uri: str | None = None
+    artifact_location: str | None = None
+
+    @cached_property
+    def root(self) -> Path:
+        return self.home.expanduser().resolve()
+
+    @property
+    def outputs(self) -> Path:
+        return self.root / "outputs"
+
+    @property
+    def data_cache(self) -> Path:
+        return self.root / "cache" / "data"
+
+    @property
+    def model_cache(self) -> Path:
+        return self.root / "cache" / "models"
+
+    @property
+    def reference_cache(self) -> Path:
+        return self.root / "cache" / "reference"
+
+    @property
+    def prefect_results(self) -> Path:
+        return self.root / "prefect-results"
+
+    @property
+    def mlflow_tracking_uri(self) -> str:
+        return self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{self.root / 'mlflow.db'}"
+
+    @property
+    def mlflow_artifact_location(self) -> str | None:
+        """Artifact root for new experiments; local stores keep artifacts next to the database."""
+        if self.artifact_location:
+            return self.artifact_location
+        if self.mlflow_tracking_uri.startswith("sqlite:"):
+            return (self.root / "mlartifacts").as_uri()  # one folder per experiment is added below it
+        return None
+
+
+def get_settings() -> Settings:
+    return Settings()
+
+
+def configure_environment(settings: Settings | None = None) -> Settings:
+    """Set process-wide defaults for Prefect and MLflow. Call before importing prefect."""
+    settings = settings or get_settings()
+    settings.root.mkdir(parents=True, exist_ok=True)
+    defaults = {
+        "PREFECT_HOME": str(settings.root / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+        "PREFECT_LOGGING_LOG_PRINTS": "true",
+        "MLFLOW_TRACKING_URI": settings.mlflow_tracking_uri,
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        # Per-file progress bars become one Prefect log line per refresh; stages log progress themselves.
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    }
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+    return settings

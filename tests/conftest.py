@@ -1,0 +1,46 @@
+"""Test session setup: an isolated run-state folder, one Prefect test server for the session."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# Before anything imports prefect or mlflow: every test session gets its own run-state folder.
+_STATE = Path(tempfile.mkdtemp(prefix="alignflow-tests-"))
+os.environ["ALIGNFLOW_HOME"] = str(_STATE)
+os.environ.pop("MLFLOW_TRACKING_URI", None)
+os.environ.pop("PREFECT_API_URL", None)
+
+from infra.settings import configure_environment  # noqa: E402
+
+configure_environment()
+
+import torch  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def state_dir() -> Path:
+    return _STATE
+
+
+@pytest.fixture(scope="session")
+def prefect_api_url():
+    """One temporary Prefect API server for the whole session (starting one costs ~10 s)."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield PREFECT_API_URL.value()
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """The built-in model and tokenizer (fresh weights, seed 0)."""
+    from trainers.builtin_model import build_builtin_model
+
+    return build_builtin_model("builtin:tiny-llama", seed=0)

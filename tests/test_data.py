@@ -1,0 +1,68 @@
+import json
+
+import pytest
+
+from trainers.data import DataValidationError, Truncation, load_rows, tokenize_split, validate_rows
+from trainers.synthetic import AdditionTask, generate_addition
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize(
+    "bad_row, message",
+    [
+        ({"prompt": "1+1=", "rejected": "3"}, "row 1: field 'chosen' is missing"),
+        ({"prompt": "1+1=", "chosen": "  ", "rejected": "3"}, "row 1: field 'chosen' is an empty completion"),
+        ({"prompt": "1+1=", "chosen": "2", "rejected": 3}, "row 1: field 'rejected' must be a string or a list of {role, content} messages, got int"),
+    ],
+)
+def test_validation_names_file_row_and_field(tmp_path, bad_row, message):
+    good = {"prompt": "2+2=", "chosen": "4", "rejected": "5"}
+    path = write_jsonl(tmp_path / "pairs.jsonl", [good, bad_row])
+    with pytest.raises(DataValidationError) as error:
+        validate_rows(load_rows(str(path)), ("prompt", "chosen", "rejected"), str(path))
+    assert str(error.value) == f"{path}: {message}"
+
+
+def test_conversational_rows_render_with_chat_template(tiny):
+    _, tokenizer = tiny
+    rows = [{"prompt": [{"role": "user", "content": "1+2="}], "chosen": [{"role": "assistant", "content": "3"}], "rejected": "4"}]
+    validate_rows(rows, ("prompt", "chosen", "rejected"), "inline")
+    (row,), dropped = tokenize_split(rows, "preference", tokenizer, Truncation(32, 16))
+    assert dropped == 0
+    assert tokenizer.decode(row["prompt_ids"]) == "<|user|>1+2=<|assistant|>"
+    assert row["chosen_ids"] == tokenizer("3", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+
+
+def test_truncation_keep_end_and_dropped_pairs(tiny):
+    _, tokenizer = tiny
+    rows = [{"prompt": "123456789", "chosen": "ab", "rejected": "c"}]
+    (kept,), dropped = tokenize_split(rows, "preference", tokenizer, Truncation(max_length=6, max_prompt_length=4, mode="keep_end"))
+    assert tokenizer.decode(kept["prompt_ids"]) == "6789"
+    assert tokenizer.decode(kept["chosen_ids"]) == "ab"  # 4 prompt + 2 completion tokens: the EOS is cut
+    (kept,), _ = tokenize_split(rows, "preference", tokenizer, Truncation(max_length=6, max_prompt_length=4, mode="keep_start"))
+    assert tokenizer.decode(kept["prompt_ids"]) == "1234"
+    kept, dropped = tokenize_split(rows, "preference", tokenizer, Truncation(max_length=4, max_prompt_length=4))
+    assert kept == [] and dropped == 1
+
+
+def test_builtin_addition_splits_are_disjoint_and_noisy():
+    task = AdditionTask(max_operand=19, noise=0.3, num_eval_problems=100, seed=1)
+    splits = generate_addition(task)
+    assert splits == generate_addition(task)  # deterministic
+    eval_prompts = {r["prompt"] for r in splits["eval_prompts"]}
+    assert len(eval_prompts) == 100
+    assert eval_prompts.isdisjoint(r["prompt"] for r in splits["sft"])
+    assert eval_prompts.isdisjoint(r["prompt"] for r in splits["preference"])
+    assert {r["prompt"] for r in splits["preference_eval"]} == eval_prompts
+
+    def correct(row, field):
+        a, b = row["prompt"].rstrip("=").split("+")
+        return int(row[field]) == int(a) + int(b)
+
+    wrong = sum(not correct(r, "completion") for r in splits["sft"]) / len(splits["sft"])
+    assert 0.25 < wrong < 0.35
+    assert all(correct(r, "chosen") and not correct(r, "rejected") for r in splits["preference"])

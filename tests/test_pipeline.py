@@ -1,0 +1,126 @@
+"""The whole experiment flow on a minimal config, on one session-wide Prefect test server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import mlflow
+import pytest
+import torch
+from mlflow import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+from infra.config import load_config
+from infra.settings import get_settings
+
+MINIMAL = "configs/minimal.yaml"
+
+
+def task_states(flow_run_id) -> dict[str, str]:
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {run.name: run.state.name for run in runs}
+
+
+def run_flow(config):
+    from flows.pipeline import experiment
+
+    state = experiment(config, return_state=True)
+    assert state.is_completed(), state.message
+    return state.state_details.flow_run_id, state.result()
+
+
+@pytest.fixture(scope="module")
+def first_run(prefect_api_url):
+    return run_flow(load_config(MINIMAL))
+
+
+def parent_and_children(flow_run_id):
+    client = MlflowClient(get_settings().mlflow_tracking_uri)
+    experiment = client.get_experiment_by_name("alignflow")
+    (parent,) = client.search_runs([experiment.experiment_id], f"tags.`prefect.flow_run_id` = '{flow_run_id}' and tags.`mlflow.runName` = 'minimal'")
+    children = client.search_runs([experiment.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    return client, parent, {run.info.run_name: run for run in children}
+
+
+def test_flow_logs_parent_child_runs_metrics_checkpoints_and_a_loadable_model(first_run):
+    flow_run_id, report = first_run
+    client, parent, children = parent_and_children(flow_run_id)
+    assert parent.info.status == "FINISHED"
+    assert set(children) == {"sft", "dpo", "evaluate"}
+    assert all(run.info.status == "FINISHED" for run in children.values())
+    assert parent.data.params["dpo.beta"] == "0.5"
+    assert parent.data.params["model.source"] == "builtin:tiny-llama"
+    assert parent.data.tags["alignflow.config_hash"] == load_config(MINIMAL).content_hash()
+    assert len(parent.data.tags["mlflow.source.git.commit"]) in (40, len("unknown"))
+
+    dpo = children["dpo"].info.run_id
+    assert len(client.get_metric_history(dpo, "loss")) >= 2
+    accuracies = client.get_metric_history(dpo, "rewards/accuracies")
+    assert len(accuracies) >= 2 and all(0.0 <= m.value <= 1.0 for m in accuracies)
+    assert [m.step for m in client.get_metric_history(children["sft"].info.run_id, "loss")] == [2, 4, 6]
+    checkpoints = [a.path for a in client.list_artifacts(dpo, "checkpoints")]
+    assert "checkpoints/checkpoint-3" in checkpoints
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = mlflow.artifacts.download_artifacts(run_id=dpo, artifact_path="model", tracking_uri=get_settings().mlflow_tracking_uri)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    prompt = torch.tensor([tokenizer("3+4=").input_ids])
+    output = model.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert output.shape == (1, prompt.shape[1] + 3) or tokenizer.eos_token_id in output[0].tolist()
+
+    evaluation = children["evaluate"].info.run_id
+    metrics = client.get_run(evaluation).data.metrics
+    assert set(report.rows) == {"base", "sft", "dpo"}
+    assert metrics["dpo/sampled_accuracy"] == pytest.approx(report.rows["dpo"]["sampled_accuracy"])
+    assert report.num_prompts == 20 and report.num_pairs == 20
+
+
+def test_second_run_hits_the_caches_and_never_runs_the_reference(first_run, monkeypatch):
+    import tasks.reference
+
+    calls = []
+    monkeypatch.setattr(tasks.reference, "reference_logps", lambda *a, **k: calls.append(1) or ([], []))
+    flow_run_id, report = run_flow(load_config(MINIMAL))
+    states = task_states(flow_run_id)
+    assert states["train-sft"] == "Cached"
+    assert [s for name, s in states.items() if name.startswith("prepare-dataset")] == ["Cached"]
+    assert [s for name, s in states.items() if name.startswith("cache-reference-logps")] == ["Cached"]
+    assert states["train-dpo"] == "Completed"
+    assert calls == []
+    assert report.rows["sft"] == first_run[1].rows["sft"]  # same model, same prompts, same seed
+
+
+BAD_ROWS = {
+    "missing": ({"prompt": "1+1=", "rejected": "3"}, "row 1: field 'chosen' is missing"),
+    "empty": ({"prompt": "1+1=", "chosen": "", "rejected": "3"}, "row 1: field 'chosen' is an empty completion"),
+    "not-a-string": ({"prompt": "1+1=", "chosen": "2", "rejected": 3}, "row 1: field 'rejected' must be a string"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ROWS))
+def test_bad_input_fails_the_cli_and_leaves_nothing_behind(prefect_api_url, state_dir, tmp_path, case):
+    bad_row, message = BAD_ROWS[case]
+    data_file = tmp_path / "pairs.jsonl"
+    data_file.write_text(json.dumps({"prompt": "2+2=", "chosen": "4", "rejected": "5"}) + "\n" + json.dumps(bad_row) + "\n")
+    cache_before = sorted(p.name for p in get_settings().data_cache.glob("*")) if get_settings().data_cache.exists() else []
+    experiment_name = f"bad-input-{case}"
+
+    result = subprocess.run(
+        [sys.executable, "-m", "infra.cli", "run", MINIMAL, f"data.preference.path={data_file}", f"tracking.experiment_name={experiment_name}"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PREFECT_API_URL": prefect_api_url, "ALIGNFLOW_HOME": str(state_dir)},
+    )
+    assert result.returncode != 0
+    assert f"{data_file}: {message}" in result.stdout + result.stderr
+    assert sorted(p.name for p in get_settings().data_cache.glob("*")) == cache_before  # no entry, no staging folder
+
+    client = MlflowClient(get_settings().mlflow_tracking_uri)
+    experiment = client.get_experiment_by_name(experiment_name)
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FAILED"

@@ -1,0 +1,79 @@
+"""The built-in tiny model: a small ``LlamaForCausalLM`` and a character-level tokenizer.
+
+Both are built locally (no downloads) and saved with ``save_pretrained`` so that every later
+stage loads them exactly like any Hugging Face checkpoint.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+BUILTIN_PREFIX = "builtin:"
+SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
+CHARACTERS = string.digits + string.ascii_letters + string.punctuation + " \n"
+
+# Roles are special tokens, so a rendered conversation is unambiguous at the character level.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}"
+    "{% if message['role'] == 'assistant' %}</s>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+TINY_LLAMA = dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=128,
+    tie_word_embeddings=True,
+)
+BUILTIN_MODELS = {"tiny-llama": TINY_LLAMA}
+
+
+def is_builtin(source: str) -> bool:
+    return source.startswith(BUILTIN_PREFIX)
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: BPE with a character vocabulary and no merges."""
+    vocab_tokens = list(SPECIAL_TOKENS.values()) + ROLE_TOKENS + list(CHARACTERS)
+    vocab = {token: index for index, token in enumerate(vocab_tokens)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=SPECIAL_TOKENS["unk_token"]))
+    backend.add_special_tokens(list(SPECIAL_TOKENS.values()) + ROLE_TOKENS)
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **SPECIAL_TOKENS)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_builtin_model(source: str, seed: int) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+    """Build the named built-in model with freshly initialised weights (deterministic for ``seed``)."""
+    name = source.removeprefix(BUILTIN_PREFIX)
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"unknown built-in model {source!r}; known: {sorted(BUILTIN_MODELS)}")
+    tokenizer = build_char_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **BUILTIN_MODELS[name],
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def save_builtin_model(source: str, seed: int, output_dir: Path) -> Path:
+    model, tokenizer = build_builtin_model(source, seed)
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    return output_dir

@@ -1,0 +1,60 @@
+"""Collators: right-padded batches with attention and completion masks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IGNORE_INDEX = -100
+REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+
+
+def pad_right(sequences: list[list[int]], pad_value: int) -> torch.Tensor:
+    width = max(len(s) for s in sequences)
+    return torch.tensor([s + [pad_value] * (width - len(s)) for s in sequences], dtype=torch.long)
+
+
+def prompt_completion_batch(prompts: list[list[int]], completions: list[list[int]], pad_token_id: int) -> dict:
+    """``input_ids`` = prompt + completion, padded right; ``completion_mask`` marks completion tokens."""
+    sequences = [p + c for p, c in zip(prompts, completions)]
+    masks = [[0] * len(p) + [1] * len(c) for p, c in zip(prompts, completions)]
+    return {
+        "input_ids": pad_right(sequences, pad_token_id),
+        "attention_mask": pad_right([[1] * len(s) for s in sequences], 0),
+        "completion_mask": pad_right(masks, 0),
+    }
+
+
+@dataclass
+class CompletionOnlyCollator:
+    """SFT batches whose ``labels`` hide prompt and padding (loss on completion tokens only)."""
+
+    pad_token_id: int
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        batch = prompt_completion_batch(
+            [f["prompt_ids"] for f in features], [f["completion_ids"] for f in features], self.pad_token_id
+        )
+        completion_mask = batch.pop("completion_mask")
+        batch["labels"] = batch["input_ids"].masked_fill(completion_mask == 0, IGNORE_INDEX)
+        return batch
+
+
+@dataclass
+class PreferenceCollator:
+    """One batch of ``2B`` rows, chosen first then rejected, for a single concatenated forward.
+
+    Cached reference log-probs, when the dataset carries them, travel as ``ref_*`` tensors.
+    """
+
+    pad_token_id: int
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        prompts = [f["prompt_ids"] for f in features]
+        completions = [f["chosen_ids"] for f in features] + [f["rejected_ids"] for f in features]
+        batch = prompt_completion_batch(prompts + prompts, completions, self.pad_token_id)
+        for column in REF_COLUMNS:
+            if column in features[0]:
+                batch[column] = torch.tensor([f[column] for f in features], dtype=torch.float32)
+        return batch

@@ -1,0 +1,28 @@
+"""Reference log-probs of preference pairs, computed once with a frozen model."""
+
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from trainers.collators import PreferenceCollator
+from trainers.logprobs import completion_logps
+
+
+@torch.no_grad()
+def reference_logps(
+    model: PreTrainedModel, pad_token_id: int, rows: list[dict], batch_size: int, progress: bool = True
+) -> tuple[list[float], list[float]]:
+    """Summed completion log-probs of ``chosen`` and ``rejected`` for every row (eval mode, no grad)."""
+    model.eval()
+    collate = PreferenceCollator(pad_token_id)
+    chosen, rejected = [], []
+    starts = range(0, len(rows), batch_size)
+    for start in tqdm(starts, desc="reference log-probs", disable=not progress, mininterval=5):
+        batch = collate(rows[start : start + batch_size])
+        logps = completion_logps(model, batch["input_ids"].to(model.device), batch["attention_mask"].to(model.device), batch["completion_mask"].to(model.device))
+        half = len(logps) // 2
+        chosen += logps[:half].tolist()
+        rejected += logps[half:].tolist()
+    return chosen, rejected
