@@ -1,13 +1,14 @@
-"""The experiment flow: prepare → SFT → reference log-probs → DPO → evaluate."""
+"""The experiment flow: prepare → SFT → reference log-probs → DPO → evaluate → promote."""
 
 from __future__ import annotations
 
 from prefect import flow
 
-from infra.config import ExperimentConfig
+from infra.config import ExperimentConfig, ModelConfig
 from tasks.data import prepare_dataset
 from tasks.evaluate import EvalReport, evaluate
 from tasks.models import resolve_model
+from tasks.promote import CHAMPION_LABEL, champion_source, promote
 from tasks.reference import cache_ref_logps
 from tasks.tracking import start_parent_run, tracked_run
 from tasks.train import StageInputs, train
@@ -27,6 +28,12 @@ def experiment(config: ExperimentConfig = ExperimentConfig()) -> EvalReport:
                 ref_logps = cache_ref_logps(data, reference, config.reference)
             policy = train(stage, config, StageInputs(policy, data, ref_logps, reference), parent_run_id)
             models[stage] = policy
-        report = evaluate(models, data, ref_logps, config.evaluation, config.dpo.beta, parent_run_id, config.name)
-        print(f"Evaluation of every stage ({report.num_prompts} held-out prompts, {report.num_pairs} held-out pairs):\n{report.markdown()}")
+        if champion := champion_source(config.promotion):
+            models[CHAMPION_LABEL] = resolve_model(ModelConfig(source=champion), stage=CHAMPION_LABEL)
+        final = config.stages[-1] if config.stages else "base"
+        report = evaluate(models, data, ref_logps, config.evaluation, config.dpo.beta, parent_run_id, config.name, final)
+        print(f"Evaluation ({report.num_prompts} held-out prompts, {report.num_pairs} held-out pairs):\n{report.markdown()}")
+        if config.promotion.registered_model and config.stages:
+            decision = promote(report, policy, final, config.promotion, parent_run_id)
+            print(f"Promotion: {'accepted' if decision.promoted else 'rejected'} ({decision.reason})")
         return report

@@ -19,29 +19,70 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("config", nargs="?", help="experiment YAML (default: the built-in defaults)")
     run.add_argument("overrides", nargs="*", metavar="key.sub=value", help="override config fields (values parsed as YAML)")
+
+    evaluate = commands.add_parser(
+        "evaluate",
+        help="score models on an eval spec",
+        description="Score any models (local path, runs:/…, models:/name@alias, hub id) on the same prompts and seeds.",
+        epilog="example: alignflow evaluate configs/evaluate.yaml 'models={dpo: models:/alignflow-addition@champion}'",
+    )
+    evaluate.add_argument("config", help="evaluation request YAML (see configs/evaluate.yaml)")
+    evaluate.add_argument("overrides", nargs="*", metavar="key.sub=value")
+
+    compare = commands.add_parser(
+        "compare",
+        help="compare an experiment's runs",
+        description="Table of runs x key params x final eval metrics with deltas, training-curve and eval-metric plots.",
+    )
+    compare.add_argument("--experiment", default="alignflow", help="MLflow experiment (default: alignflow)")
+    compare.add_argument("--baseline", help="run id, run name or key=value tag (default: the oldest run)")
+    compare.add_argument("--metric", action="append", dest="metrics", help="final eval metric to compare (repeatable)")
+    compare.add_argument("--curve", action="append", dest="curves", help="training metric to plot (repeatable)")
     return parser
 
 
-def run_command(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-
-    from infra.config import load_config
-
-    try:
-        config = load_config(args.config, args.overrides)
-    except (ValidationError, ValueError, FileNotFoundError) as error:
-        print(f"alignflow: invalid config: {error}", file=sys.stderr)
-        return 2
-    from flows.pipeline import experiment  # imported after configure_environment: Prefect reads it at import
-
-    state = experiment(config, return_state=True)
+def finished(state) -> int:
     if not state.is_completed():
         print(f"alignflow: run {state.name}: {state.message}", file=sys.stderr)
         return 1
     return 0
 
 
-COMMANDS = {"run": run_command}
+def load_or_exit(schema, args: argparse.Namespace):
+    from pydantic import ValidationError
+
+    from infra.config import load_config
+
+    try:
+        return load_config(args.config, args.overrides, schema)
+    except (ValidationError, ValueError, FileNotFoundError) as error:
+        print(f"alignflow: invalid config: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+# Flows are imported inside the commands, after configure_environment: Prefect reads it at import.
+def run_command(args: argparse.Namespace) -> int:
+    from flows.pipeline import experiment
+    from infra.config import ExperimentConfig
+
+    return finished(experiment(load_or_exit(ExperimentConfig, args), return_state=True))
+
+
+def evaluate_command(args: argparse.Namespace) -> int:
+    from flows.evaluation import evaluation
+    from infra.config import EvaluationRequest
+
+    return finished(evaluation(load_or_exit(EvaluationRequest, args), return_state=True))
+
+
+def compare_command(args: argparse.Namespace) -> int:
+    from flows.compare import compare
+
+    options = {k: v for k, v in {"metrics": args.metrics, "curves": args.curves}.items() if v}
+    return finished(compare(experiment=args.experiment, baseline=args.baseline, **options, return_state=True))
+
+
+COMMANDS = {"run": run_command, "evaluate": evaluate_command, "compare": compare_command}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,6 +20,13 @@ Stage = Literal["sft", "dpo"]
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    def content_hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+
+    def flat(self) -> dict[str, Any]:
+        """``{"dpo.beta": 0.5, ...}``: the config as MLflow params."""
+        return flatten(self.model_dump(mode="json"))
+
 
 class ModelConfig(Section):
     source: str = Field("builtin:tiny-llama", description="`builtin:tiny-llama`, a Hugging Face model id or a local checkpoint path.")
@@ -99,11 +106,23 @@ class ReferenceConfig(Section):
 
 class EvaluationConfig(Section):
     num_prompts: int = Field(300, ge=1, description="Held-out prompts scored per model (at most the split's size).")
-    num_samples: int = Field(4, ge=1, description="Samples per prompt at `temperature` for sampled accuracy.")
+    num_samples: int = Field(4, ge=1, description="Samples per prompt at `temperature`: sampled accuracy is mean@N.")
+    pass_k: list[int] = Field(default_factory=lambda: [1, 4], description="k values for pass@k (unbiased estimator); k > num_samples is skipped.")
     temperature: float = Field(1.0, gt=0)
     max_new_tokens: int = Field(5, ge=1)
-    batch_size: int = Field(256, ge=1)
-    seed: int = 0
+    batch_size: int = Field(256, ge=1, description="Prompts per generate() call.")
+    bootstrap_resamples: int = Field(1000, ge=10, description="Bootstrap resamples for the 95% confidence intervals.")
+    num_logged_samples: int = Field(20, ge=0, description="Rows of the samples table (prompt, completion, reward, correct) per model.")
+    seed: int = Field(0, description="Seed of sampling and of the bootstrap; the same for every model.")
+
+
+class PromotionConfig(Section):
+    registered_model: str | None = Field(
+        None, description="MLflow registered model to promote the final model into; null turns the gate off."
+    )
+    metric: str = Field("sampled_accuracy", description="Evaluation metric the gate compares.")
+    min_improvement: float = Field(0.0, description="Required gain of `metric` over the current champion, re-scored on the same prompts.")
+    alias: str = Field("champion", description="Registry alias that marks the promoted version.")
 
 
 class TrackingConfig(Section):
@@ -121,6 +140,7 @@ class ExperimentConfig(Section):
     reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    promotion: PromotionConfig = Field(default_factory=PromotionConfig)
 
     @model_validator(mode="after")
     def _check_data_for_stages(self) -> ExperimentConfig:
@@ -133,12 +153,29 @@ class ExperimentConfig(Section):
             raise ValueError(f"stages must not repeat: {self.stages}")
         return self
 
-    def content_hash(self) -> str:
-        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+    @property
+    def run_name(self) -> str:
+        return self.tracking.run_name or self.name
 
-    def flat(self) -> dict[str, Any]:
-        """``{"dpo.beta": 0.5, ...}``: the config as MLflow params."""
-        return flatten(self.model_dump(mode="json"))
+
+class EvaluationRequest(Section):
+    """What the standalone evaluation flow scores: any models, on one eval spec, same prompts and seeds."""
+
+    name: str = Field("evaluation", description="Parent run name and output folder.")
+    models: dict[str, str] = Field(
+        min_length=1,
+        description="Label → model source: local folder, `runs:/<id>/model`, `models:/<name>@<alias>`, hub id or `builtin:…`.",
+    )
+    reference_model: str | None = Field(None, description="Model source of the reference for held-out implicit-reward metrics.")
+    beta: float = Field(0.5, gt=0, description="β of the implicit reward β·(π − ref).")
+    reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
+    data: DataConfig = Field(default_factory=DataConfig, description="Where the eval prompts and held-out pairs come from.")
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @property
+    def run_name(self) -> str:
+        return self.tracking.run_name or self.name
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -165,10 +202,11 @@ def apply_override(tree: dict[str, Any], override: str) -> None:
     node[leaf] = yaml.safe_load(raw)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> ExperimentConfig:
+def load_config(path: str | Path | None = None, overrides: list[str] = (), schema: type[Section] | None = None) -> Section:
+    """Validate YAML plus ``key.sub=value`` overrides against ``schema`` (default ExperimentConfig)."""
     tree: dict[str, Any] = {}
     if path is not None:
         tree = yaml.safe_load(Path(path).read_text()) or {}
     for override in overrides:
         apply_override(tree, override)
-    return ExperimentConfig.model_validate(tree)
+    return (schema or ExperimentConfig).model_validate(tree)

@@ -1,4 +1,4 @@
-"""Evaluation of every stage's model on the same held-out prompts, pairs and seeds."""
+"""Evaluation of several models on the same held-out prompts, pairs and seeds."""
 
 from __future__ import annotations
 
@@ -12,31 +12,66 @@ from pydantic import BaseModel
 from infra.config import EvaluationConfig
 from tasks.refs import ModelRef, PreparedData, RefLogps
 from tasks.tracking import client, log_metrics, stage_output_dir, stage_run_id, tracked_run
-from trainers.evaluation import GenerationSpec, answer_accuracy, preference_rewards
+from trainers.evaluation import GenerationSpec, PromptResult, answer_metrics, preference_rewards, score_prompts
 from trainers.modeling import load_causal_lm
 
-COLUMNS = ("greedy_accuracy", "sampled_accuracy", "rewards/accuracies", "rewards/margins")
+# Shown in the printed table; every metric (CIs, pass@k, lengths) goes to MLflow.
+TABLE_COLUMNS = {
+    "greedy_accuracy": "greedy acc",
+    "sampled_accuracy": "sampled acc",
+    "pass_at_4": "pass@4",
+    "mean_completion_tokens": "mean tokens",
+    "rewards/accuracies": "DPO reward acc",
+    "rewards/margins": "DPO margin",
+}
 
 
 class EvalReport(BaseModel):
-    rows: dict[str, dict[str, float]]  # stage -> metric -> value (NaN where not defined)
+    rows: dict[str, dict[str, float]]  # model label -> metric -> value; a metric a model lacks is absent
     num_prompts: int
     num_pairs: int
     mlflow_run_id: str
 
     def markdown(self) -> str:
-        header = "| stage | greedy acc | sampled acc | DPO reward acc | DPO margin |\n|---|---|---|---|---|\n"
-        cell = lambda v: "—" if math.isnan(v) else f"{v:.3f}"  # noqa: E731
-        return header + "".join(f"| {stage} | " + " | ".join(cell(m[c]) for c in COLUMNS) + " |\n" for stage, m in self.rows.items())
+        columns = [c for c in TABLE_COLUMNS if any(c in m for m in self.rows.values())]
+        lines = ["| model | " + " | ".join(TABLE_COLUMNS[c] for c in columns) + " |", "|---" * (len(columns) + 1) + "|"]
+        for label, metrics in self.rows.items():
+            lines.append(f"| {label} | " + " | ".join(format_cell(metrics, c) for c in columns) + " |")
+        return "\n".join(lines) + "\n"
 
 
-def score_model(ref: ModelRef, prompts: list[dict], pairs: list[dict] | None, is_reference: bool, config: EvaluationConfig, beta: float) -> dict[str, float]:
+def format_cell(metrics: dict[str, float], name: str) -> str:
+    if name not in metrics or math.isnan(metrics[name]):
+        return "—"
+    low, high = metrics.get(f"{name}_ci_low"), metrics.get(f"{name}_ci_high")
+    interval = f" [{low:.2f}, {high:.2f}]" if low is not None and high is not None else ""
+    return f"{metrics[name]:.3f}{interval}"
+
+
+def samples_table(results: list[PromptResult], rows: int) -> dict[str, list]:
+    """First ``rows`` prompts with their first sample; the reward is the task's exact-match score."""
+    shown = results[:rows]
+    correct = [r.samples_correct[0] for r in shown]
+    return {
+        "prompt": [r.prompt for r in shown],
+        "answer": [r.answer for r in shown],
+        "completion": [r.samples[0].text for r in shown],
+        "reward": [float(c) for c in correct],
+        "correct": correct,
+    }
+
+
+def score_model(ref: ModelRef, prompts: list[dict], pairs: list[dict] | None, config: EvaluationConfig, beta: float) -> tuple[dict[str, float], dict]:
     model, tokenizer = load_causal_lm(ref.path, ref.revision)
-    spec = GenerationSpec(config.max_new_tokens, config.num_samples, config.temperature, config.batch_size, config.seed)
-    scores = answer_accuracy(model, tokenizer, prompts, spec) if prompts else {}
-    # The reference scores itself as exactly 0 margin, which says nothing: leave it blank.
-    rewards = preference_rewards(model, tokenizer, pairs, beta, config.batch_size) if pairs and not is_reference else {}
-    return {column: scores.get(column, rewards.get(column, math.nan)) for column in COLUMNS}
+    metrics, samples = {}, {}
+    if prompts:
+        spec = GenerationSpec(config.max_new_tokens, config.num_samples, config.temperature, config.batch_size, config.seed)
+        results = score_prompts(model, tokenizer, prompts, spec)
+        metrics = answer_metrics(results, config.pass_k, config.seed, config.bootstrap_resamples)
+        samples = samples_table(results, config.num_logged_samples)
+    if pairs:
+        metrics |= preference_rewards(model, tokenizer, pairs, beta, config.batch_size)
+    return metrics, samples
 
 
 @task(name="evaluate")
@@ -48,7 +83,10 @@ def evaluate(
     beta: float,
     parent_run_id: str,
     config_name: str,
+    final_label: str | None = None,
 ) -> EvalReport:
+    """Score every model; implicit-reward metrics skip the reference itself (its margin is 0 by
+    definition). ``final_label``'s metrics are also logged on the parent run as ``final/<metric>``."""
     prepared = datasets.load_from_disk(data.path)
     prompts = prepared["eval_prompts"].to_list()[: config.num_prompts] if "eval_prompts" in prepared else []
     pairs = None
@@ -56,20 +94,25 @@ def evaluate(
         ref_splits = datasets.load_from_disk(ref_logps.path)
         pairs = ref_splits["preference_eval"].to_list() if "preference_eval" in ref_splits else None
     reference_fp = ref_logps.reference_fingerprint if ref_logps else None
-    rows = {stage: score_model(ref, prompts, pairs, ref.fingerprint == reference_fp, config, beta) for stage, ref in models.items()}
 
     run_id = stage_run_id(parent_run_id, "evaluate", stage_output_dir(config_name, "evaluate"))
-    report = EvalReport(rows=rows, num_prompts=len(prompts), num_pairs=len(pairs or []), mlflow_run_id=run_id)
+    rows = {}
     with tracked_run(run_id):
-        flat = {f"{stage}/{name}": value for stage, metrics in rows.items() for name, value in metrics.items()}
-        log_metrics(run_id, flat)
-        log_metrics(parent_run_id, {f"eval/{k}": v for k, v in flat.items()})
-        table = {"stage": list(rows), **{c: [rows[s][c] for s in rows] for c in COLUMNS}}
-        client().log_table(run_id, data=table, artifact_file="eval_table.json")
+        for label, ref in models.items():
+            rows[label], samples = score_model(ref, prompts, None if ref.fingerprint == reference_fp else pairs, config, beta)
+            log_metrics(run_id, {f"{label}/{name}": value for name, value in rows[label].items()})
+            log_metrics(parent_run_id, {f"eval/{label}/{name}": value for name, value in rows[label].items()})
+            if samples:
+                client().log_table(run_id, data=samples, artifact_file=f"samples/{label}.json")
+        if final_label is not None:
+            log_metrics(parent_run_id, {f"final/{name}": value for name, value in rows[final_label].items()})
+            client().set_tag(parent_run_id, "alignflow.final_stage", final_label)
+        report = EvalReport(rows=rows, num_prompts=len(prompts), num_pairs=len(pairs or []), mlflow_run_id=run_id)
+        client().log_table(run_id, data={"model": list(rows), **{c: [m.get(c) for m in rows.values()] for c in TABLE_COLUMNS}}, artifact_file="eval_table.json")
         client().log_text(run_id, report.markdown(), "eval_table.md")
     create_table_artifact(
         key="evaluation",
-        table=[{"stage": stage, **{c: None if math.isnan(v) else round(v, 4) for c, v in m.items()}} for stage, m in rows.items()],
+        table=[{"model": label, **{c: round(m[c], 4) for c in TABLE_COLUMNS if c in m}} for label, m in rows.items()],
         description=f"{len(prompts)} held-out prompts, {len(pairs or [])} held-out pairs",
     )
     return report

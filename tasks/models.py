@@ -1,18 +1,25 @@
-"""Resolve the configured base model to a checkpoint folder (or hub id) with fingerprints."""
+"""Resolve a model source to a checkpoint folder (or hub id) with content fingerprints.
+
+Sources: ``builtin:<name>``, a local folder, an MLflow URI (``runs:/<run id>/model`` or
+``models:/<name>@<alias>`` / ``models:/<name>/<version>``), or a Hugging Face model id.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import mlflow
 from prefect import task
 
 from infra.config import ModelConfig
 from infra.settings import get_settings
 from tasks.fingerprints import atomic_directory, hash_paths, hash_value
 from tasks.refs import ModelRef
+from tasks.tracking import client
 from trainers.builtin_model import is_builtin, save_builtin_model
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "tokenizer.model"]
+MLFLOW_SCHEMES = ("runs:/", "models:/")
 
 
 def checkpoint_ref(path: Path, stage: str, mlflow_run_id: str | None = None) -> ModelRef:
@@ -25,18 +32,40 @@ def checkpoint_ref(path: Path, stage: str, mlflow_run_id: str | None = None) -> 
     )
 
 
+def pinned_model_uri(uri: str) -> str:
+    """``models:/name@alias`` → ``models:/name/<version>``: aliases move, versions do not."""
+    if uri.startswith("models:/") and "@" in uri:
+        name, alias = uri.removeprefix("models:/").split("@", 1)
+        return f"models:/{name}/{client().get_model_version_by_alias(name, alias).version}"
+    return uri
+
+
+def download_mlflow_model(uri: str) -> Path:
+    """Download an MLflow model folder once into the model cache, keyed by the pinned URI."""
+    pinned = pinned_model_uri(uri)
+    target = get_settings().model_cache / f"mlflow-{hash_value(pinned)}"
+    if not target.exists():
+        with atomic_directory(target) as staging:
+            local = Path(mlflow.artifacts.download_artifacts(pinned, dst_path=str(staging / "download"), tracking_uri=get_settings().mlflow_tracking_uri))
+            local.rename(staging / "model")
+    return target / "model"
+
+
 @task(name="resolve-model")
-def resolve_model(config: ModelConfig) -> ModelRef:
-    """Built-in models are materialised once under the model cache; local folders are hashed;
-    hub ids are identified by id and revision (pin a commit for an immutable fingerprint)."""
+def resolve_model(config: ModelConfig, stage: str = "base") -> ModelRef:
+    """Built-in models are materialised once under the model cache, MLflow models downloaded
+    there once; local folders are hashed; hub ids are identified by id and revision (pin a
+    commit for an immutable fingerprint)."""
     if is_builtin(config.source):
         name = config.source.removeprefix("builtin:")
         target = get_settings().model_cache / f"{name}-seed{config.seed}"
         if not target.exists():
             with atomic_directory(target) as staging:
                 save_builtin_model(config.source, config.seed, staging)
-        return checkpoint_ref(target, "base")
+        return checkpoint_ref(target, stage)
+    if config.source.startswith(MLFLOW_SCHEMES):
+        return checkpoint_ref(download_mlflow_model(config.source), stage)
     if Path(config.source).is_dir():
-        return checkpoint_ref(Path(config.source), "base")
+        return checkpoint_ref(Path(config.source), stage)
     identity = hash_value({"hub": config.source, "revision": config.revision})
-    return ModelRef(path=config.source, revision=config.revision, fingerprint=identity, tokenizer_fingerprint=identity, stage="base")
+    return ModelRef(path=config.source, revision=config.revision, fingerprint=identity, tokenizer_fingerprint=identity, stage=stage)

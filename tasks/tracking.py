@@ -19,7 +19,7 @@ from mlflow.entities import Metric, Param, RunStatus
 from prefect.runtime import flow_run
 from transformers import TrainerCallback
 
-from infra.config import ExperimentConfig
+from infra.config import Section
 from infra.settings import get_settings
 
 RUN_ID_FILE = "mlflow_run_id"
@@ -58,14 +58,16 @@ def log_metrics(run_id: str, metrics: dict[str, float], step: int = 0) -> None:
         client().log_batch(run_id, metrics=items[start : start + MAX_BATCH])
 
 
-def start_parent_run(config: ExperimentConfig) -> str:
+def start_parent_run(config: Section, kind: str = "experiment") -> str:
+    """A parent run for a flow run of ``config`` (which has ``name``, ``run_name`` and ``tracking``)."""
     tags = {
+        "alignflow.kind": kind,
         "alignflow.config_hash": config.content_hash(),
         "mlflow.source.git.commit": git_commit(),
         "prefect.flow_run_id": str(flow_run.get_id() or ""),
         "prefect.flow_run_name": str(flow_run.get_name() or ""),
     }
-    run = client().create_run(experiment_id(config.tracking.experiment_name), run_name=config.tracking.run_name or config.name, tags=tags)
+    run = client().create_run(experiment_id(config.tracking.experiment_name), run_name=config.run_name, tags=tags)
     log_params(run.info.run_id, config.flat())
     client().log_text(run.info.run_id, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), "config.yaml")
     return run.info.run_id

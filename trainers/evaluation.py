@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from trainers.collators import PreferenceCollator
 from trainers.dpo import reward_metrics
 from trainers.logprobs import completion_logps
+from trainers.metrics import bootstrap_ci, pass_at_k
 
 
 @dataclass(frozen=True)
@@ -21,11 +23,37 @@ class GenerationSpec:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    num_tokens: int  # generated tokens up to and including the first EOS
+
+
+@dataclass(frozen=True)
+class PromptResult:
+    prompt: str
+    answer: str
+    greedy: Completion
+    samples: list[Completion]
+
+    @property
+    def greedy_correct(self) -> bool:
+        return exact_match(self.greedy.text, self.answer)
+
+    @property
+    def samples_correct(self) -> list[bool]:
+        return [exact_match(s.text, self.answer) for s in self.samples]
+
+
 def pad_left(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(s) for s in sequences)
     ids = torch.tensor([[pad_token_id] * (width - len(s)) + s for s in sequences], dtype=torch.long)
     mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], dtype=torch.long)
     return ids, mask
+
+
+def generated_length(tokens: list[int], eos_token_id: int) -> int:
+    return tokens.index(eos_token_id) + 1 if eos_token_id in tokens else len(tokens)
 
 
 @torch.no_grad()
@@ -37,13 +65,14 @@ def generate_completions(
     do_sample: bool,
     num_return_sequences: int,
     spec: GenerationSpec,
-) -> list[list[str]]:
-    """``num_return_sequences`` decoded completions per prompt (special tokens removed)."""
+) -> list[list[Completion]]:
+    """``num_return_sequences`` completions per prompt, batched, special tokens removed from the text."""
     model.eval()
     torch.manual_seed(spec.seed)
     sampling = {"do_sample": True, "temperature": spec.temperature, "top_k": 0, "top_p": 1.0} if do_sample else {"do_sample": False}
-    completions: list[list[str]] = []
-    for start in range(0, len(prompts), spec.batch_size):
+    completions: list[list[Completion]] = []
+    starts = range(0, len(prompts), spec.batch_size)
+    for start in tqdm(starts, desc="sampling" if do_sample else "greedy decoding", mininterval=5, leave=False):
         input_ids, attention_mask = pad_left(prompts[start : start + spec.batch_size], tokenizer.pad_token_id)
         output = model.generate(
             input_ids=input_ids.to(model.device),
@@ -54,8 +83,10 @@ def generate_completions(
             eos_token_id=tokenizer.eos_token_id,
             **sampling,
         )
-        texts = tokenizer.batch_decode(output[:, input_ids.shape[1] :], skip_special_tokens=True)
-        completions += [texts[i : i + num_return_sequences] for i in range(0, len(texts), num_return_sequences)]
+        generated = output[:, input_ids.shape[1] :].tolist()
+        texts = tokenizer.batch_decode(generated, skip_special_tokens=True)
+        flat = [Completion(text, generated_length(tokens, tokenizer.eos_token_id)) for text, tokens in zip(texts, generated)]
+        completions += [flat[i : i + num_return_sequences] for i in range(0, len(flat), num_return_sequences)]
     return completions
 
 
@@ -63,17 +94,32 @@ def exact_match(completion: str, answer: str) -> bool:
     return completion.strip() == answer.strip()
 
 
-def answer_accuracy(model, tokenizer, rows: list[dict], spec: GenerationSpec) -> dict[str, float]:
-    """Greedy accuracy and sampled accuracy (mean over ``num_samples`` samples per prompt)."""
-    prompts, answers = [r["prompt_ids"] for r in rows], [r["answer"] for r in rows]
+def score_prompts(model, tokenizer, rows: list[dict], spec: GenerationSpec) -> list[PromptResult]:
+    """Greedy and ``num_samples`` sampled completions of every prompt, same seed for every model."""
+    prompts = [r["prompt_ids"] for r in rows]
     greedy = generate_completions(model, tokenizer, prompts, do_sample=False, num_return_sequences=1, spec=spec)
     sampled = generate_completions(model, tokenizer, prompts, do_sample=True, num_return_sequences=spec.num_samples, spec=spec)
-    greedy_hits = [exact_match(c[0], a) for c, a in zip(greedy, answers)]
-    sampled_hits = [exact_match(s, a) for c, a in zip(sampled, answers) for s in c]
-    return {
-        "greedy_accuracy": sum(greedy_hits) / len(greedy_hits),
-        "sampled_accuracy": sum(sampled_hits) / len(sampled_hits),
-    }
+    return [
+        PromptResult(tokenizer.decode(row["prompt_ids"], skip_special_tokens=True), row["answer"], g[0], s)
+        for row, g, s in zip(rows, greedy, sampled)
+    ]
+
+
+def with_interval(name: str, per_prompt: list[float], seed: int, resamples: int) -> dict[str, float]:
+    low, high = bootstrap_ci(per_prompt, seed, resamples)
+    return {name: sum(per_prompt) / len(per_prompt), f"{name}_ci_low": low, f"{name}_ci_high": high}
+
+
+def answer_metrics(results: list[PromptResult], pass_ks: list[int], seed: int, resamples: int = 1000) -> dict[str, float]:
+    """Greedy accuracy, ``sampled_accuracy`` (mean@N) and pass@k, each with a bootstrap 95% CI
+    over prompts, plus the mean sampled completion length in tokens."""
+    n = len(results[0].samples)
+    metrics = with_interval("greedy_accuracy", [float(r.greedy_correct) for r in results], seed, resamples)
+    metrics |= with_interval("sampled_accuracy", [sum(r.samples_correct) / n for r in results], seed, resamples)
+    for k in (k for k in pass_ks if k <= n):
+        metrics |= with_interval(f"pass_at_{k}", [pass_at_k(n, sum(r.samples_correct), k) for r in results], seed, resamples)
+    metrics["mean_completion_tokens"] = sum(s.num_tokens for r in results for s in r.samples) / (n * len(results))
+    return metrics
 
 
 @torch.no_grad()

@@ -1,0 +1,22 @@
+"""Comparison flow: one table and two plots over an experiment's runs, logged to MLflow and Prefect."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from tasks.compare import DEFAULT_CURVES, DEFAULT_METRICS, ComparisonReport, compare_runs
+
+
+@flow(name="alignflow-compare", log_prints=True)
+def compare(
+    experiment: str = "alignflow",
+    baseline: str | None = None,
+    metrics: list[str] = DEFAULT_METRICS,
+    curves: list[str] = DEFAULT_CURVES,
+    params: list[str] | None = None,
+) -> ComparisonReport:
+    """Compare finished runs of ``experiment`` against ``baseline`` (run id, run name or key=value
+    tag; default: the oldest). ``params`` default to the config fields that differ between runs."""
+    report = compare_runs(experiment, baseline, metrics, curves, params)
+    print(f"{report.table}\nPlots and table: {report.folder}")
+    return report

@@ -1,0 +1,107 @@
+"""Compare the experiment runs of an MLflow experiment: table, training curves, eval bars."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from mlflow.entities import Run
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from pydantic import BaseModel
+
+from infra.settings import get_settings
+from tasks.reporting import RunSummary, comparison_rows, markdown_table, plot_eval_bars, plot_training_curves
+from tasks.tracking import client, experiment_id, tracked_run
+
+MAX_VARYING_PARAMS = 8
+DEFAULT_METRICS = ["greedy_accuracy", "sampled_accuracy", "pass_at_4"]
+DEFAULT_CURVES = ["loss", "rewards/accuracies"]
+FINAL_PREFIX = "final/"
+
+
+class ComparisonReport(BaseModel):
+    folder: str
+    table: str
+    baseline_run_id: str
+    run_ids: list[str]
+    mlflow_run_id: str
+
+
+def experiment_runs(experiment: str) -> list[Run]:
+    """Finished experiment-flow parent runs, oldest first."""
+    runs = client().search_runs([experiment_id(experiment)], "tags.`alignflow.kind` = 'experiment' and attributes.status = 'FINISHED'", order_by=["attributes.start_time ASC"])
+    return [run for run in runs if "mlflow.parentRunId" not in run.data.tags]
+
+
+def select_baseline(runs: list[Run], baseline: str | None) -> Run:
+    """``None``: the oldest run; else a run id, a run name, or a ``key=value`` tag (oldest match)."""
+    if baseline is None:
+        return runs[0]
+    key, _, value = baseline.partition("=")
+    for run in runs:
+        if baseline in (run.info.run_id, run.info.run_name) or (value and run.data.tags.get(key) == value):
+            return run
+    raise ValueError(f"baseline {baseline!r} matches no finished run (run id, run name or key=value tag)")
+
+
+def final_training_run(parent: Run) -> Run | None:
+    stage = parent.data.tags.get("alignflow.final_stage")
+    if stage is None:
+        return None
+    children = client().search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}' and tags.`alignflow.stage` = '{stage}'")
+    return children[0] if children else None
+
+
+def summarize(run: Run, curves: list[str]) -> RunSummary:
+    trained = final_training_run(run)
+    histories = {}
+    if trained is not None:
+        histories = {m: [(p.step, p.value) for p in client().get_metric_history(trained.info.run_id, m)] for m in curves}
+    final = {k.removeprefix(FINAL_PREFIX): v for k, v in run.data.metrics.items() if k.startswith(FINAL_PREFIX)}
+    return RunSummary(run.info.run_id, run.info.run_name, dict(run.data.params), final, histories)
+
+
+def varying_params(runs: list[RunSummary]) -> list[str]:
+    names = sorted({name for run in runs for name in run.params})
+    return [n for n in names if len({run.params.get(n) for run in runs}) > 1][:MAX_VARYING_PARAMS]
+
+
+@task(name="compare-runs")
+def compare_runs(
+    experiment: str,
+    baseline: str | None = None,
+    metrics: list[str] = DEFAULT_METRICS,
+    curves: list[str] = DEFAULT_CURVES,
+    params: list[str] | None = None,
+) -> ComparisonReport:
+    """``params`` default to the config fields whose values differ between the runs."""
+    runs = experiment_runs(experiment)
+    if not runs:
+        raise ValueError(f"experiment {experiment!r} has no finished experiment runs to compare")
+    chosen = select_baseline(runs, baseline)
+    summaries = [summarize(run, curves) for run in runs]
+    base = next(s for s in summaries if s.run_id == chosen.info.run_id)
+
+    folder = get_settings().root / "comparisons" / experiment / time.strftime("%Y%m%d-%H%M%S")
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = comparison_rows(summaries, base, params or varying_params(summaries), metrics)
+    table = markdown_table(rows)
+    (folder / "table.md").write_text(table)
+    (folder / "table.json").write_text(json.dumps(rows, indent=2))
+    plot_training_curves(summaries, curves, folder / "training_curves.png")
+    plot_eval_bars(summaries, metrics, folder / "eval_metrics.png")
+
+    run = client().create_run(experiment_id(experiment), run_name="comparison", tags={"alignflow.kind": "comparison", "alignflow.baseline": base.run_id})
+    with tracked_run(run.info.run_id) as run_id:
+        client().log_artifacts(run_id, str(folder))
+    artifact_root = run.info.artifact_uri
+    create_markdown_artifact(
+        key="comparison",
+        markdown=f"## {experiment}: {len(runs)} runs, baseline {base.label}\n\n{table}\n"
+        f"Plots (MLflow run `{run_id}`): [training curves]({artifact_root}/training_curves.png), "
+        f"[eval metrics]({artifact_root}/eval_metrics.png); local copies in `{folder}`.\n",
+        description="alignflow comparison",
+    )
+    return ComparisonReport(folder=str(folder), table=table, baseline_run_id=base.run_id, run_ids=[s.run_id for s in summaries], mlflow_run_id=run_id)

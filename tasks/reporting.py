@@ -1,0 +1,92 @@
+"""Comparison tables and plots of experiment runs (pure: no Prefect, no MLflow)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, never a display
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    run_id: str
+    name: str
+    params: dict[str, str]
+    metrics: dict[str, float]  # final evaluation metrics, with `<name>_ci_low` / `<name>_ci_high`
+    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # training metric -> (step, value)
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.run_id[:8]})"
+
+
+def comparison_rows(runs: list[RunSummary], baseline: RunSummary, params: list[str], metrics: list[str]) -> list[dict[str, object]]:
+    """One row per run: key params, each metric and its delta against the baseline."""
+    rows = []
+    for run in runs:
+        row: dict[str, object] = {"run": run.label, "baseline": "yes" if run.run_id == baseline.run_id else ""}
+        row |= {p: run.params.get(p, "") for p in params}
+        for m in metrics:
+            value, reference = run.metrics.get(m, math.nan), baseline.metrics.get(m, math.nan)
+            row[m] = value
+            row[f"Δ {m}"] = value - reference
+        rows.append(row)
+    return rows
+
+
+def markdown_table(rows: list[dict[str, object]]) -> str:
+    columns = list(rows[0])
+
+    def cell(value: object) -> str:
+        if isinstance(value, float):
+            return "—" if math.isnan(value) else f"{value:.3f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row[c]) for c in columns) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def plot_training_curves(runs: list[RunSummary], metrics: list[str], path: Path) -> Path:
+    """One panel per training metric, one line per run."""
+    figure, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.6), squeeze=False)
+    for axis, metric in zip(axes[0], metrics):
+        for run in runs:
+            points = run.curves.get(metric, [])
+            if points:
+                steps, values = zip(*points)
+                axis.plot(steps, values, marker=".", label=run.label)
+        axis.set_title(metric)
+        axis.set_xlabel("optimizer step")
+        axis.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def plot_eval_bars(runs: list[RunSummary], metrics: list[str], path: Path) -> Path:
+    """Grouped bars: final eval metrics per run, with 95% bootstrap intervals as error bars."""
+    width = 0.8 / len(runs)
+    figure, axis = plt.subplots(figsize=(max(6, 2.2 * len(metrics)), 3.8))
+    for index, run in enumerate(runs):
+        values = [run.metrics.get(m, math.nan) for m in metrics]
+        lower = [v - run.metrics.get(f"{m}_ci_low", v) for m, v in zip(metrics, values)]
+        upper = [run.metrics.get(f"{m}_ci_high", v) - v for m, v in zip(metrics, values)]
+        positions = [i + (index - (len(runs) - 1) / 2) * width for i in range(len(metrics))]
+        axis.bar(positions, values, width, yerr=[lower, upper], capsize=3, label=run.label)
+    axis.set_xticks(range(len(metrics)), metrics)
+    axis.set_ylim(0, 1.05)
+    axis.set_ylabel("held-out score (95% CI)")
+    axis.legend(fontsize=7)
+    axis.grid(axis="y", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path

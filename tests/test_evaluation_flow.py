@@ -1,0 +1,109 @@
+"""Promotion gate, standalone evaluation of MLflow model URIs, and comparison of >= 3 runs."""
+
+from __future__ import annotations
+
+import matplotlib.image
+import pytest
+from mlflow import MlflowClient
+
+from infra.config import EvaluationRequest, load_config
+from infra.settings import get_settings
+
+EXPERIMENT = "promotion-test"
+REGISTERED = "promotion-test-model"
+COMMON = [f"tracking.experiment_name={EXPERIMENT}", f"promotion.registered_model={REGISTERED}", "promotion.metric=greedy_accuracy"]
+
+
+def run(*overrides):
+    from flows.pipeline import experiment
+
+    state = experiment(load_config("configs/minimal.yaml", [*COMMON, *overrides]), return_state=True)
+    assert state.is_completed(), state.message
+    return state.state_details.flow_run_id, state.result()
+
+
+def parent_run(flow_run_id):
+    client = MlflowClient(get_settings().mlflow_tracking_uri)
+    (parent,) = client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id], f"tags.`prefect.flow_run_id` = '{flow_run_id}' and tags.`alignflow.kind` = 'experiment'")
+    return parent
+
+
+@pytest.fixture(scope="module")
+def three_runs(prefect_api_url):
+    """A weak first champion, a better run (longer SFT) that takes over, then a weak one that does not."""
+    weak = run("name=weak")
+    strong = run("name=strong", "sft.max_steps=150", "sft.learning_rate=0.003")
+    weak_again = run("name=weak-again")
+    return weak, strong, weak_again
+
+
+def test_promotion_gate_promotes_better_runs_only(three_runs):
+    (weak_id, weak), (strong_id, strong), (again_id, again) = three_runs
+    client = MlflowClient(get_settings().mlflow_tracking_uri)
+    assert "champion" not in weak.rows
+    assert parent_run(weak_id).data.tags["alignflow.promotion"].startswith("promoted: promotion-test-model version 1")
+
+    assert strong.rows["dpo"]["greedy_accuracy"] > strong.rows["champion"]["greedy_accuracy"]
+    assert strong.rows["champion"]["greedy_accuracy"] == weak.rows["dpo"]["greedy_accuracy"]  # same prompts, same seeds
+    assert parent_run(strong_id).data.tags["alignflow.promotion"].startswith("promoted: promotion-test-model version 2")
+
+    assert again.rows["dpo"]["greedy_accuracy"] < again.rows["champion"]["greedy_accuracy"]
+    assert parent_run(again_id).data.tags["alignflow.promotion"].startswith("rejected: greedy_accuracy")
+
+    champion = client.get_model_version_by_alias(REGISTERED, "champion")
+    assert str(champion.version) == "2"
+    assert champion.run_id == parent_child(strong_id, "dpo")
+    assert float(champion.tags["eval.greedy_accuracy"]) == pytest.approx(strong.rows["dpo"]["greedy_accuracy"], abs=1e-5)
+    assert len(client.search_model_versions(f"name = '{REGISTERED}'")) == 2
+
+
+def parent_child(flow_run_id, stage):
+    client = MlflowClient(get_settings().mlflow_tracking_uri)
+    parent = parent_run(flow_run_id)
+    (child,) = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}' and tags.`alignflow.stage` = '{stage}'")
+    return child.info.run_id
+
+
+def test_evaluation_flow_scores_registry_and_run_uris(three_runs):
+    from flows.evaluation import evaluation
+
+    (_, _), (strong_id, strong), (_, again) = three_runs
+    minimal = load_config("configs/minimal.yaml")
+    request = EvaluationRequest(
+        name="eval-uris",
+        models={"champion": f"models:/{REGISTERED}@champion", "strong_sft": f"runs:/{parent_child(strong_id, 'sft')}/model"},
+        data=minimal.data,
+        evaluation=minimal.evaluation,
+        tracking={"experiment_name": "evaluation-test"},
+    )
+    report = evaluation(request)
+    assert report.num_prompts == 20
+    # Same prompts and seeds as the pipeline's evaluation: the champion (strong's DPO model) scores identically.
+    assert report.rows["champion"]["greedy_accuracy"] == again.rows["champion"]["greedy_accuracy"]
+    assert report.rows["champion"]["sampled_accuracy"] == strong.rows["dpo"]["sampled_accuracy"]
+    assert report.rows["strong_sft"]["sampled_accuracy"] == strong.rows["sft"]["sampled_accuracy"]
+
+
+def test_compare_three_runs_writes_table_and_plots(three_runs):
+    from flows.compare import compare
+
+    (weak_id, _), (strong_id, strong), _ = three_runs
+    report = compare(experiment=EXPERIMENT, baseline="weak", metrics=["greedy_accuracy", "sampled_accuracy"])
+    assert report.baseline_run_id == parent_run(weak_id).info.run_id
+    assert len(report.run_ids) == 3
+    lines = report.table.splitlines()
+    assert len(lines) == 2 + 3
+    assert lines[0].startswith("| run | baseline | name | sft.max_steps | greedy_accuracy | Δ greedy_accuracy |")
+    strong_row = next(line for line in lines if parent_run(strong_id).info.run_id[:8] in line)
+    assert f"{strong.rows['dpo']['greedy_accuracy']:.3f}" in strong_row
+
+    from pathlib import Path
+
+    folder = Path(report.folder)
+    curves = matplotlib.image.imread(folder / "training_curves.png")
+    bars = matplotlib.image.imread(folder / "eval_metrics.png")
+    assert curves.shape[1] > 2 * curves.shape[0]  # one panel per curve metric (loss, rewards/accuracies)
+    assert bars.shape[0] > 300
+    client = MlflowClient(get_settings().mlflow_tracking_uri)
+    logged = {a.path for a in client.list_artifacts(report.mlflow_run_id)}
+    assert {"table.md", "table.json", "training_curves.png", "eval_metrics.png"} <= logged

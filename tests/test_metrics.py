@@ -1,0 +1,94 @@
+import math
+
+import matplotlib.image
+import pytest
+
+from tasks.reporting import RunSummary, comparison_rows, markdown_table, plot_eval_bars, plot_training_curves
+from trainers.evaluation import Completion, PromptResult, answer_metrics
+from trainers.metrics import bootstrap_ci, pass_at_k
+
+
+@pytest.mark.parametrize(
+    "n, c, k, expected",
+    [
+        (4, 1, 1, 1 / 4),
+        (4, 1, 2, 1 - 3 / 6),  # 1 - C(3,2)/C(4,2)
+        (5, 2, 3, 1 - 1 / 10),  # 1 - C(3,3)/C(5,3)
+        (10, 3, 4, 1 - 35 / 210),  # 1 - C(7,4)/C(10,4)
+        (6, 0, 3, 0.0),
+        (6, 6, 1, 1.0),
+        (3, 1, 3, 1.0),  # k = n: any correct sample is drawn
+    ],
+)
+def test_pass_at_k_closed_form(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+def test_pass_at_k_rejects_impossible_counts():
+    with pytest.raises(ValueError):
+        pass_at_k(4, 1, 5)
+    with pytest.raises(ValueError):
+        pass_at_k(4, 5, 1)
+
+
+def test_bootstrap_interval_is_reproducible_and_brackets_the_mean():
+    values = [1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0] * 5
+    first = bootstrap_ci(values, seed=7, resamples=500)
+    assert first == bootstrap_ci(values, seed=7, resamples=500)
+    assert first != bootstrap_ci(values, seed=8, resamples=500)
+    mean = sum(values) / len(values)
+    assert first[0] < mean < first[1]
+    # the percentile interval of a 0/1 mean with p = 0.7, n = 50 is about ±1.96·sqrt(p(1-p)/n) = ±0.127
+    assert first[1] - first[0] == pytest.approx(2 * 1.96 * math.sqrt(0.7 * 0.3 / 50), abs=0.04)
+    assert bootstrap_ci([0.5] * 9, seed=0) == (0.5, 0.5)
+
+
+def result(answer: str, greedy: str, samples: list[str]) -> PromptResult:
+    return PromptResult("p", answer, Completion(greedy, len(greedy) + 1), [Completion(s, len(s) + 1) for s in samples])
+
+
+def test_answer_metrics_by_hand():
+    results = [
+        result("12", "12", ["12", "13", "12", "2"]),  # greedy right, 2/4 samples right
+        result("7", "8", ["7", "6", "5", "4"]),  # greedy wrong, 1/4
+        result("30", "31", ["1", "2", "3", "4"]),  # 0/4
+    ]
+    metrics = answer_metrics(results, pass_ks=[1, 2, 4, 8], seed=0, resamples=200)
+    assert metrics["greedy_accuracy"] == pytest.approx(1 / 3)
+    assert metrics["sampled_accuracy"] == pytest.approx((2 / 4 + 1 / 4 + 0) / 3)
+    assert metrics["pass_at_1"] == pytest.approx(metrics["sampled_accuracy"])
+    assert metrics["pass_at_2"] == pytest.approx(((1 - 1 / 6) + (1 - 3 / 6) + 0) / 3)
+    assert metrics["pass_at_4"] == pytest.approx(2 / 3)
+    assert "pass_at_8" not in metrics  # more than the 4 samples drawn
+    assert metrics["mean_completion_tokens"] == pytest.approx((3 + 3 + 3 + 2 + 2 + 2 + 2 + 2 + 2 + 2 + 2 + 2) / 12)
+    assert metrics["greedy_accuracy_ci_low"] <= metrics["greedy_accuracy"] <= metrics["greedy_accuracy_ci_high"]
+
+
+def summaries() -> list[RunSummary]:
+    def run(run_id, beta, acc, low, high, losses):
+        return RunSummary(run_id, "exp", {"dpo.beta": beta}, {"sampled_accuracy": acc, "sampled_accuracy_ci_low": low, "sampled_accuracy_ci_high": high}, {"loss": list(enumerate(losses))})
+
+    return [
+        run("a" * 32, "0.1", 0.50, 0.45, 0.55, [0.7, 0.6, 0.5]),
+        run("b" * 32, "0.5", 0.62, 0.57, 0.67, [0.7, 0.5, 0.3]),
+        run("c" * 32, "1.0", 0.58, 0.52, 0.63, [0.7, 0.55, 0.45]),
+    ]
+
+
+def test_comparison_rows_and_deltas():
+    runs = summaries()
+    rows = comparison_rows(runs, runs[1], ["dpo.beta"], ["sampled_accuracy"])
+    assert [r["baseline"] for r in rows] == ["", "yes", ""]
+    assert [r["dpo.beta"] for r in rows] == ["0.1", "0.5", "1.0"]
+    assert [r["Δ sampled_accuracy"] for r in rows] == pytest.approx([-0.12, 0.0, -0.04])
+    table = markdown_table(rows)
+    assert table.splitlines()[0] == "| run | baseline | dpo.beta | sampled_accuracy | Δ sampled_accuracy |"
+    assert "| exp (bbbbbbbb) | yes | 0.5 | 0.620 | 0.000 |" in table
+
+
+def test_plots_are_written_as_images(tmp_path):
+    runs = summaries()
+    curves = matplotlib.image.imread(plot_training_curves(runs, ["loss", "rewards/accuracies"], tmp_path / "curves.png"))
+    bars = matplotlib.image.imread(plot_eval_bars(runs, ["sampled_accuracy"], tmp_path / "bars.png"))
+    assert curves.shape[0] > 300 and curves.shape[1] > 2 * curves.shape[0]  # two panels side by side
+    assert bars.shape[0] > 300 and bars.shape[2] in (3, 4)

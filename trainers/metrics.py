@@ -1,0 +1,33 @@
+"""Evaluation statistics: unbiased pass@k and seeded bootstrap confidence intervals."""
+
+from __future__ import annotations
+
+from math import comb
+
+import numpy as np
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k (Chen et al., 2021, arXiv:2107.03374) from ``n`` samples of which ``c`` are correct:
+
+        pass@k = 1 − C(n − c, k) / C(n, k)
+
+    the probability that at least one of ``k`` samples drawn without replacement is correct.
+    """
+    if not 0 < k <= n:
+        raise ValueError(f"pass@k needs 0 < k <= n, got k={k}, n={n}")
+    if not 0 <= c <= n:
+        raise ValueError(f"correct count c={c} outside 0..{n}")
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def bootstrap_ci(values: list[float], seed: int, resamples: int = 1000, confidence: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of per-prompt ``values`` (seeded, reproducible)."""
+    data = np.asarray(values, dtype=np.float64)
+    if data.size == 0:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    means = data[rng.integers(0, data.size, size=(resamples, data.size))].mean(axis=1)
+    tail = (1.0 - confidence) / 2.0
+    low, high = np.quantile(means, [tail, 1.0 - tail])
+    return float(low), float(high)
