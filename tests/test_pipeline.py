@@ -18,6 +18,9 @@ from infra.config import load_config
 from infra.settings import get_settings
 
 MINIMAL = "configs/minimal.yaml"
+# SFT is cached across flow runs by content; a seed of its own keeps this module's first run a miss
+# whatever other test modules ran before.
+UNIQUE = ["sft.seed=11"]
 
 
 def task_states(flow_run_id) -> dict[str, str]:
@@ -36,7 +39,7 @@ def run_flow(config):
 
 @pytest.fixture(scope="module")
 def first_run(prefect_api_url):
-    return run_flow(load_config(MINIMAL))
+    return run_flow(load_config(MINIMAL, UNIQUE))
 
 
 def parent_and_children(flow_run_id):
@@ -55,7 +58,7 @@ def test_flow_logs_parent_child_runs_metrics_checkpoints_and_a_loadable_model(fi
     assert all(run.info.status == "FINISHED" for run in children.values())
     assert parent.data.params["dpo.beta"] == "0.5"
     assert parent.data.params["model.source"] == "builtin:tiny-llama"
-    assert parent.data.tags["alignflow.config_hash"] == load_config(MINIMAL).content_hash()
+    assert parent.data.tags["alignflow.config_hash"] == load_config(MINIMAL, UNIQUE).content_hash()
     assert len(parent.data.tags["mlflow.source.git.commit"]) in (40, len("unknown"))
 
     dpo = children["dpo"].info.run_id
@@ -86,7 +89,7 @@ def test_second_run_hits_the_caches_and_never_runs_the_reference(first_run, monk
 
     calls = []
     monkeypatch.setattr(tasks.reference, "reference_logps", lambda *a, **k: calls.append(1) or ([], []))
-    flow_run_id, report = run_flow(load_config(MINIMAL))
+    flow_run_id, report = run_flow(load_config(MINIMAL, UNIQUE))
     states = task_states(flow_run_id)
     assert states["train-sft"] == "Cached"
     assert [s for name, s in states.items() if name.startswith("prepare-dataset")] == ["Cached"]
