@@ -10,7 +10,7 @@ from tasks.evaluate import EvalReport, evaluate
 from tasks.models import resolve_model
 from tasks.promote import CHAMPION_LABEL, champion_source, promote
 from tasks.reference import cache_ref_logps
-from tasks.tracking import start_parent_run, tracked_run
+from tasks.tracking import link_stage, start_parent_run, tracked_run
 from tasks.train import StageInputs, train
 
 
@@ -27,6 +27,7 @@ def experiment(config: ExperimentConfig = ExperimentConfig()) -> EvalReport:
             if stage == "dpo" and config.dpo.reference == "cached":
                 ref_logps = cache_ref_logps(data, reference, config.reference)
             policy = train(stage, config, StageInputs(policy, data, ref_logps, reference), parent_run_id)
+            link_stage(parent_run_id, stage, policy.mlflow_run_id)
             models[stage] = policy
         if champion := champion_source(config.promotion):
             models[CHAMPION_LABEL] = resolve_model(ModelConfig(source=champion), stage=CHAMPION_LABEL)

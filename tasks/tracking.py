@@ -108,6 +108,12 @@ def stage_run_id(parent_run_id: str, stage: str, output_dir: Path) -> str:
     return run.info.run_id
 
 
+def link_stage(parent_run_id: str, stage: str, model_run_id: str | None) -> None:
+    """Record on the parent which run trained ``stage``'s model; for a cache hit that is an earlier run's."""
+    if model_run_id is not None:
+        client().set_tag(parent_run_id, f"alignflow.{stage}_run_id", model_run_id)
+
+
 class MlflowTrainerCallback(TrainerCallback):
     """Logs every Trainer log as metrics and every saved checkpoint as artifacts (rank 0 only)."""
 
