@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from infra.cache_cli import add_cache_parser, cache_command
 from infra.settings import configure_environment
 
 
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("config", nargs="?", help="experiment YAML (default: the built-in defaults)")
     run.add_argument("overrides", nargs="*", metavar="key.sub=value", help="override config fields (values parsed as YAML)")
+    add_cache_parser(commands)
     return parser
 
 
@@ -41,7 +43,7 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": run_command}
+COMMANDS = {"run": run_command, "cache": cache_command}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,6 +78,7 @@ def configure_environment(settings: Settings | None = None) -> Settings:
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
         "PREFECT_LOGGING_LOG_PRINTS": "true",
         "PREFECT_LOGGING_EXTRA_LOGGERS": "alignflow",  # e.g. the reference cache's rebuild warnings
+        "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",  # ... also outside flow runs (CLI, tests)
         "MLFLOW_TRACKING_URI": settings.mlflow_tracking_uri,
         "HF_HUB_DISABLE_TELEMETRY": "1",
         "TOKENIZERS_PARALLELISM": "false",
