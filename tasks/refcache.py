@@ -144,7 +144,7 @@ class ReferenceCache:
             splits = manifest["splits"]
             tables = {split: self.read_split(key, info) for split, info in splits.items()}
             digest_ok = manifest["digest"] == entry_digest(splits)
-        except (KeyError, TypeError) as error:
+        except (KeyError, TypeError, AttributeError) as error:
             raise CacheIntegrityError(f"{self.uri(key)}/{MANIFEST}: malformed ({error!r})") from None
         if not digest_ok:
             raise CacheIntegrityError(f"{self.uri(key)}/{MANIFEST}: digest does not match the file checksums")
@@ -230,8 +230,8 @@ class ReferenceCache:
     def keys(self) -> list[str]:
         if not self.fs.exists(self.base):
             return []
-        found = self.fs.ls(self.base, detail=True)
-        return sorted(name for info in found if info["type"] == "directory" and not (name := info["name"].rstrip("/").rsplit("/", 1)[-1]).startswith("."))
+        folders = [info["name"].rstrip("/").rsplit("/", 1)[-1] for info in self.fs.ls(self.base, detail=True) if info["type"] == "directory"]
+        return sorted(name for name in folders if not name.startswith("."))  # not .staging, .locks
 
     def size(self, key: str) -> int:
         return sum(self.fs.du(self.path(key), total=False).values())
