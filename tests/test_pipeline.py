@@ -107,6 +107,10 @@ def test_dpo_run_lists_the_reference_cache_entry_as_an_input_with_its_digest(fir
     assert main(["cache", "verify"]) == 0
     assert f"{key}  ok" in capsys.readouterr().out
 
+    with get_client(sync_client=True) as prefect:
+        artifacts = prefect.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[first_run[0]])))
+    assert [a.data for a in artifacts if a.type == "progress"] == [100.0]  # the reference pass's progress bar
+
 
 def test_second_run_hits_the_caches_and_never_runs_the_reference(first_run, monkeypatch):
     import tasks.reference
