@@ -17,7 +17,9 @@ the same without training it first. Everything runs in a temporary ALIGNFLOW_HOM
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -25,7 +27,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ["ALIGNFLOW_HOME"] = tempfile.mkdtemp(prefix="alignflow-bench-refcache-")
+HOME = tempfile.mkdtemp(prefix="alignflow-bench-refcache-")
+os.environ["ALIGNFLOW_HOME"] = HOME
+atexit.register(shutil.rmtree, HOME, ignore_errors=True)
 
 from infra.settings import configure_environment  # noqa: E402
 
@@ -63,7 +67,7 @@ def main() -> None:
         reference_config = ReferenceConfig(batch_size=args.batch_size)
         misses = []
         for attempt in range(2):
-            os.environ["ALIGNFLOW_REFERENCE_CACHE"] = tempfile.mkdtemp(prefix=f"miss{attempt}-")
+            os.environ["ALIGNFLOW_REFERENCE_CACHE"] = f"{HOME}/reference-cache-{attempt}"
             seconds, ref = timed(lambda: cache_ref_logps.fn(data, reference, reference_config))
             misses.append(seconds)
         hits = [timed(lambda: cache_ref_logps.fn(data, reference, reference_config))[0] for _ in range(args.repeats)]
