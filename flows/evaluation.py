@@ -24,7 +24,7 @@ def evaluation(request: EvaluationRequest) -> EvalReport:
         ref_logps = None
         if request.reference_model is not None:
             reference = resolve_model(ModelConfig(source=request.reference_model), stage="reference")
-            ref_logps = cache_ref_logps(data, reference, request.reference)
+            ref_logps = cache_ref_logps(data, reference, request.reference, parent_run_id)
         report = evaluate(models, data, ref_logps, request.evaluation, request.beta, parent_run_id, request.name)
         print(f"Evaluation ({report.num_prompts} held-out prompts, {report.num_pairs} held-out pairs):\n{report.markdown()}")
         return report

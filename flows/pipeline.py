@@ -25,7 +25,7 @@ def experiment(config: ExperimentConfig = ExperimentConfig()) -> EvalReport:
         for stage in config.stages:
             reference = policy  # DPO's reference is the model it starts from
             if stage == "dpo" and config.dpo.reference == "cached":
-                ref_logps = cache_ref_logps(data, reference, config.reference)
+                ref_logps = cache_ref_logps(data, reference, config.reference, parent_run_id)
             policy = train(stage, config, StageInputs(policy, data, ref_logps, reference), parent_run_id)
             link_stage(parent_run_id, stage, policy.mlflow_run_id)
             models[stage] = policy

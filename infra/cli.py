@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from infra.cache_cli import add_cache_parser, cache_command
 from infra.settings import configure_environment
 
 
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--baseline", help="run id, run name or key=value tag (default: the oldest run)")
     compare.add_argument("--metric", action="append", dest="metrics", help="final eval metric to compare (repeatable)")
     compare.add_argument("--curve", action="append", dest="curves", help="training metric to plot (repeatable)")
+    add_cache_parser(commands)
     return parser
 
 
@@ -82,7 +84,7 @@ def compare_command(args: argparse.Namespace) -> int:
     return finished(compare(experiment=args.experiment, baseline=args.baseline, **options, return_state=True))
 
 
-COMMANDS = {"run": run_command, "evaluate": evaluate_command, "compare": compare_command}
+COMMANDS = {"run": run_command, "evaluate": evaluate_command, "compare": compare_command, "cache": cache_command}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,8 +2,9 @@
 
 Embedded defaults: everything under one run-state folder (``.alignflow/``): Prefect's local
 temporary API on SQLite, an MLflow SQLite store with a local artifact folder, outputs and
-caches. ``ALIGNFLOW_*`` variables point elsewhere; ``MLFLOW_TRACKING_URI`` and
-``PREFECT_API_URL`` are honoured as usual.
+caches. ``ALIGNFLOW_*`` variables point elsewhere (``ALIGNFLOW_REFERENCE_CACHE``: the reference
+log-prob cache, any fsspec URL, shared by every run and machine that reaches it);
+``MLFLOW_TRACKING_URI`` and ``PREFECT_API_URL`` are honoured as usual.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ class Settings(BaseSettings):
     home: Path = Path(".alignflow")
     tracking_uri: str | None = None
     artifact_location: str | None = None
+    reference_cache: str | None = None  # local folder or fsspec URL; default $home/cache/reference
+    reference_lock_timeout: float = 6 * 3600  # seconds a flow waits for another to compute an entry
 
     @cached_property
     def root(self) -> Path:
@@ -39,8 +42,8 @@ class Settings(BaseSettings):
         return self.root / "cache" / "models"
 
     @property
-    def reference_cache(self) -> Path:
-        return self.root / "cache" / "reference"
+    def reference_cache_root(self) -> str:
+        return self.reference_cache or str(self.root / "cache" / "reference")
 
     @property
     def prefect_results(self) -> Path:
@@ -74,6 +77,8 @@ def configure_environment(settings: Settings | None = None) -> Settings:
         "DO_NOT_TRACK": "1",
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
         "PREFECT_LOGGING_LOG_PRINTS": "true",
+        "PREFECT_LOGGING_EXTRA_LOGGERS": "alignflow",  # e.g. the reference cache's rebuild warnings
+        "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",  # ... also outside flow runs (CLI, tests)
         "MLFLOW_TRACKING_URI": settings.mlflow_tracking_uri,
         "HF_HUB_DISABLE_TELEMETRY": "1",
         "TOKENIZERS_PARALLELISM": "false",

@@ -11,13 +11,13 @@ from prefect import get_run_logger, task
 
 from infra.config import DataConfig, DatasetSource
 from infra.settings import get_settings
-from tasks.fingerprints import atomic_directory, hash_paths, hash_value
+from tasks.fingerprints import atomic_directory, hash_paths, hash_token_ids, hash_value
 from tasks.refs import ModelRef, PreparedData
 from trainers.data import SPLIT_FIELDS, Truncation, load_rows, tokenize_split, validate_rows
 from trainers.modeling import load_tokenizer
 from trainers.synthetic import GENERATOR_VERSION, AdditionTask, generate_addition
 
-PREPARATION_VERSION = "prepare-v1"
+PREPARATION_VERSION = "prepare-v2"
 MANIFEST = "manifest.json"
 
 
@@ -73,11 +73,24 @@ def prepare_dataset(config: DataConfig, tokenizer: ModelRef) -> PreparedData:
             tokenized[split], dropped[split] = tokenize_split(rows, split, tok, truncation)
             if not tokenized[split]:
                 raise ValueError(f"{source}: every row of split {split!r} was dropped by truncation")
+        splits = datasets.DatasetDict({s: datasets.Dataset.from_list(r) for s, r in tokenized.items()})
         with atomic_directory(target) as staging:
-            datasets.DatasetDict({s: datasets.Dataset.from_list(r) for s, r in tokenized.items()}).save_to_disk(staging / "data")
-            manifest = {"rows": {s: len(r) for s, r in tokenized.items()}, "dropped": dropped, "truncation": asdict(truncation)}
+            splits.save_to_disk(staging / "data")
+            manifest = {
+                "rows": {s: len(r) for s, r in tokenized.items()},
+                "dropped": dropped,
+                "truncation": asdict(truncation),
+                "token_fingerprints": {s: hash_token_ids(d) for s, d in splits.items()},
+            }
             (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
     manifest = json.loads((target / MANIFEST).read_text())
     if any(manifest["dropped"].values()):
         get_run_logger().warning("pairs dropped because truncation left no completion: %s", manifest["dropped"])
-    return PreparedData(path=str(target / "data"), fingerprint=fingerprint, rows=manifest["rows"], dropped=manifest["dropped"])
+    return PreparedData(
+        path=str(target / "data"),
+        fingerprint=fingerprint,
+        rows=manifest["rows"],
+        dropped=manifest["dropped"],
+        token_fingerprints=manifest["token_fingerprints"],
+        truncation=manifest["truncation"],
+    )

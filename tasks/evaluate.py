@@ -10,6 +10,7 @@ from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel
 
 from infra.config import EvaluationConfig
+from tasks.reference import with_reference_columns
 from tasks.refs import ModelRef, PreparedData, RefLogps
 from tasks.tracking import client, log_metrics, stage_output_dir, stage_run_id, tracked_run
 from trainers.evaluation import GenerationSpec, PromptResult, answer_metrics, preference_rewards, score_prompts
@@ -91,7 +92,7 @@ def evaluate(
     prompts = prepared["eval_prompts"].to_list()[: config.num_prompts] if "eval_prompts" in prepared else []
     pairs = None
     if ref_logps is not None:
-        ref_splits = datasets.load_from_disk(ref_logps.path)
+        ref_splits = with_reference_columns(ref_logps)
         pairs = ref_splits["preference_eval"].to_list() if "preference_eval" in ref_splits else None
     reference_fp = ref_logps.reference_fingerprint if ref_logps else None
 

@@ -11,6 +11,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+import datasets
+import pyarrow.compute as pc
+
 DIGEST_CHARS = 20
 
 
@@ -27,6 +30,18 @@ def hash_paths(root: Path, names: list[str] | None = None) -> str:
         with path.open("rb") as handle:
             for chunk in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(chunk)
+    return digest.hexdigest()[:DIGEST_CHARS]
+
+
+def hash_token_ids(dataset: datasets.Dataset) -> str:
+    """Digest of a tokenized split: every ``*_ids`` column, row by row (lengths and ids)."""
+    digest = hashlib.sha256()
+    table = dataset.with_format("arrow")[:]
+    for name in sorted(c for c in dataset.column_names if c.endswith("_ids")):
+        column = table.column(name)
+        digest.update(name.encode())
+        digest.update(pc.list_value_length(column).to_numpy().astype("<i8").tobytes())
+        digest.update(pc.list_flatten(column).to_numpy().astype("<i8").tobytes())
     return digest.hexdigest()[:DIGEST_CHARS]
 
 

@@ -18,8 +18,14 @@ from tasks.refs import ModelRef
 from tasks.tracking import client
 from trainers.builtin_model import is_builtin, save_builtin_model
 
+# What determines a model's outputs (not training_args.bin or generation_config.json, which name runs and folders).
+WEIGHT_PATTERNS = ("config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin")
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "tokenizer.model"]
 MLFLOW_SCHEMES = ("runs:/", "models:/")
+
+
+def weight_files(path: Path) -> list[str]:
+    return sorted({p.name for pattern in WEIGHT_PATTERNS for p in path.glob(pattern) if p.is_file()})
 
 
 def checkpoint_ref(path: Path, stage: str, mlflow_run_id: str | None = None) -> ModelRef:
@@ -27,6 +33,7 @@ def checkpoint_ref(path: Path, stage: str, mlflow_run_id: str | None = None) -> 
         path=str(path),
         fingerprint=hash_paths(path),
         tokenizer_fingerprint=hash_paths(path, TOKENIZER_FILES),
+        weights_fingerprint=hash_paths(path, weight_files(path)),
         stage=stage,
         mlflow_run_id=mlflow_run_id,
     )

@@ -1,61 +1,135 @@
-"""Reference log-probs: one frozen forward pass over the preference pairs, cached by content."""
+"""Reference log-probs: one frozen forward pass over the preference pairs, stored once per
+content key in the shared reference cache (``tasks/refcache.py``) and reused by every run,
+experiment and machine that asks for the same data and reference."""
 
 from __future__ import annotations
 
-import json
 import time
 
 import datasets
-from prefect import task
+import numpy as np
+import pyarrow as pa
+from prefect import get_run_logger, task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.context import TaskRunContext
+from prefect.runtime import flow_run, task_run
 
 from infra.config import ReferenceConfig
 from infra.settings import get_settings
-from tasks.fingerprints import atomic_directory, hash_value
+from tasks.fingerprints import hash_value
+from tasks.refcache import CacheEntry, CacheIntegrityError, Columns, ReferenceCache
 from tasks.refs import ModelRef, PreparedData, RefLogps
+from tasks.tracking import log_dataset_input, log_metrics
+from trainers.collators import REF_COLUMNS
 from trainers.logprobs import LOGPROB_CODE_VERSION
 from trainers.modeling import load_causal_lm
 from trainers.reference import reference_logps
 
 PREFERENCE_SPLITS = ("preference", "preference_eval")
 REFERENCE_DTYPE = "float32"
-MANIFEST = "manifest.json"
+MLFLOW_SCHEMA = {"row_id": "long", "ref_chosen_logps": "float", "ref_rejected_logps": "float"}
+PROGRESS_STEP = 5.0  # percent between updates of the Prefect progress artifact
+
+
+def reference_key_inputs(data: PreparedData, reference: ModelRef) -> dict:
+    """Everything that changes the values and nothing else (no run names, no hyper-parameters)."""
+    return {
+        "pairs": {split: data.token_fingerprints[split] for split in PREFERENCE_SPLITS if split in data.token_fingerprints},
+        "truncation": data.truncation,
+        "weights": reference.weights_fingerprint or reference.fingerprint,  # hub models: id + revision
+        "tokenizer": reference.tokenizer_fingerprint,
+        "logprob_code": LOGPROB_CODE_VERSION,
+        "dtype": REFERENCE_DTYPE,
+    }
 
 
 def reference_key(data: PreparedData, reference: ModelRef) -> str:
-    """Content key: tokenized data, reference weights and tokenizer, log-prob code and dtype."""
-    return hash_value(
-        {
-            "data": data.fingerprint,
-            "reference": reference.fingerprint,
-            "tokenizer": reference.tokenizer_fingerprint,
-            "code": LOGPROB_CODE_VERSION,
-            "dtype": REFERENCE_DTYPE,
-        }
-    )
+    return hash_value(reference_key_inputs(data, reference))
 
 
 def reference_cache_key(context, parameters) -> str:
     return "reference-" + reference_key(parameters["data"], parameters["reference"])
 
 
+def reference_store(root: str | None = None) -> ReferenceCache:
+    settings = get_settings()
+    return ReferenceCache(root or settings.reference_cache_root, lock_timeout=settings.reference_lock_timeout)
+
+
+class PrefectProgress:
+    """Progress of the reference pass as a Prefect progress artifact (inside a task run only)."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.shown = total, 0, 0.0
+        in_task = TaskRunContext.get() is not None
+        self.artifact_id = create_progress_artifact(0.0, description=f"reference log-probs of {total} pairs") if in_task else None
+
+    def __call__(self, rows: int) -> None:
+        self.done += rows
+        percent = 100.0 * self.done / self.total
+        if self.artifact_id is not None and (percent - self.shown >= PROGRESS_STEP or self.done == self.total):
+            update_progress_artifact(self.artifact_id, percent)
+            self.shown = percent
+
+
+def compute_columns(data: PreparedData, reference: ModelRef, batch_size: int) -> dict[str, Columns]:
+    """Reference log-probs of every preference split in row order (row id = position in the split)."""
+    model, tokenizer = load_causal_lm(reference.path, reference.revision)
+    prepared = datasets.load_from_disk(data.path)
+    splits = [split for split in PREFERENCE_SPLITS if split in prepared]
+    progress = PrefectProgress(sum(len(prepared[split]) for split in splits))
+    return {split: reference_logps(model, tokenizer.pad_token_id, prepared[split].to_list(), batch_size, on_batch=progress) for split in splits}
+
+
+def ensure_entry(ref: RefLogps, mlflow_run_id: str | None = None) -> tuple[CacheEntry, bool]:
+    """The verified cache entry of ``ref`` and whether it was computed now (missing, partial or
+    corrupt entries are computed, once, under the key's lock)."""
+    producer = {"mlflow_run_id": mlflow_run_id, "prefect_flow_run_id": flow_run.get_id(), "prefect_task_run_id": task_run.get_id()}
+    return reference_store(ref.root).get_or_compute(
+        ref.key,
+        lambda: compute_columns(ref.data, ref.reference, ref.batch_size),
+        inputs=reference_key_inputs(ref.data, ref.reference),
+        producer={name: str(value) for name, value in producer.items() if value},
+        expected_rows={split: rows for split, rows in ref.data.rows.items() if split in PREFERENCE_SPLITS},
+    )
+
+
+def join_columns(split: datasets.Dataset, table: pa.Table, where: str) -> datasets.Dataset:
+    """``split`` with the cached ``ref_*`` columns, matched on row id (position in the split)."""
+    row_ids = table.column("row_id").to_numpy()
+    if not np.array_equal(np.sort(row_ids), np.arange(len(split))):
+        raise CacheIntegrityError(f"{where}: row ids are not exactly the {len(split)} prepared rows")
+    order = np.argsort(row_ids)
+    for column in REF_COLUMNS:
+        split = split.add_column(column, table.column(column).to_numpy()[order].tolist())
+    return split
+
+
+def with_reference_columns(ref: RefLogps) -> datasets.DatasetDict:
+    """The prepared preference splits with ``ref_chosen_logps`` / ``ref_rejected_logps`` joined on."""
+    entry, _ = ensure_entry(ref)
+    prepared = datasets.load_from_disk(ref.data.path)
+    return datasets.DatasetDict({split: join_columns(prepared[split], table, f"{entry.uri} ({split})") for split, table in entry.tables.items()})
+
+
+def log_reference_input(run_id: str, ref: RefLogps) -> None:
+    """List the cache entry among the run's MLflow input datasets, with its digest and URI."""
+    entry = reference_store(ref.root).read(ref.key)
+    profile = {"key": ref.key, "rows": entry.rows, "created_at": entry.manifest["created_at"]}
+    log_dataset_input(run_id, "reference-logps", entry.digest, entry.uri, MLFLOW_SCHEMA, profile, context="training")
+
+
 @task(name="cache-reference-logps", cache_key_fn=reference_cache_key, persist_result=True)
-def cache_ref_logps(data: PreparedData, reference: ModelRef, config: ReferenceConfig) -> RefLogps:
-    """Store ``ref_chosen_logps`` / ``ref_rejected_logps`` columns next to the prepared pairs."""
-    key = reference_key(data, reference)
-    target = get_settings().reference_cache / key
-    if not (target / MANIFEST).exists():
-        model, tokenizer = load_causal_lm(reference.path, reference.revision)
-        prepared = datasets.load_from_disk(data.path)
-        started = time.perf_counter()
-        with_ref = {}
-        for split in PREFERENCE_SPLITS:
-            if split in prepared:
-                chosen, rejected = reference_logps(model, tokenizer.pad_token_id, prepared[split].to_list(), config.batch_size)
-                with_ref[split] = prepared[split].add_column("ref_chosen_logps", chosen).add_column("ref_rejected_logps", rejected)
-        seconds = time.perf_counter() - started
-        with atomic_directory(target) as staging:
-            datasets.DatasetDict(with_ref).save_to_disk(staging / "data")
-            manifest = {"rows": {s: len(d) for s, d in with_ref.items()}, "seconds": seconds, "reference": reference.path, "data": data.fingerprint}
-            (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    manifest = json.loads((target / MANIFEST).read_text())
-    return RefLogps(key=key, path=str(target / "data"), reference_fingerprint=reference.fingerprint, rows=manifest["rows"])
+def cache_ref_logps(data: PreparedData, reference: ModelRef, config: ReferenceConfig, parent_run_id: str | None = None) -> RefLogps:
+    """Reference log-probs of every preference pair: read from the cache, or computed into it once.
+    Logs the stage's wall time and pairs/s to the parent MLflow run."""
+    ref = RefLogps(key=reference_key(data, reference), root=reference_store().root, data=data, reference=reference, batch_size=config.batch_size)
+    started = time.perf_counter()
+    entry, computed = ensure_entry(ref, parent_run_id)
+    seconds = time.perf_counter() - started
+    pairs = sum(entry.rows.values())
+    get_run_logger().info("reference log-probs of %d pairs %s %s in %.2f s", pairs, "computed into" if computed else "read from", entry.uri, seconds)
+    if parent_run_id is not None:
+        metrics = {"seconds": seconds, "pairs": pairs, "pairs_per_second": pairs / seconds, "computed": float(computed)}
+        log_metrics(parent_run_id, {f"reference/{name}": value for name, value in metrics.items()})
+    return ref

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict
 
 
@@ -11,11 +13,12 @@ class Ref(BaseModel):
 
 class ModelRef(Ref):
     path: str
-    fingerprint: str
+    fingerprint: str  # every file of the checkpoint
     tokenizer_fingerprint: str
     stage: str
     revision: str | None = None
     mlflow_run_id: str | None = None
+    weights_fingerprint: str | None = None  # config and weight files only (local checkpoints)
 
 
 class PreparedData(Ref):
@@ -23,10 +26,23 @@ class PreparedData(Ref):
     fingerprint: str
     rows: dict[str, int]
     dropped: dict[str, int]
+    token_fingerprints: dict[str, str]  # split -> digest of its token ids
+    truncation: dict[str, Any]  # max_length, max_prompt_length, mode
 
 
 class RefLogps(Ref):
+    """An entry of the reference log-prob cache, with what it takes to rebuild it."""
+
     key: str
-    path: str
-    reference_fingerprint: str
-    rows: dict[str, int]
+    root: str
+    data: PreparedData
+    reference: ModelRef
+    batch_size: int
+
+    @property
+    def path(self) -> str:
+        return f"{self.root}/{self.key}"
+
+    @property
+    def reference_fingerprint(self) -> str:
+        return self.reference.fingerprint

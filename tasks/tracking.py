@@ -6,6 +6,7 @@ fluent "active run" is not visible.
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import time
@@ -15,7 +16,8 @@ from typing import Iterator
 
 import yaml
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunStatus
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus
+from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 from prefect.runtime import flow_run
 from transformers import TrainerCallback
 
@@ -56,6 +58,21 @@ def log_metrics(run_id: str, metrics: dict[str, float], step: int = 0) -> None:
     items = [Metric(k, float(v), now, step) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)]
     for start in range(0, len(items), MAX_BATCH):
         client().log_batch(run_id, metrics=items[start : start + MAX_BATCH])
+
+
+def log_dataset_input(run_id: str, name: str, digest: str, uri: str, schema: dict[str, str], profile: dict, context: str) -> None:
+    """Record a dataset as an input of the run (MLflow's *Datasets used*): its digest, where it
+    lives (``uri``), its columns (``schema``: name -> MLflow type) and a small ``profile``."""
+    scheme = uri.split("://", 1)[0] if "://" in uri else "local"
+    dataset = Dataset(
+        name=name,
+        digest=digest,
+        source_type="local" if scheme == "file" else scheme,
+        source=json.dumps({"uri": uri}),
+        schema=json.dumps({"mlflow_colspec": [{"name": column, "type": kind} for column, kind in schema.items()]}),
+        profile=json.dumps(profile),
+    )
+    client().log_inputs(run_id, datasets=[DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])])
 
 
 def start_parent_run(config: Section, kind: str = "experiment") -> str:

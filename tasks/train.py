@@ -14,6 +14,7 @@ from transformers import Trainer, TrainingArguments
 from infra.config import DPOStageConfig, ExperimentConfig, TrainingConfig
 from tasks.fingerprints import hash_value
 from tasks.models import checkpoint_ref
+from tasks.reference import log_reference_input, with_reference_columns
 from tasks.refs import ModelRef, PreparedData, RefLogps
 from tasks.tracking import MlflowTrainerCallback, client, log_params, stage_output_dir, stage_run_id, tracked_run
 from trainers.collators import CompletionOnlyCollator, PreferenceCollator
@@ -74,7 +75,7 @@ def build_dpo(config: ExperimentConfig, inputs: StageInputs, output_dir: Path, c
     model, tokenizer = load_causal_lm(inputs.policy.path, inputs.policy.revision)
     ref_model = None
     if inputs.ref_logps is not None:
-        splits = datasets.load_from_disk(inputs.ref_logps.path)
+        splits = with_reference_columns(inputs.ref_logps)
     else:
         splits = datasets.load_from_disk(inputs.data.path)
         ref_model, _ = load_causal_lm(inputs.reference.path, inputs.reference.revision)
@@ -124,6 +125,8 @@ def train(stage: str, config: ExperimentConfig, inputs: StageInputs, parent_run_
         if inputs.ref_logps is not None:
             client().set_tag(run_id, "alignflow.reference_cache_key", inputs.ref_logps.key)
         trainer = STAGE_BUILDERS[stage](config, inputs, output_dir, [MlflowTrainerCallback(run_id)])
+        if inputs.ref_logps is not None:
+            log_reference_input(run_id, inputs.ref_logps)  # after building: a corrupt entry is rebuilt by then
         trainer.train()
         model_dir = output_dir / "model"
         trainer.save_model(str(model_dir))

@@ -14,8 +14,10 @@ from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
+from infra.cli import main
 from infra.config import load_config
 from infra.settings import get_settings
+from tasks.refcache import ReferenceCache
 
 MINIMAL = "configs/minimal.yaml"
 # SFT is cached across flow runs by content; a seed of its own keeps this module's first run a miss
@@ -84,6 +86,35 @@ def test_flow_logs_parent_child_runs_metrics_checkpoints_and_a_loadable_model(fi
     assert report.num_prompts == 20 and report.num_pairs == 20
 
 
+def reference_input(run):
+    (dataset_input,) = run.inputs.dataset_inputs
+    return dataset_input.dataset, {tag.key: tag.value for tag in dataset_input.tags}
+
+
+def test_dpo_run_lists_the_reference_cache_entry_as_an_input_with_its_digest(first_run, capsys):
+    client, parent, children = parent_and_children(first_run[0])
+    dpo = client.get_run(children["dpo"].info.run_id)
+    key = dpo.data.tags["alignflow.reference_cache_key"]
+    entry = ReferenceCache(get_settings().reference_cache_root).read(key)
+    dataset, tags = reference_input(dpo)
+    assert (dataset.name, dataset.digest, json.loads(dataset.source)) == ("reference-logps", entry.digest, {"uri": entry.uri})
+    assert tags["mlflow.data.context"] == "training"
+    assert entry.rows == {"preference": 80, "preference_eval": 20}
+    assert entry.manifest["producer"]["mlflow_run_id"] == parent.info.run_id
+    assert entry.manifest["producer"]["prefect_flow_run_id"] == str(first_run[0])
+
+    metrics = parent.data.metrics  # the reference stage's own figures
+    assert metrics["reference/computed"] == 1.0 and metrics["reference/pairs"] == 100
+    assert metrics["reference/pairs_per_second"] == pytest.approx(100 / metrics["reference/seconds"], rel=1e-6)
+
+    assert main(["cache", "verify"]) == 0
+    assert f"{key}  ok" in capsys.readouterr().out
+
+    with get_client(sync_client=True) as prefect:
+        artifacts = prefect.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[first_run[0]])))
+    assert [a.data for a in artifacts if a.type == "progress"] == [100.0]  # the reference pass's progress bar
+
+
 def test_second_run_hits_the_caches_and_never_runs_the_reference(first_run, monkeypatch):
     import tasks.reference
 
@@ -101,6 +132,8 @@ def test_second_run_hits_the_caches_and_never_runs_the_reference(first_run, monk
     _, first_parent, first_children = parent_and_children(first_run[0])
     assert parent.data.tags["alignflow.sft_run_id"] == first_children["sft"].info.run_id
     assert report.rows["sft"] == first_run[1].rows["sft"]  # same model, same prompts, same seed
+    first_dpo, second_dpo = (MlflowClient(get_settings().mlflow_tracking_uri).get_run(parent_and_children(run)[2]["dpo"].info.run_id) for run in (first_run[0], flow_run_id))
+    assert reference_input(second_dpo)[0].digest == reference_input(first_dpo)[0].digest  # one entry shared by both runs
 
 
 BAD_ROWS = {

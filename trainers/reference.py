@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+from typing import Callable
+
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
@@ -12,9 +14,16 @@ from trainers.logprobs import completion_logps
 
 @torch.no_grad()
 def reference_logps(
-    model: PreTrainedModel, pad_token_id: int, rows: list[dict], batch_size: int, progress: bool = True
+    model: PreTrainedModel,
+    pad_token_id: int,
+    rows: list[dict],
+    batch_size: int,
+    progress: bool = True,
+    on_batch: Callable[[int], None] | None = None,
 ) -> tuple[list[float], list[float]]:
-    """Summed completion log-probs of ``chosen`` and ``rejected`` for every row (eval mode, no grad)."""
+    """Summed completion log-probs of ``chosen`` and ``rejected`` for every row (eval mode, no grad).
+
+    ``on_batch(rows_done)`` is called after each batch (e.g. to report progress elsewhere)."""
     model.eval()
     collate = PreferenceCollator(pad_token_id)
     chosen, rejected = [], []
@@ -25,4 +34,6 @@ def reference_logps(
         half = len(logps) // 2
         chosen += logps[:half].tolist()
         rejected += logps[half:].tolist()
+        if on_batch is not None:
+            on_batch(half)
     return chosen, rejected
