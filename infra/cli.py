@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from infra import ops_cli
 from infra.settings import configure_environment
 
 
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("config", nargs="?", help="experiment YAML (default: the built-in defaults)")
     run.add_argument("overrides", nargs="*", metavar="key.sub=value", help="override config fields (values parsed as YAML)")
+    ops_cli.add_parsers(commands)
     return parser
 
 
@@ -41,7 +43,7 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": run_command}
+COMMANDS = {"run": run_command, **ops_cli.COMMANDS}
 
 
 def main(argv: list[str] | None = None) -> int:

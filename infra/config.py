@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -17,8 +17,21 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 Stage = Literal["sft", "dpo"]
 
 
+def section_title(name: str) -> str:
+    return f"{name.upper()} stage" if name in get_args(Stage) else name.replace("_", " ").capitalize()
+
+
+def form_hints(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """Prefect UI form hints. ``position`` keeps the fields in declaration order (the server stores
+    schemas as JSONB, which reorders keys; the form sorts by ``position``); nested sections get a
+    title (pydantic leaves ``$ref`` properties untitled, and the form would show the bare key)."""
+    for position, (name, prop) in enumerate(schema.get("properties", {}).items()):
+        prop["position"] = position
+        prop.setdefault("title", section_title(name))
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=form_hints)
 
 
 class ModelConfig(Section):
