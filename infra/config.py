@@ -18,7 +18,7 @@ Stage = Literal["sft", "dpo"]
 
 
 def section_title(name: str) -> str:
-    return f"{name.upper()} stage" if name in get_args(Stage) else name.replace("_", " ").capitalize()
+    return name.upper() if name in get_args(Stage) else name.replace("_", " ").capitalize()
 
 
 def form_hints(schema: dict[str, Any], model: type[BaseModel]) -> None:

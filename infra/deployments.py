@@ -4,6 +4,7 @@
 workers to run; ``alignflow serve`` serves them, with their schedules, from one process. A
 deployment's default parameters come from a config file in ``configs/`` through the
 ``config_parameters`` build step, so ``prefect deploy`` reads the same file the same way.
+Entrypoints and config paths in a deployments file are relative to the project root.
 """
 
 from __future__ import annotations
@@ -72,13 +73,13 @@ def schedules(entry: dict[str, Any]) -> list:
 
 
 def served_deployments(names: list[str] | None = None, path: Path = PREFECT_FILE) -> list:
-    """``RunnerDeployment``s of prefect.yaml's deployments, for ``prefect.serve``."""
+    """``RunnerDeployment``s of prefect.yaml's deployments, for ``prefect.serve`` (run from the project root)."""
     from prefect.flows import load_flow_from_entrypoint
 
     project = load_prefect_file(path)
     deployments = []
     for entry in select_deployments(project, names, path):
-        flow = load_flow_from_entrypoint(str(path.parent / entry["entrypoint"]))
+        flow = load_flow_from_entrypoint(entry["entrypoint"])
         deployments.append(
             flow.to_deployment(
                 name=entry["name"],
@@ -110,7 +111,7 @@ def ensure_work_pool(name: str) -> bool:
 
 
 def deploy(names: list[str] | None = None, path: Path = PREFECT_FILE) -> int:
-    """Register the deployments with ``prefect deploy`` from the project folder (workers run the
+    """Register the deployments with ``prefect deploy``, run from the project root (workers run the
     code from that folder: Prefect's default pull step)."""
     selected = select_deployments(load_prefect_file(path), names, path)
     for pool in work_pools(selected):
@@ -118,4 +119,4 @@ def deploy(names: list[str] | None = None, path: Path = PREFECT_FILE) -> int:
             print(f"created work pool {pool!r} (type {WORK_POOL_TYPE})")
     which = [arg for name in names for arg in ("--name", name)] if names else ["--all"]
     command = [sys.executable, "-m", "prefect", "deploy", "--no-prompt", "--prefect-file", str(path), *which]
-    return subprocess.run(command, cwd=path.parent, env=os.environ.copy()).returncode
+    return subprocess.run(command, cwd=PROJECT_ROOT, env=os.environ.copy()).returncode

@@ -130,18 +130,18 @@ def deploy_command(args: argparse.Namespace) -> int:
 
     if not require_prefect_server():
         return 2
-    return deploy(args.name, args.prefect_file or PREFECT_FILE)
+    return deploy(args.name, (args.prefect_file or PREFECT_FILE).resolve())
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    from infra.deployments import PREFECT_FILE, served_deployments
+    from infra.deployments import PREFECT_FILE, PROJECT_ROOT, served_deployments
 
     if not require_prefect_server():
         return 2
     from prefect import serve
 
     path = (args.prefect_file or PREFECT_FILE).resolve()
-    os.chdir(path.parent)  # entrypoints and config paths in prefect.yaml are relative to it
+    os.chdir(PROJECT_ROOT)  # entrypoints and config paths are relative to it; flow runs start here
     serve(*served_deployments(args.name, path), limit=args.limit)
     return 0
 

@@ -107,7 +107,8 @@ def mlflow_server(options: ServerOptions, folder: Path) -> ServerSpec:
             sys.executable, "-m", "mlflow", "server", "--host", options.host, "--port", str(options.mlflow_port),
             "--backend-store-uri", store, "--artifacts-destination", artifacts, "--workers", "1",
         ],
-        env={},
+        # MLflow's GenAI job runner (8 extra processes) serves nothing alignflow logs; set it to true to keep it.
+        env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")},
         exports={"MLFLOW_TRACKING_URI": url},
         database_url=store,
         postgres_url=options.mlflow_database_url,
