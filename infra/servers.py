@@ -49,13 +49,16 @@ class ServerSpec:
     notes: dict[str, str] = field(default_factory=dict)
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::")
+
+
 def client_host(host: str) -> str:
     """The address clients use: a wildcard bind is reached through this machine's name."""
-    return socket.getfqdn() if host in ("0.0.0.0", "::") else host
+    return socket.getfqdn() if host in WILDCARD_HOSTS else host
 
 
 def local_host(host: str) -> str:
-    return "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return "127.0.0.1" if host in WILDCARD_HOSTS else host
 
 
 def with_driver(url: str, driver: str) -> str:
@@ -99,14 +102,20 @@ def mlflow_server(options: ServerOptions, folder: Path) -> ServerSpec:
     url = f"http://{client_host(options.host)}:{options.mlflow_port}"
     store = with_driver(options.mlflow_database_url, "psycopg2") if options.mlflow_database_url else f"sqlite:///{folder / 'mlflow.db'}"
     artifacts = options.artifacts_destination or str(folder / "artifacts")
+    command = [
+        sys.executable, "-m", "mlflow", "server", "--host", options.host, "--port", str(options.mlflow_port),
+        "--backend-store-uri", store, "--artifacts-destination", artifacts, "--workers", "1",
+    ]
+    if options.host in WILDCARD_HOSTS and not os.environ.get("MLFLOW_SERVER_ALLOWED_HOSTS"):
+        # MLflow answers only Host headers it allows (localhost and private IPs by default); add the name clients use.
+        from mlflow.server.security_utils import get_default_allowed_hosts
+
+        command += ["--allowed-hosts", ",".join([*get_default_allowed_hosts(), client_host(options.host), f"{client_host(options.host)}:*"])]
     return ServerSpec(
         name="mlflow",
         url=url,
         health_url=f"http://{local_host(options.host)}:{options.mlflow_port}/health",
-        command=[
-            sys.executable, "-m", "mlflow", "server", "--host", options.host, "--port", str(options.mlflow_port),
-            "--backend-store-uri", store, "--artifacts-destination", artifacts, "--workers", "1",
-        ],
+        command=command,
         # MLflow's GenAI job runner (8 extra processes) serves nothing alignflow logs; set it to true to keep it.
         env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")},
         exports={"MLFLOW_TRACKING_URI": url},

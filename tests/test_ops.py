@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from datetime import timedelta
@@ -75,6 +76,17 @@ def test_server_specs_default_to_sqlite_and_take_postgres_urls_with_their_driver
     assert servers.mlflow_server(options, tmp_path).database_url == "postgresql+psycopg2://u:secret@db/mlflow"
     assert servers.with_driver("postgresql+psycopg://u@db/x", "psycopg2") == "postgresql+psycopg://u@db/x"  # an explicit driver stays
     assert servers.redacted("postgresql+asyncpg://u:secret@db:5432/prefect") == "postgresql+asyncpg://u:***@db:5432/prefect"
+
+
+def test_a_wildcard_bind_is_advertised_by_name_and_mlflow_allows_that_name(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_SERVER_ALLOWED_HOSTS", raising=False)
+    options = servers.ServerOptions(host="0.0.0.0")
+    name = socket.getfqdn()
+    prefect, mlflow = servers.prefect_server(options, tmp_path), servers.mlflow_server(options, tmp_path)
+    assert prefect.exports == {"PREFECT_API_URL": f"http://{name}:4200/api"} and prefect.env["PREFECT_UI_API_URL"] == f"http://{name}:4200/api"
+    assert prefect.health_url == "http://127.0.0.1:4200/api/health"
+    allowed = mlflow.command[mlflow.command.index("--allowed-hosts") + 1].split(",")
+    assert {name, f"{name}:*", "localhost", "10.*", "192.168.*"} <= set(allowed)
 
 
 def sleeper(name: str) -> servers.ServerSpec:

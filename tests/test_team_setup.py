@@ -314,7 +314,7 @@ def test_browser_shows_the_run_form_and_the_mlflow_metrics(stack, smoke_run):
             page.goto(f"{stack.prefect_url}/deployments/deployment/{stack.nightly.id}")
             page.get_by_text("At 02:00 AM every day").first.wait_for(timeout=60_000)
             page.get_by_text("alignflow-process").first.wait_for(timeout=60_000)
-            page.get_by_role("tab", name="Parameters").click()
+            page.get_by_text("Parameters", exact=True).first.click()  # the tab
             page.get_by_text("builtin:tiny-llama").first.wait_for(timeout=60_000)
             page.screenshot(path=SCREENSHOTS / "prefect-deployment-parameters.png")
 
@@ -330,7 +330,7 @@ def test_browser_shows_the_run_form_and_the_mlflow_metrics(stack, smoke_run):
             # Enums render as selects: dpo.reference, both lr_scheduler_types, data.truncation_mode.
             assert {"cached", "cosine", "constant", "keep_end"} <= set(page.locator(".p-select-button__value").all_inner_texts())
             page.screenshot(path=SCREENSHOTS / "prefect-run-form.png")
-            page.get_by_text("DPO (Optional)").first.scroll_into_view_if_needed()
+            beta.scroll_into_view_if_needed()
             page.screenshot(path=SCREENSHOTS / "prefect-run-form-dpo.png")
 
             page.set_viewport_size({"width": 1400, "height": 1400})
