@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from infra.cache_cli import add_cache_parser, cache_command
+from infra import ops_cli
 from infra.settings import configure_environment
 
 
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--metric", action="append", dest="metrics", help="final eval metric to compare (repeatable)")
     compare.add_argument("--curve", action="append", dest="curves", help="training metric to plot (repeatable)")
     add_cache_parser(commands)
+    ops_cli.add_parsers(commands)
     return parser
 
 
@@ -84,7 +86,7 @@ def compare_command(args: argparse.Namespace) -> int:
     return finished(compare(experiment=args.experiment, baseline=args.baseline, **options, return_state=True))
 
 
-COMMANDS = {"run": run_command, "evaluate": evaluate_command, "compare": compare_command, "cache": cache_command}
+COMMANDS = {"run": run_command, "evaluate": evaluate_command, "compare": compare_command, "cache": cache_command, **ops_cli.COMMANDS}
 
 
 def main(argv: list[str] | None = None) -> int:

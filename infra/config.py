@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -17,8 +17,21 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 Stage = Literal["sft", "dpo"]
 
 
+def section_title(name: str) -> str:
+    return name.upper() if name in get_args(Stage) else name.replace("_", " ").capitalize()
+
+
+def form_hints(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """Prefect UI form hints. ``position`` keeps the fields in declaration order (the server stores
+    schemas as JSONB, which reorders keys; the form sorts by ``position``); nested sections get a
+    title (pydantic leaves ``$ref`` properties untitled, and the form would show the bare key)."""
+    for position, (name, prop) in enumerate(schema.get("properties", {}).items()):
+        prop["position"] = position
+        prop.setdefault("title", section_title(name))
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=form_hints)
 
     def content_hash(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
@@ -210,3 +223,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), schem
     for override in overrides:
         apply_override(tree, override)
     return (schema or ExperimentConfig).model_validate(tree)
+
+
+SCHEMAS: dict[str, type[Section]] = {"ExperimentConfig": ExperimentConfig, "EvaluationRequest": EvaluationRequest}

@@ -24,6 +24,7 @@ class Settings(BaseSettings):
     artifact_location: str | None = None
     reference_cache: str | None = None  # local folder or fsspec URL; default $home/cache/reference
     reference_lock_timeout: float = 6 * 3600  # seconds a flow waits for another to compute an entry
+    mlflow_ui_url: str | None = None
 
     @cached_property
     def root(self) -> Path:
@@ -61,6 +62,15 @@ class Settings(BaseSettings):
         if self.mlflow_tracking_uri.startswith("sqlite:"):
             return (self.root / "mlartifacts").as_uri()  # one folder per experiment is added below it
         return None
+
+    @property
+    def mlflow_ui(self) -> str:
+        """Base URL of the MLflow UI for links: the tracking server itself, else `mlflow ui`'s default address."""
+        if self.mlflow_ui_url:
+            return self.mlflow_ui_url.rstrip("/")
+        if self.mlflow_tracking_uri.startswith(("http://", "https://")):
+            return self.mlflow_tracking_uri.rstrip("/")
+        return "http://127.0.0.1:5000"
 
 
 def get_settings() -> Settings:

@@ -18,7 +18,9 @@ import yaml
 from mlflow import MlflowClient
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+from prefect.artifacts import create_link_artifact
 from prefect.runtime import flow_run
+from prefect.settings import PREFECT_UI_URL
 from transformers import TrainerCallback
 
 from infra.config import Section
@@ -75,6 +77,17 @@ def log_dataset_input(run_id: str, name: str, digest: str, uri: str, schema: dic
     client().log_inputs(run_id, datasets=[DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])])
 
 
+def flow_run_url() -> str | None:
+    """The Prefect UI page of the current flow run; None outside a run or without a known UI
+    (the temporary local server has none)."""
+    ui, run_id = PREFECT_UI_URL.value(), flow_run.get_id()
+    return f"{ui.rstrip('/')}/flow-runs/flow-run/{run_id}" if ui and run_id else None
+
+
+def mlflow_run_url(experiment: str, run_id: str) -> str:
+    return f"{get_settings().mlflow_ui}/#/experiments/{experiment}/runs/{run_id}"
+
+
 def start_parent_run(config: Section, kind: str = "experiment") -> str:
     """A parent run for a flow run of ``config`` (which has ``name``, ``run_name`` and ``tracking``)."""
     tags = {
@@ -84,9 +97,18 @@ def start_parent_run(config: Section, kind: str = "experiment") -> str:
         "prefect.flow_run_id": str(flow_run.get_id() or ""),
         "prefect.flow_run_name": str(flow_run.get_name() or ""),
     }
+    if url := flow_run_url():
+        tags["prefect.flow_run_url"] = url
     run = client().create_run(experiment_id(config.tracking.experiment_name), run_name=config.run_name, tags=tags)
     log_params(run.info.run_id, config.flat())
     client().log_text(run.info.run_id, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), "config.yaml")
+    if flow_run.get_id():
+        create_link_artifact(
+            key="mlflow-run",
+            link=mlflow_run_url(run.info.experiment_id, run.info.run_id),
+            link_text=f"MLflow run {run.info.run_name} ({run.info.run_id})",
+            description=f"The MLflow parent run of this flow run (experiment {config.tracking.experiment_name!r}).",
+        )
     return run.info.run_id
 
 

@@ -1,0 +1,158 @@
+"""Operations commands of the ``alignflow`` CLI: ``servers``, ``deploy``, ``serve``, ``worker``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from infra import servers
+from infra.settings import get_settings
+
+DEFAULT_POOL = "alignflow-process"
+
+
+def add_parsers(commands) -> None:
+    """Add the operations subcommands to the ``alignflow`` subparsers."""
+    server = commands.add_parser(
+        "servers",
+        help="start, stop or check a Prefect server and an MLflow tracking server",
+        description="A Prefect server and an MLflow tracking server for a team, under $ALIGNFLOW_HOME/servers/ "
+        "(logs, pid files); SQLite by default, PostgreSQL when URLs are given (databases are created if missing).",
+        epilog="example: alignflow servers up --prefect-database-url postgresql://postgres@127.0.0.1:5432/prefect "
+        "--mlflow-database-url postgresql://postgres@127.0.0.1:5432/mlflow",
+    )
+    server.add_argument("action", choices=sorted(SERVER_ACTIONS), help="up: start and wait until healthy; down: stop; status: check; env: print client exports")
+    server.add_argument("names", nargs="*", metavar="server", help=f"which servers (default: all of {', '.join(servers.SERVERS)})")
+    defaults = servers.ServerOptions()
+    server.add_argument("--host", default=defaults.host, help="interface to bind (default: %(default)s; 0.0.0.0 for other machines)")
+    server.add_argument("--prefect-port", type=int, default=defaults.prefect_port, help="default: %(default)s")
+    server.add_argument("--mlflow-port", type=int, default=defaults.mlflow_port, help="default: %(default)s")
+    server.add_argument("--prefect-database-url", help="PostgreSQL URL for Prefect (default: SQLite in the server folder)")
+    server.add_argument("--mlflow-database-url", help="PostgreSQL URL for MLflow runs (default: SQLite in the server folder)")
+    server.add_argument("--artifacts-destination", help="MLflow artifact root: a shared folder or s3://… (default: the server folder)")
+    server.add_argument("--timeout", type=float, default=servers.HEALTH_TIMEOUT_S, help="seconds to wait for health (default: %(default)s)")
+
+    prefect_file = dict(type=Path, default=None, help="deployments file (default: the project's prefect.yaml)")
+    deploy = commands.add_parser("deploy", help="register prefect.yaml's deployments on the Prefect server", description="Create missing work pools, then `prefect deploy` the deployments of prefect.yaml.")
+    deploy.add_argument("--name", action="append", help="only this deployment (repeatable; default: all)")
+    deploy.add_argument("--prefect-file", **prefect_file)
+
+    serve = commands.add_parser("serve", help="serve prefect.yaml's deployments, with their schedules, from this process", description="Single-machine alternative to deploy + workers: flow runs start as subprocesses of this process.")
+    serve.add_argument("--name", action="append", help="only this deployment (repeatable; default: all)")
+    serve.add_argument("--prefect-file", **prefect_file)
+    serve.add_argument("--limit", type=int, default=None, help="maximum concurrent flow runs (default: no limit)")
+
+    worker = commands.add_parser("worker", help="start a process worker: `prefect worker start --pool … --type process`")
+    worker.add_argument("--pool", default=DEFAULT_POOL, help="work pool (default: %(default)s)")
+    worker.add_argument("--limit", type=int, default=None, help="maximum concurrent flow runs (default: no limit)")
+
+
+def require_prefect_server() -> str | None:
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        print("alignflow: this needs a Prefect server: set PREFECT_API_URL (`alignflow servers up` prints it, `eval \"$(alignflow servers env)\"` sets it)", file=sys.stderr)
+    return url
+
+
+def server_folders(names: list[str]) -> dict[str, Path]:
+    unknown = sorted(set(names) - set(servers.SERVERS))
+    if unknown:
+        raise SystemExit(f"alignflow servers: unknown server {', '.join(unknown)} (known: {', '.join(servers.SERVERS)})")
+    root = servers.servers_dir(get_settings())
+    return {name: root / name for name in names or servers.SERVERS}
+
+
+def print_exports(statuses: list[servers.ServerStatus]) -> None:
+    for key, value in servers.exports(statuses).items():
+        print(f"export {key}={value}")
+
+
+def servers_up(args: argparse.Namespace, folders: dict[str, Path]) -> int:
+    options = servers.ServerOptions(
+        args.host, args.prefect_port, args.mlflow_port, args.prefect_database_url, args.mlflow_database_url, args.artifacts_destination
+    )
+    specs = {}
+    for name, folder in folders.items():
+        status = servers.server_status(name, folder)
+        if status.running:
+            print(f"{name}: already running (pid {status.pid}) at {status.record.get('url')}; `alignflow servers down {name}` to restart it")
+            continue
+        specs[name] = servers.SERVERS[name](options, folder)
+        pid = servers.start(specs[name], folder)
+        print(f"{name}: started (pid {pid}), log {folder / 'server.log'}")
+    failed = servers.wait_healthy(specs, folders, args.timeout)
+    for name in failed:
+        print(f"alignflow: {name} did not become healthy at {specs[name].health_url}; last log lines:\n{servers.log_tail(folders[name])}", file=sys.stderr)
+        servers.stop(folders[name])
+    statuses = [servers.server_status(name, folder) for name, folder in folders.items()]
+    report(statuses)
+    print_exports(statuses)
+    return 1 if failed else 0
+
+
+def servers_down(args: argparse.Namespace, folders: dict[str, Path]) -> int:
+    for name, folder in folders.items():
+        print(f"{name}: {'stopped' if servers.stop(folder) else 'not running'}")
+    return 0
+
+
+def report(statuses: list[servers.ServerStatus]) -> None:
+    for status in statuses:
+        state = f"running (pid {status.pid}), {'healthy' if status.healthy else 'NOT healthy'}" if status.running else "stopped"
+        details = ", ".join(f"{key} {status.record[key]}" for key in ("url", "database", "artifacts") if key in status.record)
+        print(f"{status.name}: {state}" + (f"; {details}" if status.running and details else ""))
+
+
+def servers_status(args: argparse.Namespace, folders: dict[str, Path]) -> int:
+    statuses = [servers.server_status(name, folder) for name, folder in folders.items()]
+    report(statuses)
+    return 0 if all(status.healthy for status in statuses) else 3
+
+
+def servers_env(args: argparse.Namespace, folders: dict[str, Path]) -> int:
+    print_exports([servers.server_status(name, folder) for name, folder in folders.items()])
+    return 0
+
+
+SERVER_ACTIONS = {"up": servers_up, "down": servers_down, "status": servers_status, "env": servers_env}
+
+
+def servers_command(args: argparse.Namespace) -> int:
+    return SERVER_ACTIONS[args.action](args, server_folders(args.names))
+
+
+def deploy_command(args: argparse.Namespace) -> int:
+    from infra.deployments import PREFECT_FILE, deploy
+
+    if not require_prefect_server():
+        return 2
+    return deploy(args.name, (args.prefect_file or PREFECT_FILE).resolve())
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    from infra.deployments import PREFECT_FILE, PROJECT_ROOT, served_deployments
+
+    if not require_prefect_server():
+        return 2
+    from prefect import serve
+
+    path = (args.prefect_file or PREFECT_FILE).resolve()
+    os.chdir(PROJECT_ROOT)  # entrypoints and config paths are relative to it; flow runs start here
+    serve(*served_deployments(args.name, path), limit=args.limit)
+    return 0
+
+
+def worker_command(args: argparse.Namespace) -> int:
+    if not require_prefect_server():
+        return 2
+    command = [sys.executable, "-m", "prefect", "worker", "start", "--pool", args.pool, "--type", "process"]
+    if args.limit:
+        command += ["--limit", str(args.limit)]
+    os.execv(sys.executable, command)  # the worker replaces this process; flow runs inherit its environment
+
+
+COMMANDS = {"servers": servers_command, "deploy": deploy_command, "serve": serve_command, "worker": worker_command}

@@ -1,0 +1,284 @@
+"""``alignflow servers up | down | status``: a Prefect server and an MLflow tracking server.
+
+Each server is one process group started in its own session, with its files under
+``<run-state>/servers/<name>/``: ``server.log``, ``pid`` and ``server.json`` (URLs, database).
+Both bind 127.0.0.1 by default and keep their data on SQLite in that folder; given a PostgreSQL
+URL they use it instead, creating the database first if it is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from infra.settings import Settings
+
+HEALTH_TIMEOUT_S = 180.0
+STOP_TIMEOUT_S = 20.0
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    host: str = "127.0.0.1"
+    prefect_port: int = 4200
+    mlflow_port: int = 5000
+    prefect_database_url: str | None = None
+    mlflow_database_url: str | None = None
+    artifacts_destination: str | None = None
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    name: str
+    url: str  # what users open and clients reach
+    health_url: str
+    command: list[str]
+    env: dict[str, str]
+    exports: dict[str, str]  # what clients set to use this server
+    database_url: str
+    postgres_url: str | None = None  # a PostgreSQL database to create if missing
+    notes: dict[str, str] = field(default_factory=dict)
+
+
+WILDCARD_HOSTS = ("0.0.0.0", "::")
+
+
+def client_host(host: str) -> str:
+    """The address clients use: a wildcard bind is reached through this machine's name."""
+    return socket.getfqdn() if host in WILDCARD_HOSTS else host
+
+
+def local_host(host: str) -> str:
+    return "127.0.0.1" if host in WILDCARD_HOSTS else host
+
+
+def with_driver(url: str, driver: str) -> str:
+    """``postgresql://…`` → ``postgresql+<driver>://…`` (each server needs its own driver); other URLs unchanged."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.drivername == "postgresql":
+        parsed = parsed.set(drivername=f"postgresql+{driver}")
+    return parsed.render_as_string(hide_password=False)
+
+
+def redacted(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True) if "://" in url else url
+
+
+def prefect_server(options: ServerOptions, folder: Path) -> ServerSpec:
+    url = f"http://{client_host(options.host)}:{options.prefect_port}"
+    database = with_driver(options.prefect_database_url, "asyncpg") if options.prefect_database_url else f"sqlite+aiosqlite:///{folder / 'prefect.db'}"
+    return ServerSpec(
+        name="prefect",
+        url=url,
+        health_url=f"http://{local_host(options.host)}:{options.prefect_port}/api/health",
+        command=[sys.executable, "-m", "prefect", "server", "start", "--host", options.host, "--port", str(options.prefect_port)],
+        env={
+            "PREFECT_HOME": str(folder),
+            "PREFECT_API_DATABASE_CONNECTION_URL": database,
+            "PREFECT_UI_API_URL": f"{url}/api",  # the browser's API address, also from other machines
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "DO_NOT_TRACK": "1",
+        },
+        exports={"PREFECT_API_URL": f"{url}/api"},
+        database_url=database,
+        postgres_url=options.prefect_database_url,
+    )
+
+
+def mlflow_server(options: ServerOptions, folder: Path) -> ServerSpec:
+    url = f"http://{client_host(options.host)}:{options.mlflow_port}"
+    store = with_driver(options.mlflow_database_url, "psycopg2") if options.mlflow_database_url else f"sqlite:///{folder / 'mlflow.db'}"
+    artifacts = options.artifacts_destination or str(folder / "artifacts")
+    command = [
+        sys.executable, "-m", "mlflow", "server", "--host", options.host, "--port", str(options.mlflow_port),
+        "--backend-store-uri", store, "--artifacts-destination", artifacts, "--workers", "1",
+    ]
+    if options.host in WILDCARD_HOSTS and not os.environ.get("MLFLOW_SERVER_ALLOWED_HOSTS"):
+        # MLflow answers only Host headers it allows (localhost and private IPs by default); add the name clients use.
+        from mlflow.server.security_utils import get_default_allowed_hosts
+
+        command += ["--allowed-hosts", ",".join([*get_default_allowed_hosts(), client_host(options.host), f"{client_host(options.host)}:*"])]
+    return ServerSpec(
+        name="mlflow",
+        url=url,
+        health_url=f"http://{local_host(options.host)}:{options.mlflow_port}/health",
+        command=command,
+        # MLflow's GenAI job runner (8 extra processes) serves nothing alignflow logs; set it to true to keep it.
+        env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")},
+        exports={"MLFLOW_TRACKING_URI": url},
+        database_url=store,
+        postgres_url=options.mlflow_database_url,
+        notes={"artifacts": artifacts},
+    )
+
+
+SERVERS: dict[str, Callable[[ServerOptions, Path], ServerSpec]] = {"prefect": prefect_server, "mlflow": mlflow_server}
+
+
+def ensure_postgres_database(url: str) -> bool:
+    """Create the URL's database on its server if it is missing; True when it was created."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        import psycopg2
+        from psycopg2 import sql
+    except ImportError as error:
+        raise RuntimeError("PostgreSQL URLs need psycopg2: pip install 'alignflow[postgres]'") from error
+    parsed = make_url(url)
+    if not parsed.database:
+        raise ValueError(f"{redacted(url)}: the URL names no database")
+    connection = psycopg2.connect(host=parsed.host, port=parsed.port or 5432, user=parsed.username, password=parsed.password, dbname="postgres")
+    try:
+        connection.autocommit = True  # CREATE DATABASE cannot run in a transaction
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1 FROM pg_database WHERE datname = %s", (parsed.database,))
+            if cursor.fetchone() is not None:
+                return False
+            cursor.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(parsed.database)))
+            return True
+    finally:
+        connection.close()
+
+
+def servers_dir(settings: Settings) -> Path:
+    return settings.root / "servers"
+
+
+def read_pid(folder: Path) -> int | None:
+    try:
+        return int((folder / "pid").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def is_alive(pid: int) -> bool:
+    """True for a live process; a zombie (exited, not yet reaped) counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    stat = Path(f"/proc/{pid}/stat")
+    return not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def group_alive(pgid: int) -> bool:
+    """True while any live (non-zombie) process is left in the process group."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def is_healthy(health_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(health_url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def log_tail(folder: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join((folder / "server.log").read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def start(spec: ServerSpec, folder: Path) -> int:
+    """Start the server in a new session (its own process group); returns its pid."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if spec.postgres_url and ensure_postgres_database(spec.postgres_url):
+        print(f"{spec.name}: created database {redacted(spec.postgres_url)}")
+    with open(folder / "server.log", "ab") as log:
+        process = subprocess.Popen(
+            spec.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, **spec.env}, cwd=folder, start_new_session=True,
+        )
+    (folder / "pid").write_text(str(process.pid))
+    record = {"url": spec.url, "health_url": spec.health_url, "exports": spec.exports, "database": redacted(spec.database_url), **spec.notes}
+    (folder / "server.json").write_text(json.dumps(record, indent=2))
+    return process.pid
+
+
+def stop(folder: Path, timeout: float = STOP_TIMEOUT_S) -> bool:
+    """Stop the server's whole process group (TERM, then KILL after ``timeout``); False if none ran."""
+    pid = read_pid(folder)
+    if pid is None:
+        return False
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + timeout
+        while group_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if not group_alive(pid):
+            break
+    (folder / "pid").unlink(missing_ok=True)
+    return True
+
+
+def wait_healthy(specs: dict[str, ServerSpec], folders: dict[str, Path], timeout: float) -> list[str]:
+    """Wait until every server answers its health check; returns the names that did not."""
+    pending = dict(specs)
+    deadline = time.monotonic() + timeout
+    while pending and time.monotonic() < deadline:
+        for name, spec in list(pending.items()):
+            pid = read_pid(folders[name])
+            if is_healthy(spec.health_url):
+                del pending[name]
+            elif pid is None or not is_alive(pid):
+                return [name, *[n for n in pending if n != name]]
+        time.sleep(0.5)
+    return list(pending)
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    name: str
+    pid: int | None
+    running: bool
+    healthy: bool
+    record: dict
+
+
+def server_status(name: str, folder: Path) -> ServerStatus:
+    pid = read_pid(folder)
+    running = pid is not None and is_alive(pid)
+    try:
+        record = json.loads((folder / "server.json").read_text())
+    except (OSError, ValueError):
+        record = {}
+    healthy = running and bool(record.get("health_url")) and is_healthy(record["health_url"])
+    return ServerStatus(name, pid, running, healthy, record)
+
+
+def exports(statuses: list[ServerStatus]) -> dict[str, str]:
+    return {key: value for status in statuses if status.running for key, value in status.record.get("exports", {}).items()}
