@@ -22,7 +22,7 @@ run: $(INSTALLED)
 	$(VENV)/bin/alignflow run $(CONFIG) $(ARGS)
 
 test: $(INSTALLED)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	bash infra/with-test-services.sh $(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf .alignflow

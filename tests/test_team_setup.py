@@ -232,7 +232,7 @@ def test_deploy_registers_prefect_yaml_with_config_defaults_on_a_process_pool(st
     # The form's schema: sections in declaration order, titled.
     sections = nightly.parameter_openapi_schema["definitions"]["ExperimentConfig"]["properties"]
     assert [name for name, _ in sorted(sections.items(), key=lambda item: item[1]["position"])] == [
-        "name", "stages", "model", "data", "sft", "dpo", "reference", "evaluation", "tracking"
+        "name", "stages", "model", "data", "sft", "dpo", "reference", "evaluation", "tracking", "promotion"
     ]
     assert sections["dpo"]["title"] == "DPO" and sections["evaluation"]["title"] == "Evaluation"
 
