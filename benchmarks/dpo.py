@@ -2,7 +2,8 @@
 
 A ~36M-parameter Llama built from config (random weights, no downloads) trains with
 ``DPOTrainer`` on random token pairs. Each mode runs in a fresh process so that its peak RSS
-(``ru_maxrss``) is its own; the cached mode reads reference log-probs computed beforehand, in
+(``VmHWM`` of ``/proc/self/status``: the peak of this process image, not inherited from the
+parent as ``ru_maxrss`` would be) is its own; the cached mode reads reference log-probs computed beforehand, in
 another process, with the same function the pipeline uses (``trainers.reference.reference_logps``).
 
     .venv/bin/python benchmarks/dpo.py                 # prints a markdown table
@@ -16,7 +17,7 @@ import copy
 import json
 import os
 import random
-import resource
+import re
 import subprocess
 import sys
 import tempfile
@@ -92,6 +93,10 @@ def tokens_per_step(rows: list[dict], batch_size: int, steps: int) -> list[int]:
     return [sum(sizes[s * batch_size : (s + 1) * batch_size]) for s in range(steps)]
 
 
+def peak_rss_kib() -> int:
+    return int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1))
+
+
 def run_mode(mode: str, options: argparse.Namespace, ref_file: Path) -> dict:
     torch.set_num_threads(options.threads)
     steps = options.warmup + options.steps
@@ -122,7 +127,7 @@ def run_mode(mode: str, options: argparse.Namespace, ref_file: Path) -> dict:
         "step_seconds": sum(wall) / len(wall),
         "step_cpu_seconds": sum(cpu) / len(cpu),
         "tokens_per_second": tokens / sum(wall),
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mib": peak_rss_kib() / 1024,
     }
 
 

@@ -135,27 +135,34 @@ def test_preference_collator_stacks_chosen_then_rejected(tiny):
     assert batch["ref_rejected_logps"].tolist() == [-2.0, -4.0]
 
 
-# Peak memory: each form runs in a fresh interpreter; the figure is the growth of the process's
-# peak resident set size (ru_maxrss) over its value right after the logits were created, i.e. the
-# extra memory the log-prob computation (forward and backward) needed at its high-water mark.
-# glibc's mmap threshold is pinned at 128 KiB so that every freed tensor buffer goes back to the OS
-# (by default the threshold grows after frees and freed chunks stay resident, inflating RSS).
+# Peak memory: each form runs in a fresh interpreter. After the logits exist, the kernel's
+# peak-RSS mark is reset to the current RSS (/proc/self/clear_refs); the figure is the peak
+# (VmHWM) reached during the log-prob computation, forward and backward, minus that RSS.
+# (ru_maxrss would not do: a child starts with its parent's peak.) glibc's mmap threshold is
+# pinned at 128 KiB so that every freed tensor buffer goes back to the OS; by default the
+# threshold grows after frees and freed chunks stay resident, inflating RSS.
 PEAK_SCRIPT = textwrap.dedent(
     """
-    import resource, sys, torch
+    import re, sys, torch
     from trainers.logprobs import CHUNK_ELEMENTS, TargetLogProbs
+
+    def kib(field):
+        return int(re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
+
     torch.manual_seed(0)
     rows, positions, vocab = 4, 128, 32768
     logits = torch.randn(rows, positions, vocab, dtype=torch.bfloat16).requires_grad_()
     targets = torch.randint(0, vocab, (rows, positions))
     r, c = torch.ones(rows, positions, dtype=torch.bool).nonzero(as_tuple=True)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+    before = kib("VmRSS")
     if sys.argv[1] == "naive":
         logps = torch.log_softmax(logits.float(), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1).sum()
     else:
         logps = TargetLogProbs.apply(logits, r, c, targets[r, c], CHUNK_ELEMENTS // vocab)[0].sum()
     logps.backward()
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+    print(kib("VmHWM") - before)
     """
 )
 
@@ -163,7 +170,7 @@ PEAK_SCRIPT = textwrap.dedent(
 def peak_growth_mib(form: str) -> float:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, form], capture_output=True, text=True, check=True, timeout=300, env=env)
-    return int(result.stdout.strip()) / 1024  # ru_maxrss is in KiB on Linux
+    return int(result.stdout.strip()) / 1024
 
 
 def test_peak_memory_is_below_the_naive_form_on_a_large_vocabulary():

@@ -108,6 +108,8 @@ class DPOTrainer(Trainer):
 
     def reward_shift(self, pairs: PairLogps, training: bool) -> float:
         """δ of bco_pair: running mean of the batch-mean implicit rewards, updated in training only."""
+        if "bco_pair" not in self.objective.names:  # spare every other loss a gather and a device sync
+            return 0.0
         if not training:
             return self.reward_mean.mean
         rewards = self.args.beta * torch.cat([pairs.chosen_logratios, pairs.rejected_logratios]).detach().mean()
