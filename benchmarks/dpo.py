@@ -181,7 +181,7 @@ def main() -> None:
         print(f"| {r['mode']} | {r['step_seconds']:.3f} | {r['step_cpu_seconds']:.3f} | {r['tokens_per_second']:.0f} | {r['peak_rss_mib']:.0f} |")
     print(f"cached/live step time: wall {cached['step_seconds'] / live['step_seconds']:.2f}, "
           f"CPU {cached['step_cpu_seconds'] / live['step_cpu_seconds']:.2f}; "
-          f"peak RSS saved: {live['peak_rss_mib'] - cached['peak_rss_mib']:.0f} MiB (reference weights: {parameters * 4 / 2**20:.0f} MiB)")
+          f"peak RSS saved: {live['peak_rss_mib'] - cached['peak_rss_mib']:.1f} MiB (reference weights: {parameters * 4 / 2**20:.1f} MiB)")
 
 
 if __name__ == "__main__":
