@@ -14,6 +14,8 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from trainers.losses import PREFERENCE_LOSSES, resolve_losses
+
 Stage = Literal["sft", "dpo"]
 
 
@@ -102,15 +104,37 @@ class SFTConfig(TrainingConfig):
     logging_steps: int = 50
 
 
+LossName = Literal[tuple(PREFERENCE_LOSSES)]  # the registry's names, listed in the UI form
+
+
 class DPOStageConfig(TrainingConfig):
     num_train_epochs: float = 3.0
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "constant"
-    beta: float = Field(0.5, gt=0, description="β in −log σ(β·[(π_c − ref_c) − (π_r − ref_r)]).")
-    loss_type: Literal["sigmoid"] = Field("sigmoid", description="Registered preference loss.")
-    reference: Literal["cached", "live"] = Field(
-        "cached", description="`cached`: precomputed reference log-prob columns; `live`: a frozen reference model in memory."
+    beta: float = Field(0.1, gt=0, description="β: scale of the log-ratios, e.g. −log σ(β·[(π_c − ref_c) − (π_r − ref_r)]) for sigmoid.")
+    loss_type: LossName | list[LossName] = Field(
+        "sigmoid", description="A registered preference loss (trainers/losses.py), or a list of them combined by loss_weights."
     )
+    loss_weights: list[float] | None = Field(None, description="One weight per loss in loss_type (default: all 1).")
+    label_smoothing: float = Field(
+        0.0, ge=0.0, lt=0.5, description="ε: assumed label-flip rate, used by sigmoid (cDPO), robust and exo_pair."
+    )
+    discopop_tau: float = Field(0.05, gt=0, description="τ of the discopop loss.")
+    reference: Literal["cached", "live", "none"] = Field(
+        "cached",
+        description="`cached`: precomputed reference log-prob columns; `live`: a frozen reference model in memory; "
+        "`none`: reference-free (reference log-probs taken as 0).",
+    )
+    sync_ref_model: bool = Field(False, description="With `reference: live`, mix the policy into the reference every ref_model_sync_steps (TR-DPO).")
+    ref_model_mixup_alpha: float = Field(0.6, gt=0.0, le=1.0, description="α in ref ← α·θ + (1 − α)·ref.")
+    ref_model_sync_steps: int = Field(512, ge=1, description="Optimizer steps between reference syncs.")
     logging_steps: int = 20
+
+    @model_validator(mode="after")
+    def _check_losses_and_reference(self) -> DPOStageConfig:
+        resolve_losses(self.loss_type, self.loss_weights, self.label_smoothing)
+        if self.sync_ref_model and self.reference != "live":
+            raise ValueError(f"sync_ref_model needs reference: live (got reference: {self.reference})")
+        return self
 
 
 class ReferenceConfig(Section):

@@ -73,17 +73,21 @@ def build_sft(config: ExperimentConfig, inputs: StageInputs, output_dir: Path, c
 def build_dpo(config: ExperimentConfig, inputs: StageInputs, output_dir: Path, callbacks: list) -> Trainer:
     stage: DPOStageConfig = config.dpo
     model, tokenizer = load_causal_lm(inputs.policy.path, inputs.policy.revision)
-    ref_model = None
-    if inputs.ref_logps is not None:
-        splits = with_reference_columns(inputs.ref_logps)
-    else:
-        splits = datasets.load_from_disk(inputs.data.path)
-        ref_model, _ = load_causal_lm(inputs.reference.path, inputs.reference.revision)
+    ref_model = load_causal_lm(inputs.reference.path, inputs.reference.revision)[0] if stage.reference == "live" else None
+    # Cached reference log-probs are joined onto the pairs as columns; otherwise read the plain pairs.
+    splits = with_reference_columns(inputs.ref_logps) if inputs.ref_logps is not None else datasets.load_from_disk(inputs.data.path)
     eval_split = splits["preference_eval"] if "preference_eval" in splits else None
     args = DPOConfig(
         **common_arguments(stage, output_dir),
         beta=stage.beta,
         loss_type=stage.loss_type,
+        loss_weights=stage.loss_weights,
+        label_smoothing=stage.label_smoothing,
+        discopop_tau=stage.discopop_tau,
+        reference_free=stage.reference == "none",
+        sync_ref_model=stage.sync_ref_model,
+        ref_model_mixup_alpha=stage.ref_model_mixup_alpha,
+        ref_model_sync_steps=stage.ref_model_sync_steps,
         eval_strategy="epoch" if eval_split is not None else "no",
     )
     return DPOTrainer(
@@ -122,6 +126,7 @@ def train(stage: str, config: ExperimentConfig, inputs: StageInputs, parent_run_
     with tracked_run(run_id):
         log_params(run_id, {f"{stage}.{k}": v for k, v in getattr(config, stage).model_dump().items()})
         log_params(run_id, {"policy.init": inputs.policy.path, "data.fingerprint": inputs.data.fingerprint})
+        log_params(run_id, {f"data.dropped.{split}": count for split, count in inputs.data.dropped.items()})
         if inputs.ref_logps is not None:
             client().set_tag(run_id, "alignflow.reference_cache_key", inputs.ref_logps.key)
         trainer = STAGE_BUILDERS[stage](config, inputs, output_dir, [MlflowTrainerCallback(run_id)])

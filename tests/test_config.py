@@ -2,6 +2,7 @@ import pytest
 from pydantic import ValidationError
 
 from infra.config import ExperimentConfig, load_config
+from trainers.losses import PREFERENCE_LOSSES
 
 
 def test_yaml_and_cli_overrides():
@@ -27,5 +28,33 @@ def test_unknown_fields_and_bad_values_are_rejected():
 def test_schema_has_descriptions_for_the_ui():
     schema = ExperimentConfig.model_json_schema()
     assert "DPOStageConfig" in schema["$defs"]
-    assert schema["$defs"]["DPOStageConfig"]["properties"]["reference"]["enum"] == ["cached", "live"]
-    assert "description" in schema["$defs"]["DPOStageConfig"]["properties"]["beta"]
+    dpo = schema["$defs"]["DPOStageConfig"]["properties"]
+    assert dpo["reference"]["enum"] == ["cached", "live", "none"]
+    assert "description" in dpo["beta"]
+    assert sorted(dpo["loss_type"]["anyOf"][0]["enum"]) == sorted(PREFERENCE_LOSSES)
+
+
+def test_dpo_defaults_and_loss_options():
+    dpo = load_config(None).dpo
+    assert (dpo.beta, dpo.loss_type, dpo.loss_weights, dpo.label_smoothing, dpo.reference) == (0.1, "sigmoid", None, 0.0, "cached")
+    combined = load_config(None, ["dpo.loss_type=[sigmoid, sft]", "dpo.loss_weights=[1.0, 0.2]"]).dpo
+    assert combined.loss_type == ["sigmoid", "sft"] and combined.loss_weights == [1.0, 0.2]
+    assert load_config(None, ["dpo.reference=live", "dpo.sync_ref_model=true"]).dpo.sync_ref_model
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["dpo.loss_type=nope"], "dpo.loss_type"),
+        (["dpo.loss_type=[sigmoid, nope]"], "dpo.loss_type"),
+        (["dpo.loss_type=[sigmoid, sft]", "dpo.loss_weights=[1.0]"], "loss_weights: 1 weights for 2 losses"),
+        (["dpo.loss_type=[ipo, ipo]"], "repeats a loss"),
+        (["dpo.loss_type=hinge", "dpo.label_smoothing=0.1"], "label_smoothing: 0.1 has no effect"),
+        (["dpo.label_smoothing=0.5"], "label_smoothing"),
+        (["dpo.sync_ref_model=true"], "sync_ref_model needs reference: live"),
+        (["dpo.reference=none", "dpo.sync_ref_model=true"], "sync_ref_model needs reference: live"),
+    ],
+)
+def test_invalid_dpo_options_are_config_errors(overrides, message):
+    with pytest.raises(ValidationError, match=message):
+        load_config(None, overrides)

@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from trainers.collators import PreferenceCollator
 from trainers.data import DataValidationError, Truncation, load_rows, tokenize_split, validate_rows
 from trainers.synthetic import AdditionTask, generate_addition
 
@@ -47,6 +48,54 @@ def test_truncation_keep_end_and_dropped_pairs(tiny):
     assert tokenizer.decode(kept["prompt_ids"]) == "1234"
     kept, dropped = tokenize_split(rows, "preference", tokenizer, Truncation(max_length=4, max_prompt_length=4))
     assert kept == [] and dropped == 1
+
+
+def test_only_pairs_whose_completion_is_cut_to_nothing_are_dropped_and_counted(tiny):
+    _, tokenizer = tiny
+    rows = [
+        {"prompt": "1234567", "chosen": "ab", "rejected": "c"},  # 6-token prompt fills max_length: dropped
+        {"prompt": "12345", "chosen": "ab", "rejected": "c"},  # 5 prompt tokens leave 1 for each completion
+        {"prompt": "123456", "chosen": "ab", "rejected": "c"},  # dropped
+        {"prompt": [{"role": "user", "content": "9876543"}], "chosen": "ab", "rejected": "c"},  # dropped
+    ]
+    kept, dropped = tokenize_split(rows, "preference", tokenizer, Truncation(max_length=6, max_prompt_length=6, mode="keep_end"))
+    assert dropped == 3
+    (row,) = kept
+    assert tokenizer.decode(row["prompt_ids"]) == "12345"
+    assert row["chosen_ids"] == tokenizer.convert_tokens_to_ids(["a"]) and row["rejected_ids"] == tokenizer.convert_tokens_to_ids(["c"])
+    # keep_end on a conversational prompt keeps the generation prompt that the completion follows
+    (row,), _ = tokenize_split(rows[3:], "preference", tokenizer, Truncation(max_length=8, max_prompt_length=5, mode="keep_end"))
+    assert tokenizer.decode(row["prompt_ids"]) == "6543<|assistant|>"
+    assert tokenizer.decode(row["chosen_ids"]) == "ab</s>"
+
+
+@pytest.mark.parametrize("conversational", [False, True], ids=["standard", "conversational"])
+def test_collated_pair_batch_has_exact_ids_and_masks(tiny, conversational):
+    _, tokenizer = tiny
+    ids = tokenizer.convert_tokens_to_ids
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    if conversational:
+        user, assistant = lambda text: [{"role": "user", "content": text}], lambda text: [{"role": "assistant", "content": text}]
+        rows = [{"prompt": user("1+2="), "chosen": assistant("3"), "rejected": assistant("12")},
+                {"prompt": user("10+5="), "chosen": assistant("15"), "rejected": assistant("5")}]
+        prompts = [ids(["<|user|>", "1", "+", "2", "=", "<|assistant|>"]), ids(["<|user|>", "1", "0", "+", "5", "=", "<|assistant|>"])]
+    else:
+        rows = [{"prompt": "1+2=", "chosen": "3", "rejected": "12"}, {"prompt": "10+5=", "chosen": "15", "rejected": "5"}]
+        prompts = [ids(list("1+2=")), ids(list("10+5="))]
+    validate_rows(rows, ("prompt", "chosen", "rejected"), "inline")
+    features, dropped = tokenize_split(rows, "preference", tokenizer, Truncation(32, 16))
+    assert dropped == 0
+    batch = PreferenceCollator(pad)(features)
+
+    chosen = [ids(["3"]) + [eos], ids(["1", "5"]) + [eos]]
+    rejected = [ids(["1", "2"]) + [eos], ids(["5"]) + [eos]]
+    sequences = [p + c for p, c in zip(prompts + prompts, chosen + rejected)]
+    width = max(map(len, sequences))
+    assert batch["input_ids"].tolist() == [s + [pad] * (width - len(s)) for s in sequences]
+    assert batch["attention_mask"].tolist() == [[1] * len(s) + [0] * (width - len(s)) for s in sequences]
+    assert batch["completion_mask"].tolist() == [
+        [0] * len(p) + [1] * len(c) + [0] * (width - len(p) - len(c)) for p, c in zip(prompts + prompts, chosen + rejected)
+    ]
 
 
 def test_builtin_addition_splits_are_disjoint_and_noisy():

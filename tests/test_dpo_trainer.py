@@ -1,4 +1,5 @@
 import copy
+import math
 
 import datasets
 import pytest
@@ -8,6 +9,7 @@ from transformers import TrainerCallback
 from trainers.collators import PreferenceCollator
 from trainers.data import Truncation, tokenize_split
 from trainers.dpo import DPOConfig, DPOTrainer
+from trainers.losses import PREFERENCE_LOSSES
 from trainers.reference import reference_logps
 from trainers.synthetic import AdditionTask, generate_addition
 
@@ -83,11 +85,19 @@ def test_dpo_training_raises_reward_accuracy_and_leaves_reference_unchanged(tiny
         assert key in recorder.logs[0]
 
 
-def test_gradient_accumulation_matches_one_large_batch(tiny, pairs, tmp_path):
+def with_cached_reference(model, tokenizer, rows):
+    """Rows with ``ref_*`` columns: the model's own log-probs shifted, so log-ratios are not zero."""
+    chosen, rejected = reference_logps(model, tokenizer.pad_token_id, rows, batch_size=16, progress=False)
+    return [dict(r, ref_chosen_logps=c + 0.3 * (i % 3 - 1), ref_rejected_logps=j + 0.2) for i, (r, c, j) in enumerate(zip(rows, chosen, rejected))]
+
+
+@pytest.mark.parametrize(
+    "losses", [{"loss_type": "sigmoid"}, {"loss_type": ["ipo", "sft"], "loss_weights": [1.0, 0.5]}], ids=["sigmoid", "ipo+sft"]
+)
+def test_gradient_accumulation_matches_one_large_batch(tiny, pairs, tmp_path, losses):
     """2 micro-batches x 2 accumulation steps make the same SGD update as one batch of 4."""
     model, tokenizer = tiny
-    chosen, rejected = reference_logps(model, tokenizer.pad_token_id, pairs[:4], batch_size=4, progress=False)
-    rows = [dict(r, ref_chosen_logps=c - 0.3, ref_rejected_logps=j + 0.2) for r, c, j in zip(pairs[:4], chosen, rejected)]
+    rows = with_cached_reference(model, tokenizer, pairs[:4])
     # Plain SGD with lr=1 and no clipping: the update is exactly minus the accumulated gradient.
     sgd = dict(max_steps=1, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant", max_grad_norm=1e9)
 
@@ -95,10 +105,147 @@ def test_gradient_accumulation_matches_one_large_batch(tiny, pairs, tmp_path):
         policy = copy.deepcopy(model)
         start = [p.detach().clone() for p in policy.parameters()]
         make_trainer(policy, tokenizer, rows, tmp_path / folder, per_device_train_batch_size=batch_size,
-                     gradient_accumulation_steps=accumulation, **sgd).train()
+                     gradient_accumulation_steps=accumulation, **sgd, **losses).train()
         return [p.detach() - s for p, s in zip(policy.parameters(), start)]
 
     one_batch, accumulated = update(4, 1, "big"), update(2, 2, "small")
     assert any(d.abs().max() > 1e-4 for d in one_batch)
     for a, b in zip(one_batch, accumulated):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+LOSS_RUNS = {name: {"loss_type": name} for name in sorted(PREFERENCE_LOSSES)} | {
+    "robust-smoothed": {"loss_type": "robust", "label_smoothing": 0.1},
+    "sigmoid+sft": {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]},
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOSS_RUNS))
+def test_short_run_changes_every_parameter_and_leaves_the_live_reference_unchanged(tiny, pairs, tmp_path, name):
+    model, tokenizer = tiny
+    policy, reference = copy.deepcopy(model), copy.deepcopy(model)
+    policy_before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    reference_before = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    make_trainer(policy, tokenizer, pairs[:4], tmp_path, ref_model=reference, max_steps=1, per_device_train_batch_size=4, **LOSS_RUNS[name]).train()
+    assert [n for n, p in policy.named_parameters() if torch.equal(p, policy_before[n])] == []
+    assert [n for n, p in reference.named_parameters() if not torch.equal(p, reference_before[n])] == []
+
+
+def naive_row_scores(model, prompt_ids, completion_ids):
+    """(summed completion log-prob, summed vocabulary-mean logit, completion tokens) of one
+    unpadded sequence, with a plain log_softmax."""
+    with torch.no_grad():
+        sequence = torch.tensor([prompt_ids + completion_ids])
+        logits = model(sequence).logits[0].double()
+    positions = range(len(prompt_ids) - 1, len(prompt_ids) + len(completion_ids) - 1)
+    logp = sum(torch.log_softmax(logits[p], -1)[sequence[0, p + 1]].item() for p in positions)
+    return logp, sum(logits[p].mean().item() for p in positions), len(completion_ids)
+
+
+def expected_batch_metrics(model, rows, beta, sft_weight=None):
+    """DPO metrics of one batch, from per-row naive log-probs and the cached reference columns."""
+    chosen = [naive_row_scores(model, r["prompt_ids"], r["chosen_ids"]) for r in rows]
+    rejected = [naive_row_scores(model, r["prompt_ids"], r["rejected_ids"]) for r in rows]
+    reward_c = [beta * (c[0] - r["ref_chosen_logps"]) for c, r in zip(chosen, rows)]
+    reward_r = [beta * (j[0] - r["ref_rejected_logps"]) for j, r in zip(rejected, rows)]
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    sigmoid = mean([math.log1p(math.exp(-(c - j))) for c, j in zip(reward_c, reward_r)])
+    metrics = {
+        "rewards/chosen": mean(reward_c),
+        "rewards/rejected": mean(reward_r),
+        "rewards/accuracies": mean([float(c > j) for c, j in zip(reward_c, reward_r)]),
+        "rewards/margins": mean([c - j for c, j in zip(reward_c, reward_r)]),
+        "logps/chosen": mean([c[0] for c in chosen]),
+        "logps/rejected": mean([j[0] for j in rejected]),
+        "logits/chosen": sum(c[1] for c in chosen) / sum(c[2] for c in chosen),
+        "logits/rejected": sum(j[1] for j in rejected) / sum(j[2] for j in rejected),
+        "num_tokens": sum(2 * len(r["prompt_ids"]) + len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in rows),
+        "loss": sigmoid,
+    }
+    if sft_weight is not None:
+        sft = mean([-c[0] / c[2] for c in chosen])
+        metrics |= {"loss/sigmoid": sigmoid, "loss/sft": sft, "loss": sigmoid + sft_weight * sft}
+    return metrics
+
+
+def window_of(batches: list[dict]) -> dict:
+    """Window aggregation: ``num_tokens`` summed over the batches, everything else averaged."""
+    return {name: sum(b[name] for b in batches) / (1 if name == "num_tokens" else len(batches)) for name in batches[0]}
+
+
+def test_train_logs_average_the_window_of_batches(tiny, pairs, tmp_path):
+    model, tokenizer = tiny
+    rows = with_cached_reference(model, tokenizer, pairs[:8])
+    recorder = RecordLogs()
+    # Learning rate 0 keeps the policy fixed, and a sequential sampler fixes the batches, so the
+    # expected metrics of the two batches of the window can be computed here.
+    trainer = make_trainer(copy.deepcopy(model), tokenizer, rows, tmp_path, per_device_train_batch_size=4, max_steps=2,
+                           logging_steps=2, optim="sgd", learning_rate=0.0, train_sampling_strategy="sequential")
+    trainer.add_callback(recorder)
+    trainer.train()
+    (log,) = [log for log in recorder.logs if "rewards/chosen" in log]
+    want = window_of([expected_batch_metrics(model, rows[:4], 0.5), expected_batch_metrics(model, rows[4:], 0.5)])
+    assert want["rewards/accuracies"] not in (0.0, 1.0)
+    for name, value in want.items():
+        assert log[name] == pytest.approx(value, abs=1e-5), name
+
+
+def test_evaluate_reads_cached_eval_reference_and_returns_eval_metrics(tiny, pairs, tmp_path):
+    model, tokenizer = tiny
+    train_rows, eval_rows = pairs[:8], with_cached_reference(model, tokenizer, pairs[8:16])
+    trainer = make_trainer(copy.deepcopy(model), tokenizer, train_rows, tmp_path, per_device_eval_batch_size=4,
+                           loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.25])
+    trainer.eval_dataset = datasets.Dataset.from_list(eval_rows)
+    metrics = trainer.evaluate()
+    want = window_of([expected_batch_metrics(model, eval_rows[:4], 0.5, 0.25), expected_batch_metrics(model, eval_rows[4:], 0.5, 0.25)])
+    for name, value in want.items():
+        assert metrics[f"eval_{name}"] == pytest.approx(value, abs=1e-5), name
+    assert not any(key.startswith("rewards/") for key in metrics)
+
+
+def test_reference_free_takes_reference_logps_as_zero(tiny, pairs, tmp_path):
+    model, tokenizer = tiny
+    trainer = make_trainer(model, tokenizer, pairs[:4], tmp_path, reference_free=True)
+    model.eval()
+    loss = trainer.compute_loss(model, PreferenceCollator(tokenizer.pad_token_id)(pairs[:4]))
+    margins = [naive_row_scores(model, r["prompt_ids"], r["chosen_ids"])[0] - naive_row_scores(model, r["prompt_ids"], r["rejected_ids"])[0] for r in pairs[:4]]
+    assert loss.item() == pytest.approx(sum(math.log1p(math.exp(-0.5 * m)) for m in margins) / 4, abs=1e-5)
+    with pytest.raises(ValueError, match="reference_free=True takes reference log-probs as 0"):
+        make_trainer(model, tokenizer, pairs[:4], tmp_path, ref_model=copy.deepcopy(model), reference_free=True)
+
+
+def test_periodic_sync_mixes_the_policy_into_the_live_reference(tiny, pairs, tmp_path):
+    model, tokenizer = tiny
+    policy, reference = copy.deepcopy(model), copy.deepcopy(model)
+    with torch.no_grad():  # a reference that differs from the policy, so the mix is visible
+        for p in reference.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    reference_before = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    make_trainer(policy, tokenizer, pairs[:8], tmp_path, ref_model=reference, max_steps=2, per_device_train_batch_size=4,
+                 sync_ref_model=True, ref_model_mixup_alpha=0.25, ref_model_sync_steps=2).train()
+    policy_params = dict(policy.named_parameters())
+    for name, p in reference.named_parameters():  # one sync, after step 2
+        expected = 0.25 * policy_params[name].detach() + 0.75 * reference_before[name]
+        assert torch.allclose(p, expected, atol=1e-6), name
+    assert not torch.equal(reference.model.norm.weight, reference_before["model.norm.weight"])
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"loss_type": "nope"}, "unknown loss_type 'nope'"),
+        ({"loss_type": ["sigmoid", "hinge"], "loss_weights": [1.0]}, "1 weights for 2 losses"),
+        ({"loss_type": "hinge", "label_smoothing": 0.2}, "has no effect"),
+        ({"beta": 0.0}, "must be > 0"),
+        ({"sync_ref_model": True, "reference_free": True}, "cannot be combined with reference_free"),
+    ],
+)
+def test_invalid_dpo_config_fails_at_construction(tmp_path, settings, message):
+    with pytest.raises(ValueError, match=message):
+        DPOConfig(output_dir=str(tmp_path), report_to=[], **settings)
+
+
+def test_sync_without_a_live_reference_is_an_error(tiny, pairs, tmp_path):
+    model, tokenizer = tiny
+    with pytest.raises(ValueError, match="sync_ref_model=True needs a live ref_model"):
+        make_trainer(model, tokenizer, with_cached_reference(model, tokenizer, pairs[:4]), tmp_path, sync_ref_model=True)

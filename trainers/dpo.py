@@ -1,8 +1,9 @@
 """``DPOTrainer``: a ``transformers.Trainer`` whose ``compute_loss`` is a preference loss.
 
 Per step: one forward of the policy over the concatenated ``[chosen; rejected]`` batch, summed
-completion log-probs, reference log-probs from cached columns (default), a live frozen
-reference model, or zeros (reference-free), then the registered loss chosen by ``loss_type``.
+completion log-probs, reference log-probs from a live frozen reference model, cached columns
+(default in the pipeline), or zeros (reference-free), then the registered loss(es) chosen by
+``loss_type``, weighted by ``loss_weights``.
 """
 
 from __future__ import annotations
@@ -13,21 +14,38 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
+from trainers.callbacks import SyncReferenceCallback
 from trainers.collators import REF_COLUMNS
-from trainers.logprobs import completion_logps
-from trainers.losses import get_loss
+from trainers.logprobs import CompletionLogps, completion_logps
+from trainers.losses import LossParams, PairLogps, resolve_losses
+
+# Metrics summed over the logging window and the processes; every other metric is averaged.
+SUMMED_METRICS = {"num_tokens"}
 
 
 @dataclass
 class DPOConfig(TrainingArguments):
-    beta: float = field(default=0.1, metadata={"help": "Scale of the log-ratio difference inside the loss."})
-    loss_type: str = field(default="sigmoid", metadata={"help": "Name of a registered preference loss."})
+    beta: float = field(default=0.1, metadata={"help": "β: scale of the log-ratios inside the loss."})
+    loss_type: str | list[str] = field(default="sigmoid", metadata={"help": "A registered preference loss, or a list of them."})
+    loss_weights: list[float] | None = field(default=None, metadata={"help": "One weight per loss in loss_type; default all 1."})
+    label_smoothing: float = field(default=0.0, metadata={"help": "ε of sigmoid (cDPO), robust and exo_pair; in [0, 0.5)."})
+    discopop_tau: float = field(default=0.05, metadata={"help": "τ of the discopop loss."})
     reference_free: bool = field(default=False, metadata={"help": "Take reference log-probs as 0."})
+    sync_ref_model: bool = field(default=False, metadata={"help": "Mix the policy into the live reference every ref_model_sync_steps."})
+    ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "α in ref ← α·θ + (1 − α)·ref."})
+    ref_model_sync_steps: int = field(default=512, metadata={"help": "Optimizer steps between reference syncs."})
     remove_unused_columns: bool = False
 
     def __post_init__(self):
         super().__post_init__()
-        get_loss(self.loss_type)  # fail at configuration time, not at the first step
+        # Fail at configuration time, not at the first step.
+        resolve_losses(self.loss_type, self.loss_weights, self.label_smoothing)
+        if self.beta <= 0 or self.discopop_tau <= 0:
+            raise ValueError(f"beta ({self.beta}) and discopop_tau ({self.discopop_tau}) must be > 0")
+        if not 0 < self.ref_model_mixup_alpha <= 1 or self.ref_model_sync_steps < 1:
+            raise ValueError("ref_model_mixup_alpha must be in (0, 1] and ref_model_sync_steps >= 1")
+        if self.sync_ref_model and self.reference_free:
+            raise ValueError("sync_ref_model needs a reference model; it cannot be combined with reference_free")
 
 
 def reward_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -40,51 +58,108 @@ def reward_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor)
     }
 
 
+class RunningMean:
+    """Mean of every value added so far (bco_pair's reward shift δ)."""
+
+    def __init__(self):
+        self.total, self.count = 0.0, 0
+
+    def add(self, value: float) -> float:
+        self.total += value
+        self.count += 1
+        return self.total / self.count
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+
 class DPOTrainer(Trainer):
+    loss_is_scaled_for_ga = False  # compute_loss returns a per-micro-batch mean
+
     def __init__(self, *args, ref_model: PreTrainedModel | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.loss_fn = get_loss(self.args.loss_type)
+        self.objective = resolve_losses(self.args.loss_type, self.args.loss_weights, self.args.label_smoothing)
+        if self.args.reference_free and ref_model is not None:
+            raise ValueError("reference_free=True takes reference log-probs as 0; do not also pass a ref_model")
+        if self.args.sync_ref_model and ref_model is None:
+            raise ValueError("sync_ref_model=True needs a live ref_model (cached reference columns cannot be synced)")
         self.ref_model = None
         if ref_model is not None:
             ref_model.requires_grad_(False).eval()
             self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True)
+        if self.args.sync_ref_model:
+            self.add_callback(SyncReferenceCallback(self.ref_model, self.args.ref_model_mixup_alpha, self.args.ref_model_sync_steps))
+        self.reward_mean = RunningMean()
         self.window_metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
 
     def reference_logps(self, inputs: dict[str, torch.Tensor], batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if all(column in inputs for column in REF_COLUMNS):
-            return inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
-        if self.ref_model is not None:
-            with torch.no_grad():
-                ref = completion_logps(
-                    self.ref_model, inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"]
-                )
-            return ref[:batch_size], ref[batch_size:]
+        """A live reference model if given, else the cached ``ref_*`` columns, else zeros (reference-free)."""
         if self.args.reference_free:
             zeros = torch.zeros(batch_size, device=inputs["input_ids"].device)
             return zeros, zeros
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref = completion_logps(self.ref_model, inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"]).logps
+            return ref[:batch_size], ref[batch_size:]
+        if all(column in inputs for column in REF_COLUMNS):
+            return inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
         raise ValueError("no reference: give cached ref_* columns, a ref_model, or set reference_free=True")
+
+    def reward_shift(self, pairs: PairLogps, training: bool) -> float:
+        """δ of bco_pair: running mean of the batch-mean implicit rewards, updated in training only."""
+        if "bco_pair" not in self.objective.names:  # spare every other loss a gather and a device sync
+            return 0.0
+        if not training:
+            return self.reward_mean.mean
+        rewards = self.args.beta * torch.cat([pairs.chosen_logratios, pairs.rejected_logratios]).detach().mean()
+        return self.reward_mean.add(self.accelerator.gather(rewards[None]).mean().item())
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         batch_size = inputs["input_ids"].shape[0] // 2
-        logps = completion_logps(model, inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"])
-        chosen_logps, rejected_logps = logps[:batch_size], logps[batch_size:]
+        policy = completion_logps(model, inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"])
         ref_chosen, ref_rejected = self.reference_logps(inputs, batch_size)
-        losses = self.loss_fn(chosen_logps, rejected_logps, ref_chosen, ref_rejected, beta=self.args.beta)
+        pairs = PairLogps(
+            chosen=policy.logps[:batch_size],
+            rejected=policy.logps[batch_size:],
+            ref_chosen=ref_chosen,
+            ref_rejected=ref_rejected,
+            chosen_lengths=policy.num_tokens[:batch_size],
+            rejected_lengths=policy.num_tokens[batch_size:],
+        )
+        params = LossParams(
+            beta=self.args.beta,
+            label_smoothing=self.args.label_smoothing,
+            discopop_tau=self.args.discopop_tau,
+            reward_shift=self.reward_shift(pairs, model.training),
+        )
+        losses, components = self.objective(pairs, params)
         loss = losses.mean()
-
-        beta = self.args.beta
-        metrics = reward_metrics(beta * (chosen_logps - ref_chosen).detach(), beta * (rejected_logps - ref_rejected).detach())
-        metrics["logps/chosen"] = chosen_logps.detach().mean()
-        metrics["logps/rejected"] = rejected_logps.detach().mean()
-        metrics["num_tokens"] = inputs["attention_mask"].sum().float()
+        metrics = self.batch_metrics(pairs, policy, components, inputs["attention_mask"])
         self.record_metrics(metrics, "train" if model.training else "eval")
-        return (loss, {"chosen_logps": chosen_logps, "rejected_logps": rejected_logps}) if return_outputs else loss
+        return (loss, {"chosen_logps": pairs.chosen, "rejected_logps": pairs.rejected}) if return_outputs else loss
+
+    def batch_metrics(
+        self, pairs: PairLogps, policy: CompletionLogps, components: dict[str, torch.Tensor], attention_mask: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        beta, half = self.args.beta, len(pairs.chosen)
+        metrics = reward_metrics(beta * pairs.chosen_logratios.detach(), beta * pairs.rejected_logratios.detach())
+        metrics["logps/chosen"] = pairs.chosen.detach().mean()
+        metrics["logps/rejected"] = pairs.rejected.detach().mean()
+        # Mean logit over the vocabulary and the completion tokens of the chosen (rejected) rows.
+        metrics["logits/chosen"] = policy.logit_sums[:half].sum() / policy.num_tokens[:half].sum().clamp(min=1)
+        metrics["logits/rejected"] = policy.logit_sums[half:].sum() / policy.num_tokens[half:].sum().clamp(min=1)
+        metrics["num_tokens"] = attention_mask.sum().float()
+        if len(components) > 1:
+            metrics.update({f"loss/{name}": loss.detach().mean() for name, loss in components.items()})
+        return metrics
 
     def record_metrics(self, metrics: dict[str, torch.Tensor], mode: str) -> None:
         names = list(metrics)
-        gathered = self.accelerator.gather_for_metrics(torch.stack([metrics[n] for n in names]).unsqueeze(0))
-        for name, value in zip(names, gathered.float().mean(0).tolist()):
-            self.window_metrics[mode][name].append(value)
+        stacked = torch.stack([metrics[n].float() for n in names]).unsqueeze(0)
+        gathered = self.accelerator.gather(stacked)  # (processes, metrics)
+        for name, total, mean in zip(names, gathered.sum(0).tolist(), gathered.mean(0).tolist()):
+            self.window_metrics[mode][name].append(total if name in SUMMED_METRICS else mean)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         with torch.no_grad():
@@ -92,10 +167,11 @@ class DPOTrainer(Trainer):
         return loss.detach(), None, None
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add the DPO metrics, averaged over the logging window, to the Trainer's logs."""
+        """Add the DPO metrics of the logging window (``eval_``-prefixed after an evaluation) to
+        the Trainer's logs: ``num_tokens`` summed, the others averaged over the window."""
         mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
         prefix = "eval_" if mode == "eval" else ""
         for name, values in self.window_metrics[mode].items():
-            logs[prefix + name] = sum(values) / len(values)
+            logs[prefix + name] = sum(values) if name in SUMMED_METRICS else sum(values) / len(values)
         self.window_metrics[mode].clear()
         super().log(logs, start_time)

@@ -130,7 +130,7 @@ def preference_rewards(model, tokenizer, rows: list[dict], beta: float, batch_si
     totals = {"rewards/accuracies": 0.0, "rewards/margins": 0.0}
     for start in range(0, len(rows), batch_size):
         batch = collate(rows[start : start + batch_size])
-        logps = completion_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+        logps = completion_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"]).logps
         n = len(batch["ref_chosen_logps"])
         metrics = reward_metrics(beta * (logps[:n] - batch["ref_chosen_logps"]), beta * (logps[n:] - batch["ref_rejected_logps"]))
         for name in totals:

@@ -2,21 +2,87 @@
 
 The one implementation used by the DPO trainer, by reference caching and by evaluation, so
 cached and live reference values can never disagree.
+
+Two savings over ``log_softmax(logits).gather(...)``:
+
+* the model projects onto the vocabulary only from the first position that predicts a
+  completion token (``logits_to_keep``, when its ``forward`` accepts it), so a long prompt
+  costs no ``lm_head`` work and no logits memory;
+* the target token's log-prob is ``z[target] − logsumexp(z)``, computed in float32 over chunks
+  of scored positions; the backward pass recomputes the softmax chunk by chunk. Neither pass
+  holds a full-vocabulary float32 copy of the logits, only ``chunk × vocab`` temporaries.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+from typing import NamedTuple
+
 import torch
+from transformers.modeling_utils import unwrap_model
 
-LOGPROB_CODE_VERSION = "completion-logps-v1"
+LOGPROB_CODE_VERSION = "completion-logps-v2"
+# Float32 elements of one chunk of (scored positions × vocabulary): 16 MiB.
+CHUNK_ELEMENTS = 1 << 22
 
 
-def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``log_softmax(logits)[target]`` computed as ``logit[target] - logsumexp(logits)`` in float32,
-    one row at a time, without materialising a full-vocabulary log-softmax copy."""
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1).float()
-    normaliser = torch.stack([row.float().logsumexp(-1) for row in logits])
-    return picked - normaliser
+class CompletionLogps(NamedTuple):
+    """Per-row results of :func:`completion_logps`; every field has shape ``(rows,)``, float32
+    (float64 for a float64 model)."""
+
+    logps: torch.Tensor  # Σ_t m_t · log p(x_t | x_<t); differentiable
+    num_tokens: torch.Tensor  # Σ_t m_t: completion tokens scored
+    logit_sums: torch.Tensor  # Σ_t m_t · mean_v z_{t,v}: for the ``logits/*`` metrics; no gradient
+
+
+class TargetLogProbs(torch.autograd.Function):
+    """``log_softmax(logits[rows, cols])[targets]`` and the vocabulary-mean logit at those
+    positions, in float32 (float64 for float64 logits), ``chunk`` positions at a time.
+
+    Backward: ``∂/∂z_v = g · (1[v = target] − softmax(z)_v)``, recomputed per chunk from the saved
+    logits (the original tensor, not a copy) and the saved per-position logsumexp.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, rows, cols, targets, chunk):
+        count = rows.numel()
+        logps = torch.empty(count, dtype=compute_dtype(logits), device=logits.device)
+        means = torch.empty_like(logps)
+        normalisers = torch.empty_like(logps)
+        for start in range(0, count, chunk):
+            part = slice(start, start + chunk)
+            block = logits[rows[part], cols[part]].to(logps.dtype)
+            normalisers[part] = block.logsumexp(-1)
+            logps[part] = block.gather(-1, targets[part, None]).squeeze(-1) - normalisers[part]
+            means[part] = block.mean(-1)
+        ctx.save_for_backward(logits, rows, cols, targets, normalisers)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(means)
+        return logps, means
+
+    @staticmethod
+    def backward(ctx, grad_logps, grad_means):
+        logits, rows, cols, targets, normalisers = ctx.saved_tensors
+        grad = torch.zeros_like(logits)
+        for start in range(0, rows.numel(), ctx.chunk):
+            part = slice(start, start + ctx.chunk)
+            scale = grad_logps[part, None]
+            block = logits[rows[part], cols[part]].to(normalisers.dtype)
+            block_grad = (block - normalisers[part, None]).exp_().mul_(-scale)
+            block_grad.scatter_add_(-1, targets[part, None], scale)
+            grad[rows[part], cols[part]] = block_grad.to(grad.dtype)
+        return grad, None, None, None, None
+
+
+def compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    """Float32, or float64 for float64 logits (which keeps ``gradcheck`` meaningful)."""
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
+@functools.cache
+def accepts_logits_to_keep(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
 def completion_logps(
@@ -24,11 +90,30 @@ def completion_logps(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     completion_mask: torch.Tensor,
-) -> torch.Tensor:
+) -> CompletionLogps:
     """Summed log-probs of the completion tokens of each row: ``sum_t m_t log p(x_t | x_<t)``.
 
     Position ``t`` of the logits predicts token ``t + 1``; prompt and padding carry ``m_t = 0``.
+    One forward over all rows (the trainer passes chosen and rejected concatenated).
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
-    mask = completion_mask[:, 1:].to(torch.float32)
-    return (token_logps(logits, input_ids[:, 1:]) * mask).sum(-1)
+    scored = completion_mask[:, 1:].bool()  # scored[:, t]: position t predicts a completion token
+    has_scored = scored.any(0)
+    first = int(has_scored.float().argmax()) if bool(has_scored.any()) else scored.shape[1] - 1
+    kept = input_ids.shape[1] - first  # positions first .. last, the last predicting nothing
+    extra = {"logits_to_keep": kept} if accepts_logits_to_keep(type(unwrap_model(model))) else {}
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
+    logits = logits[:, -kept:]  # a view; already this shape when logits_to_keep was honoured
+
+    rows, cols = scored[:, first:].nonzero(as_tuple=True)
+    targets = input_ids[:, first + 1 :][rows, cols]
+    chunk = max(1, CHUNK_ELEMENTS // logits.shape[-1])
+    token_logps, token_means = TargetLogProbs.apply(logits, rows, cols, targets, chunk)
+
+    def per_row(values: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(input_ids.shape[0], dtype=values.dtype, device=values.device).index_add(0, rows, values)
+
+    return CompletionLogps(
+        logps=per_row(token_logps),
+        num_tokens=scored.sum(-1).float(),
+        logit_sums=per_row(token_means.detach()),
+    )

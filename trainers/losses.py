@@ -1,33 +1,76 @@
-"""Preference losses, registered by name. Each is a pure function of per-pair tensors."""
+"""Preference losses, registered by name. Each is a pure function of per-pair tensors.
+
+Notation, per pair: ``π_c``, ``π_r`` summed completion log-probs of the chosen and rejected
+completion under the policy; ``ref_c``, ``ref_r`` the same under the reference (0 when
+reference-free); ``|y_c|``, ``|y_r|`` completion lengths in tokens;
+``Δ = (π_c − ref_c) − (π_r − ref_r)``; implicit rewards ``r_c = β(π_c − ref_c)``,
+``r_r = β(π_r − ref_r)``; ``ε`` label smoothing; ``σ`` the logistic function.
+"""
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+import math
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 
 
+@dataclass(frozen=True)
+class PairLogps:
+    """Per-pair inputs of a preference loss; every tensor has shape ``(pairs,)``."""
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    ref_chosen: torch.Tensor
+    ref_rejected: torch.Tensor
+    chosen_lengths: torch.Tensor
+    rejected_lengths: torch.Tensor
+
+    @property
+    def chosen_logratios(self) -> torch.Tensor:
+        return self.chosen - self.ref_chosen
+
+    @property
+    def rejected_logratios(self) -> torch.Tensor:
+        return self.rejected - self.ref_rejected
+
+    @property
+    def margin(self) -> torch.Tensor:
+        """``Δ``: the difference of the two log-ratios."""
+        return self.chosen_logratios - self.rejected_logratios
+
+    @property
+    def length_normalised_margin(self) -> torch.Tensor:
+        """``(π_c − ref_c)/|y_c| − (π_r − ref_r)/|y_r|``."""
+        return self.chosen_logratios / self.chosen_lengths.clamp(min=1) - self.rejected_logratios / self.rejected_lengths.clamp(min=1)
+
+
+@dataclass(frozen=True)
+class LossParams:
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    discopop_tau: float = 0.05
+    # δ of bco_pair: the running mean of the implicit rewards, kept by the trainer.
+    reward_shift: float = 0.0
+
+
 class PreferenceLoss(Protocol):
-    def __call__(
-        self,
-        chosen_logps: torch.Tensor,
-        rejected_logps: torch.Tensor,
-        ref_chosen_logps: torch.Tensor,
-        ref_rejected_logps: torch.Tensor,
-        *,
-        beta: float,
-    ) -> torch.Tensor: ...
+    def __call__(self, pairs: PairLogps, params: LossParams) -> torch.Tensor: ...
 
 
 PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {}
+LABEL_SMOOTHING_LOSSES: set[str] = set()  # the losses whose formula uses ε
 
 
-def register_loss(name: str) -> Callable[[PreferenceLoss], PreferenceLoss]:
+def register_loss(name: str, uses_label_smoothing: bool = False) -> Callable[[PreferenceLoss], PreferenceLoss]:
     def decorator(fn: PreferenceLoss) -> PreferenceLoss:
         if name in PREFERENCE_LOSSES:
             raise ValueError(f"preference loss {name!r} is already registered")
         PREFERENCE_LOSSES[name] = fn
+        if uses_label_smoothing:
+            LABEL_SMOOTHING_LOSSES.add(name)
         return fn
 
     return decorator
@@ -39,14 +82,178 @@ def get_loss(name: str) -> PreferenceLoss:
     return PREFERENCE_LOSSES[name]
 
 
-@register_loss("sigmoid")
-def sigmoid_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, *, beta):
-    """DPO (Rafailov et al., 2023, arXiv:2305.18290), per pair:
+@register_loss("sigmoid", uses_label_smoothing=True)
+def sigmoid_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
+    """DPO (Rafailov et al., 2023, arXiv:2305.18290), with conservative label smoothing ε
+    (cDPO, Mitchell 2023):
 
-        L = -log σ( β · [ (π_c − ref_c) − (π_r − ref_r) ] )
-
-    where π and ref are summed completion log-probs under the policy and the reference;
-    β multiplies the difference of the two log-ratios.
+        L = −(1 − ε) log σ(βΔ) − ε log σ(−βΔ)
     """
-    logits = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps)
-    return -F.logsigmoid(beta * logits)
+    z = params.beta * pairs.margin
+    eps = params.label_smoothing
+    return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+
+
+@register_loss("robust", uses_label_smoothing=True)
+def robust_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
+    """Robust DPO (Chowdhury et al., 2024, arXiv:2403.00409), unbiased under label-flip rate ε < ½:
+
+        L = [ −(1 − ε) log σ(βΔ) + ε log σ(−βΔ) ] / (1 − 2ε)
+    """
+    z = params.beta * pairs.margin
+    eps = params.label_smoothing
+    return (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
+
+
+@register_loss("hinge")
+def hinge_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
+    """SLiC calibration hinge (Zhao et al., 2023, arXiv:2305.10425) on the DPO log-ratios:
+
+        L = max(0, 1 − βΔ)
+    """
+    return F.relu(1 - params.beta * pairs.margin)
+
+
+@register_loss("ipo")
+def ipo_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
+    """IPO (Azar et al., 2023, arXiv:2310.12036), log-probs averaged over completion length:
+
+        Δ̄ = (π_c − ref_c)/|y_c| − (π_r − ref_r)/|y_r|,    L = (Δ̄ − 1/(2β))²
+    """
+    return (pairs.length_normalised_margin - 1 / (2 * params.beta)) ** 2
+
+
+@register_loss("exo_pair", uses_label_smoothing=True)
+def exo_pair_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
+    """EXO, pairwise (Ji et al., 2024, arXiv:2402.00856): reverse KL from the model's preference
+    distribution ``(σ(βΔ), σ(−βΔ))`` to the smoothed labels ``(1 − ε, ε)``; ε = 10⁻³ when 0:
+
+        L = σ(βΔ) [log σ(βΔ) − log(1 − ε)] + σ(−βΔ) [log σ(−βΔ) − log ε]
+    """
+    z = params.beta * pairs.margin
+    eps = params.label_smoothing or 1e-3
+    return torch.sigmoid(z) * (F.logsigmoid(z) - math.log(1 - eps)) + torch.sigmoid(-z) * (F.logsigmoid(-z) - math.log(eps))
+
+
+@register_loss("nca_pair")
+def nca_pair_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
+    """NCA, pairwise (Chen et al., 2024, arXiv:2402.05369):
+
+        L = −log σ(r_c) − ½ log σ(−r_c) − ½ log σ(−r_r)
+    """
+    chosen = params.beta * pairs.chosen_logratios
+    rejected = params.beta * pairs.rejected_logratios
+    return -F.logsigmoid(chosen) - 0.5 * F.logsigmoid(-chosen) - 0.5 * F.logsigmoid(-rejected)
+
+
+@register_loss("bco_pair")
+def bco_pair_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
+    """BCO on pairs (Jung et al., 2024, arXiv:2404.04656): chosen vs. rejected as a binary
+    classifier of the implicit reward, shifted by δ, the running mean of all implicit rewards:
+
+        L = −log σ(r_c − δ) − log σ(−(r_r − δ))
+    """
+    chosen = params.beta * pairs.chosen_logratios
+    rejected = params.beta * pairs.rejected_logratios
+    delta = params.reward_shift
+    return -F.logsigmoid(chosen - delta) - F.logsigmoid(-(rejected - delta))
+
+
+@register_loss("sppo_hard")
+def sppo_hard_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
+    """SPPO with hard labels (Wu et al., 2024, arXiv:2405.00675): winner probability 1, loser 0:
+
+        L = (π_c − ref_c − 1/(2β))² + (π_r − ref_r + 1/(2β))²
+    """
+    target = 1 / (2 * params.beta)
+    return (pairs.chosen_logratios - target) ** 2 + (pairs.rejected_logratios + target) ** 2
+
+
+@register_loss("apo_zero")
+def apo_zero_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
+    """APO-zero (D'Oosterlinck et al., 2024, arXiv:2408.06266): raise the chosen, lower the
+    rejected likelihood (for chosen completions better than the model's own):
+
+        L = 1 − σ(r_c) + σ(r_r)
+    """
+    return 1 - torch.sigmoid(params.beta * pairs.chosen_logratios) + torch.sigmoid(params.beta * pairs.rejected_logratios)
+
+
+@register_loss("apo_down")
+def apo_down_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
+    """APO-down (D'Oosterlinck et al., 2024, arXiv:2408.06266): lower both likelihoods, the
+    rejected more (for chosen completions worse than the model's own):
+
+        L = σ(r_c) + 1 − σ(βΔ)
+    """
+    return torch.sigmoid(params.beta * pairs.chosen_logratios) + 1 - torch.sigmoid(params.beta * pairs.margin)
+
+
+@register_loss("sigmoid_norm")
+def sigmoid_norm_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
+    """Length-normalised DPO (Tülu 3, Lambert et al., 2024, arXiv:2411.15124):
+
+        L = −log σ(β · [(π_c − ref_c)/|y_c| − (π_r − ref_r)/|y_r|])
+    """
+    return -F.logsigmoid(params.beta * pairs.length_normalised_margin)
+
+
+@register_loss("discopop")
+def discopop_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
+    """DiscoPOP / log-ratio modulated loss (Lu et al., 2024, arXiv:2406.08414), temperature τ:
+
+        z = βΔ,  m = σ(z/τ),  L = −log σ(z) · (1 − m) + exp(−z) · m
+
+    ``exp(−z)·m`` is evaluated as ``exp(−z + log σ(z/τ))``: equal, and finite for very negative z.
+    """
+    z = params.beta * pairs.margin
+    modulation = torch.sigmoid(z / params.discopop_tau)
+    return -F.logsigmoid(z) * (1 - modulation) + torch.exp(-z + F.logsigmoid(z / params.discopop_tau))
+
+
+@register_loss("sft")
+def sft_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
+    """Negative log-likelihood of the chosen completion, per token (RPO's NLL term, Pang et
+    al., 2024, arXiv:2404.19733); the reference plays no part:
+
+        L = −π_c / |y_c|
+    """
+    return -pairs.chosen / pairs.chosen_lengths.clamp(min=1)
+
+
+@dataclass(frozen=True)
+class LossMix:
+    """A weighted sum of registered losses: ``L = Σ_k w_k L_k``."""
+
+    names: tuple[str, ...]
+    weights: tuple[float, ...]
+
+    def __call__(self, pairs: PairLogps, params: LossParams) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-pair total loss, and each component's per-pair loss (unweighted) by name."""
+        components = {name: PREFERENCE_LOSSES[name](pairs, params) for name in self.names}
+        total = sum(weight * loss for weight, loss in zip(self.weights, components.values()))
+        return total, components
+
+
+def resolve_losses(loss_type: str | Sequence[str], loss_weights: Sequence[float] | None, label_smoothing: float) -> LossMix:
+    """Validate a loss configuration; raises ``ValueError`` naming the offending option."""
+    names = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
+    if not names:
+        raise ValueError("loss_type: give one loss name or a non-empty list")
+    for name in names:
+        get_loss(name)
+    if len(set(names)) != len(names):
+        raise ValueError(f"loss_type: {list(names)} repeats a loss; give each once and weight it with loss_weights")
+    weights = (1.0,) * len(names) if loss_weights is None else tuple(float(w) for w in loss_weights)
+    if len(weights) != len(names):
+        raise ValueError(f"loss_weights: {len(weights)} weights for {len(names)} losses {list(names)}")
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) == 0:
+        raise ValueError(f"loss_weights: {list(weights)} must be finite, non-negative and not all zero")
+    if not 0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing: {label_smoothing} must be in [0, 0.5)")
+    if label_smoothing > 0 and not LABEL_SMOOTHING_LOSSES.intersection(names):
+        raise ValueError(
+            f"label_smoothing: {label_smoothing} has no effect on {list(names)}; "
+            f"it is defined for {sorted(LABEL_SMOOTHING_LOSSES)}"
+        )
+    return LossMix(names, weights)

@@ -30,7 +30,8 @@ def reference_logps(
     starts = range(0, len(rows), batch_size)
     for start in tqdm(starts, desc="reference log-probs", disable=not progress, mininterval=5):
         batch = collate(rows[start : start + batch_size])
-        logps = completion_logps(model, batch["input_ids"].to(model.device), batch["attention_mask"].to(model.device), batch["completion_mask"].to(model.device))
+        batch = {name: tensor.to(model.device) for name, tensor in batch.items()}
+        logps = completion_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"]).logps
         half = len(logps) // 2
         chosen += logps[:half].tolist()
         rejected += logps[half:].tolist()
