@@ -319,7 +319,7 @@ def test_browser_shows_the_run_form_and_the_mlflow_metrics(stack, smoke_run):
             page.screenshot(path=SCREENSHOTS / "prefect-deployment-parameters.png")
 
             page.goto(f"{stack.prefect_url}/deployments/deployment/{stack.nightly.id}/run")
-            beta = page.get_by_text("β in −log σ").first
+            beta = page.get_by_text("β: scale of the log-ratios").first
             beta.wait_for(timeout=60_000)
             form = page.inner_text("body")
             labels = ["Name (Optional)", "Model (Optional)", "Data (Optional)", "SFT (Optional)", "DPO (Optional)", "Evaluation (Optional)", "Tracking (Optional)"]

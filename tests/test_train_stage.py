@@ -1,31 +1,27 @@
 """The pipeline's DPO stage builder: every DPO option of the config reaches the trainer."""
 
-import datasets
 import pytest
+from prefect.logging import disable_run_logger
 
-from infra.config import load_config
+from infra.config import AdditionTaskConfig, DataConfig, ReferenceConfig, load_config
+from tasks.data import prepare_dataset
 from tasks.models import checkpoint_ref
-from tasks.refs import PreparedData, RefLogps
+from tasks.reference import cache_ref_logps
 from tasks.train import StageInputs, build_dpo
 from trainers.callbacks import SyncReferenceCallback
-from trainers.data import Truncation, tokenize_split
-from trainers.synthetic import AdditionTask, generate_addition
 
 
 @pytest.fixture(scope="module")
 def stage_inputs(tiny, tmp_path_factory):
+    """A real prepared dataset and a real reference-cache entry for it (the tiny model is the reference)."""
     model, tokenizer = tiny
     root = tmp_path_factory.mktemp("dpo-stage")
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     policy = checkpoint_ref(root / "model", "sft")
-    rows, _ = tokenize_split(generate_addition(AdditionTask(max_operand=5, num_eval_problems=4))["preference"][:8], "preference", tokenizer, Truncation(32, 16))
-    plain = datasets.DatasetDict({"preference": datasets.Dataset.from_list(rows)})
-    plain.save_to_disk(root / "data")
-    cached = datasets.DatasetDict({"preference": datasets.Dataset.from_list([dict(r, ref_chosen_logps=-1.0, ref_rejected_logps=-2.0) for r in rows])})
-    cached.save_to_disk(root / "ref")
-    data = PreparedData(path=str(root / "data"), fingerprint="data", rows={"preference": 8}, dropped={"preference": 0})
-    ref_logps = RefLogps(key="ref", path=str(root / "ref"), reference_fingerprint=policy.fingerprint, rows={"preference": 8})
+    with disable_run_logger():
+        data = prepare_dataset.fn(DataConfig(builtin=AdditionTaskConfig(max_operand=3, num_eval_problems=4)), policy)
+        ref_logps = cache_ref_logps.fn(data, policy, ReferenceConfig(batch_size=16))
     return policy, data, ref_logps
 
 
