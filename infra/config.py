@@ -14,7 +14,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Stage = Literal["sft", "dpo"]
+from trainers.samplers import resolve_layout  # the same batch arithmetic check as GRPOConfig's
+
+Stage = Literal["sft", "dpo", "grpo"]
 
 
 class Section(BaseModel):
@@ -49,6 +51,9 @@ class DataConfig(Section):
     preference: DatasetSource | None = Field(None, description="`prompt`/`chosen`/`rejected` rows for DPO.")
     preference_eval: DatasetSource | None = Field(None, description="Held-out preference pairs for reward accuracy.")
     eval_prompts: DatasetSource | None = Field(None, description="`prompt`/`answer` rows for accuracy.")
+    grpo_prompts: DatasetSource | None = Field(
+        None, description="`prompt` rows (and `answer`, passed to reward functions) for GRPO; held-out prompts must not be among them."
+    )
     max_length: int = Field(32, ge=2, description="Maximum prompt + completion tokens.")
     max_prompt_length: int = Field(16, ge=1, description="Maximum prompt tokens.")
     truncation_mode: Literal["keep_end", "keep_start"] = Field(
@@ -93,6 +98,52 @@ class DPOStageConfig(TrainingConfig):
     logging_steps: int = 20
 
 
+class GRPOStageConfig(TrainingConfig):
+    num_train_epochs: float = 1.0
+    per_device_train_batch_size: int = 64
+    learning_rate: float = 2e-4
+    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "constant"
+    logging_steps: int = 5
+    num_generations: int = Field(8, ge=2, description="Completions per prompt (G).")
+    steps_per_generation: int | None = Field(
+        None, ge=1, description="Training steps served by one generation batch; default: `gradient_accumulation_steps`."
+    )
+    generation_batch_size: int | None = Field(
+        None, ge=2, description="Completions per generation batch (all processes); alternative to `steps_per_generation`."
+    )
+    num_iterations: int = Field(1, ge=1, description="Optimisation passes (μ) over each generation batch.")
+    beta: float = Field(0.0, ge=0.0, description="KL coefficient to the starting policy; 0 loads no reference model.")
+    epsilon: float = Field(0.2, ge=0.0, description="Clipping: ρ ≥ 1 − ε.")
+    epsilon_high: float | None = Field(None, ge=0.0, description="Clipping: ρ ≤ 1 + ε_high; default: `epsilon`.")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field("dapo", description="How token losses are averaged (trainers/grpo_losses.py).")
+    scale_rewards: Literal["group", "batch", "none"] = Field("group", description="Advantage divisor: group std, batch std or none.")
+    reward_funcs: list[str] = Field(
+        default_factory=lambda: ["correctness"], min_length=1, description="Registered reward names or import paths `module:function`."
+    )
+    reward_weights: list[float] | None = Field(None, description="One weight per reward function; default: all 1.")
+    mask_truncated_completions: bool = Field(False, description="Leave completions without EOS out of the loss.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    max_prompt_length: int | None = Field(None, ge=1, description="Keep the last N prompt tokens; default: as prepared (`data.max_prompt_length`).")
+    max_completion_length: int = Field(8, ge=1, description="Generated tokens per completion at most.")
+    log_completions_steps: int = Field(50, ge=0, description="Log a table of sample completions every N steps; 0 = never.")
+    num_completions_to_log: int = Field(8, ge=1)
+
+    @model_validator(mode="after")
+    def _check_generation_layout(self) -> GRPOStageConfig:
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(f"reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} reward_funcs")
+        resolve_layout(
+            per_device_batch_size=self.per_device_train_batch_size,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            num_generations=self.num_generations,
+            steps_per_generation=self.steps_per_generation,
+            generation_batch_size=self.generation_batch_size,
+        )
+        return self
+
+
 class ReferenceConfig(Section):
     batch_size: int = Field(128, ge=1, description="Pairs per reference forward pass.")
 
@@ -118,13 +169,14 @@ class ExperimentConfig(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     dpo: DPOStageConfig = Field(default_factory=DPOStageConfig)
+    grpo: GRPOStageConfig = Field(default_factory=GRPOStageConfig)
     reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @model_validator(mode="after")
     def _check_data_for_stages(self) -> ExperimentConfig:
-        needed = {"sft": "sft", "dpo": "preference"}
+        needed = {"sft": "sft", "dpo": "preference", "grpo": "grpo_prompts"}
         for stage in self.stages:
             split = needed[stage]
             if self.data.builtin is None and getattr(self.data, split) is None:

@@ -32,3 +32,15 @@ def completion_logps(
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
     mask = completion_mask[:, 1:].to(torch.float32)
     return (token_logps(logits, input_ids[:, 1:]) * mask).sum(-1)
+
+
+def next_token_logps(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs ``log p(x_{t+1} | x_≤t)``, shape ``[B, T − 1]``, of the distribution
+    ``softmax(logits / temperature)``, and those scaled logits (for entropies). GRPO's per-token
+    counterpart of :func:`completion_logps`, built on the same :func:`token_logps`."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+    if temperature != 1.0:
+        logits = logits / temperature
+    return token_logps(logits, input_ids[:, 1:]), logits
