@@ -99,11 +99,10 @@ class DPOStageConfig(TrainingConfig):
 
 
 class GRPOStageConfig(TrainingConfig):
-    num_train_epochs: float = 1.0
-    per_device_train_batch_size: int = 64
-    learning_rate: float = 2e-4
-    lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "constant"
-    logging_steps: int = 5
+    num_train_epochs: float = Field(3.0, gt=0, description="Epochs over the GRPO prompts (each prompt `num_generations` times per epoch).")
+    per_device_train_batch_size: int = Field(128, ge=1, description="Completions per training step (prompts × `num_generations`).")
+    learning_rate: float = 1.5e-4
+    logging_steps: int = 20
     num_generations: int = Field(8, ge=2, description="Completions per prompt (G).")
     steps_per_generation: int | None = Field(
         None, ge=1, description="Training steps served by one generation batch; default: `gradient_accumulation_steps`."
@@ -126,8 +125,8 @@ class GRPOStageConfig(TrainingConfig):
     top_p: float = Field(1.0, gt=0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
     max_prompt_length: int | None = Field(None, ge=1, description="Keep the last N prompt tokens; default: as prepared (`data.max_prompt_length`).")
-    max_completion_length: int = Field(8, ge=1, description="Generated tokens per completion at most.")
-    log_completions_steps: int = Field(50, ge=0, description="Log a table of sample completions every N steps; 0 = never.")
+    max_completion_length: int = Field(6, ge=1, description="Generated tokens per completion at most.")
+    log_completions_steps: int = Field(100, ge=0, description="Log a table of sample completions every N steps; 0 = never.")
     num_completions_to_log: int = Field(8, ge=1)
 
     @model_validator(mode="after")
@@ -164,7 +163,9 @@ class TrackingConfig(Section):
 
 class ExperimentConfig(Section):
     name: str = Field("default", description="Experiment name, used for the run name.")
-    stages: list[Stage] = Field(default_factory=lambda: ["sft", "dpo"], description="Training stages, in order.")
+    stages: list[Stage] = Field(
+        default_factory=lambda: ["sft", "dpo", "grpo"], description="Training stages, in order; each starts from the previous stage's model."
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
