@@ -154,6 +154,8 @@ class GRPOTrainer(Trainer):
         super().__init__(*args, **kwargs)
         if self.processing_class is None:
             raise ValueError("GRPOTrainer needs processing_class: the tokenizer that decodes completions")
+        if self.eval_dataset is not None:
+            raise ValueError("GRPOTrainer does not evaluate during training; score checkpoints with trainers.evaluation")
         args: GRPOConfig = self.args
         self.loss_fn = get_grpo_loss(args.loss_type)
         named = reward_funcs if reward_funcs is not None else args.reward_funcs

@@ -144,15 +144,15 @@ def dr_grpo_loss(per_token_loss, mask, *, max_completion_length, tokens_per_step
 @register_grpo_loss("dapo")
 def dapo_loss(per_token_loss, mask, *, max_completion_length, tokens_per_step):
     """DAPO's token-level loss (Yu et al., 2025, arXiv:2503.14476), normalised by the counted
-    tokens of the *whole generation batch*, not of the micro-batch:
+    tokens ``N`` of the *whole generation batch* (all processes), not of the micro-batch:
 
-        L = Σ_{i,t ∈ micro-batch} ℓ_{i,t} / (N / S)
+        L_micro = Σ_{i,t ∈ micro-batch} ℓ_{i,t} / (N / S),   tokens_per_step = N / S
 
-    ``N`` counts the generation batch's tokens (all processes) and ``S`` the micro-steps that
-    consume it (``steps_per_generation`` × processes), so ``tokens_per_step = N / S``. Summed
-    over one generation batch's micro-steps this is Σ ℓ / N · S; the Trainer's division by the
-    accumulation steps then makes an optimizer step's loss the big-batch loss Σ ℓ / N whatever
-    the split (exactly when ``steps_per_generation`` = accumulation steps; as a mean over the
-    optimizer steps or generation batches involved otherwise).
+    ``S`` = ``steps_per_generation`` × processes micro-steps consume the batch. The Trainer
+    divides each micro-step by the accumulation steps ``A`` (and DDP averages processes), so the
+    batch contributes (S / A) · Σ ℓ / N in all: with ``steps_per_generation`` = A one optimizer
+    step takes exactly the big-batch loss Σ ℓ / N; with ``steps_per_generation`` = k·A its k
+    optimizer steps take parts whose mean is that loss; with A = k·``steps_per_generation`` an
+    optimizer step takes the mean of k big-batch losses.
     """
     return (per_token_loss * mask).sum() / max(float(tokens_per_step), 1.0)
