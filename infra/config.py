@@ -14,7 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trainers.samplers import resolve_layout  # the same batch arithmetic check as GRPOConfig's
+from trainers.rewards import resolve_rewards  # the same checks as GRPOConfig's, at load time
+from trainers.samplers import resolve_layout
 
 Stage = Literal["sft", "dpo", "grpo"]
 
@@ -130,9 +131,8 @@ class GRPOStageConfig(TrainingConfig):
     num_completions_to_log: int = Field(8, ge=1)
 
     @model_validator(mode="after")
-    def _check_generation_layout(self) -> GRPOStageConfig:
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
-            raise ValueError(f"reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} reward_funcs")
+    def _check_rewards_and_generation_layout(self) -> GRPOStageConfig:
+        resolve_rewards(self.reward_funcs, self.reward_weights)
         resolve_layout(
             per_device_batch_size=self.per_device_train_batch_size,
             gradient_accumulation_steps=self.gradient_accumulation_steps,

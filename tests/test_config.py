@@ -39,6 +39,8 @@ def test_grpo_stage_is_checked_when_the_config_loads():
         load_config(None, ["grpo.steps_per_generation=2", "grpo.generation_batch_size=256"])
     with pytest.raises(ValidationError, match="reward_weights has 2 values for 1 reward_funcs"):
         load_config(None, ["grpo.reward_weights=[1, 2]"])
+    with pytest.raises(ValidationError, match="unknown reward function 'corectness'"):
+        load_config(None, ["grpo.reward_funcs=[corectness]"])
     with pytest.raises(ValidationError, match="loss_type"):
         load_config(None, ["grpo.loss_type=ppo"])
     with pytest.raises(ValidationError, match="needs data.grpo_prompts"):

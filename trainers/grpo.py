@@ -25,7 +25,7 @@ from trainers.collators import prompt_completion_batch
 from trainers.evaluation import pad_left
 from trainers.grpo_losses import REWARD_SCALES, clip_fractions, clipped_surrogate, get_grpo_loss, group_advantages, k3_kl, masked_mean
 from trainers.logprobs import next_token_logps
-from trainers.rewards import RewardFunction, get_reward, score_completions, weighted_rewards
+from trainers.rewards import RewardFunction, resolve_rewards, score_completions, weighted_rewards
 from trainers.samplers import GenerationLayout, generation_dataloader, resolve_layout
 
 COMPLETIONS_LOG_KEY = "completions"  # a table (column -> values) in the logs; trackers render it
@@ -78,10 +78,7 @@ class GRPOConfig(TrainingArguments):
         get_grpo_loss(self.loss_type)
         if self.scale_rewards not in REWARD_SCALES:
             raise ValueError(f"unknown scale_rewards {self.scale_rewards!r}; registered: {sorted(REWARD_SCALES)}")
-        for name in self.reward_funcs:
-            get_reward(name)
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
-            raise ValueError(f"reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} reward_funcs")
+        resolve_rewards(self.reward_funcs, self.reward_weights)
 
     @property
     def layout(self) -> GenerationLayout:
@@ -158,11 +155,7 @@ class GRPOTrainer(Trainer):
             raise ValueError("GRPOTrainer does not evaluate during training; score checkpoints with trainers.evaluation")
         args: GRPOConfig = self.args
         self.loss_fn = get_grpo_loss(args.loss_type)
-        named = reward_funcs if reward_funcs is not None else args.reward_funcs
-        self.reward_functions = [(f, get_reward(f)) if isinstance(f, str) else (f.__name__, f) for f in named]
-        weights = args.reward_weights or [1.0] * len(self.reward_functions)
-        if len(weights) != len(self.reward_functions):
-            raise ValueError(f"{len(weights)} reward_weights for {len(self.reward_functions)} reward functions")
+        self.reward_functions, weights = resolve_rewards(reward_funcs if reward_funcs is not None else args.reward_funcs, args.reward_weights)
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
         self.ref_model = None
         if args.beta > 0:

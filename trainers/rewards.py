@@ -52,6 +52,18 @@ def get_reward(name: str) -> RewardFunction:
     return fn
 
 
+def resolve_rewards(
+    functions: Sequence[str | RewardFunction], weights: Sequence[float] | None = None
+) -> tuple[list[tuple[str, RewardFunction]], list[float]]:
+    """``(name, function)`` pairs for names, import paths or callables, and one weight each
+    (default 1)."""
+    named = [(f, get_reward(f)) if isinstance(f, str) else (f.__name__, f) for f in functions]
+    weights = [1.0] * len(named) if weights is None else [float(w) for w in weights]
+    if len(weights) != len(named):
+        raise ValueError(f"reward_weights has {len(weights)} values for {len(named)} reward_funcs")
+    return named, weights
+
+
 @register_reward("correctness")
 def correctness(prompts, completions, answer=None, **columns) -> list[float | None]:
     """1 if the completion is exactly the ``answer`` column (surrounding whitespace ignored), else 0;
