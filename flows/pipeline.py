@@ -1,4 +1,4 @@
-"""The experiment flow: prepare → SFT → reference log-probs → DPO → evaluate → promote."""
+"""The experiment flow: prepare → the configured stages (e.g. SFT → reference log-probs → DPO → GRPO) → evaluate → promote."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def experiment(config: ExperimentConfig = ExperimentConfig()) -> EvalReport:
         models = {"base": base}
         policy, ref_logps = base, None
         for stage in config.stages:
-            reference = policy  # DPO's reference is the model it starts from
+            reference = policy  # DPO's reference (and GRPO's KL anchor) is the model the stage starts from
             if stage == "dpo" and config.dpo.reference == "cached":
                 ref_logps = cache_ref_logps(data, reference, config.reference, parent_run_id)
             policy = train(stage, config, StageInputs(policy, data, ref_logps, reference), parent_run_id)

@@ -16,7 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser(
         "run",
         help="run the experiment flow",
-        description="Run prepare → SFT → reference log-probs → DPO → evaluate for a config.",
+        description="Run prepare → the configured stages (SFT → reference log-probs → DPO → GRPO by default) → evaluate for a config.",
         epilog="example: alignflow run configs/default.yaml dpo.beta=0.2 sft.num_train_epochs=10",
     )
     run.add_argument("config", nargs="?", help="experiment YAML (default: the built-in defaults)")

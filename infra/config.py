@@ -16,7 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainers.losses import PREFERENCE_LOSSES, resolve_losses
 
-Stage = Literal["sft", "dpo"]
+from trainers.rewards import resolve_rewards  # the same checks as GRPOConfig's, at load time
+from trainers.samplers import resolve_layout
+
+Stage = Literal["sft", "dpo", "grpo"]
 
 
 def section_title(name: str) -> str:
@@ -71,6 +74,9 @@ class DataConfig(Section):
     preference: DatasetSource | None = Field(None, description="`prompt`/`chosen`/`rejected` rows for DPO.")
     preference_eval: DatasetSource | None = Field(None, description="Held-out preference pairs for reward accuracy.")
     eval_prompts: DatasetSource | None = Field(None, description="`prompt`/`answer` rows for accuracy.")
+    grpo_prompts: DatasetSource | None = Field(
+        None, description="`prompt` rows (and `answer`, passed to reward functions) for GRPO; held-out prompts must not be among them."
+    )
     max_length: int = Field(32, ge=2, description="Maximum prompt + completion tokens.")
     max_prompt_length: int = Field(16, ge=1, description="Maximum prompt tokens.")
     truncation_mode: Literal["keep_end", "keep_start"] = Field(
@@ -137,6 +143,50 @@ class DPOStageConfig(TrainingConfig):
         return self
 
 
+class GRPOStageConfig(TrainingConfig):
+    num_train_epochs: float = Field(3.0, gt=0, description="Epochs over the GRPO prompts (each prompt `num_generations` times per epoch).")
+    per_device_train_batch_size: int = Field(128, ge=1, description="Completions per training step (prompts × `num_generations`).")
+    learning_rate: float = 1.5e-4
+    logging_steps: int = 20
+    num_generations: int = Field(8, ge=2, description="Completions per prompt (G).")
+    steps_per_generation: int | None = Field(
+        None, ge=1, description="Training steps served by one generation batch; default: `gradient_accumulation_steps`."
+    )
+    generation_batch_size: int | None = Field(
+        None, ge=2, description="Completions per generation batch (all processes); alternative to `steps_per_generation`."
+    )
+    num_iterations: int = Field(1, ge=1, description="Optimisation passes (μ) over each generation batch.")
+    beta: float = Field(0.0, ge=0.0, description="KL coefficient to the starting policy; 0 loads no reference model.")
+    epsilon: float = Field(0.2, ge=0.0, description="Clipping: ρ ≥ 1 − ε.")
+    epsilon_high: float | None = Field(None, ge=0.0, description="Clipping: ρ ≤ 1 + ε_high; default: `epsilon`.")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field("dapo", description="How token losses are averaged (trainers/grpo_losses.py).")
+    scale_rewards: Literal["group", "batch", "none"] = Field("group", description="Advantage divisor: group std, batch std or none.")
+    reward_funcs: list[str] = Field(
+        default_factory=lambda: ["correctness"], min_length=1, description="Registered reward names or import paths `module:function`."
+    )
+    reward_weights: list[float] | None = Field(None, description="One weight per reward function; default: all 1.")
+    mask_truncated_completions: bool = Field(False, description="Leave completions without EOS out of the loss.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    max_prompt_length: int | None = Field(None, ge=1, description="Keep the last N prompt tokens; default: as prepared (`data.max_prompt_length`).")
+    max_completion_length: int = Field(6, ge=1, description="Generated tokens per completion at most.")
+    log_completions_steps: int = Field(100, ge=0, description="Log a table of sample completions every N steps; 0 = never.")
+    num_completions_to_log: int = Field(8, ge=1)
+
+    @model_validator(mode="after")
+    def _check_rewards_and_generation_layout(self) -> GRPOStageConfig:
+        resolve_rewards(self.reward_funcs, self.reward_weights)
+        resolve_layout(
+            per_device_batch_size=self.per_device_train_batch_size,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            num_generations=self.num_generations,
+            steps_per_generation=self.steps_per_generation,
+            generation_batch_size=self.generation_batch_size,
+        )
+        return self
+
+
 class ReferenceConfig(Section):
     batch_size: int = Field(128, ge=1, description="Pairs per reference forward pass.")
 
@@ -169,11 +219,14 @@ class TrackingConfig(Section):
 
 class ExperimentConfig(Section):
     name: str = Field("default", description="Experiment name, used for the run name.")
-    stages: list[Stage] = Field(default_factory=lambda: ["sft", "dpo"], description="Training stages, in order.")
+    stages: list[Stage] = Field(
+        default_factory=lambda: ["sft", "dpo", "grpo"], description="Training stages, in order; each starts from the previous stage's model."
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     dpo: DPOStageConfig = Field(default_factory=DPOStageConfig)
+    grpo: GRPOStageConfig = Field(default_factory=GRPOStageConfig)
     reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
@@ -181,7 +234,7 @@ class ExperimentConfig(Section):
 
     @model_validator(mode="after")
     def _check_data_for_stages(self) -> ExperimentConfig:
-        needed = {"sft": "sft", "dpo": "preference"}
+        needed = {"sft": "sft", "dpo": "preference", "grpo": "grpo_prompts"}
         for stage in self.stages:
             split = needed[stage]
             if self.data.builtin is None and getattr(self.data, split) is None:

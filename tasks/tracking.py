@@ -25,6 +25,7 @@ from transformers import TrainerCallback
 
 from infra.config import Section
 from infra.settings import get_settings
+from trainers.grpo import COMPLETIONS_LOG_KEY
 
 RUN_ID_FILE = "mlflow_run_id"
 MAX_BATCH = 100
@@ -153,8 +154,12 @@ def link_stage(parent_run_id: str, stage: str, model_run_id: str | None) -> None
         client().set_tag(parent_run_id, f"alignflow.{stage}_run_id", model_run_id)
 
 
+COMPLETIONS_TABLE = "completions.json"
+
+
 class MlflowTrainerCallback(TrainerCallback):
-    """Logs every Trainer log as metrics and every saved checkpoint as artifacts (rank 0 only)."""
+    """Logs every Trainer log as metrics, every saved checkpoint as artifacts and tables of sample
+    completions (GRPO's ``completions`` log, one table with a ``step`` column) (rank 0 only)."""
 
     def __init__(self, run_id: str):
         self.run_id = run_id
@@ -162,6 +167,8 @@ class MlflowTrainerCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
             log_metrics(self.run_id, logs, step=state.global_step)
+            if COMPLETIONS_LOG_KEY in logs:
+                client().log_table(self.run_id, data=logs[COMPLETIONS_LOG_KEY], artifact_file=COMPLETIONS_TABLE)
 
     def on_save(self, args, state, control, **kwargs):
         if state.is_world_process_zero:

@@ -1,4 +1,4 @@
-"""Training stages (SFT, DPO) as one Prefect task; the config → trainer-arguments mapping lives here."""
+"""Training stages (SFT, DPO, GRPO) as one Prefect task; the config → trainer-arguments mapping lives here."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from prefect import task
 from transformers import Trainer, TrainingArguments
 
-from infra.config import DPOStageConfig, ExperimentConfig, TrainingConfig
+from infra.config import DPOStageConfig, ExperimentConfig, GRPOStageConfig, TrainingConfig
 from tasks.fingerprints import hash_value
 from tasks.models import checkpoint_ref
 from tasks.reference import log_reference_input, with_reference_columns
@@ -19,6 +19,7 @@ from tasks.refs import ModelRef, PreparedData, RefLogps
 from tasks.tracking import MlflowTrainerCallback, client, log_params, stage_output_dir, stage_run_id, tracked_run
 from trainers.collators import CompletionOnlyCollator, PreferenceCollator
 from trainers.dpo import DPOConfig, DPOTrainer
+from trainers.grpo import GRPOConfig, GRPOTrainer
 from trainers.modeling import load_causal_lm
 
 TRAIN_CODE_VERSION = "train-v1"
@@ -102,7 +103,24 @@ def build_dpo(config: ExperimentConfig, inputs: StageInputs, output_dir: Path, c
     )
 
 
-STAGE_BUILDERS: dict[str, Callable[..., Trainer]] = {"sft": build_sft, "dpo": build_dpo}
+def build_grpo(config: ExperimentConfig, inputs: StageInputs, output_dir: Path, callbacks: list) -> Trainer:
+    stage: GRPOStageConfig = config.grpo
+    model, tokenizer = load_causal_lm(inputs.policy.path, inputs.policy.revision)
+    # The KL anchor is the policy GRPO starts from; with β = 0 no reference is loaded at all.
+    ref_model = load_causal_lm(inputs.reference.path, inputs.reference.revision)[0] if stage.beta > 0 else None
+    grpo_fields = set(GRPOStageConfig.model_fields) - set(TrainingConfig.model_fields)
+    args = GRPOConfig(**common_arguments(stage, output_dir), **stage.model_dump(include=grpo_fields))
+    return GRPOTrainer(
+        model=model,
+        ref_model=ref_model,
+        args=args,
+        train_dataset=datasets.load_from_disk(inputs.data.path)["grpo_prompts"],
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
+
+
+STAGE_BUILDERS: dict[str, Callable[..., Trainer]] = {"sft": build_sft, "dpo": build_dpo, "grpo": build_grpo}
 # Stages whose output is a pure function of their inputs and cached across flow runs; the
 # SFT model is the DPO reference, so caching it keeps the reference log-prob cache warm.
 CACHED_STAGES = {"sft"}

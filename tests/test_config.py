@@ -58,3 +58,20 @@ def test_dpo_defaults_and_loss_options():
 def test_invalid_dpo_options_are_config_errors(overrides, message):
     with pytest.raises(ValidationError, match=message):
         load_config(None, overrides)
+
+
+def test_grpo_stage_is_checked_when_the_config_loads():
+    assert load_config("configs/default.yaml").stages == ["sft", "dpo", "grpo"]
+    with pytest.raises(ValidationError, match=r"per_device_train_batch_size × steps_per_generation \(128 × 1 = 128\) must be divisible by num_generations \(3\)"):
+        load_config(None, ["grpo.num_generations=3"])
+    with pytest.raises(ValidationError, match="set steps_per_generation or generation_batch_size, not both"):
+        load_config(None, ["grpo.steps_per_generation=2", "grpo.generation_batch_size=256"])
+    with pytest.raises(ValidationError, match="reward_weights has 2 values for 1 reward_funcs"):
+        load_config(None, ["grpo.reward_weights=[1, 2]"])
+    with pytest.raises(ValidationError, match="unknown reward function 'corectness'"):
+        load_config(None, ["grpo.reward_funcs=[corectness]"])
+    with pytest.raises(ValidationError, match="loss_type"):
+        load_config(None, ["grpo.loss_type=ppo"])
+    with pytest.raises(ValidationError, match="needs data.grpo_prompts"):
+        ExperimentConfig.model_validate({"data": {"builtin": None, "sft": {"path": "x.jsonl"}}, "stages": ["sft", "grpo"]})
+    assert load_config(None, ["stages=[sft, grpo]"]).stages == ["sft", "grpo"]

@@ -107,6 +107,9 @@ def test_builtin_addition_splits_are_disjoint_and_noisy():
     assert eval_prompts.isdisjoint(r["prompt"] for r in splits["sft"])
     assert eval_prompts.isdisjoint(r["prompt"] for r in splits["preference"])
     assert {r["prompt"] for r in splits["preference_eval"]} == eval_prompts
+    # GRPO trains on the training problems (every one, with its true answer), never on held-out ones
+    assert [r["prompt"] for r in splits["grpo_prompts"]] == [r["prompt"] for r in splits["sft"]]
+    assert all(int(r["answer"]) == sum(map(int, r["prompt"].rstrip("=").split("+"))) for r in splits["grpo_prompts"])
 
     def correct(row, field):
         a, b = row["prompt"].rstrip("=").split("+")

@@ -11,7 +11,7 @@ from infra.settings import get_settings
 
 EXPERIMENT = "promotion-test"
 REGISTERED = "promotion-test-model"
-COMMON = [f"tracking.experiment_name={EXPERIMENT}", f"promotion.registered_model={REGISTERED}", "promotion.metric=greedy_accuracy"]
+COMMON = ["stages=[sft, dpo]", f"tracking.experiment_name={EXPERIMENT}", f"promotion.registered_model={REGISTERED}", "promotion.metric=greedy_accuracy"]
 
 
 def run(*overrides):

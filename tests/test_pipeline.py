@@ -56,7 +56,7 @@ def test_flow_logs_parent_child_runs_metrics_checkpoints_and_a_loadable_model(fi
     flow_run_id, report = first_run
     client, parent, children = parent_and_children(flow_run_id)
     assert parent.info.status == "FINISHED"
-    assert set(children) == {"sft", "dpo", "evaluate"}
+    assert set(children) == {"sft", "dpo", "grpo", "evaluate"}
     assert all(run.info.status == "FINISHED" for run in children.values())
     assert parent.data.params["dpo.beta"] == "0.5"
     assert parent.data.params["model.source"] == "builtin:tiny-llama"
@@ -81,7 +81,7 @@ def test_flow_logs_parent_child_runs_metrics_checkpoints_and_a_loadable_model(fi
 
     evaluation = children["evaluate"].info.run_id
     metrics = client.get_run(evaluation).data.metrics
-    assert set(report.rows) == {"base", "sft", "dpo"}
+    assert set(report.rows) == {"base", "sft", "dpo", "grpo"}
     assert metrics["dpo/sampled_accuracy"] == pytest.approx(report.rows["dpo"]["sampled_accuracy"])
     assert report.num_prompts == 20 and report.num_pairs == 20
 
@@ -125,7 +125,7 @@ def test_second_run_hits_the_caches_and_never_runs_the_reference(first_run, monk
     assert states["train-sft"] == "Cached"
     assert [s for name, s in states.items() if name.startswith("prepare-dataset")] == ["Cached"]
     assert [s for name, s in states.items() if name.startswith("cache-reference-logps")] == ["Cached"]
-    assert states["train-dpo"] == "Completed"
+    assert states["train-dpo"] == "Completed" and states["train-grpo"] == "Completed"
     assert calls == []
     _, parent, children = parent_and_children(flow_run_id)
     assert set(children) == {"dpo", "evaluate"}  # no new SFT run: the model comes from the first run's
@@ -134,6 +134,23 @@ def test_second_run_hits_the_caches_and_never_runs_the_reference(first_run, monk
     assert report.rows["sft"] == first_run[1].rows["sft"]  # same model, same prompts, same seed
     first_dpo, second_dpo = (MlflowClient(get_settings().mlflow_tracking_uri).get_run(parent_and_children(run)[2]["dpo"].info.run_id) for run in (first_run[0], flow_run_id))
     assert reference_input(second_dpo)[0].digest == reference_input(first_dpo)[0].digest  # one entry shared by both runs
+
+
+def test_grpo_stage_logs_reward_metrics_and_a_completions_table(first_run):
+    flow_run_id, report = first_run
+    client, parent, children = parent_and_children(flow_run_id)
+    grpo = children["grpo"]
+    assert grpo.data.params["grpo.num_generations"] == "4"
+    assert grpo.data.params["policy.init"].endswith("/dpo/model")  # the chain continues from DPO's model
+    for name in ("reward", "rewards/correctness/mean", "completions/mean_length", "entropy", "time/generation_per_step"):
+        assert [m.step for m in client.get_metric_history(grpo.info.run_id, name)] == [2, 4], name
+    table_path = mlflow.artifacts.download_artifacts(run_id=grpo.info.run_id, artifact_path="completions.json", tracking_uri=get_settings().mlflow_tracking_uri)
+    table = json.loads(open(table_path).read())
+    columns = table["columns"]
+    assert {"step", "prompt", "completion", "reward", "rewards/correctness"} <= set(columns)
+    steps = [row[columns.index("step")] for row in table["data"]]
+    assert sorted(set(steps)) == [2, 4] and len(steps) == 16  # 8 sample rows at each of steps 2 and 4
+    assert 0.0 <= report.rows["grpo"]["sampled_accuracy"] <= 1.0
 
 
 BAD_ROWS = {

@@ -20,6 +20,7 @@ SPLIT_FIELDS: dict[str, tuple[str, ...]] = {
     "preference": ("prompt", "chosen", "rejected"),
     "preference_eval": ("prompt", "chosen", "rejected"),
     "eval_prompts": ("prompt", "answer"),
+    "grpo_prompts": ("prompt",),  # an `answer` column, when present, reaches the reward functions
 }
 COMPLETION_FIELDS = {"completion", "chosen", "rejected"}
 LOCAL_BUILDERS = {".parquet": "parquet", ".csv": "csv"}

@@ -117,3 +117,18 @@ def completion_logps(
         num_tokens=scored.sum(-1).float(),
         logit_sums=per_row(token_means.detach()),
     )
+
+
+def next_token_logps(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs ``log p(x_{t+1} | x_≤t)``, shape ``[B, T − 1]``, of the distribution
+    ``softmax(logits / temperature)``, and those scaled logits (for entropies). GRPO's per-token
+    counterpart of :func:`completion_logps`, on the same chunked :class:`TargetLogProbs`."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
+    if temperature != 1.0:
+        logits = logits / temperature
+    rows, cols = torch.ones(logits.shape[:2], dtype=torch.bool, device=logits.device).nonzero(as_tuple=True)
+    chunk = max(1, CHUNK_ELEMENTS // logits.shape[-1])
+    logps, _ = TargetLogProbs.apply(logits, rows, cols, input_ids[:, 1:][rows, cols], chunk)
+    return logps.view(logits.shape[:2]), logits

@@ -1,8 +1,9 @@
 """Built-in verifiable task: integer addition, written as ``"a+b="`` → ``"c"``.
 
 One generator yields every split the pipeline needs, from disjoint problem sets:
-noisy SFT demonstrations, preference pairs (correct vs. plausible wrong answer) and held-out
-prompts with their ground truth. Deterministic for a seed.
+noisy SFT demonstrations, preference pairs (correct vs. plausible wrong answer), GRPO prompts
+with their ground truth (the training problems) and held-out prompts with their ground truth.
+Deterministic for a seed.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 # Errors people (and small models) make: off by one or two, or a dropped / doubled carry.
 PLAUSIBLE_ERRORS = (-10, -2, -1, 1, 2, 10)
-GENERATOR_VERSION = "addition-v1"
+GENERATOR_VERSION = "addition-v2"
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ def wrong_answer(correct: int, rng: random.Random) -> int:
 
 
 def generate_addition(task: AdditionTask) -> dict[str, list[dict]]:
-    """Return ``sft``, ``preference``, ``preference_eval`` and ``eval_prompts`` rows."""
+    """Return ``sft``, ``preference``, ``preference_eval``, ``grpo_prompts`` and ``eval_prompts`` rows."""
     rng = random.Random(task.seed)
     problems = [(a, b) for a in range(task.max_operand + 1) for b in range(task.max_operand + 1)]
     rng.shuffle(problems)
@@ -48,9 +49,13 @@ def generate_addition(task: AdditionTask) -> dict[str, list[dict]]:
     def pair(a: int, b: int) -> dict:
         return {"prompt": prompt_for(a, b), "chosen": str(a + b), "rejected": str(wrong_answer(a + b, rng))}
 
+    def verifiable(problems: list[tuple[int, int]]) -> list[dict]:
+        return [{"prompt": prompt_for(a, b), "answer": str(a + b)} for a, b in problems]
+
     return {
         "sft": [demonstration(a, b) for a, b in train_problems],
         "preference": [pair(a, b) for a, b in train_problems],
         "preference_eval": [pair(a, b) for a, b in eval_problems],
-        "eval_prompts": [{"prompt": prompt_for(a, b), "answer": str(a + b)} for a, b in eval_problems],
+        "grpo_prompts": verifiable(train_problems),
+        "eval_prompts": verifiable(eval_problems),
     }

@@ -1,0 +1,100 @@
+"""GRPO: time per optimizer step and the share spent generating, for several
+``steps_per_generation`` at an equal number of samples per optimizer step.
+
+Every setting trains the same optimizer steps on the same micro-batches (per-device batch ×
+accumulation completions per step); only how many micro-batches one ``generate`` call serves
+changes, so generation calls must fall exactly by the ``steps_per_generation`` factor.
+
+    .venv/bin/python benchmarks/grpo.py                      # built-in tiny model, fresh weights
+    .venv/bin/python benchmarks/grpo.py --model PATH         # any causal LM checkpoint folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import datasets
+import torch
+
+from trainers.builtin_model import build_builtin_model
+from trainers.data import Truncation, tokenize_split
+from trainers.grpo import GRPOConfig, GRPOTrainer
+from trainers.modeling import load_causal_lm
+from trainers.synthetic import AdditionTask, generate_addition
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="builtin:tiny-llama", help="builtin:tiny-llama or a checkpoint folder")
+    parser.add_argument("--steps-per-generation", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--optimizer-steps", type=int, default=6)
+    parser.add_argument("--batch-size", type=int, default=16, help="per-device completions per micro-batch")
+    parser.add_argument("--accumulation", type=int, default=8)
+    parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--max-completion-length", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--repeats", type=int, default=3, help="runs per setting; the median run is reported")
+    return parser.parse_args()
+
+
+def load(source: str):
+    return build_builtin_model(source, seed=0) if source.startswith("builtin:") else load_causal_lm(source)
+
+
+def run(options: argparse.Namespace, steps_per_generation: int, prompts: datasets.Dataset, output_dir: str) -> dict:
+    model, tokenizer = load(options.model)
+    args = GRPOConfig(
+        output_dir=output_dir, report_to=[], save_strategy="no", disable_tqdm=True, dataloader_pin_memory=False,
+        per_device_train_batch_size=options.batch_size, gradient_accumulation_steps=options.accumulation,
+        steps_per_generation=steps_per_generation, num_generations=options.num_generations,
+        max_completion_length=options.max_completion_length, max_steps=options.optimizer_steps,
+        logging_steps=options.optimizer_steps, learning_rate=1e-4,
+    )
+    trainer = GRPOTrainer(model=model, args=args, train_dataset=prompts, processing_class=tokenizer)
+    started = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - started
+    (window,) = [log for log in trainer.state.log_history if "time/generation_per_step" in log]
+    generation = window["time/generation_per_step"]
+    step = generation + window["time/training_per_step"]
+    return {
+        "steps_per_generation": steps_per_generation,
+        "generate_calls": trainer.generation_calls,
+        "samples": options.optimizer_steps * options.batch_size * options.accumulation,
+        "seconds_per_step": step,
+        "generation_seconds_per_step": generation,
+        "generation_share": generation / step,
+        "train_seconds": seconds,
+    }
+
+
+def main() -> None:
+    options = parse_args()
+    torch.set_num_threads(options.threads)
+    _, tokenizer = load(options.model)
+    rows = generate_addition(AdditionTask())["grpo_prompts"]
+    prompts = datasets.Dataset.from_list(tokenize_split(rows, "grpo_prompts", tokenizer, Truncation(32, 16))[0])
+    with tempfile.TemporaryDirectory() as output_dir:
+        run(options, options.steps_per_generation[0], prompts, output_dir)  # warm-up: imports, allocator, kernels
+        results = []
+        for spg in options.steps_per_generation:
+            runs = sorted((run(options, spg, prompts, output_dir) for _ in range(options.repeats)), key=lambda r: r["seconds_per_step"])
+            results.append(runs[len(runs) // 2])
+    print(f"model {options.model}, {options.threads} threads, per-device batch {options.batch_size} × accumulation "
+          f"{options.accumulation}, G = {options.num_generations}, max {options.max_completion_length} new tokens, "
+          f"{options.optimizer_steps} optimizer steps, median of {options.repeats} runs\n")
+    print("| steps_per_generation | generate calls | samples | s / optimizer step | generating s / step | generation share |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['steps_per_generation']} | {r['generate_calls']} | {r['samples']} | {r['seconds_per_step']:.3f} | "
+              f"{r['generation_seconds_per_step']:.3f} | {r['generation_share']:.0%} |")
+    baseline = results[0]["generate_calls"]
+    for r in results:
+        factor = r["steps_per_generation"] // results[0]["steps_per_generation"]
+        assert r["generate_calls"] * factor == baseline, f"generate calls did not fall by {factor}: {r}"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""GRPOTrainer on the built-in tiny model: dataloader, generation buffer, dapo across steps,
+masking, resume, metrics. Rewards come from real reward functions; nothing is mocked."""
+
+import copy
+
+import datasets
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from trainers.data import Truncation, tokenize_split
+from trainers.grpo import COMPLETIONS_LOG_KEY, GRPOConfig, GRPOTrainer, completion_batch
+from trainers.samplers import RepeatSampler
+from trainers.synthetic import AdditionTask, generate_addition
+
+
+def code_point_sum(prompts, completions, **columns):
+    """A reward that varies between samples of an untrained model, so advantages are not zero."""
+    return [float(sum(map(ord, c)) % 7) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny):
+    _, tokenizer = tiny
+    rows = generate_addition(AdditionTask(max_operand=9, num_eval_problems=20))["grpo_prompts"]
+    tokenized, _ = tokenize_split(rows, "grpo_prompts", tokenizer, Truncation(32, 16))
+    return tokenized
+
+
+class RecordingTrainer(GRPOTrainer):
+    """Counts generation calls and records which buffered slice each micro-step trains on."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls, self.served = 0, []
+
+    def generate(self, model, prompts):
+        self.calls += 1
+        return super().generate(model, prompts)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        index = next(i for i, part in enumerate(self.buffer.slices) if part["input_ids"] is inputs["input_ids"])
+        self.served.append((self.calls, index))
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def make_trainer(tiny, prompts, tmp_path, **overrides):
+    model, tokenizer = tiny
+    settings = dict(
+        per_device_train_batch_size=4, num_generations=2, max_completion_length=4, learning_rate=1e-3, logging_steps=1, save_strategy="no"
+    ) | overrides
+    args = GRPOConfig(output_dir=str(tmp_path), report_to=[], disable_tqdm=True, dataloader_pin_memory=False, **settings)
+    return RecordingTrainer(
+        model=copy.deepcopy(model),
+        args=args,
+        train_dataset=datasets.Dataset.from_list(prompts),
+        processing_class=tokenizer,
+        reward_funcs=[code_point_sum],
+    )
+
+
+def test_dataloader_yields_each_generation_batch_for_every_step_of_its_cycle(tiny, prompts, tmp_path):
+    trainer = make_trainer(tiny, prompts, tmp_path, steps_per_generation=3, num_iterations=2, seed=7)
+    loader = trainer.get_train_dataloader()
+    batches = [[row["prompt_ids"] for row in batch] for batch in loader]
+    order = list(RepeatSampler(len(prompts), num_generations=2, prompts_per_chunk=6, repeats=6, seed=7))
+    assert len(loader) == len(batches) == (len(prompts) // 6) * 6
+    assert [len(b) for b in batches] == [12] * len(batches)  # per-device batch 4 × 3 steps
+    assert batches == [[prompts[i]["prompt_ids"] for i in order[k * 12 : (k + 1) * 12]] for k in range(len(batches))]
+
+
+@pytest.mark.parametrize(
+    "steps_per_generation, accumulation, iterations, max_steps, expected_served",
+    [
+        # acceptance case: 6 optimizer steps × 2 / 4 = 3 generations, slices 0-3 once each
+        (4, 2, 1, 6, [(g, k) for g in (1, 2, 3) for k in range(4)]),
+        # μ = 2: each slice once per iteration, 4 micro-steps per generation
+        (2, 2, 2, 4, [(g, k) for g in (1, 2) for k in (0, 1, 0, 1)]),
+    ],
+)
+def test_generation_calls_and_slice_order(tiny, prompts, tmp_path, steps_per_generation, accumulation, iterations, max_steps, expected_served):
+    trainer = make_trainer(
+        tiny, prompts, tmp_path, steps_per_generation=steps_per_generation, gradient_accumulation_steps=accumulation,
+        num_iterations=iterations, max_steps=max_steps,
+    )
+    trainer.train()
+    assert trainer.state.global_step == max_steps
+    assert trainer.calls == max_steps * accumulation // (steps_per_generation * iterations) == trainer.generation_calls
+    assert trainer.served == expected_served
+    assert all("old_logps" in part for part in trainer.buffer.slices)  # reused off-policy in both cases
+
+
+class GradientRecorder(TrainerCallback):
+    def __init__(self):
+        self.gradients = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.gradients.append([p.grad.detach().clone() for p in model.parameters()])
+
+
+def test_dapo_with_more_steps_per_generation_than_accumulation_equals_the_big_batch(tiny, prompts, tmp_path):
+    """steps_per_generation 4, accumulation 2: the generation batch spans 2 optimizer steps whose
+    mean gradient is the gradient of the whole batch's loss Σ ℓ / N (learning rate 0 keeps the
+    weights, so both steps see the same policy)."""
+    trainer = make_trainer(
+        tiny, prompts, tmp_path, per_device_train_batch_size=2, steps_per_generation=4, gradient_accumulation_steps=2, max_steps=2,
+        loss_type="dapo", optim="sgd", learning_rate=0.0, lr_scheduler_type="constant", max_grad_norm=0.0,
+    )
+    recorder = GradientRecorder()
+    trainer.add_callback(recorder)
+    trainer.train()
+    assert trainer.calls == 1 and len(recorder.gradients) == 2
+    mean_gradient = [(a + b) / 2 for a, b in zip(*recorder.gradients)]
+
+    # The big-batch loss, written out row by row on unpadded sequences: ℓ_t = −A·ρ_t with ρ = 1 at
+    # these weights, normalised by N = counted completion tokens of all 8 rows.
+    model = trainer.model
+    model.zero_grad()
+    rows = [(part["input_ids"][i], part["attention_mask"][i], part["completion_mask"][i], part["advantages"][i])
+            for part in trainer.buffer.slices for i in range(len(part["input_ids"]))]
+    total_tokens = sum(int(mask.sum()) for _, _, mask, _ in rows)
+    assert len(rows) == 8 and total_tokens > 0
+    big_loss = 0.0
+    for ids, attention, mask, advantage in rows:
+        ids, mask = ids[attention.bool()], mask[attention.bool()]
+        logprobs = torch.log_softmax(model(ids.unsqueeze(0)).logits[0, :-1], -1).gather(-1, ids[1:].unsqueeze(-1)).squeeze(-1)
+        ratio = torch.exp(logprobs - logprobs.detach())
+        big_loss = big_loss + (-advantage * ratio * mask[1:]).sum() / total_tokens
+    big_loss.backward()
+    assert max(p.grad.abs().max().item() for p in model.parameters()) > 1e-4  # the test can fail
+    for got, parameter in zip(mean_gradient, model.parameters()):
+        assert torch.allclose(got, parameter.grad, atol=1e-6, rtol=1e-4)
+
+
+def test_tokens_after_the_first_eos_count_for_nothing():
+    eos, pad = 2, 0
+    prompts = [[10, 11], [12]]
+    generated = torch.tensor([[20, eos, 30, 31], [21, 22, 23, 24], [eos, 5, 6, 7]][:2])
+    other_tail = torch.tensor([[20, eos, 40, eos], [21, 22, 23, 24]])
+    batch, completions, truncated = completion_batch(prompts, generated, eos, pad, mask_truncated=False)
+    same, _, _ = completion_batch(prompts, other_tail, eos, pad, mask_truncated=False)
+    assert completions == [[20, eos], [21, 22, 23, 24]] and truncated == [False, True]
+    assert all(torch.equal(batch[k], same[k]) for k in batch)
+    assert batch["input_ids"].tolist() == [[10, 11, 20, eos, pad], [12, 21, 22, 23, 24]]
+    assert batch["completion_mask"].tolist() == [[0, 0, 1, 1, 0], [0, 1, 1, 1, 1]]
+    masked, _, _ = completion_batch(prompts, generated, eos, pad, mask_truncated=True)
+    assert masked["completion_mask"].tolist() == [[0, 0, 1, 1, 0], [0, 0, 0, 0, 0]]
+
+
+def test_all_truncated_and_masked_gives_zero_loss_and_unchanged_parameters(tiny, prompts, tmp_path):
+    trainer = make_trainer(tiny, prompts, tmp_path, max_completion_length=2, mask_truncated_completions=True, max_steps=3)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    step_logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert [log["completions/clipped_ratio"] for log in step_logs] == [1.0] * 3  # nothing ended with EOS in 2 tokens
+    assert all(log["rewards/code_point_sum/std"] > 0 for log in step_logs)  # advantages were not all zero
+    assert [log["loss"] for log in step_logs] == [0.0] * 3
+    assert all(torch.equal(p, b) for p, b in zip(trainer.model.parameters(), before))
+
+
+def test_resume_from_a_checkpoint_regenerates_the_empty_buffer(tiny, prompts, tmp_path):
+    settings = dict(steps_per_generation=4, max_steps=4, save_strategy="steps", save_steps=2)
+    first = make_trainer(tiny, prompts, tmp_path, **settings)
+    first.train()
+    assert first.calls == 1  # one generation batch serves all 4 steps
+    resumed = make_trainer(tiny, prompts, tmp_path, **settings)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert resumed.state.global_step == 4 and len(resumed.served) == 2
+    assert resumed.calls == 1 and resumed.served[0] == (1, 0)  # regenerated, then served from the start
+
+
+def test_metrics_kl_reference_and_sample_table(tiny, prompts, tmp_path):
+    model, tokenizer = tiny
+    args = GRPOConfig(
+        output_dir=str(tmp_path), report_to=[], disable_tqdm=True, dataloader_pin_memory=False, save_strategy="no",
+        per_device_train_batch_size=4, num_generations=4, max_completion_length=4, learning_rate=1e-2, logging_steps=1, max_steps=2,
+        beta=0.5, reward_funcs=["tests.test_grpo_trainer:code_point_sum", "format"], reward_weights=[1.0, 2.0],
+        log_completions_steps=2, num_completions_to_log=3,
+    )
+    trainer = RecordingTrainer(model=copy.deepcopy(model), args=args, train_dataset=datasets.Dataset.from_list(prompts), processing_class=tokenizer)
+    reference_before = [p.detach().clone() for p in trainer.ref_model.parameters()]
+    trainer.train()
+    first, second = [log for log in trainer.state.log_history if "loss" in log]
+    for key in ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio", "kl",
+                "clip_ratio/low_mean", "clip_ratio/high_mean", "entropy", "time/generation_per_step", "time/training_per_step",
+                "rewards/tests.test_grpo_trainer:code_point_sum/mean", "rewards/format/std"):
+        assert key in first, key
+    name = "tests.test_grpo_trainer:code_point_sum"
+    assert first["reward"] == pytest.approx(first[f"rewards/{name}/mean"] + 2 * first["rewards/format/mean"], abs=1e-5)
+    assert first["kl"] == 0.0 and second["kl"] > 0.0  # the policy moved away from its frozen start
+    assert all(torch.equal(p, b) for p, b in zip(trainer.ref_model.parameters(), reference_before))
+    assert 3.0 < first["entropy"] < 5.0  # an untrained model is near-uniform over ~100 tokens
+    assert COMPLETIONS_LOG_KEY not in first
+    table = second[COMPLETIONS_LOG_KEY]
+    assert set(table) == {"step", "prompt", "completion", "reward", f"rewards/{name}", "rewards/format"}
+    assert table["step"] == [2, 2, 2] and all(p.endswith("=") for p in table["prompt"])
+    assert table["reward"] == pytest.approx([a + 2 * b for a, b in zip(table[f"rewards/{name}"], table["rewards/format"])])
+
+
+def test_config_errors_are_clear(tmp_path):
+    common = dict(output_dir=str(tmp_path), report_to=[], per_device_train_batch_size=4)
+    with pytest.raises(ValueError, match="not both"):
+        GRPOConfig(**common, num_generations=2, steps_per_generation=2, generation_batch_size=8)
+    with pytest.raises(ValueError, match=r"\(4 × 1 = 4\) must be divisible by num_generations \(8\)"):
+        GRPOConfig(**common, num_generations=8)
+    with pytest.raises(ValueError, match="unknown loss_type 'ppo'"):
+        GRPOConfig(**common, num_generations=2, loss_type="ppo")
+    with pytest.raises(ValueError, match="reward_weights has 2 values for 1 reward_funcs"):
+        GRPOConfig(**common, num_generations=2, reward_weights=[1.0, 2.0])
+    args = GRPOConfig(**common, num_generations=2, generation_batch_size=12, gradient_accumulation_steps=3)
+    assert (args.steps_per_generation, args.reuses_generations) == (3, False)
+    assert GRPOConfig(**common, num_generations=2, num_iterations=2).reuses_generations

@@ -1,0 +1,364 @@
+"""``GRPOTrainer``: group-relative policy optimisation on a ``transformers.Trainer``.
+
+Per generation batch (``generation_batch_size`` completions = prompts × ``num_generations``):
+sample completions from the policy (eval mode, no grad, KV cache), cut each at its first EOS,
+score them with the reward functions, turn rewards into group-relative advantages, and, when
+the batch is reused off-policy, record the sampling policy's log-probs. The batch is then served
+as ``steps_per_generation`` slices, each once per iteration (``num_iterations``), to the clipped
+surrogate loss (plus ``β``·k3 KL to a frozen reference when ``β > 0``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import GenerationConfig, PreTrainedModel, Trainer, TrainingArguments
+
+from trainers.collators import prompt_completion_batch
+from trainers.evaluation import pad_left
+from trainers.grpo_losses import REWARD_SCALES, clip_fractions, clipped_surrogate, get_grpo_loss, group_advantages, k3_kl, masked_mean
+from trainers.logprobs import next_token_logps
+from trainers.rewards import RewardFunction, resolve_rewards, score_completions, weighted_rewards
+from trainers.samplers import GenerationLayout, generation_dataloader, resolve_layout
+
+COMPLETIONS_LOG_KEY = "completions"  # a table (column -> values) in the logs; trackers render it
+
+
+@dataclass
+class GRPOConfig(TrainingArguments):
+    num_generations: int = field(default=8, metadata={"help": "Completions per prompt (G ≥ 2)."})
+    steps_per_generation: int | None = field(
+        default=None, metadata={"help": "Training steps served by one generation batch (default: gradient_accumulation_steps)."}
+    )
+    generation_batch_size: int | None = field(
+        default=None, metadata={"help": "Completions per generation batch over all processes; alternative to steps_per_generation."}
+    )
+    num_iterations: int = field(default=1, metadata={"help": "Optimisation passes (μ) over each generation batch."})
+    beta: float = field(default=0.0, metadata={"help": "KL coefficient; 0 loads no reference model."})
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping range ε: ρ ≥ 1 − ε."})
+    epsilon_high: float | None = field(default=None, metadata={"help": "Upper clipping range: ρ ≤ 1 + ε_high (default: epsilon)."})
+    loss_type: str = field(default="dapo", metadata={"help": "Aggregation of token losses: grpo, bnpo, dr_grpo or dapo."})
+    scale_rewards: str = field(default="group", metadata={"help": "Advantage divisor: group std, batch std, or none."})
+    reward_funcs: list[str] = field(default_factory=lambda: ["correctness"], metadata={"help": "Registered names or import paths."})
+    reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function (default: all 1)."})
+    mask_truncated_completions: bool = field(default=False, metadata={"help": "Exclude completions without EOS from the loss."})
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = field(default=0, metadata={"help": "0 disables top-k."})
+    max_prompt_length: int | None = field(default=None, metadata={"help": "Keep at most this many last prompt tokens."})
+    max_completion_length: int = field(default=16, metadata={"help": "Generated tokens per completion at most."})
+    log_completions_steps: int = field(default=0, metadata={"help": "Put a table of sample completions in the logs every N steps (0: never)."})
+    num_completions_to_log: int = 8
+    remove_unused_columns: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        layout = resolve_layout(
+            per_device_batch_size=self.per_device_train_batch_size,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            num_generations=self.num_generations,
+            num_processes=self.world_size,
+            steps_per_generation=self.steps_per_generation,
+            generation_batch_size=self.generation_batch_size,
+        )
+        self.steps_per_generation, self.generation_batch_size = layout.steps_per_generation, layout.generation_batch_size
+        self.epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+        for name, ok in [("num_iterations", self.num_iterations >= 1), ("beta", self.beta >= 0), ("epsilon", self.epsilon >= 0),
+                         ("epsilon_high", self.epsilon_high >= 0), ("temperature", self.temperature > 0),
+                         ("max_completion_length", self.max_completion_length >= 1)]:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)} is out of range")
+        get_grpo_loss(self.loss_type)
+        if self.scale_rewards not in REWARD_SCALES:
+            raise ValueError(f"unknown scale_rewards {self.scale_rewards!r}; registered: {sorted(REWARD_SCALES)}")
+        resolve_rewards(self.reward_funcs, self.reward_weights)
+
+    @property
+    def layout(self) -> GenerationLayout:
+        return GenerationLayout(self.per_device_train_batch_size, self.world_size, self.steps_per_generation, self.num_generations)
+
+    @property
+    def reuses_generations(self) -> bool:
+        """Whether a generation batch outlives the policy that sampled it (off-policy reuse)."""
+        return self.steps_per_generation > self.gradient_accumulation_steps or self.num_iterations > 1
+
+
+def keep_rows(features: list[dict]) -> list[dict]:
+    """The dataloader hands over raw rows; tensors are built after generation."""
+    return features
+
+
+def cut_at_first_eos(generated: torch.Tensor, eos_token_id: int) -> tuple[list[list[int]], list[bool]]:
+    """Each generated row up to and including its first EOS; a row without EOS is kept whole
+    and reported as truncated. Whatever follows the first EOS is dropped."""
+    is_eos = generated == eos_token_id
+    has_eos = is_eos.any(dim=1)
+    ends = torch.where(has_eos, is_eos.int().argmax(dim=1) + 1, generated.shape[1])
+    return [row[:end].tolist() for row, end in zip(generated, ends.tolist())], (~has_eos).tolist()
+
+
+def completion_batch(
+    prompts: list[list[int]], generated: torch.Tensor, eos_token_id: int, pad_token_id: int, mask_truncated: bool
+) -> tuple[dict[str, torch.Tensor], list[list[int]], list[bool]]:
+    """Right-padded ``prompt + completion`` rows (the positions the policy sampled them at), the
+    completions cut at their first EOS and which were truncated. ``completion_mask`` covers the
+    completion up to and including its EOS; with ``mask_truncated`` a truncated row counts no token."""
+    completions, truncated = cut_at_first_eos(generated, eos_token_id)
+    batch = prompt_completion_batch(prompts, completions, pad_token_id)
+    if mask_truncated:
+        batch["completion_mask"][torch.tensor(truncated, dtype=torch.bool)] = 0
+    return batch, completions, truncated
+
+
+class GenerationBuffer:
+    """One generation batch as slices, served in order, each once per iteration; then empty."""
+
+    def __init__(self, num_iterations: int):
+        self.num_iterations = num_iterations
+        self.slices: list[dict[str, torch.Tensor]] = []
+        self.served = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return self.served >= len(self.slices) * self.num_iterations
+
+    def fill(self, slices: list[dict[str, torch.Tensor]]) -> None:
+        self.slices, self.served = slices, 0
+
+    def next_slice(self) -> dict[str, torch.Tensor]:
+        batch = self.slices[self.served % len(self.slices)]
+        self.served += 1
+        return batch
+
+
+class GRPOTrainer(Trainer):
+    def __init__(
+        self,
+        *args,
+        ref_model: PreTrainedModel | None = None,
+        reward_funcs: Sequence[str | RewardFunction] | None = None,
+        **kwargs,
+    ):
+        """``ref_model`` (used only when ``beta > 0``) defaults to a frozen copy of the initial
+        policy; ``reward_funcs`` (names, import paths or callables) default to ``args.reward_funcs``."""
+        super().__init__(*args, **kwargs)
+        if self.processing_class is None:
+            raise ValueError("GRPOTrainer needs processing_class: the tokenizer that decodes completions")
+        if self.eval_dataset is not None:
+            raise ValueError("GRPOTrainer does not evaluate during training; score checkpoints with trainers.evaluation")
+        args: GRPOConfig = self.args
+        self.loss_fn = get_grpo_loss(args.loss_type)
+        self.reward_functions, weights = resolve_rewards(reward_funcs if reward_funcs is not None else args.reward_funcs, args.reward_weights)
+        self.reward_weights = torch.tensor(weights, dtype=torch.float32)
+        self.ref_model = None
+        if args.beta > 0:
+            reference = ref_model if ref_model is not None else copy.deepcopy(self.model)
+            reference.requires_grad_(False).eval()
+            self.ref_model = self.accelerator.prepare_model(reference, evaluation_mode=True)
+        tokenizer = self.processing_class
+        self.generation_config = GenerationConfig(
+            do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_completion_length,
+            use_cache=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        )
+        self.buffer = GenerationBuffer(args.num_iterations)
+        self.generation_calls = 0
+        self.window: dict[str, list[float]] = defaultdict(list)  # metrics since the last log
+        self.window_started: float | None = None
+        self.window_start_step = 0
+        self.latest_samples: dict[str, list] = {}
+        self.next_table_step = args.log_completions_steps
+
+    # ---- data ------------------------------------------------------------------------------
+
+    def get_train_dataloader(self) -> DataLoader:
+        """Batches of per-device batch × ``steps_per_generation`` prompts from a :class:`RepeatSampler`
+        (each prompt ``num_generations`` times, each generation batch repeated for every step and
+        iteration that consumes it), sharded over processes by ``accelerator.prepare``."""
+        if self.train_dataset is None:
+            raise ValueError("GRPOTrainer: training requires a train_dataset of prompts")
+        args: GRPOConfig = self.args
+        loader = generation_dataloader(
+            self.train_dataset,
+            args.layout,
+            num_iterations=args.num_iterations,
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            collate_fn=keep_rows,
+            num_workers=args.dataloader_num_workers,
+            pin_memory=args.dataloader_pin_memory,
+        )
+        return self.accelerator.prepare(loader)
+
+    # ---- generation buffer -----------------------------------------------------------------
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Swap the dataloader's batch (the prompts of the current generation batch, the same on
+        every step of its cycle) for the next buffered slice, generating when the buffer is empty.
+
+        ``training_step`` is the public override point that sees every micro-step; the private
+        ``_prepare_inputs`` is left alone. Passing ``num_items_in_batch=None`` makes the Trainer
+        divide each micro-step's loss by the accumulation steps, as the loss types expect.
+        """
+        if self.window_started is None:
+            self.window_started, self.window_start_step = time.perf_counter(), self.state.global_step
+        if self.buffer.is_empty:
+            self.buffer.fill(self.generate_and_score(model, inputs))
+        return super().training_step(model, self.buffer.next_slice(), None)
+
+    @torch.no_grad()
+    def generate(self, model, prompts: list[list[int]]) -> torch.Tensor:
+        """Sampled completion tokens ``[N, ≤ max_completion_length]`` for left-padded prompts."""
+        self.generation_calls += 1
+        unwrapped = self.accelerator.unwrap_model(model)
+        was_training = unwrapped.training
+        unwrapped.eval()
+        input_ids, attention_mask = pad_left(prompts, self.processing_class.pad_token_id)
+        output = unwrapped.generate(
+            input_ids=input_ids.to(self.accelerator.device),
+            attention_mask=attention_mask.to(self.accelerator.device),
+            generation_config=self.generation_config,
+        )
+        unwrapped.train(was_training)
+        return output[:, input_ids.shape[1] :].cpu()
+
+    def generate_and_score(self, model, rows: list[dict]) -> list[dict[str, torch.Tensor]]:
+        args: GRPOConfig = self.args
+        tokenizer = self.processing_class
+        limit = args.max_prompt_length
+        prompts = [r["prompt_ids"][-limit:] if limit else r["prompt_ids"] for r in rows]
+        started = time.perf_counter()
+        generated = self.generate(model, prompts)
+        self.window["time/generation"].append(time.perf_counter() - started)
+        batch, completions, truncated = completion_batch(
+            prompts, generated, tokenizer.eos_token_id, tokenizer.pad_token_id, args.mask_truncated_completions
+        )
+
+        bare = [c[:-1] if not cut else c for c, cut in zip(completions, truncated)]  # without the EOS
+        texts = tokenizer.batch_decode(bare, skip_special_tokens=True)
+        prompt_texts = tokenizer.batch_decode(prompts, skip_special_tokens=False)
+        columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt_ids"} | {"completion_ids": bare}
+        per_function = torch.tensor(score_completions(self.reward_functions, prompt_texts, texts, columns), dtype=torch.float32)
+        per_function = self.gather(per_function.T.contiguous()).T  # [F, N over all processes]
+        rewards = weighted_rewards(per_function, self.reward_weights)
+        advantages = group_advantages(rewards, args.num_generations, args.scale_rewards)
+        local = slice(self.accelerator.process_index * len(rows), (self.accelerator.process_index + 1) * len(rows))
+
+        active = self.gather(batch["completion_mask"].sum().reshape(1)).sum().item()
+        batch["advantages"] = advantages[local]
+        slices = self.split(batch, tokens_per_step=active / (args.steps_per_generation * self.accelerator.num_processes))
+        self.add_sampling_logps(model, slices)
+        self.record_generation(rewards, per_function, completions, truncated)
+        self.latest_samples = self.sample_table(prompt_texts, texts, rewards[local], per_function[:, local])
+        return slices
+
+    def split(self, batch: dict[str, torch.Tensor], tokens_per_step: float) -> list[dict[str, torch.Tensor]]:
+        """``steps_per_generation`` consecutive slices, each cut to its own longest row."""
+        size = self.args.per_device_train_batch_size
+        slices = []
+        for start in range(0, len(batch["input_ids"]), size):
+            part = {k: v[start : start + size] for k, v in batch.items()}
+            width = int(part["attention_mask"].sum(-1).max())
+            part = {k: v[:, :width] if v.dim() == 2 else v for k, v in part.items()}
+            part["tokens_per_step"] = torch.tensor(tokens_per_step)
+            slices.append(part)
+        return slices
+
+    @torch.no_grad()
+    def add_sampling_logps(self, model, slices: list[dict[str, torch.Tensor]]) -> None:
+        """``old_logps`` (the sampling policy) when the batch is reused off-policy, and
+        ``ref_logps`` when β > 0; computed once per generation batch."""
+        sources = {"ref_logps": self.ref_model} if self.ref_model is not None else {}
+        if self.args.reuses_generations:
+            sources["old_logps"] = self.accelerator.unwrap_model(model)
+        for name, source in sources.items():
+            was_training = source.training
+            source.eval()
+            for part in slices:
+                device = self.accelerator.device
+                logps, _ = next_token_logps(source, part["input_ids"].to(device), part["attention_mask"].to(device), self.args.temperature)
+                part[name] = logps.cpu()
+            source.train(was_training)
+
+    # ---- loss ------------------------------------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        args: GRPOConfig = self.args
+        logps, logits = next_token_logps(model, inputs["input_ids"], inputs["attention_mask"], args.temperature)
+        mask = inputs["completion_mask"][:, 1:].to(logps.dtype)
+        old_logps = inputs["old_logps"] if "old_logps" in inputs else logps.detach()
+        per_token = clipped_surrogate(logps, old_logps, inputs["advantages"], args.epsilon, args.epsilon_high)
+        metrics = {}
+        if "ref_logps" in inputs:
+            kl = k3_kl(logps, inputs["ref_logps"])
+            per_token = per_token + args.beta * kl
+            metrics["kl"] = masked_mean(kl.detach(), mask)
+        loss = self.loss_fn(per_token, mask, max_completion_length=args.max_completion_length, tokens_per_step=inputs["tokens_per_step"].item())
+
+        with torch.no_grad():
+            low, high = clip_fractions(logps, old_logps, inputs["advantages"], mask, args.epsilon, args.epsilon_high)
+            entropy = -(torch.softmax(logits.float(), -1) * torch.log_softmax(logits.float(), -1)).sum(-1)
+        metrics |= {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "entropy": masked_mean(entropy, mask)}
+        self.record_step(metrics)
+        return (loss, {"logps": logps}) if return_outputs else loss
+
+    # ---- metrics ---------------------------------------------------------------------------
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate a tensor over all processes (on the accelerator's device for the collective)."""
+        return self.accelerator.gather(tensor.to(self.accelerator.device)).cpu()
+
+    def record_step(self, metrics: dict[str, torch.Tensor]) -> None:
+        names = list(metrics)
+        gathered = self.gather(torch.stack([metrics[n].detach().float() for n in names]).unsqueeze(0))
+        for name, value in zip(names, gathered.mean(0).tolist()):
+            self.window[name].append(value)
+
+    def record_generation(self, rewards: torch.Tensor, per_function: torch.Tensor, completions: list[list[int]], truncated: list[bool]) -> None:
+        """Reward and completion statistics of one generation batch (all processes)."""
+        grouped_std = rewards.view(-1, self.args.num_generations).std(dim=1)
+        lengths = self.gather(torch.tensor([len(c) for c in completions], dtype=torch.float32))
+        clipped = self.gather(torch.tensor(truncated, dtype=torch.float32))
+        values = {
+            "reward": rewards.mean().item(),
+            "reward_std": grouped_std.mean().item(),
+            "frac_reward_zero_std": (grouped_std < 1e-6).float().mean().item(),
+            "completions/mean_length": lengths.mean().item(),
+            "completions/clipped_ratio": clipped.mean().item(),
+        }
+        for (name, _), scores in zip(self.reward_functions, per_function):
+            present = scores[~scores.isnan()]
+            values[f"rewards/{name}/mean"] = present.mean().item() if len(present) else math.nan
+            values[f"rewards/{name}/std"] = present.std().item() if len(present) > 1 else math.nan
+        for name, value in values.items():
+            self.window[name].append(value)
+
+    def sample_table(self, prompts: list[str], completions: list[str], rewards: torch.Tensor, per_function: torch.Tensor) -> dict[str, list]:
+        rows = slice(0, self.args.num_completions_to_log)
+        table = {"prompt": prompts[rows], "completion": completions[rows], "reward": rewards[rows].tolist()}
+        for (name, _), scores in zip(self.reward_functions, per_function):
+            table[f"rewards/{name}"] = scores[rows].tolist()
+        return table
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add the window's GRPO metrics, seconds per optimizer step (generating and the rest)
+        and, every ``log_completions_steps``, a table of sample completions."""
+        steps = self.state.global_step - self.window_start_step
+        if self.window and steps > 0:
+            generation_seconds = sum(self.window.pop("time/generation", []))
+            logs.update({name: sum(v) / len(v) for name, v in self.window.items() if v})
+            step_seconds = (time.perf_counter() - self.window_started) / steps
+            logs["time/generation_per_step"] = generation_seconds / steps
+            logs["time/training_per_step"] = step_seconds - generation_seconds / steps
+            self.window.clear()
+            self.window_started, self.window_start_step = time.perf_counter(), self.state.global_step
+        steps_due = self.args.log_completions_steps
+        if steps_due and self.latest_samples and self.state.global_step >= self.next_table_step:
+            logs[COMPLETIONS_LOG_KEY] = {"step": [self.state.global_step] * len(self.latest_samples["prompt"]), **self.latest_samples}
+            self.next_table_step = (self.state.global_step // steps_due + 1) * steps_due
+        super().log(logs, start_time)

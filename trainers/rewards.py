@@ -1,0 +1,107 @@
+"""Reward functions for GRPO, registered by name or named by import path.
+
+A reward function is ``fn(prompts, completions, **columns) -> list[float | None]``: one value per
+completion, ``None`` where the function does not apply to that row. ``prompts`` and
+``completions`` are decoded text (a completion stops before its first EOS); ``columns`` holds
+every dataset column of the rows (e.g. ``answer``) plus ``completion_ids`` (token ids, EOS
+excluded). Functions must accept ``**columns`` they do not use.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from trainers.evaluation import exact_match
+
+
+class RewardFunction(Protocol):
+    def __call__(self, prompts: list[str], completions: list[str], **columns) -> list[float | None]: ...
+
+
+REWARD_FUNCTIONS: dict[str, RewardFunction] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFunction], RewardFunction]:
+    def decorator(fn: RewardFunction) -> RewardFunction:
+        if name in REWARD_FUNCTIONS:
+            raise ValueError(f"reward function {name!r} is already registered")
+        REWARD_FUNCTIONS[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_reward(name: str) -> RewardFunction:
+    """A registered name, or an import path ``package.module:function`` / ``package.module.function``."""
+    if name in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[name]
+    module_name, sep, attribute = name.partition(":") if ":" in name else name.rpartition(".")
+    if not sep or not module_name:
+        raise ValueError(f"unknown reward function {name!r}; registered: {sorted(REWARD_FUNCTIONS)}, or give an import path 'module:function'")
+    try:
+        fn = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"reward function {name!r} cannot be imported: {error}") from None
+    if not callable(fn):
+        raise ValueError(f"reward function {name!r} is not callable")
+    return fn
+
+
+def resolve_rewards(
+    functions: Sequence[str | RewardFunction], weights: Sequence[float] | None = None
+) -> tuple[list[tuple[str, RewardFunction]], list[float]]:
+    """``(name, function)`` pairs for names, import paths or callables, and one weight each
+    (default 1)."""
+    named = [(f, get_reward(f)) if isinstance(f, str) else (f.__name__, f) for f in functions]
+    weights = [1.0] * len(named) if weights is None else [float(w) for w in weights]
+    if len(weights) != len(named):
+        raise ValueError(f"reward_weights has {len(weights)} values for {len(named)} reward_funcs")
+    return named, weights
+
+
+@register_reward("correctness")
+def correctness(prompts, completions, answer=None, **columns) -> list[float | None]:
+    """1 if the completion is exactly the ``answer`` column (surrounding whitespace ignored), else 0;
+    ``None`` for rows without an answer. The built-in addition task's verifier."""
+    if answer is None:
+        raise ValueError("reward 'correctness' needs a dataset column 'answer'")
+    return [None if a is None else float(exact_match(c, a)) for c, a in zip(completions, answer)]
+
+
+INTEGER = re.compile(r"\s*-?\d+\s*")
+
+
+@register_reward("format")
+def integer_format(prompts, completions, **columns) -> list[float | None]:
+    """1 if the completion is a bare integer (the built-in task's answer format), else 0."""
+    return [float(INTEGER.fullmatch(c) is not None) for c in completions]
+
+
+@register_reward("length_penalty")
+def length_penalty(prompts, completions, completion_ids, **columns) -> list[float | None]:
+    """−(number of completion tokens, EOS excluded); scale it with its reward weight (e.g. 0.01)."""
+    return [-float(len(ids)) for ids in completion_ids]
+
+
+def score_completions(
+    functions: Sequence[tuple[str, RewardFunction]], prompts: list[str], completions: list[str], columns: dict[str, list]
+) -> list[list[float]]:
+    """``[function][row]`` rewards, ``NaN`` where a function returned ``None``."""
+    scores = []
+    for name, fn in functions:
+        values = fn(prompts, completions, **columns)
+        if len(values) != len(completions):
+            raise ValueError(f"reward function {name!r} returned {len(values)} values for {len(completions)} completions")
+        scores.append([math.nan if v is None else float(v) for v in values])
+    return scores
+
+
+def weighted_rewards(scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``r_j = Σ_f w_f · s_{f,j}`` over the functions that scored row ``j`` (``NaN`` = ``None`` is
+    skipped; a row no function scored gets 0)."""
+    return torch.nansum(scores * weights.unsqueeze(1), dim=0)
