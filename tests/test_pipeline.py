@@ -128,7 +128,7 @@ def test_second_run_hits_the_caches_and_never_runs_the_reference(first_run, monk
     assert states["train-dpo"] == "Completed" and states["train-grpo"] == "Completed"
     assert calls == []
     _, parent, children = parent_and_children(flow_run_id)
-    assert set(children) == {"dpo", "evaluate"}  # no new SFT run: the model comes from the first run's
+    assert set(children) == {"dpo", "grpo", "evaluate"}  # no new SFT run: the model comes from the first run's
     _, first_parent, first_children = parent_and_children(first_run[0])
     assert parent.data.tags["alignflow.sft_run_id"] == first_children["sft"].info.run_id
     assert report.rows["sft"] == first_run[1].rows["sft"]  # same model, same prompts, same seed
