@@ -38,9 +38,9 @@ def gate(report: EvalReport, candidate_label: str, config: PromotionConfig) -> t
     if CHAMPION_LABEL not in report.rows:
         return True, f"first {config.alias}: {config.metric} = {value:.4f}"
     best = report.rows[CHAMPION_LABEL][config.metric]
-    verdict = value >= best + config.min_improvement
-    relation = ">=" if verdict else "<"
-    return verdict, f"{config.metric} {value:.4f} {relation} {config.alias} {best:.4f} + {config.min_improvement}"
+    # It must improve, by at least min_improvement: an equal model (a rerun) changes nothing.
+    verdict = value > best and value - best >= config.min_improvement
+    return verdict, f"{config.metric} {value:.4f} vs {config.alias} {best:.4f}: gain {value - best:+.4f}, needed > 0 and >= {config.min_improvement}"
 
 
 @task(name="promote")
