@@ -102,19 +102,20 @@ class TrainingConfig(Section):
 
 
 class SFTConfig(TrainingConfig):
-    num_train_epochs: float = 50.0
-    per_device_train_batch_size: int = 64
-    learning_rate: float = 3e-3
+    # Overridden defaults keep the base class's constraints.
+    num_train_epochs: float = Field(50.0, gt=0, description="Epochs over the SFT demonstrations.")
+    per_device_train_batch_size: int = Field(64, ge=1)
+    learning_rate: float = Field(3e-3, gt=0)
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"
-    warmup_ratio: float = 0.05
-    logging_steps: int = 50
+    warmup_ratio: float = Field(0.05, ge=0.0, lt=1.0, description="Fraction of steps used for linear warm-up.")
+    logging_steps: int = Field(50, ge=1)
 
 
 LossName = Literal[tuple(PREFERENCE_LOSSES)]  # the registry's names, listed in the UI form
 
 
 class DPOStageConfig(TrainingConfig):
-    num_train_epochs: float = 3.0
+    num_train_epochs: float = Field(3.0, gt=0, description="Epochs over the preference pairs.")
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "constant"
     beta: float = Field(0.1, gt=0, description="β: scale of the log-ratios, e.g. −log σ(β·[(π_c − ref_c) − (π_r − ref_r)]) for sigmoid.")
     loss_type: LossName | list[LossName] = Field(
@@ -133,7 +134,7 @@ class DPOStageConfig(TrainingConfig):
     sync_ref_model: bool = Field(False, description="With `reference: live`, mix the policy into the reference every ref_model_sync_steps (TR-DPO).")
     ref_model_mixup_alpha: float = Field(0.6, gt=0.0, le=1.0, description="α in ref ← α·θ + (1 − α)·ref.")
     ref_model_sync_steps: int = Field(512, ge=1, description="Optimizer steps between reference syncs.")
-    logging_steps: int = 20
+    logging_steps: int = Field(20, ge=1)
 
     @model_validator(mode="after")
     def _check_losses_and_reference(self) -> DPOStageConfig:
@@ -146,8 +147,8 @@ class DPOStageConfig(TrainingConfig):
 class GRPOStageConfig(TrainingConfig):
     num_train_epochs: float = Field(3.0, gt=0, description="Epochs over the GRPO prompts (each prompt `num_generations` times per epoch).")
     per_device_train_batch_size: int = Field(128, ge=1, description="Completions per training step (prompts × `num_generations`).")
-    learning_rate: float = 1.5e-4
-    logging_steps: int = 20
+    learning_rate: float = Field(1.5e-4, gt=0)
+    logging_steps: int = Field(20, ge=1)
     num_generations: int = Field(8, ge=2, description="Completions per prompt (G).")
     steps_per_generation: int | None = Field(
         None, ge=1, description="Training steps served by one generation batch; default: `gradient_accumulation_steps`."

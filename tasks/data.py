@@ -60,7 +60,9 @@ def raw_splits(config: DataConfig) -> dict[str, tuple[str, list[dict]]]:
     return splits
 
 
-@task(name="prepare-dataset", cache_key_fn=data_cache_key, persist_result=True)
+# dill (used by datasets to fingerprint functions) captures stdout around dis.dis; Prefect's
+# print capture would bypass that and log the bytecode listing.
+@task(name="prepare-dataset", cache_key_fn=data_cache_key, persist_result=True, log_prints=False)
 def prepare_dataset(config: DataConfig, tokenizer: ModelRef) -> PreparedData:
     fingerprint = data_fingerprint(config, tokenizer)
     target = get_settings().data_cache / fingerprint

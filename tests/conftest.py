@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -44,3 +45,9 @@ def tiny():
     from trainers.builtin_model import build_builtin_model
 
     return build_builtin_model("builtin:tiny-llama", seed=0)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Remove the session's run-state folder (MLflow store, caches, outputs) unless asked to keep it."""
+    if not os.environ.get("ALIGNFLOW_KEEP_TEST_STATE"):
+        shutil.rmtree(_STATE, ignore_errors=True)

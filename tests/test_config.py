@@ -75,3 +75,9 @@ def test_grpo_stage_is_checked_when_the_config_loads():
     with pytest.raises(ValidationError, match="needs data.grpo_prompts"):
         ExperimentConfig.model_validate({"data": {"builtin": None, "sft": {"path": "x.jsonl"}}, "stages": ["sft", "grpo"]})
     assert load_config(None, ["stages=[sft, grpo]"]).stages == ["sft", "grpo"]
+
+
+@pytest.mark.parametrize("override", ["sft.learning_rate=-1", "sft.num_train_epochs=0", "dpo.num_train_epochs=0", "grpo.learning_rate=0", "dpo.logging_steps=0"])
+def test_stage_defaults_keep_the_shared_constraints(override):
+    with pytest.raises(ValidationError, match=override.split("=")[0].split(".")[1]):
+        load_config(None, [override])
