@@ -10,6 +10,8 @@ from typing import Callable, Protocol
 
 import torch
 
+from trainers.registry import Registry
+
 ADVANTAGE_EPS = 1e-4
 
 
@@ -92,23 +94,9 @@ class LossAggregation(Protocol):
     def __call__(self, per_token_loss: torch.Tensor, mask: torch.Tensor, *, max_completion_length: int, tokens_per_step: float) -> torch.Tensor: ...
 
 
-GRPO_LOSSES: dict[str, LossAggregation] = {}
-
-
-def register_grpo_loss(name: str) -> Callable[[LossAggregation], LossAggregation]:
-    def decorator(fn: LossAggregation) -> LossAggregation:
-        if name in GRPO_LOSSES:
-            raise ValueError(f"GRPO loss {name!r} is already registered")
-        GRPO_LOSSES[name] = fn
-        return fn
-
-    return decorator
-
-
-def get_grpo_loss(name: str) -> LossAggregation:
-    if name not in GRPO_LOSSES:
-        raise ValueError(f"unknown loss_type {name!r}; registered: {sorted(GRPO_LOSSES)}")
-    return GRPO_LOSSES[name]
+GRPO_LOSSES: Registry[LossAggregation] = Registry("GRPO loss", "loss_type")
+register_grpo_loss = GRPO_LOSSES.register
+get_grpo_loss = GRPO_LOSSES.lookup
 
 
 @register_grpo_loss("grpo")

@@ -16,6 +16,8 @@ from typing import Callable, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
+from trainers.registry import Registry
+
 
 @dataclass(frozen=True)
 class PairLogps:
@@ -60,26 +62,19 @@ class PreferenceLoss(Protocol):
     def __call__(self, pairs: PairLogps, params: LossParams) -> torch.Tensor: ...
 
 
-PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {}
+PREFERENCE_LOSSES: Registry[PreferenceLoss] = Registry("preference loss", "loss_type")
 LABEL_SMOOTHING_LOSSES: set[str] = set()  # the losses whose formula uses ε
+get_loss = PREFERENCE_LOSSES.lookup
 
 
 def register_loss(name: str, uses_label_smoothing: bool = False) -> Callable[[PreferenceLoss], PreferenceLoss]:
     def decorator(fn: PreferenceLoss) -> PreferenceLoss:
-        if name in PREFERENCE_LOSSES:
-            raise ValueError(f"preference loss {name!r} is already registered")
-        PREFERENCE_LOSSES[name] = fn
+        PREFERENCE_LOSSES.register(name)(fn)
         if uses_label_smoothing:
             LABEL_SMOOTHING_LOSSES.add(name)
         return fn
 
     return decorator
-
-
-def get_loss(name: str) -> PreferenceLoss:
-    if name not in PREFERENCE_LOSSES:
-        raise ValueError(f"unknown loss_type {name!r}; registered: {sorted(PREFERENCE_LOSSES)}")
-    return PREFERENCE_LOSSES[name]
 
 
 @register_loss("sigmoid", uses_label_smoothing=True)

@@ -17,23 +17,15 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from trainers.evaluation import exact_match
+from trainers.registry import Registry
 
 
 class RewardFunction(Protocol):
     def __call__(self, prompts: list[str], completions: list[str], **columns) -> list[float | None]: ...
 
 
-REWARD_FUNCTIONS: dict[str, RewardFunction] = {}
-
-
-def register_reward(name: str) -> Callable[[RewardFunction], RewardFunction]:
-    def decorator(fn: RewardFunction) -> RewardFunction:
-        if name in REWARD_FUNCTIONS:
-            raise ValueError(f"reward function {name!r} is already registered")
-        REWARD_FUNCTIONS[name] = fn
-        return fn
-
-    return decorator
+REWARD_FUNCTIONS: Registry[RewardFunction] = Registry("reward function", "reward function")
+register_reward = REWARD_FUNCTIONS.register
 
 
 def get_reward(name: str) -> RewardFunction:
