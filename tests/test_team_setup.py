@@ -4,7 +4,6 @@ both UIs in headless Chromium. One module-wide stack: each server takes 10-30 s 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
@@ -22,7 +21,7 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, DeploymentFilter, DeploymentFilterId, FlowRunFilter
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, DeploymentFilter, DeploymentFilterId
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from infra.config import load_config

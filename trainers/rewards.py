@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import math
 import re
-from typing import Callable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 
