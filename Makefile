@@ -1,4 +1,5 @@
-# Two commands: `make run` (default experiment) and `make test` (the whole suite).
+# Two commands: `make run` (default experiment) and `make test` (the whole suite: lint, then every
+# test tier). `make test-fast` is the quick loop: lint and the unit tier, no root, no services.
 # Each creates .venv and installs what it needs on first use.
 VENV ?= .venv
 PYTHON ?= python3
@@ -7,7 +8,7 @@ PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.alignflow-installed
 CONFIG ?= configs/default.yaml
 
-.PHONY: install run test clean
+.PHONY: install run test test-fast lint clean
 
 install: $(INSTALLED)
 
@@ -21,8 +22,15 @@ $(INSTALLED): pyproject.toml
 run: $(INSTALLED)
 	$(VENV)/bin/alignflow run $(CONFIG) $(ARGS)
 
-test: $(INSTALLED)
-	bash infra/with-test-services.sh $(PY) -m pytest $(PYTEST_ARGS)
+lint: $(INSTALLED)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	bash infra/ops/with-test-services.sh $(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: lint
+	$(PY) -m pytest -m unit $(PYTEST_ARGS)
 
 clean:
 	rm -rf .alignflow

@@ -107,17 +107,33 @@ def run_mode(mode: str, options: argparse.Namespace, ref_file: Path) -> dict:
         ref_model = copy.deepcopy(policy)
     else:
         cached = json.loads(ref_file.read_text())
-        rows = [dict(r, ref_chosen_logps=c, ref_rejected_logps=j) for r, c, j in zip(rows, cached["chosen"], cached["rejected"])]
+        rows = [
+            dict(r, ref_chosen_logps=c, ref_rejected_logps=j)
+            for r, c, j in zip(rows, cached["chosen"], cached["rejected"])
+        ]
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as output_dir:
         args = DPOConfig(
-            output_dir=output_dir, max_steps=steps, per_device_train_batch_size=options.batch_size, learning_rate=1e-5,
-            train_sampling_strategy="sequential", logging_steps=steps, save_strategy="no", report_to=[],
-            disable_tqdm=True, dataloader_pin_memory=False, beta=0.1,
+            output_dir=output_dir,
+            max_steps=steps,
+            per_device_train_batch_size=options.batch_size,
+            learning_rate=1e-5,
+            train_sampling_strategy="sequential",
+            logging_steps=steps,
+            save_strategy="no",
+            report_to=[],
+            disable_tqdm=True,
+            dataloader_pin_memory=False,
+            beta=0.1,
+            reference="live" if mode == "live" else "cached",
         )
         trainer = DPOTrainer(
-            model=policy, ref_model=ref_model, args=args, train_dataset=datasets.Dataset.from_list(rows),
-            data_collator=PreferenceCollator(PAD), callbacks=[timer],
+            model=policy,
+            ref_model=ref_model,
+            args=args,
+            train_dataset=datasets.Dataset.from_list(rows),
+            data_collator=PreferenceCollator(PAD),
+            callbacks=[timer],
         )
         trainer.train()
     wall, cpu = timer.wall[options.warmup :], timer.cpu[options.warmup :]
@@ -133,13 +149,19 @@ def run_mode(mode: str, options: argparse.Namespace, ref_file: Path) -> dict:
 
 def prepare_reference(options: argparse.Namespace, ref_file: Path) -> None:
     torch.set_num_threads(options.threads)
-    rows = random_pairs((options.warmup + options.steps) * options.batch_size, options.prompt_length, options.completion_length)
+    rows = random_pairs(
+        (options.warmup + options.steps) * options.batch_size, options.prompt_length, options.completion_length
+    )
     chosen, rejected = reference_logps(build_model(), PAD, rows, batch_size=options.batch_size, progress=False)
     ref_file.write_text(json.dumps({"chosen": chosen, "rejected": rejected}))
 
 
 def run_worker(role: str, options: argparse.Namespace, ref_file: Path) -> str:
-    flags = [f"--{name.replace('_', '-')}={value}" for name, value in vars(options).items() if name not in ("worker", "ref_file")]
+    flags = [
+        f"--{name.replace('_', '-')}={value}"
+        for name, value in vars(options).items()
+        if name not in ("worker", "ref_file")
+    ]
     command = [sys.executable, __file__, f"--worker={role}", f"--ref-file={ref_file}", *flags]
     # Pin glibc's mmap threshold so freed tensor buffers leave the RSS; by default the threshold
     # grows after frees and freed heap stays resident, which blurs peak-RSS comparisons.
@@ -173,15 +195,27 @@ def main() -> None:
             results[mode] = json.loads(run_worker(mode, options, ref_file).strip().splitlines()[-1])
     parameters = sum(p.numel() for p in build_model().parameters())
     live, cached = results["live"], results["cached"]
-    print(f"model: Llama {parameters / 1e6:.1f}M parameters ({parameters * 4 / 2**20:.0f} MiB float32); "
-          f"{options.batch_size} pairs/step, prompts ≤ {options.prompt_length}, completions ≤ {options.completion_length} tokens, "
-          f"{options.steps} timed steps after {options.warmup} warm-up, {options.threads} threads")
-    print("| reference | step wall time (s) | step CPU time (s) | tokens/s (wall) | peak RSS (MiB) |\n|---|---|---|---|---|")
+    print(
+        f"model: Llama {parameters / 1e6:.1f}M parameters ({parameters * 4 / 2**20:.0f} MiB float32); "
+        f"{options.batch_size} pairs/step, prompts ≤ {options.prompt_length}, "
+        f"completions ≤ {options.completion_length} tokens, "
+        f"{options.steps} timed steps after {options.warmup} warm-up, {options.threads} threads"
+    )
+    print(
+        "| reference | step wall time (s) | step CPU time (s) | "
+        "tokens/s (wall) | peak RSS (MiB) |\n|---|---|---|---|---|"
+    )
     for r in (live, cached):
-        print(f"| {r['mode']} | {r['step_seconds']:.3f} | {r['step_cpu_seconds']:.3f} | {r['tokens_per_second']:.0f} | {r['peak_rss_mib']:.0f} |")
-    print(f"cached/live step time: wall {cached['step_seconds'] / live['step_seconds']:.2f}, "
-          f"CPU {cached['step_cpu_seconds'] / live['step_cpu_seconds']:.2f}; "
-          f"peak RSS saved: {live['peak_rss_mib'] - cached['peak_rss_mib']:.1f} MiB (reference weights: {parameters * 4 / 2**20:.1f} MiB)")
+        print(
+            f"| {r['mode']} | {r['step_seconds']:.3f} | {r['step_cpu_seconds']:.3f} "
+            f"| {r['tokens_per_second']:.0f} | {r['peak_rss_mib']:.0f} |"
+        )
+    print(
+        f"cached/live step time: wall {cached['step_seconds'] / live['step_seconds']:.2f}, "
+        f"CPU {cached['step_cpu_seconds'] / live['step_cpu_seconds']:.2f}; "
+        f"peak RSS saved: {live['peak_rss_mib'] - cached['peak_rss_mib']:.1f} "
+        f"MiB (reference weights: {parameters * 4 / 2**20:.1f} MiB)"
+    )
 
 
 if __name__ == "__main__":

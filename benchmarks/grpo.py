@@ -46,11 +46,19 @@ def load(source: str):
 def run(options: argparse.Namespace, steps_per_generation: int, prompts: datasets.Dataset, output_dir: str) -> dict:
     model, tokenizer = load(options.model)
     args = GRPOConfig(
-        output_dir=output_dir, report_to=[], save_strategy="no", disable_tqdm=True, dataloader_pin_memory=False,
-        per_device_train_batch_size=options.batch_size, gradient_accumulation_steps=options.accumulation,
-        steps_per_generation=steps_per_generation, num_generations=options.num_generations,
-        max_completion_length=options.max_completion_length, max_steps=options.optimizer_steps,
-        logging_steps=options.optimizer_steps, learning_rate=1e-4,
+        output_dir=output_dir,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+        per_device_train_batch_size=options.batch_size,
+        gradient_accumulation_steps=options.accumulation,
+        steps_per_generation=steps_per_generation,
+        num_generations=options.num_generations,
+        max_completion_length=options.max_completion_length,
+        max_steps=options.optimizer_steps,
+        logging_steps=options.optimizer_steps,
+        learning_rate=1e-4,
     )
     trainer = GRPOTrainer(model=model, args=args, train_dataset=prompts, processing_class=tokenizer)
     started = time.perf_counter()
@@ -80,16 +88,26 @@ def main() -> None:
         run(options, options.steps_per_generation[0], prompts, output_dir)  # warm-up: imports, allocator, kernels
         results = []
         for spg in options.steps_per_generation:
-            runs = sorted((run(options, spg, prompts, output_dir) for _ in range(options.repeats)), key=lambda r: r["seconds_per_step"])
+            runs = sorted(
+                (run(options, spg, prompts, output_dir) for _ in range(options.repeats)),
+                key=lambda r: r["seconds_per_step"],
+            )
             results.append(runs[len(runs) // 2])
-    print(f"model {options.model}, {options.threads} threads, per-device batch {options.batch_size} × accumulation "
-          f"{options.accumulation}, G = {options.num_generations}, max {options.max_completion_length} new tokens, "
-          f"{options.optimizer_steps} optimizer steps, median of {options.repeats} runs\n")
-    print("| steps_per_generation | generate calls | samples | s / optimizer step | generating s / step | generation share |")
+    print(
+        f"model {options.model}, {options.threads} threads, per-device batch {options.batch_size} × accumulation "
+        f"{options.accumulation}, G = {options.num_generations}, max {options.max_completion_length} new tokens, "
+        f"{options.optimizer_steps} optimizer steps, median of {options.repeats} runs\n"
+    )
+    print(
+        "| steps_per_generation | generate calls | samples | s / "
+        "optimizer step | generating s / step | generation share |"
+    )
     print("|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['steps_per_generation']} | {r['generate_calls']} | {r['samples']} | {r['seconds_per_step']:.3f} | "
-              f"{r['generation_seconds_per_step']:.3f} | {r['generation_share']:.0%} |")
+        print(
+            f"| {r['steps_per_generation']} | {r['generate_calls']} | {r['samples']} | {r['seconds_per_step']:.3f} | "
+            f"{r['generation_seconds_per_step']:.3f} | {r['generation_share']:.0%} |"
+        )
     baseline = results[0]["generate_calls"]
     for r in results:
         factor = r["steps_per_generation"] // results[0]["steps_per_generation"]

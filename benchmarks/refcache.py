@@ -52,7 +52,9 @@ def timed(function) -> tuple[float, object]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=5, help="hits and reads timed (misses: 2, each on an empty cache)")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="hits and reads timed (misses: 2, each on an empty cache)"
+    )
     parser.add_argument("--batch-size", type=int, default=ReferenceConfig().batch_size)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     args = parser.parse_args()
@@ -74,12 +76,23 @@ def main() -> None:
         reads = [timed(lambda: with_reference_columns(ref))[0] for _ in range(args.repeats)]
 
     miss, hit, read = statistics.median(misses), statistics.median(hits), statistics.median(reads)
-    print(f"reference stage, {pairs} pairs ({data.rows['preference']} train + {data.rows['preference_eval']} eval), batch {args.batch_size}, "
-          f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"reference stage, {pairs} pairs ({data.rows['preference']} train "
+        f"+ {data.rows['preference_eval']} eval), batch {args.batch_size}, "
+        f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.1f}"
+    )
     print("| case | median wall time | runs |\n|---|---|---|")
-    print(f"| miss (compute + write) | {miss:.3f} s ({pairs / miss:.0f} pairs/s) | {', '.join(f'{s:.3f}' for s in misses)} |")
-    print(f"| hit (key + verify) | {hit * 1000:.1f} ms = {100 * hit / miss:.2f}% of miss | {', '.join(f'{s * 1000:.1f}' for s in hits)} ms |")
-    print(f"| read + join (DPO/evaluate side) | {read * 1000:.1f} ms | {', '.join(f'{s * 1000:.1f}' for s in reads)} ms |")
+    print(
+        f"| miss (compute + write) | {miss:.3f} s ({pairs / miss:.0f} "
+        f"pairs/s) | {', '.join(f'{s:.3f}' for s in misses)} |"
+    )
+    print(
+        f"| hit (key + verify) | {hit * 1000:.1f} ms = {100 * hit / miss:.2f}% "
+        f"of miss | {', '.join(f'{s * 1000:.1f}' for s in hits)} ms |"
+    )
+    print(
+        f"| read + join (DPO/evaluate side) | {read * 1000:.1f} ms | {', '.join(f'{s * 1000:.1f}' for s in reads)} ms |"
+    )
 
 
 if __name__ == "__main__":

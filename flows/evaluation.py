@@ -6,7 +6,7 @@ from prefect import flow
 
 from infra.config import EvaluationRequest, ModelConfig
 from tasks.data import prepare_dataset
-from tasks.evaluate import EvalReport, evaluate
+from tasks.evaluate import EvalReport, HeldOutRewards, evaluate
 from tasks.models import resolve_model
 from tasks.reference import cache_ref_logps
 from tasks.tracking import start_parent_run, tracked_run
@@ -16,15 +16,21 @@ from tasks.tracking import start_parent_run, tracked_run
 def evaluation(request: EvaluationRequest) -> EvalReport:
     """Score each model in ``request.models`` on the same prompts, pairs and seeds."""
     with tracked_run(start_parent_run(request, kind="evaluation")) as parent_run_id:
-        models = {label: resolve_model(ModelConfig(source=source), stage=label) for label, source in request.models.items()}
+        models = {
+            label: resolve_model(ModelConfig(source=source), stage=label) for label, source in request.models.items()
+        }
         tokenizers = {ref.tokenizer_fingerprint for ref in models.values()}
         if len(tokenizers) != 1:
             raise ValueError(f"models {sorted(models)} use different tokenizers; evaluate them in separate requests")
         data = prepare_dataset(request.data, next(iter(models.values())))
-        ref_logps = None
+        held_out_rewards = None
         if request.reference_model is not None:
             reference = resolve_model(ModelConfig(source=request.reference_model), stage="reference")
-            ref_logps = cache_ref_logps(data, reference, request.reference, parent_run_id)
-        report = evaluate(models, data, ref_logps, request.evaluation, request.beta, parent_run_id, request.name)
-        print(f"Evaluation ({report.num_prompts} held-out prompts, {report.num_pairs} held-out pairs):\n{report.markdown()}")
+            reference_logps = cache_ref_logps(data, reference, request.reference, parent_run_id)
+            held_out_rewards = HeldOutRewards(reference_logps=reference_logps, beta=request.beta)
+        report = evaluate(models, data, held_out_rewards, request.evaluation, parent_run_id, request.name)
+        print(
+            f"Evaluation ({report.num_prompts} held-out prompts, "
+            f"{report.num_pairs} held-out pairs):\n{report.markdown()}"
+        )
         return report

@@ -30,7 +30,11 @@ class ComparisonReport(BaseModel):
 
 def experiment_runs(experiment: str) -> list[Run]:
     """Finished experiment-flow parent runs, oldest first."""
-    runs = client().search_runs([experiment_id(experiment)], "tags.`alignflow.kind` = 'experiment' and attributes.status = 'FINISHED'", order_by=["attributes.start_time ASC"])
+    runs = client().search_runs(
+        [experiment_id(experiment)],
+        "tags.`alignflow.kind` = 'experiment' and attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time ASC"],
+    )
     return [run for run in runs if "mlflow.parentRunId" not in run.data.tags]
 
 
@@ -49,7 +53,10 @@ def final_training_run(parent: Run) -> Run | None:
     stage = parent.data.tags.get("alignflow.final_stage")
     if stage is None:
         return None
-    children = client().search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}' and tags.`alignflow.stage` = '{stage}'")
+    children = client().search_runs(
+        [parent.info.experiment_id],
+        f"tags.mlflow.parentRunId = '{parent.info.run_id}' and tags.`alignflow.stage` = '{stage}'",
+    )
     return children[0] if children else None
 
 
@@ -57,7 +64,9 @@ def summarize(run: Run, curves: list[str]) -> RunSummary:
     trained = final_training_run(run)
     histories = {}
     if trained is not None:
-        histories = {m: [(p.step, p.value) for p in client().get_metric_history(trained.info.run_id, m)] for m in curves}
+        histories = {
+            m: [(p.step, p.value) for p in client().get_metric_history(trained.info.run_id, m)] for m in curves
+        }
     final = {k.removeprefix(FINAL_PREFIX): v for k, v in run.data.metrics.items() if k.startswith(FINAL_PREFIX)}
     return RunSummary(run.info.run_id, run.info.run_name, dict(run.data.params), final, histories)
 
@@ -92,7 +101,11 @@ def compare_runs(
     plot_training_curves(summaries, curves, folder / "training_curves.png")
     plot_eval_bars(summaries, metrics, folder / "eval_metrics.png")
 
-    run = client().create_run(experiment_id(experiment), run_name="comparison", tags={"alignflow.kind": "comparison", "alignflow.baseline": base.run_id})
+    run = client().create_run(
+        experiment_id(experiment),
+        run_name="comparison",
+        tags={"alignflow.kind": "comparison", "alignflow.baseline": base.run_id},
+    )
     with tracked_run(run.info.run_id) as run_id:
         client().log_artifacts(run_id, str(folder))
     artifact_root = run.info.artifact_uri
@@ -103,4 +116,10 @@ def compare_runs(
         f"[eval metrics]({artifact_root}/eval_metrics.png); local copies in `{folder}`.\n",
         description="alignflow comparison",
     )
-    return ComparisonReport(folder=str(folder), table=table, baseline_run_id=base.run_id, run_ids=[s.run_id for s in summaries], mlflow_run_id=run_id)
+    return ComparisonReport(
+        folder=str(folder),
+        table=table,
+        baseline_run_id=base.run_id,
+        run_ids=[s.run_id for s in summaries],
+        mlflow_run_id=run_id,
+    )

@@ -11,13 +11,12 @@ from prefect import get_run_logger, task
 
 from infra.config import DataConfig, DatasetSource
 from infra.settings import get_settings
-from tasks.fingerprints import atomic_directory, hash_paths, hash_token_ids, hash_value
-from tasks.refs import ModelRef, PreparedData
+from tasks.fingerprints import atomic_directory, code_fingerprint, hash_paths, hash_token_ids, hash_value
+from tasks.handles import ModelHandle, PreparedData
 from trainers.data import SPLIT_FIELDS, Truncation, load_rows, tokenize_split, validate_rows
 from trainers.modeling import load_tokenizer
-from trainers.synthetic import GENERATOR_VERSION, AdditionTask, generate_addition
+from trainers.synthetic import AdditionTask, generate_addition
 
-PREPARATION_VERSION = "prepare-v2"
 MANIFEST = "manifest.json"
 
 
@@ -29,13 +28,14 @@ def source_identity(source: DatasetSource) -> dict:
     return source.model_dump()
 
 
-def data_fingerprint(config: DataConfig, tokenizer: ModelRef) -> str:
+def data_fingerprint(config: DataConfig, tokenizer: ModelHandle) -> str:
     sources = {split: source_identity(s) for split in SPLIT_FIELDS if (s := getattr(config, split)) is not None}
     return hash_value(
         {
-            "version": PREPARATION_VERSION,
+            "code": code_fingerprint(
+                __name__
+            ),  # this module and the trainers code it runs: loading, tokenizing, the task
             "builtin": config.builtin.model_dump() if config.builtin else None,
-            "generator": GENERATOR_VERSION,
             "sources": sources,
             "truncation": [config.max_length, config.max_prompt_length, config.truncation_mode],
             "tokenizer": tokenizer.tokenizer_fingerprint,
@@ -63,7 +63,7 @@ def raw_splits(config: DataConfig) -> dict[str, tuple[str, list[dict]]]:
 # dill (used by datasets to fingerprint functions) captures stdout around dis.dis; Prefect's
 # print capture would bypass that and log the bytecode listing.
 @task(name="prepare-dataset", cache_key_fn=data_cache_key, persist_result=True, log_prints=False)
-def prepare_dataset(config: DataConfig, tokenizer: ModelRef) -> PreparedData:
+def prepare_dataset(config: DataConfig, tokenizer: ModelHandle) -> PreparedData:
     fingerprint = data_fingerprint(config, tokenizer)
     target = get_settings().data_cache / fingerprint
     if not (target / MANIFEST).exists():

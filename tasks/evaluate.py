@@ -10,8 +10,8 @@ from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel
 
 from infra.config import EvaluationConfig
+from tasks.handles import ModelHandle, PreparedData, ReferenceLogps
 from tasks.reference import with_reference_columns
-from tasks.refs import ModelRef, PreparedData, RefLogps
 from tasks.tracking import client, log_metrics, stage_output_dir, stage_run_id, tracked_run
 from trainers.evaluation import GenerationSpec, PromptResult, answer_metrics, preference_rewards, score_prompts
 from trainers.modeling import load_causal_lm
@@ -25,6 +25,13 @@ TABLE_COLUMNS = {
     "rewards/accuracies": "DPO reward acc",
     "rewards/margins": "DPO margin",
 }
+
+
+class HeldOutRewards(BaseModel):
+    """Implicit rewards β·(π − ref) on the held-out pairs: the reference's cached log-probs and β."""
+
+    reference_logps: ReferenceLogps
+    beta: float
 
 
 class EvalReport(BaseModel):
@@ -62,11 +69,15 @@ def samples_table(results: list[PromptResult], rows: int) -> dict[str, list]:
     }
 
 
-def score_model(ref: ModelRef, prompts: list[dict], pairs: list[dict] | None, config: EvaluationConfig, beta: float) -> tuple[dict[str, float], dict]:
-    model, tokenizer = load_causal_lm(ref.path, ref.revision)
+def score_model(
+    handle: ModelHandle, prompts: list[dict], pairs: list[dict] | None, config: EvaluationConfig, beta: float | None
+) -> tuple[dict[str, float], dict]:
+    model, tokenizer = load_causal_lm(handle.path, handle.revision)
     metrics, samples = {}, {}
     if prompts:
-        spec = GenerationSpec(config.max_new_tokens, config.num_samples, config.temperature, config.batch_size, config.seed)
+        spec = GenerationSpec(
+            config.max_new_tokens, config.num_samples, config.temperature, config.batch_size, config.seed
+        )
         results = score_prompts(model, tokenizer, prompts, spec)
         metrics = answer_metrics(results, config.pass_k, config.seed, config.bootstrap_resamples)
         samples = samples_table(results, config.num_logged_samples)
@@ -77,11 +88,10 @@ def score_model(ref: ModelRef, prompts: list[dict], pairs: list[dict] | None, co
 
 @task(name="evaluate")
 def evaluate(
-    models: dict[str, ModelRef],
+    models: dict[str, ModelHandle],
     data: PreparedData,
-    ref_logps: RefLogps | None,
+    held_out_rewards: HeldOutRewards | None,
     config: EvaluationConfig,
-    beta: float,
     parent_run_id: str,
     config_name: str,
     final_label: str | None = None,
@@ -90,17 +100,19 @@ def evaluate(
     definition). ``final_label``'s metrics are also logged on the parent run as ``final/<metric>``."""
     prepared = datasets.load_from_disk(data.path)
     prompts = prepared["eval_prompts"].to_list()[: config.num_prompts] if "eval_prompts" in prepared else []
-    pairs = None
-    if ref_logps is not None:
-        ref_splits = with_reference_columns(ref_logps)
-        pairs = ref_splits["preference_eval"].to_list() if "preference_eval" in ref_splits else None
-    reference_fp = ref_logps.reference_fingerprint if ref_logps else None
+    pairs, reference_fingerprint, beta = None, None, None
+    if held_out_rewards is not None:
+        with_reference = with_reference_columns(held_out_rewards.reference_logps)
+        pairs = with_reference["preference_eval"].to_list() if "preference_eval" in with_reference else None
+        reference_fingerprint, beta = held_out_rewards.reference_logps.reference_fingerprint, held_out_rewards.beta
 
     run_id = stage_run_id(parent_run_id, "evaluate", stage_output_dir(config_name, "evaluate"))
     rows = {}
     with tracked_run(run_id):
-        for label, ref in models.items():
-            rows[label], samples = score_model(ref, prompts, None if ref.fingerprint == reference_fp else pairs, config, beta)
+        for label, model in models.items():
+            # the reference's implicit reward is 0 by definition: no reward metrics for it
+            model_pairs = None if model.fingerprint == reference_fingerprint else pairs
+            rows[label], samples = score_model(model, prompts, model_pairs, config, beta)
             log_metrics(run_id, {f"{label}/{name}": value for name, value in rows[label].items()})
             log_metrics(parent_run_id, {f"eval/{label}/{name}": value for name, value in rows[label].items()})
             if samples:
@@ -109,7 +121,11 @@ def evaluate(
             log_metrics(parent_run_id, {f"final/{name}": value for name, value in rows[final_label].items()})
             client().set_tag(parent_run_id, "alignflow.final_stage", final_label)
         report = EvalReport(rows=rows, num_prompts=len(prompts), num_pairs=len(pairs or []), mlflow_run_id=run_id)
-        client().log_table(run_id, data={"model": list(rows), **{c: [m.get(c) for m in rows.values()] for c in TABLE_COLUMNS}}, artifact_file="eval_table.json")
+        client().log_table(
+            run_id,
+            data={"model": list(rows), **{c: [m.get(c) for m in rows.values()] for c in TABLE_COLUMNS}},
+            artifact_file="eval_table.json",
+        )
         client().log_text(run_id, report.markdown(), "eval_table.md")
     create_table_artifact(
         key="evaluation",

@@ -1,8 +1,13 @@
-"""Content fingerprints (sha256) of files, folders and JSON-able values."""
+"""Content fingerprints (sha256) of files, folders, JSON-able values and the code that produces
+cached content."""
 
 from __future__ import annotations
 
+import ast
+import functools
 import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -24,7 +29,11 @@ def hash_value(value: Any) -> str:
 def hash_paths(root: Path, names: list[str] | None = None) -> str:
     """Digest of every file below ``root`` (or only the given names), their relative paths included."""
     digest = hashlib.sha256()
-    files = sorted(p for p in root.rglob("*") if p.is_file()) if names is None else [root / n for n in sorted(names) if (root / n).is_file()]
+    files = (
+        sorted(p for p in root.rglob("*") if p.is_file())
+        if names is None
+        else [root / n for n in sorted(names) if (root / n).is_file()]
+    )
     for path in files:
         digest.update(str(path.relative_to(root)).encode())
         with path.open("rb") as handle:
@@ -42,6 +51,68 @@ def hash_token_ids(dataset: datasets.Dataset) -> str:
         digest.update(name.encode())
         digest.update(pc.list_value_length(column).to_numpy().astype("<i8").tobytes())
         digest.update(pc.list_flatten(column).to_numpy().astype("<i8").tobytes())
+    return digest.hexdigest()[:DIGEST_CHARS]
+
+
+# Imports into this package are followed when hashing code: it is the pure-ML layer that computes
+# cached content. tasks/, flows/ and infra/ orchestrate; a module of theirs counts only as a root.
+CONTENT_PACKAGE = "trainers"
+# Libraries whose version changes numerics or file formats of cached content.
+LIBRARIES = ("torch", "transformers", "tokenizers", "datasets")
+
+
+def module_source(name: str) -> Path | None:
+    """The source file of module ``name`` (``a.b.c`` → ``a/b/c.py`` or ``a/b/c/__init__.py`` below
+    package ``a``), found without importing anything; None for names that are not modules."""
+    top, *parts = name.split(".")
+    spec = importlib.util.find_spec(top)
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None
+    root = Path(spec.origin).parent if spec.submodule_search_locations else Path(spec.origin).with_suffix("")
+    base = root.joinpath(*parts)
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def imported_modules(tree: ast.AST) -> set[str]:
+    """Every module an ``import`` / ``from … import`` names anywhere in ``tree`` (function bodies
+    included); ``from package import name`` yields ``package.name`` as well, for submodules."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def is_content_module(name: str) -> bool:
+    return name == CONTENT_PACKAGE or name.startswith(CONTENT_PACKAGE + ".")
+
+
+@functools.cache
+def code_fingerprint(*roots: str) -> str:
+    """Digest of the source of the modules ``roots`` and of every ``trainers`` module they import,
+    transitively, plus the versions of the libraries that shape the numbers (``LIBRARIES``).
+
+    Part of every cache key of computed content: a change to the code that produces an entry
+    misses the cache, with no version constant to bump. Source files are not imported."""
+    sources: dict[str, bytes] = {}
+    pending = list(roots)
+    while pending:
+        name = pending.pop()
+        if name in sources or (path := module_source(name)) is None:
+            continue
+        sources[name] = path.read_bytes()
+        pending.extend(m for m in imported_modules(ast.parse(sources[name])) if is_content_module(m))
+    digest = hashlib.sha256()
+    for name in sorted(sources):
+        digest.update(f"{name}\n".encode() + sources[name])
+    for library in LIBRARIES:
+        digest.update(f"{library}=={importlib.metadata.version(library)}".encode())
     return digest.hexdigest()[:DIGEST_CHARS]
 
 

@@ -97,7 +97,12 @@ class LeaseLock:
         while not self.try_create():
             holder = self.read_holder()
             if holder is not None and time.time() - holder["heartbeat"] > self.lease_seconds:
-                logger.warning("breaking stale lock %s (no heartbeat for %.0f s): %s", self.path, time.time() - holder["heartbeat"], holder)
+                logger.warning(
+                    "breaking stale lock %s (no heartbeat for %.0f s): %s",
+                    self.path,
+                    time.time() - holder["heartbeat"],
+                    holder,
+                )
                 self.fs.rm_file(self.path)
                 continue
             if time.monotonic() > deadline:

@@ -13,14 +13,20 @@ from prefect import task
 
 from infra.config import ModelConfig
 from infra.settings import get_settings
-from tasks.fingerprints import atomic_directory, hash_paths, hash_value
-from tasks.refs import ModelRef
+from tasks.fingerprints import atomic_directory, code_fingerprint, hash_paths, hash_value
+from tasks.handles import ModelHandle
 from tasks.tracking import client
-from trainers.builtin_model import is_builtin, save_builtin_model
+from trainers.builtin_model import builtin_spec, is_builtin, save_builtin_model
 
 # What determines a model's outputs (not training_args.bin or generation_config.json, which name runs and folders).
 WEIGHT_PATTERNS = ("config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin")
-TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "tokenizer.model"]
+TOKENIZER_FILES = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+]
 MLFLOW_SCHEMES = ("runs:/", "models:/")
 
 
@@ -28,8 +34,8 @@ def weight_files(path: Path) -> list[str]:
     return sorted({p.name for pattern in WEIGHT_PATTERNS for p in path.glob(pattern) if p.is_file()})
 
 
-def checkpoint_ref(path: Path, stage: str, mlflow_run_id: str | None = None) -> ModelRef:
-    return ModelRef(
+def checkpoint_handle(path: Path, stage: str, mlflow_run_id: str | None = None) -> ModelHandle:
+    return ModelHandle(
         path=str(path),
         fingerprint=hash_paths(path),
         tokenizer_fingerprint=hash_paths(path, TOKENIZER_FILES),
@@ -53,26 +59,33 @@ def download_mlflow_model(uri: str) -> Path:
     target = get_settings().model_cache / f"mlflow-{hash_value(pinned)}"
     if not target.exists():
         with atomic_directory(target) as staging:
-            local = Path(mlflow.artifacts.download_artifacts(pinned, dst_path=str(staging / "download"), tracking_uri=get_settings().mlflow_tracking_uri))
+            local = Path(
+                mlflow.artifacts.download_artifacts(
+                    pinned, dst_path=str(staging / "download"), tracking_uri=get_settings().mlflow_tracking_uri
+                )
+            )
             local.rename(staging / "model")
     return target / "model"
 
 
 @task(name="resolve-model")
-def resolve_model(config: ModelConfig, stage: str = "base") -> ModelRef:
+def resolve_model(config: ModelConfig, stage: str = "base") -> ModelHandle:
     """Built-in models are materialised once under the model cache, MLflow models downloaded
     there once; local folders are hashed; hub ids are identified by id and revision (pin a
     commit for an immutable fingerprint)."""
     if is_builtin(config.source):
-        name = config.source.removeprefix("builtin:")
-        target = get_settings().model_cache / f"{name}-seed{config.seed}"
+        spec = builtin_spec(config.source, config.seed)  # architecture, vocabulary and seed
+        identity = hash_value({"spec": spec, "code": code_fingerprint("trainers.builtin_model")})
+        target = get_settings().model_cache / f"{config.source.removeprefix('builtin:')}-{identity}"
         if not target.exists():
             with atomic_directory(target) as staging:
                 save_builtin_model(config.source, config.seed, staging)
-        return checkpoint_ref(target, stage)
+        return checkpoint_handle(target, stage)
     if config.source.startswith(MLFLOW_SCHEMES):
-        return checkpoint_ref(download_mlflow_model(config.source), stage)
+        return checkpoint_handle(download_mlflow_model(config.source), stage)
     if Path(config.source).is_dir():
-        return checkpoint_ref(Path(config.source), stage)
+        return checkpoint_handle(Path(config.source), stage)
     identity = hash_value({"hub": config.source, "revision": config.revision})
-    return ModelRef(path=config.source, revision=config.revision, fingerprint=identity, tokenizer_fingerprint=identity, stage=stage)
+    return ModelHandle(
+        path=config.source, revision=config.revision, fingerprint=identity, tokenizer_fingerprint=identity, stage=stage
+    )

@@ -9,7 +9,7 @@ from pydantic import BaseModel
 
 from infra.config import PromotionConfig
 from tasks.evaluate import EvalReport
-from tasks.refs import ModelRef
+from tasks.handles import ModelHandle
 from tasks.tracking import client
 
 CHAMPION_LABEL = "champion"
@@ -40,11 +40,17 @@ def gate(report: EvalReport, candidate_label: str, config: PromotionConfig) -> t
     best = report.rows[CHAMPION_LABEL][config.metric]
     # It must improve, by at least min_improvement: an equal model (a rerun) changes nothing.
     verdict = value > best and value - best >= config.min_improvement
-    return verdict, f"{config.metric} {value:.4f} vs {config.alias} {best:.4f}: gain {value - best:+.4f}, needed > 0 and >= {config.min_improvement}"
+    return (
+        verdict,
+        f"{config.metric} {value:.4f} vs {config.alias} {best:.4f}: gain "
+        f"{value - best:+.4f}, needed > 0 and >= {config.min_improvement}",
+    )
 
 
 @task(name="promote")
-def promote(report: EvalReport, candidate: ModelRef, candidate_label: str, config: PromotionConfig, parent_run_id: str) -> PromotionDecision:
+def promote(
+    report: EvalReport, candidate: ModelHandle, candidate_label: str, config: PromotionConfig, parent_run_id: str
+) -> PromotionDecision:
     promoted, reason = gate(report, candidate_label, config)
     get_run_logger().info("promotion of %s: %s (%s)", candidate_label, "accepted" if promoted else "rejected", reason)
     if not promoted:
@@ -57,7 +63,9 @@ def promote(report: EvalReport, candidate: ModelRef, candidate_label: str, confi
         client().create_registered_model(name, description="Models promoted by the alignflow promotion gate.")
     source = f"{client().get_run(candidate.mlflow_run_id).info.artifact_uri}/model"
     figures = {f"eval.{metric}": f"{value:.6g}" for metric, value in report.rows[candidate_label].items()}
-    version = client().create_model_version(name, source=source, run_id=candidate.mlflow_run_id, tags=figures | {"alignflow.promotion": reason})
+    version = client().create_model_version(
+        name, source=source, run_id=candidate.mlflow_run_id, tags=figures | {"alignflow.promotion": reason}
+    )
     client().set_registered_model_alias(name, config.alias, version.version)
     client().set_tag(parent_run_id, "alignflow.promotion", f"promoted: {name} version {version.version} ({reason})")
     return PromotionDecision(promoted=True, reason=reason, version=str(version.version))

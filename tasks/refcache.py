@@ -86,7 +86,10 @@ def entry_digest(splits: dict[str, dict]) -> str:
 def parquet_bytes(chosen: Sequence[float], rejected: Sequence[float]) -> bytes:
     if len(chosen) != len(rejected):
         raise ValueError(f"{len(chosen)} chosen but {len(rejected)} rejected log-probs")
-    table = pa.table([pa.array(range(len(chosen)), pa.int64()), pa.array(chosen, pa.float32()), pa.array(rejected, pa.float32())], schema=SCHEMA)
+    table = pa.table(
+        [pa.array(range(len(chosen)), pa.int64()), pa.array(chosen, pa.float32()), pa.array(rejected, pa.float32())],
+        schema=SCHEMA,
+    )
     buffer = io.BytesIO()
     pq.write_table(table, buffer)
     return buffer.getvalue()
@@ -150,7 +153,9 @@ class ReferenceCache:
             raise CacheIntegrityError(f"{self.uri(key)}/{MANIFEST}: digest does not match the file checksums")
         entry = CacheEntry(self.uri(key), manifest, tables)
         if expected_rows is not None and entry.rows != expected_rows:
-            raise CacheIntegrityError(f"{self.uri(key)}: rows {entry.rows} differ from the prepared data's {expected_rows}")
+            raise CacheIntegrityError(
+                f"{self.uri(key)}: rows {entry.rows} differ from the prepared data's {expected_rows}"
+            )
         return entry
 
     def read_split(self, key: str, info: dict) -> pa.Table:
@@ -160,19 +165,29 @@ class ReferenceCache:
         except FileNotFoundError:
             raise CacheIntegrityError(f"{where}: missing") from None
         if sha256(data) != info["sha256"]:
-            raise CacheIntegrityError(f"{where}: sha256 of its {len(data)} bytes does not match the manifest (corrupt or truncated)")
+            raise CacheIntegrityError(
+                f"{where}: sha256 of its {len(data)} bytes does not match the manifest (corrupt or truncated)"
+            )
         try:
             table = pq.read_table(io.BytesIO(data))
         except pa.ArrowException as error:
             raise CacheIntegrityError(f"{where}: unreadable Parquet ({error})") from None
         if table.schema != SCHEMA or table.num_rows != info["rows"]:
-            raise CacheIntegrityError(f"{where}: {table.num_rows} rows of {table.schema.names}, manifest says {info['rows']} rows of {SCHEMA.names}")
+            raise CacheIntegrityError(
+                f"{where}: {table.num_rows} rows of {table.schema.names}, "
+                f"manifest says {info['rows']} rows of {SCHEMA.names}"
+            )
         return table
 
     # -- writing ------------------------------------------------------------------------------
 
     def get_or_compute(
-        self, key: str, compute: Compute, inputs: dict, producer: dict | None = None, expected_rows: dict[str, int] | None = None
+        self,
+        key: str,
+        compute: Compute,
+        inputs: dict,
+        producer: dict | None = None,
+        expected_rows: dict[str, int] | None = None,
     ) -> tuple[CacheEntry, bool]:
         """The verified entry and whether this call computed it. A missing, partial or corrupt
         entry is (re)computed once under the key's lock; whoever waited on the lock reads it."""
@@ -214,7 +229,11 @@ class ReferenceCache:
                 "splits": splits,
                 "created_at": created.isoformat(),
                 "producer": {**producer, "host": socket.gethostname(), "pid": os.getpid()},
-                "timing": {"compute_seconds": seconds, "pairs": pairs, "pairs_per_second": pairs / seconds if seconds > 0 else None},
+                "timing": {
+                    "compute_seconds": seconds,
+                    "pairs": pairs,
+                    "pairs_per_second": pairs / seconds if seconds > 0 else None,
+                },
             }
             self.fs.pipe_file(f"{staging}/{MANIFEST}", json.dumps(manifest, indent=2).encode())
             if self.fs.exists(self.path(key)):
@@ -230,7 +249,11 @@ class ReferenceCache:
     def keys(self) -> list[str]:
         if not self.fs.exists(self.base):
             return []
-        folders = [info["name"].rstrip("/").rsplit("/", 1)[-1] for info in self.fs.ls(self.base, detail=True) if info["type"] == "directory"]
+        folders = [
+            info["name"].rstrip("/").rsplit("/", 1)[-1]
+            for info in self.fs.ls(self.base, detail=True)
+            if info["type"] == "directory"
+        ]
         return sorted(name for name in folders if not name.startswith("."))  # not .staging, .locks
 
     def size(self, key: str) -> int:

@@ -16,12 +16,11 @@ from prefect.runtime import flow_run, task_run
 
 from infra.config import ReferenceConfig
 from infra.settings import get_settings
-from tasks.fingerprints import hash_value
+from tasks.fingerprints import code_fingerprint, hash_value
+from tasks.handles import ModelHandle, PreparedData, ReferenceLogps
 from tasks.refcache import CacheEntry, CacheIntegrityError, Columns, ReferenceCache
-from tasks.refs import ModelRef, PreparedData, RefLogps
 from tasks.tracking import log_dataset_input, log_metrics
 from trainers.collators import REF_COLUMNS
-from trainers.logprobs import LOGPROB_CODE_VERSION
 from trainers.modeling import load_causal_lm
 from trainers.reference import reference_logps
 
@@ -31,19 +30,21 @@ MLFLOW_SCHEMA = {"row_id": "long", "ref_chosen_logps": "float", "ref_rejected_lo
 PROGRESS_STEP = 5.0  # percent between updates of the Prefect progress artifact
 
 
-def reference_key_inputs(data: PreparedData, reference: ModelRef) -> dict:
+def reference_key_inputs(data: PreparedData, reference: ModelHandle) -> dict:
     """Everything that changes the values and nothing else (no run names, no hyper-parameters)."""
     return {
-        "pairs": {split: data.token_fingerprints[split] for split in PREFERENCE_SPLITS if split in data.token_fingerprints},
+        "pairs": {
+            split: data.token_fingerprints[split] for split in PREFERENCE_SPLITS if split in data.token_fingerprints
+        },
         "truncation": data.truncation,
         "weights": reference.weights_fingerprint or reference.fingerprint,  # hub models: id + revision
         "tokenizer": reference.tokenizer_fingerprint,
-        "logprob_code": LOGPROB_CODE_VERSION,
+        "code": code_fingerprint(__name__),  # this module and the trainers code it runs: log-probs, collators, loading
         "dtype": REFERENCE_DTYPE,
     }
 
 
-def reference_key(data: PreparedData, reference: ModelRef) -> str:
+def reference_key(data: PreparedData, reference: ModelHandle) -> str:
     return hash_value(reference_key_inputs(data, reference))
 
 
@@ -62,7 +63,9 @@ class PrefectProgress:
     def __init__(self, total: int):
         self.total, self.done, self.shown = total, 0, 0.0
         in_task = TaskRunContext.get() is not None
-        self.artifact_id = create_progress_artifact(0.0, description=f"reference log-probs of {total} pairs") if in_task else None
+        self.artifact_id = (
+            create_progress_artifact(0.0, description=f"reference log-probs of {total} pairs") if in_task else None
+        )
 
     def __call__(self, rows: int) -> None:
         self.done += rows
@@ -72,19 +75,26 @@ class PrefectProgress:
             self.shown = percent
 
 
-def compute_columns(data: PreparedData, reference: ModelRef, batch_size: int) -> dict[str, Columns]:
+def compute_columns(data: PreparedData, reference: ModelHandle, batch_size: int) -> dict[str, Columns]:
     """Reference log-probs of every preference split in row order (row id = position in the split)."""
     model, tokenizer = load_causal_lm(reference.path, reference.revision)
     prepared = datasets.load_from_disk(data.path)
     splits = [split for split in PREFERENCE_SPLITS if split in prepared]
     progress = PrefectProgress(sum(len(prepared[split]) for split in splits))
-    return {split: reference_logps(model, tokenizer.pad_token_id, prepared[split].to_list(), batch_size, on_batch=progress) for split in splits}
+    return {
+        split: reference_logps(model, tokenizer.pad_token_id, prepared[split].to_list(), batch_size, on_batch=progress)
+        for split in splits
+    }
 
 
-def ensure_entry(ref: RefLogps, mlflow_run_id: str | None = None) -> tuple[CacheEntry, bool]:
+def ensure_entry(ref: ReferenceLogps, mlflow_run_id: str | None = None) -> tuple[CacheEntry, bool]:
     """The verified cache entry of ``ref`` and whether it was computed now (missing, partial or
     corrupt entries are computed, once, under the key's lock)."""
-    producer = {"mlflow_run_id": mlflow_run_id, "prefect_flow_run_id": flow_run.get_id(), "prefect_task_run_id": task_run.get_id()}
+    producer = {
+        "mlflow_run_id": mlflow_run_id,
+        "prefect_flow_run_id": flow_run.get_id(),
+        "prefect_task_run_id": task_run.get_id(),
+    }
     return reference_store(ref.root).get_or_compute(
         ref.key,
         lambda: compute_columns(ref.data, ref.reference, ref.batch_size),
@@ -105,14 +115,16 @@ def join_columns(split: datasets.Dataset, table: pa.Table, where: str) -> datase
     return split
 
 
-def with_reference_columns(ref: RefLogps) -> datasets.DatasetDict:
+def with_reference_columns(ref: ReferenceLogps) -> datasets.DatasetDict:
     """The prepared preference splits with ``ref_chosen_logps`` / ``ref_rejected_logps`` joined on."""
     entry, _ = ensure_entry(ref)
     prepared = datasets.load_from_disk(ref.data.path)
-    return datasets.DatasetDict({split: join_columns(prepared[split], table, f"{entry.uri} ({split})") for split, table in entry.tables.items()})
+    return datasets.DatasetDict(
+        {split: join_columns(prepared[split], table, f"{entry.uri} ({split})") for split, table in entry.tables.items()}
+    )
 
 
-def log_reference_input(run_id: str, ref: RefLogps) -> None:
+def log_reference_input(run_id: str, ref: ReferenceLogps) -> None:
     """List the cache entry among the run's MLflow input datasets, with its digest and URI."""
     entry = reference_store(ref.root).read(ref.key)
     profile = {"key": ref.key, "rows": entry.rows, "created_at": entry.manifest["created_at"]}
@@ -120,15 +132,29 @@ def log_reference_input(run_id: str, ref: RefLogps) -> None:
 
 
 @task(name="cache-reference-logps", cache_key_fn=reference_cache_key, persist_result=True)
-def cache_ref_logps(data: PreparedData, reference: ModelRef, config: ReferenceConfig, parent_run_id: str | None = None) -> RefLogps:
+def cache_ref_logps(
+    data: PreparedData, reference: ModelHandle, config: ReferenceConfig, parent_run_id: str | None = None
+) -> ReferenceLogps:
     """Reference log-probs of every preference pair: read from the cache, or computed into it once.
     Logs the stage's wall time and pairs/s to the parent MLflow run."""
-    ref = RefLogps(key=reference_key(data, reference), root=reference_store().root, data=data, reference=reference, batch_size=config.batch_size)
+    ref = ReferenceLogps(
+        key=reference_key(data, reference),
+        root=reference_store().root,
+        data=data,
+        reference=reference,
+        batch_size=config.batch_size,
+    )
     started = time.perf_counter()
     entry, computed = ensure_entry(ref, parent_run_id)
     seconds = time.perf_counter() - started
     pairs = sum(entry.rows.values())
-    get_run_logger().info("reference log-probs of %d pairs %s %s in %.2f s", pairs, "computed into" if computed else "read from", entry.uri, seconds)
+    get_run_logger().info(
+        "reference log-probs of %d pairs %s %s in %.2f s",
+        pairs,
+        "computed into" if computed else "read from",
+        entry.uri,
+        seconds,
+    )
     if parent_run_id is not None:
         metrics = {"seconds": seconds, "pairs": pairs, "pairs_per_second": pairs / seconds, "computed": float(computed)}
         log_metrics(parent_run_id, {f"reference/{name}": value for name, value in metrics.items()})

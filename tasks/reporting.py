@@ -25,7 +25,9 @@ class RunSummary:
         return f"{self.name} ({self.run_id[:8]})"
 
 
-def comparison_rows(runs: list[RunSummary], baseline: RunSummary, params: list[str], metrics: list[str]) -> list[dict[str, object]]:
+def comparison_rows(
+    runs: list[RunSummary], baseline: RunSummary, params: list[str], metrics: list[str]
+) -> list[dict[str, object]]:
     """One row per run: key params, each metric and its delta against the baseline."""
     rows = []
     for run in runs:

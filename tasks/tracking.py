@@ -21,11 +21,9 @@ from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 from prefect.artifacts import create_link_artifact
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_UI_URL
-from transformers import TrainerCallback
 
-from infra.config import Section
 from infra.settings import get_settings
-from trainers.grpo import COMPLETIONS_LOG_KEY
+from trainers.sections import Section
 
 RUN_ID_FILE = "mlflow_run_id"
 MAX_BATCH = 100
@@ -45,7 +43,9 @@ def experiment_id(name: str) -> str:
 
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -58,12 +58,16 @@ def log_params(run_id: str, params: dict) -> None:
 
 def log_metrics(run_id: str, metrics: dict[str, float], step: int = 0) -> None:
     now = int(time.time() * 1000)
-    items = [Metric(k, float(v), now, step) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)]
+    items = [
+        Metric(k, float(v), now, step) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)
+    ]
     for start in range(0, len(items), MAX_BATCH):
         client().log_batch(run_id, metrics=items[start : start + MAX_BATCH])
 
 
-def log_dataset_input(run_id: str, name: str, digest: str, uri: str, schema: dict[str, str], profile: dict, context: str) -> None:
+def log_dataset_input(
+    run_id: str, name: str, digest: str, uri: str, schema: dict[str, str], profile: dict, context: str
+) -> None:
     """Record a dataset as an input of the run (MLflow's *Datasets used*): its digest, where it
     lives (``uri``), its columns (``schema``: name -> MLflow type) and a small ``profile``."""
     scheme = uri.split("://", 1)[0] if "://" in uri else "local"
@@ -141,7 +145,11 @@ def stage_run_id(parent_run_id: str, stage: str, output_dir: Path) -> str:
     run = client().create_run(
         parent.info.experiment_id,
         run_name=stage,
-        tags={"mlflow.parentRunId": parent_run_id, "alignflow.stage": stage, **{k: v for k, v in parent.data.tags.items() if k.startswith(("prefect.", "alignflow.config"))}},
+        tags={
+            "mlflow.parentRunId": parent_run_id,
+            "alignflow.stage": stage,
+            **{k: v for k, v in parent.data.tags.items() if k.startswith(("prefect.", "alignflow.config"))},
+        },
     )
     output_dir.mkdir(parents=True, exist_ok=True)
     id_file.write_text(run.info.run_id)
@@ -152,26 +160,3 @@ def link_stage(parent_run_id: str, stage: str, model_run_id: str | None) -> None
     """Record on the parent which run trained ``stage``'s model; for a cache hit that is an earlier run's."""
     if model_run_id is not None:
         client().set_tag(parent_run_id, f"alignflow.{stage}_run_id", model_run_id)
-
-
-COMPLETIONS_TABLE = "completions.json"
-
-
-class MlflowTrainerCallback(TrainerCallback):
-    """Logs every Trainer log as metrics, every saved checkpoint as artifacts and tables of sample
-    completions (GRPO's ``completions`` log, one table with a ``step`` column) (rank 0 only)."""
-
-    def __init__(self, run_id: str):
-        self.run_id = run_id
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if state.is_world_process_zero and logs:
-            log_metrics(self.run_id, logs, step=state.global_step)
-            if COMPLETIONS_LOG_KEY in logs:
-                client().log_table(self.run_id, data=logs[COMPLETIONS_LOG_KEY], artifact_file=COMPLETIONS_TABLE)
-
-    def on_save(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            if checkpoint.is_dir():
-                client().log_artifacts(self.run_id, str(checkpoint), f"checkpoints/{checkpoint.name}")

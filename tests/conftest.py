@@ -1,4 +1,7 @@
-"""Test session setup: an isolated run-state folder, one Prefect test server for the session."""
+"""Test session setup: an isolated run-state folder, one Prefect test server for the session, and
+the tiers: ``services`` (PostgreSQL, Chromium, real servers: marked in their modules), ``flow``
+(needs the session's Prefect server: every test that uses ``prefect_api_url``, directly or through
+a fixture) and ``unit`` (everything else: no server, no root)."""
 
 from __future__ import annotations
 
@@ -45,6 +48,12 @@ def tiny():
     from trainers.builtin_model import build_builtin_model
 
     return build_builtin_model("builtin:tiny-llama", seed=0)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("services") is None:
+            item.add_marker(pytest.mark.flow if "prefect_api_url" in item.fixturenames else pytest.mark.unit)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -1,8 +1,11 @@
+import sys
+
 import pytest
 from pydantic import ValidationError
 
 from infra.config import ExperimentConfig, load_config
 from trainers.losses import PREFERENCE_LOSSES
+from trainers.rewards import REWARD_FUNCTIONS
 
 
 def test_yaml_and_cli_overrides():
@@ -36,7 +39,13 @@ def test_schema_has_descriptions_for_the_ui():
 
 def test_dpo_defaults_and_loss_options():
     dpo = load_config(None).dpo
-    assert (dpo.beta, dpo.loss_type, dpo.loss_weights, dpo.label_smoothing, dpo.reference) == (0.1, "sigmoid", None, 0.0, "cached")
+    assert (dpo.beta, dpo.loss_type, dpo.loss_weights, dpo.label_smoothing, dpo.reference) == (
+        0.1,
+        "sigmoid",
+        None,
+        0.0,
+        "cached",
+    )
     combined = load_config(None, ["dpo.loss_type=[sigmoid, sft]", "dpo.loss_weights=[1.0, 0.2]"]).dpo
     assert combined.loss_type == ["sigmoid", "sft"] and combined.loss_weights == [1.0, 0.2]
     assert load_config(None, ["dpo.reference=live", "dpo.sync_ref_model=true"]).dpo.sync_ref_model
@@ -62,7 +71,13 @@ def test_invalid_dpo_options_are_config_errors(overrides, message):
 
 def test_grpo_stage_is_checked_when_the_config_loads():
     assert load_config("configs/default.yaml").stages == ["sft", "dpo", "grpo"]
-    with pytest.raises(ValidationError, match=r"per_device_train_batch_size × steps_per_generation \(128 × 1 = 128\) must be divisible by num_generations \(3\)"):
+    with pytest.raises(
+        ValidationError,
+        match=(
+            r"per_device_train_batch_size × steps_per_generation \(128 "
+            r"× 1 = 128\) must be divisible by num_generations \(3\)"
+        ),
+    ):
         load_config(None, ["grpo.num_generations=3"])
     with pytest.raises(ValidationError, match="set steps_per_generation or generation_batch_size, not both"):
         load_config(None, ["grpo.steps_per_generation=2", "grpo.generation_batch_size=256"])
@@ -73,11 +88,60 @@ def test_grpo_stage_is_checked_when_the_config_loads():
     with pytest.raises(ValidationError, match="loss_type"):
         load_config(None, ["grpo.loss_type=ppo"])
     with pytest.raises(ValidationError, match="needs data.grpo_prompts"):
-        ExperimentConfig.model_validate({"data": {"builtin": None, "sft": {"path": "x.jsonl"}}, "stages": ["sft", "grpo"]})
+        ExperimentConfig.model_validate(
+            {"data": {"builtin": None, "sft": {"path": "x.jsonl"}}, "stages": ["sft", "grpo"]}
+        )
     assert load_config(None, ["stages=[sft, grpo]"]).stages == ["sft", "grpo"]
 
 
-@pytest.mark.parametrize("override", ["sft.learning_rate=-1", "sft.num_train_epochs=0", "dpo.num_train_epochs=0", "grpo.learning_rate=0", "dpo.logging_steps=0"])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "sft.learning_rate=-1",
+        "sft.num_train_epochs=0",
+        "dpo.num_train_epochs=0",
+        "grpo.learning_rate=0",
+        "dpo.logging_steps=0",
+    ],
+)
 def test_stage_defaults_keep_the_shared_constraints(override):
     with pytest.raises(ValidationError, match=override.split("=")[0].split(".")[1]):
         load_config(None, [override])
+
+
+PLUGIN = '''
+from trainers.losses import register_loss
+from trainers.rewards import register_reward
+
+
+@register_loss("plugin_margin", hyperparameters=("beta",))
+def plugin_margin(pairs, params):
+    """L = −β·Δ"""
+    return -params.beta * pairs.margin
+
+
+@register_reward("plugin_length")
+def plugin_length(prompts, completions, **columns):
+    return [float(len(c)) for c in completions]
+'''
+
+
+@pytest.fixture
+def plugin(tmp_path, monkeypatch):
+    """An importable plugin module; its registrations are removed afterwards."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "alignflow_test_plugin.py").write_text(PLUGIN)
+    yield "alignflow_test_plugin"
+    PREFERENCE_LOSSES.pop("plugin_margin", None)
+    REWARD_FUNCTIONS.pop("plugin_length", None)
+    sys.modules.pop("alignflow_test_plugin", None)
+
+
+def test_a_plugin_module_registers_losses_and_rewards_that_the_config_then_accepts(plugin):
+    overrides = ["dpo.loss_type=plugin_margin", "grpo.reward_funcs=[plugin_length]"]
+    with pytest.raises(ValidationError, match="unknown loss_type 'plugin_margin'"):
+        load_config(None, overrides)
+    config = load_config(None, [f"plugins=[{plugin}]", *overrides])
+    assert (config.dpo.loss_type, config.grpo.reward_funcs) == ("plugin_margin", ["plugin_length"])
+    loss_choices = ExperimentConfig.model_json_schema()["$defs"]["DPOStageConfig"]["properties"]["loss_type"]
+    assert "plugin_margin" in loss_choices["anyOf"][0]["enum"]  # the UI form lists it from now on

@@ -11,6 +11,7 @@ from trainers.data import Truncation, tokenize_split
 from trainers.dpo import DPOConfig, DPOTrainer
 from trainers.losses import PREFERENCE_LOSSES
 from trainers.reference import reference_logps
+from trainers.stages.dpo import DPOStageConfig
 from trainers.synthetic import AdditionTask, generate_addition
 
 
@@ -24,9 +25,15 @@ def pairs(tiny):
 
 
 def make_trainer(model, tokenizer, train_rows, tmp_path, ref_model=None, **overrides):
-    settings = dict(per_device_train_batch_size=8, learning_rate=1e-3, beta=0.5) | overrides
+    reference = "live" if ref_model is not None else "cached"
+    settings = dict(per_device_train_batch_size=8, learning_rate=1e-3, beta=0.5, reference=reference) | overrides
     args = DPOConfig(
-        output_dir=str(tmp_path), report_to=[], save_strategy="no", disable_tqdm=True, dataloader_pin_memory=False, **settings
+        output_dir=str(tmp_path),
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+        **settings,
     )
     return DPOTrainer(
         model=model,
@@ -74,7 +81,9 @@ def test_dpo_training_raises_reward_accuracy_and_leaves_reference_unchanged(tiny
     trainer.add_callback(recorder)
     trainer.train()
 
-    accuracies = [log["rewards/accuracies"] for log in recorder.logs if "rewards/accuracies" in log and "train_loss" not in log]
+    accuracies = [
+        log["rewards/accuracies"] for log in recorder.logs if "rewards/accuracies" in log and "train_loss" not in log
+    ]
     assert len(accuracies) >= 4
     assert accuracies[-1] > accuracies[0]
     assert accuracies[-1] >= 0.9
@@ -88,11 +97,16 @@ def test_dpo_training_raises_reward_accuracy_and_leaves_reference_unchanged(tiny
 def with_cached_reference(model, tokenizer, rows):
     """Rows with ``ref_*`` columns: the model's own log-probs shifted, so log-ratios are not zero."""
     chosen, rejected = reference_logps(model, tokenizer.pad_token_id, rows, batch_size=16, progress=False)
-    return [dict(r, ref_chosen_logps=c + 0.3 * (i % 3 - 1), ref_rejected_logps=j + 0.2) for i, (r, c, j) in enumerate(zip(rows, chosen, rejected))]
+    return [
+        dict(r, ref_chosen_logps=c + 0.3 * (i % 3 - 1), ref_rejected_logps=j + 0.2)
+        for i, (r, c, j) in enumerate(zip(rows, chosen, rejected))
+    ]
 
 
 @pytest.mark.parametrize(
-    "losses", [{"loss_type": "sigmoid"}, {"loss_type": ["ipo", "sft"], "loss_weights": [1.0, 0.5]}], ids=["sigmoid", "ipo+sft"]
+    "losses",
+    [{"loss_type": "sigmoid"}, {"loss_type": ["ipo", "sft"], "loss_weights": [1.0, 0.5]}],
+    ids=["sigmoid", "ipo+sft"],
 )
 def test_gradient_accumulation_matches_one_large_batch(tiny, pairs, tmp_path, losses):
     """2 micro-batches x 2 accumulation steps make the same SGD update as one batch of 4."""
@@ -104,8 +118,16 @@ def test_gradient_accumulation_matches_one_large_batch(tiny, pairs, tmp_path, lo
     def update(batch_size, accumulation, folder):
         policy = copy.deepcopy(model)
         start = [p.detach().clone() for p in policy.parameters()]
-        make_trainer(policy, tokenizer, rows, tmp_path / folder, per_device_train_batch_size=batch_size,
-                     gradient_accumulation_steps=accumulation, **sgd, **losses).train()
+        make_trainer(
+            policy,
+            tokenizer,
+            rows,
+            tmp_path / folder,
+            per_device_train_batch_size=batch_size,
+            gradient_accumulation_steps=accumulation,
+            **sgd,
+            **losses,
+        ).train()
         return [p.detach() - s for p, s in zip(policy.parameters(), start)]
 
     one_batch, accumulated = update(4, 1, "big"), update(2, 2, "small")
@@ -126,7 +148,16 @@ def test_short_run_changes_every_parameter_and_leaves_the_live_reference_unchang
     policy, reference = copy.deepcopy(model), copy.deepcopy(model)
     policy_before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     reference_before = {n: p.detach().clone() for n, p in reference.named_parameters()}
-    make_trainer(policy, tokenizer, pairs[:4], tmp_path, ref_model=reference, max_steps=1, per_device_train_batch_size=4, **LOSS_RUNS[name]).train()
+    make_trainer(
+        policy,
+        tokenizer,
+        pairs[:4],
+        tmp_path,
+        ref_model=reference,
+        max_steps=1,
+        per_device_train_batch_size=4,
+        **LOSS_RUNS[name],
+    ).train()
     assert [n for n, p in policy.named_parameters() if torch.equal(p, policy_before[n])] == []
     assert [n for n, p in reference.named_parameters() if not torch.equal(p, reference_before[n])] == []
 
@@ -179,8 +210,18 @@ def test_train_logs_average_the_window_of_batches(tiny, pairs, tmp_path):
     recorder = RecordLogs()
     # Learning rate 0 keeps the policy fixed, and a sequential sampler fixes the batches, so the
     # expected metrics of the two batches of the window can be computed here.
-    trainer = make_trainer(copy.deepcopy(model), tokenizer, rows, tmp_path, per_device_train_batch_size=4, max_steps=2,
-                           logging_steps=2, optim="sgd", learning_rate=0.0, train_sampling_strategy="sequential")
+    trainer = make_trainer(
+        copy.deepcopy(model),
+        tokenizer,
+        rows,
+        tmp_path,
+        per_device_train_batch_size=4,
+        max_steps=2,
+        logging_steps=2,
+        optim="sgd",
+        learning_rate=0.0,
+        train_sampling_strategy="sequential",
+    )
     trainer.add_callback(recorder)
     trainer.train()
     (log,) = [log for log in recorder.logs if "rewards/chosen" in log]
@@ -193,11 +234,23 @@ def test_train_logs_average_the_window_of_batches(tiny, pairs, tmp_path):
 def test_evaluate_reads_cached_eval_reference_and_returns_eval_metrics(tiny, pairs, tmp_path):
     model, tokenizer = tiny
     train_rows, eval_rows = pairs[:8], with_cached_reference(model, tokenizer, pairs[8:16])
-    trainer = make_trainer(copy.deepcopy(model), tokenizer, train_rows, tmp_path, per_device_eval_batch_size=4,
-                           loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.25])
+    trainer = make_trainer(
+        copy.deepcopy(model),
+        tokenizer,
+        train_rows,
+        tmp_path,
+        per_device_eval_batch_size=4,
+        loss_type=["sigmoid", "sft"],
+        loss_weights=[1.0, 0.25],
+    )
     trainer.eval_dataset = datasets.Dataset.from_list(eval_rows)
     metrics = trainer.evaluate()
-    want = window_of([expected_batch_metrics(model, eval_rows[:4], 0.5, 0.25), expected_batch_metrics(model, eval_rows[4:], 0.5, 0.25)])
+    want = window_of(
+        [
+            expected_batch_metrics(model, eval_rows[:4], 0.5, 0.25),
+            expected_batch_metrics(model, eval_rows[4:], 0.5, 0.25),
+        ]
+    )
     for name, value in want.items():
         assert metrics[f"eval_{name}"] == pytest.approx(value, abs=1e-5), name
     assert not any(key.startswith("rewards/") for key in metrics)
@@ -205,13 +258,17 @@ def test_evaluate_reads_cached_eval_reference_and_returns_eval_metrics(tiny, pai
 
 def test_reference_free_takes_reference_logps_as_zero(tiny, pairs, tmp_path):
     model, tokenizer = tiny
-    trainer = make_trainer(model, tokenizer, pairs[:4], tmp_path, reference_free=True)
+    trainer = make_trainer(model, tokenizer, pairs[:4], tmp_path, reference="none")
     model.eval()
     loss = trainer.compute_loss(model, PreferenceCollator(tokenizer.pad_token_id)(pairs[:4]))
-    margins = [naive_row_scores(model, r["prompt_ids"], r["chosen_ids"])[0] - naive_row_scores(model, r["prompt_ids"], r["rejected_ids"])[0] for r in pairs[:4]]
+    margins = [
+        naive_row_scores(model, r["prompt_ids"], r["chosen_ids"])[0]
+        - naive_row_scores(model, r["prompt_ids"], r["rejected_ids"])[0]
+        for r in pairs[:4]
+    ]
     assert loss.item() == pytest.approx(sum(math.log1p(math.exp(-0.5 * m)) for m in margins) / 4, abs=1e-5)
-    with pytest.raises(ValueError, match="reference_free=True takes reference log-probs as 0"):
-        make_trainer(model, tokenizer, pairs[:4], tmp_path, ref_model=copy.deepcopy(model), reference_free=True)
+    with pytest.raises(ValueError, match="reference='none': pass a ref_model exactly when reference='live'"):
+        make_trainer(model, tokenizer, pairs[:4], tmp_path, ref_model=copy.deepcopy(model), reference="none")
 
 
 def test_periodic_sync_mixes_the_policy_into_the_live_reference(tiny, pairs, tmp_path):
@@ -221,8 +278,18 @@ def test_periodic_sync_mixes_the_policy_into_the_live_reference(tiny, pairs, tmp
         for p in reference.parameters():
             p.add_(0.05 * torch.randn_like(p))
     reference_before = {n: p.detach().clone() for n, p in reference.named_parameters()}
-    make_trainer(policy, tokenizer, pairs[:8], tmp_path, ref_model=reference, max_steps=2, per_device_train_batch_size=4,
-                 sync_ref_model=True, ref_model_mixup_alpha=0.25, ref_model_sync_steps=2).train()
+    make_trainer(
+        policy,
+        tokenizer,
+        pairs[:8],
+        tmp_path,
+        ref_model=reference,
+        max_steps=2,
+        per_device_train_batch_size=4,
+        sync_ref_model=True,
+        ref_model_mixup_alpha=0.25,
+        ref_model_sync_steps=2,
+    ).train()
     policy_params = dict(policy.named_parameters())
     for name, p in reference.named_parameters():  # one sync, after step 2
         expected = 0.25 * policy_params[name].detach() + 0.75 * reference_before[name]
@@ -236,16 +303,19 @@ def test_periodic_sync_mixes_the_policy_into_the_live_reference(tiny, pairs, tmp
         ({"loss_type": "nope"}, "unknown loss_type 'nope'"),
         ({"loss_type": ["sigmoid", "hinge"], "loss_weights": [1.0]}, "1 weights for 2 losses"),
         ({"loss_type": "hinge", "label_smoothing": 0.2}, "has no effect"),
-        ({"beta": 0.0}, "must be > 0"),
-        ({"sync_ref_model": True, "reference_free": True}, "cannot be combined with reference_free"),
+        ({"beta": 0.0}, "greater than 0"),
+        ({"sync_ref_model": True, "reference": "none"}, "sync_ref_model needs reference: live"),
     ],
 )
-def test_invalid_dpo_config_fails_at_construction(tmp_path, settings, message):
+def test_invalid_dpo_section_fails_before_any_arguments_exist(tmp_path, settings, message):
     with pytest.raises(ValueError, match=message):
-        DPOConfig(output_dir=str(tmp_path), report_to=[], **settings)
+        DPOStageConfig(**settings).training_arguments(DPOConfig, output_dir=str(tmp_path))
 
 
-def test_sync_without_a_live_reference_is_an_error(tiny, pairs, tmp_path):
+def test_a_cached_reference_trainer_refuses_a_reference_model_and_missing_columns(tiny, pairs, tmp_path):
     model, tokenizer = tiny
-    with pytest.raises(ValueError, match="sync_ref_model=True needs a live ref_model"):
-        make_trainer(model, tokenizer, with_cached_reference(model, tokenizer, pairs[:4]), tmp_path, sync_ref_model=True)
+    with pytest.raises(ValueError, match="reference='cached': pass a ref_model exactly when reference='live'"):
+        make_trainer(model, tokenizer, pairs[:4], tmp_path, ref_model=copy.deepcopy(model), reference="cached")
+    trainer = make_trainer(model, tokenizer, pairs[:4], tmp_path)
+    with pytest.raises(ValueError, match="reference='cached' needs the columns"):
+        trainer.compute_loss(model, PreferenceCollator(tokenizer.pad_token_id)(pairs[:4]))

@@ -11,7 +11,12 @@ from infra.settings import get_settings
 
 EXPERIMENT = "promotion-test"
 REGISTERED = "promotion-test-model"
-COMMON = ["stages=[sft, dpo]", f"tracking.experiment_name={EXPERIMENT}", f"promotion.registered_model={REGISTERED}", "promotion.metric=greedy_accuracy"]
+COMMON = [
+    "stages=[sft, dpo]",
+    f"tracking.experiment_name={EXPERIMENT}",
+    f"promotion.registered_model={REGISTERED}",
+    "promotion.metric=greedy_accuracy",
+]
 
 
 def run(*overrides):
@@ -24,7 +29,10 @@ def run(*overrides):
 
 def parent_run(flow_run_id):
     client = MlflowClient(get_settings().mlflow_tracking_uri)
-    (parent,) = client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id], f"tags.`prefect.flow_run_id` = '{flow_run_id}' and tags.`alignflow.kind` = 'experiment'")
+    (parent,) = client.search_runs(
+        [client.get_experiment_by_name(EXPERIMENT).experiment_id],
+        f"tags.`prefect.flow_run_id` = '{flow_run_id}' and tags.`alignflow.kind` = 'experiment'",
+    )
     return parent
 
 
@@ -53,14 +61,19 @@ def test_promotion_gate_promotes_better_runs_only(three_runs):
     champion = client.get_model_version_by_alias(REGISTERED, "champion")
     assert str(champion.version) == "2"
     assert champion.run_id == parent_child(strong_id, "dpo")
-    assert float(champion.tags["eval.greedy_accuracy"]) == pytest.approx(strong.rows["dpo"]["greedy_accuracy"], abs=1e-5)
+    assert float(champion.tags["eval.greedy_accuracy"]) == pytest.approx(
+        strong.rows["dpo"]["greedy_accuracy"], abs=1e-5
+    )
     assert len(client.search_model_versions(f"name = '{REGISTERED}'")) == 2
 
 
 def parent_child(flow_run_id, stage):
     client = MlflowClient(get_settings().mlflow_tracking_uri)
     parent = parent_run(flow_run_id)
-    (child,) = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}' and tags.`alignflow.stage` = '{stage}'")
+    (child,) = client.search_runs(
+        [parent.info.experiment_id],
+        f"tags.mlflow.parentRunId = '{parent.info.run_id}' and tags.`alignflow.stage` = '{stage}'",
+    )
     return child.info.run_id
 
 
@@ -71,7 +84,10 @@ def test_evaluation_flow_scores_registry_and_run_uris(three_runs):
     minimal = load_config("configs/minimal.yaml")
     request = EvaluationRequest(
         name="eval-uris",
-        models={"champion": f"models:/{REGISTERED}@champion", "strong_sft": f"runs:/{parent_child(strong_id, 'sft')}/model"},
+        models={
+            "champion": f"models:/{REGISTERED}@champion",
+            "strong_sft": f"runs:/{parent_child(strong_id, 'sft')}/model",
+        },
         data=minimal.data,
         evaluation=minimal.evaluation,
         tracking={"experiment_name": "evaluation-test"},

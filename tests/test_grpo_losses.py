@@ -6,8 +6,15 @@ import statistics
 import pytest
 import torch
 
-from trainers.grpo_losses import GRPO_LOSSES, clip_fractions, clipped_surrogate, get_grpo_loss, group_advantages, k3_kl
-from trainers.rewards import REWARD_FUNCTIONS, get_reward, score_completions, weighted_rewards
+from trainers.grpo_losses import (
+    clip_fractions,
+    clipped_surrogate,
+    get_grpo_loss,
+    group_advantages,
+    k3_kl,
+    weighted_rewards,
+)
+from trainers.rewards import REWARD_FUNCTIONS, get_reward, score_completions
 
 REWARDS = [1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0, 0.0, 0.0, 0.0, 3.0]  # 3 prompts x G = 4
 
@@ -68,10 +75,11 @@ def test_each_loss_type_against_its_formula(loss_type, expected):
     assert loss.item() == pytest.approx(expected, rel=1e-6)
 
 
-def test_loss_registry_has_the_four_types_and_rejects_others():
-    assert set(GRPO_LOSSES) == {"grpo", "bnpo", "dr_grpo", "dapo"}
+def test_unknown_loss_types_and_reward_scales_are_rejected_by_name():
     with pytest.raises(ValueError, match="unknown loss_type 'ppo'"):
         get_grpo_loss("ppo")
+    with pytest.raises(ValueError, match="unknown scale_rewards 'mad'"):
+        group_advantages(torch.tensor(REWARDS), 4, "mad")
 
 
 def test_builtin_rewards_none_rows_and_weighted_sum():
@@ -79,7 +87,9 @@ def test_builtin_rewards_none_rows_and_weighted_sum():
     answers = ["68", "68", "68", None, "1"]
     ids = [[1, 2], [1, 2, 3, 4], [1, 2], [1, 2, 3], [1, 2, 3]]
     functions = [(n, get_reward(n)) for n in ("correctness", "format", "length_penalty")]
-    scores = torch.tensor(score_completions(functions, ["p"] * 5, completions, {"answer": answers, "completion_ids": ids}))
+    scores = torch.tensor(
+        score_completions(functions, ["p"] * 5, completions, {"answer": answers, "completion_ids": ids})
+    )
     assert scores[0, :3].tolist() == [1.0, 1.0, 0.0] and math.isnan(scores[0, 3]) and scores[0, 4] == 0.0
     assert scores[1].tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]
     assert scores[2].tolist() == [-2.0, -4.0, -2.0, -3.0, -3.0]

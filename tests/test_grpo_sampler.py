@@ -3,7 +3,8 @@
 import pytest
 from accelerate.data_loader import prepare_data_loader
 
-from trainers.samplers import GenerationLayout, RepeatSampler, generation_dataloader, resolve_layout
+from trainers.layout import GenerationLayout, resolve_layout
+from trainers.samplers import RepeatSampler, generation_dataloader
 
 
 def test_unshuffled_order_repeats_and_drops_the_incomplete_chunk():
@@ -40,8 +41,15 @@ def test_too_few_prompts_for_one_generation_batch_is_an_error():
     [
         (dict(num_generations=1), "num_generations must be at least 2"),
         (dict(steps_per_generation=2, generation_batch_size=16), "not both"),
-        (dict(generation_batch_size=12), r"generation_batch_size \(12\) must be divisible by per_device_train_batch_size × processes \(8 × 1 = 8\)"),
-        (dict(num_generations=3), r"per_device_train_batch_size × steps_per_generation \(8 × 2 = 16\) must be divisible by num_generations \(3\)"),
+        (
+            dict(generation_batch_size=12),
+            r"generation_batch_size \(12\) must be divisible by per_device_train_batch_size × processes \(8 × 1 = 8\)",
+        ),
+        (
+            dict(num_generations=3),
+            r"per_device_train_batch_size × steps_per_generation \(8 "
+            r"× 2 = 16\) must be divisible by num_generations \(3\)",
+        ),
     ],
 )
 def test_layout_errors_name_the_fields(kwargs, message):
@@ -51,15 +59,30 @@ def test_layout_errors_name_the_fields(kwargs, message):
 
 
 def test_layout_defaults_to_accumulation_steps_or_derives_from_generation_batch_size():
-    assert resolve_layout(per_device_batch_size=8, gradient_accumulation_steps=3, num_generations=4).steps_per_generation == 3
-    layout = resolve_layout(per_device_batch_size=4, gradient_accumulation_steps=1, num_generations=4, num_processes=2, generation_batch_size=32)
-    assert (layout.steps_per_generation, layout.per_device_generation_batch_size, layout.prompts_per_generation) == (4, 16, 8)
+    assert (
+        resolve_layout(per_device_batch_size=8, gradient_accumulation_steps=3, num_generations=4).steps_per_generation
+        == 3
+    )
+    layout = resolve_layout(
+        per_device_batch_size=4,
+        gradient_accumulation_steps=1,
+        num_generations=4,
+        num_processes=2,
+        generation_batch_size=32,
+    )
+    assert (layout.steps_per_generation, layout.per_device_generation_batch_size, layout.prompts_per_generation) == (
+        4,
+        16,
+        8,
+    )
 
 
 def test_two_process_shards_are_disjoint_and_complete():
     """Accelerate's sharding of the real dataloader: each process gets whole groups of its own
     prompts, the same part on every repeat, and the two parts make the whole generation batch."""
-    layout = GenerationLayout(per_device_batch_size=2, num_processes=2, steps_per_generation=2, num_generations=2)  # 8 rows per generation
+    layout = GenerationLayout(
+        per_device_batch_size=2, num_processes=2, steps_per_generation=2, num_generations=2
+    )  # 8 rows per generation
     dataset, iterations = list(range(11)), 2
 
     def shard(process):

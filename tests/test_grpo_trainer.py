@@ -11,6 +11,7 @@ from transformers import TrainerCallback
 from trainers.data import Truncation, tokenize_split
 from trainers.grpo import COMPLETIONS_LOG_KEY, GRPOConfig, GRPOTrainer, completion_batch
 from trainers.samplers import RepeatSampler
+from trainers.stages.grpo import GRPOStageConfig
 from trainers.synthetic import AdditionTask, generate_addition
 
 
@@ -46,10 +47,20 @@ class RecordingTrainer(GRPOTrainer):
 
 def make_trainer(tiny, prompts, tmp_path, **overrides):
     model, tokenizer = tiny
-    settings = dict(
-        per_device_train_batch_size=4, num_generations=2, max_completion_length=4, learning_rate=1e-3, logging_steps=1, save_strategy="no"
-    ) | overrides
-    args = GRPOConfig(output_dir=str(tmp_path), report_to=[], disable_tqdm=True, dataloader_pin_memory=False, **settings)
+    settings = (
+        dict(
+            per_device_train_batch_size=4,
+            num_generations=2,
+            max_completion_length=4,
+            learning_rate=1e-3,
+            logging_steps=1,
+            save_strategy="no",
+        )
+        | overrides
+    )
+    args = GRPOConfig(
+        output_dir=str(tmp_path), report_to=[], disable_tqdm=True, dataloader_pin_memory=False, **settings
+    )
     return RecordingTrainer(
         model=copy.deepcopy(model),
         args=args,
@@ -78,10 +89,17 @@ def test_dataloader_yields_each_generation_batch_for_every_step_of_its_cycle(tin
         (2, 2, 2, 4, [(g, k) for g in (1, 2) for k in (0, 1, 0, 1)]),
     ],
 )
-def test_generation_calls_and_slice_order(tiny, prompts, tmp_path, steps_per_generation, accumulation, iterations, max_steps, expected_served):
+def test_generation_calls_and_slice_order(
+    tiny, prompts, tmp_path, steps_per_generation, accumulation, iterations, max_steps, expected_served
+):
     trainer = make_trainer(
-        tiny, prompts, tmp_path, steps_per_generation=steps_per_generation, gradient_accumulation_steps=accumulation,
-        num_iterations=iterations, max_steps=max_steps,
+        tiny,
+        prompts,
+        tmp_path,
+        steps_per_generation=steps_per_generation,
+        gradient_accumulation_steps=accumulation,
+        num_iterations=iterations,
+        max_steps=max_steps,
     )
     trainer.train()
     assert trainer.state.global_step == max_steps
@@ -103,8 +121,18 @@ def test_dapo_with_more_steps_per_generation_than_accumulation_equals_the_big_ba
     mean gradient is the gradient of the whole batch's loss Σ ℓ / N (learning rate 0 keeps the
     weights, so both steps see the same policy)."""
     trainer = make_trainer(
-        tiny, prompts, tmp_path, per_device_train_batch_size=2, steps_per_generation=4, gradient_accumulation_steps=2, max_steps=2,
-        loss_type="dapo", optim="sgd", learning_rate=0.0, lr_scheduler_type="constant", max_grad_norm=0.0,
+        tiny,
+        prompts,
+        tmp_path,
+        per_device_train_batch_size=2,
+        steps_per_generation=4,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        loss_type="dapo",
+        optim="sgd",
+        learning_rate=0.0,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
     )
     recorder = GradientRecorder()
     trainer.add_callback(recorder)
@@ -116,14 +144,19 @@ def test_dapo_with_more_steps_per_generation_than_accumulation_equals_the_big_ba
     # these weights, normalised by N = counted completion tokens of all 8 rows.
     model = trainer.model
     model.zero_grad()
-    rows = [(part["input_ids"][i], part["attention_mask"][i], part["completion_mask"][i], part["advantages"][i])
-            for part in trainer.buffer.slices for i in range(len(part["input_ids"]))]
+    rows = [
+        (part["input_ids"][i], part["attention_mask"][i], part["completion_mask"][i], part["advantages"][i])
+        for part in trainer.buffer.slices
+        for i in range(len(part["input_ids"]))
+    ]
     total_tokens = sum(int(mask.sum()) for _, _, mask, _ in rows)
     assert len(rows) == 8 and total_tokens > 0
     big_loss = 0.0
     for ids, attention, mask, advantage in rows:
         ids, mask = ids[attention.bool()], mask[attention.bool()]
-        logprobs = torch.log_softmax(model(ids.unsqueeze(0)).logits[0, :-1], -1).gather(-1, ids[1:].unsqueeze(-1)).squeeze(-1)
+        logprobs = (
+            torch.log_softmax(model(ids.unsqueeze(0)).logits[0, :-1], -1).gather(-1, ids[1:].unsqueeze(-1)).squeeze(-1)
+        )
         ratio = torch.exp(logprobs - logprobs.detach())
         big_loss = big_loss + (-advantage * ratio * mask[1:]).sum() / total_tokens
     big_loss.backward()
@@ -148,7 +181,9 @@ def test_tokens_after_the_first_eos_count_for_nothing():
 
 
 def test_all_truncated_and_masked_gives_zero_loss_and_unchanged_parameters(tiny, prompts, tmp_path):
-    trainer = make_trainer(tiny, prompts, tmp_path, max_completion_length=2, mask_truncated_completions=True, max_steps=3)
+    trainer = make_trainer(
+        tiny, prompts, tmp_path, max_completion_length=2, mask_truncated_completions=True, max_steps=3
+    )
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()
     step_logs = [log for log in trainer.state.log_history if "loss" in log]
@@ -172,18 +207,47 @@ def test_resume_from_a_checkpoint_regenerates_the_empty_buffer(tiny, prompts, tm
 def test_metrics_kl_reference_and_sample_table(tiny, prompts, tmp_path):
     model, tokenizer = tiny
     args = GRPOConfig(
-        output_dir=str(tmp_path), report_to=[], disable_tqdm=True, dataloader_pin_memory=False, save_strategy="no",
-        per_device_train_batch_size=4, num_generations=4, max_completion_length=4, learning_rate=1e-2, logging_steps=1, max_steps=2,
-        beta=0.5, reward_funcs=["tests.test_grpo_trainer:code_point_sum", "format"], reward_weights=[1.0, 2.0],
-        log_completions_steps=2, num_completions_to_log=3,
+        output_dir=str(tmp_path),
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+        save_strategy="no",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=4,
+        learning_rate=1e-2,
+        logging_steps=1,
+        max_steps=2,
+        beta=0.5,
+        reward_funcs=["tests.test_grpo_trainer:code_point_sum", "format"],
+        reward_weights=[1.0, 2.0],
+        log_completions_steps=2,
+        num_completions_to_log=3,
     )
-    trainer = RecordingTrainer(model=copy.deepcopy(model), args=args, train_dataset=datasets.Dataset.from_list(prompts), processing_class=tokenizer)
+    trainer = RecordingTrainer(
+        model=copy.deepcopy(model),
+        args=args,
+        train_dataset=datasets.Dataset.from_list(prompts),
+        processing_class=tokenizer,
+    )
     reference_before = [p.detach().clone() for p in trainer.ref_model.parameters()]
     trainer.train()
     first, second = [log for log in trainer.state.log_history if "loss" in log]
-    for key in ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio", "kl",
-                "clip_ratio/low_mean", "clip_ratio/high_mean", "entropy", "time/generation_per_step", "time/training_per_step",
-                "rewards/tests.test_grpo_trainer:code_point_sum/mean", "rewards/format/std"):
+    for key in (
+        "reward",
+        "reward_std",
+        "frac_reward_zero_std",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+        "kl",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "entropy",
+        "time/generation_per_step",
+        "time/training_per_step",
+        "rewards/tests.test_grpo_trainer:code_point_sum/mean",
+        "rewards/format/std",
+    ):
         assert key in first, key
     name = "tests.test_grpo_trainer:code_point_sum"
     assert first["reward"] == pytest.approx(first[f"rewards/{name}/mean"] + 2 * first["rewards/format/mean"], abs=1e-5)
@@ -194,7 +258,9 @@ def test_metrics_kl_reference_and_sample_table(tiny, prompts, tmp_path):
     table = second[COMPLETIONS_LOG_KEY]
     assert set(table) == {"step", "prompt", "completion", "reward", f"rewards/{name}", "rewards/format"}
     assert table["step"] == [2, 2, 2] and all(p.endswith("=") for p in table["prompt"])
-    assert table["reward"] == pytest.approx([a + 2 * b for a, b in zip(table[f"rewards/{name}"], table["rewards/format"])])
+    assert table["reward"] == pytest.approx(
+        [a + 2 * b for a, b in zip(table[f"rewards/{name}"], table["rewards/format"])]
+    )
 
 
 def test_config_errors_are_clear(tmp_path):
@@ -203,10 +269,14 @@ def test_config_errors_are_clear(tmp_path):
         GRPOConfig(**common, num_generations=2, steps_per_generation=2, generation_batch_size=8)
     with pytest.raises(ValueError, match=r"\(4 × 1 = 4\) must be divisible by num_generations \(8\)"):
         GRPOConfig(**common, num_generations=8)
+    section = dict(per_device_train_batch_size=4, num_generations=2)
+    with pytest.raises(ValueError, match="unknown scale_rewards 'mad'"):
+        GRPOStageConfig(**section, scale_rewards="mad")
     with pytest.raises(ValueError, match="unknown loss_type 'ppo'"):
-        GRPOConfig(**common, num_generations=2, loss_type="ppo")
+        GRPOStageConfig(**section, loss_type="ppo")
     with pytest.raises(ValueError, match="reward_weights has 2 values for 1 reward_funcs"):
-        GRPOConfig(**common, num_generations=2, reward_weights=[1.0, 2.0])
+        GRPOStageConfig(**section, reward_weights=[1.0, 2.0])
     args = GRPOConfig(**common, num_generations=2, generation_batch_size=12, gradient_accumulation_steps=3)
-    assert (args.steps_per_generation, args.reuses_generations) == (3, False)
+    assert (args.steps_per_generation, args.layout.steps_per_generation, args.reuses_generations) == (None, 3, False)
     assert GRPOConfig(**common, num_generations=2, num_iterations=2).reuses_generations
+    assert (args.epsilon_high, args.upper_epsilon) == (None, args.epsilon)

@@ -53,7 +53,9 @@ class LogitsToKeepSpy(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask=None, use_cache=False, logits_to_keep=0):
         self.requested.append(logits_to_keep)
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache, logits_to_keep=logits_to_keep)
+        return self.model(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache, logits_to_keep=logits_to_keep
+        )
 
 
 class FullLogitsOnly(torch.nn.Module):
@@ -108,7 +110,9 @@ def test_completion_logps_gradient_equals_naive_gradient(tiny):
         token = naive_token_logps(logits, batch["input_ids"][:, 1:])
         return (token * batch["completion_mask"][:, 1:]).sum(-1)
 
-    ours = gradients(lambda: completion_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"]).logps)
+    ours = gradients(
+        lambda: completion_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"]).logps
+    )
     reference = gradients(naive)
     model.zero_grad()
     for name in reference:
@@ -119,8 +123,20 @@ def test_preference_collator_stacks_chosen_then_rejected(tiny):
     _, tokenizer = tiny
     pad = tokenizer.pad_token_id
     features = [
-        {"prompt_ids": [5, 6], "chosen_ids": [7, 2], "rejected_ids": [8, 9, 2], "ref_chosen_logps": -1.0, "ref_rejected_logps": -2.0},
-        {"prompt_ids": [5], "chosen_ids": [7, 7, 2], "rejected_ids": [2], "ref_chosen_logps": -3.0, "ref_rejected_logps": -4.0},
+        {
+            "prompt_ids": [5, 6],
+            "chosen_ids": [7, 2],
+            "rejected_ids": [8, 9, 2],
+            "ref_chosen_logps": -1.0,
+            "ref_rejected_logps": -2.0,
+        },
+        {
+            "prompt_ids": [5],
+            "chosen_ids": [7, 7, 2],
+            "rejected_ids": [2],
+            "ref_chosen_logps": -3.0,
+            "ref_rejected_logps": -4.0,
+        },
     ]
     batch = PreferenceCollator(pad)(features)
     assert batch["input_ids"].tolist() == [
@@ -169,7 +185,9 @@ PEAK_SCRIPT = textwrap.dedent(
 
 def peak_growth_mib(form: str) -> float:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, form], capture_output=True, text=True, check=True, timeout=300, env=env)
+    result = subprocess.run(
+        [sys.executable, "-c", PEAK_SCRIPT, form], capture_output=True, text=True, check=True, timeout=300, env=env
+    )
     return int(result.stdout.strip()) / 1024
 
 

@@ -5,7 +5,16 @@ import math
 import pytest
 import torch
 
-from trainers.losses import PREFERENCE_LOSSES, LossMix, LossParams, PairLogps, get_loss, resolve_losses, sigmoid_loss
+from trainers.losses import (
+    PREFERENCE_LOSSES,
+    LossMix,
+    LossParams,
+    PairLogps,
+    PreferenceHyperparameters,
+    get_loss,
+    resolve_losses,
+    sigmoid_loss,
+)
 
 # (π_c, π_r, ref_c, ref_r, |y_c|, |y_r|) per pair: policy / reference summed log-probs and lengths.
 PAIRS = [
@@ -67,11 +76,22 @@ def pair_tensors(rows=PAIRS, dtype=torch.float64) -> PairLogps:
 ALL_LOSSES = sorted(PREFERENCE_LOSSES)
 
 
-def test_the_registry_holds_every_loss_of_the_issue():
-    assert set(ALL_LOSSES) == {
-        "sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard",
-        "apo_zero", "apo_down", "sigmoid_norm", "discopop", "sft",
-    }
+CHANGED_HYPERPARAMETERS = {"beta": 0.7, "label_smoothing": 0.2, "discopop_tau": 0.5}
+
+
+@pytest.mark.parametrize("name", ALL_LOSSES)
+def test_a_loss_reads_exactly_the_hyperparameters_and_state_it_declares(name):
+    """Changing a declared hyperparameter (or the running shift of a stateful loss) changes the
+    loss; changing any other leaves it bit-identical: the declarations the config checks and the
+    trainer's state handling rely on are true."""
+    loss, pairs = get_loss(name), pair_tensors()
+    base = LossParams(beta=BETA, label_smoothing=EPS, discopop_tau=TAU, reward_shift=SHIFT)
+    assert set(CHANGED_HYPERPARAMETERS) == set(PreferenceHyperparameters.model_fields)
+    changes = CHANGED_HYPERPARAMETERS | {"reward_shift": 2 * SHIFT}
+    for field, value in changes.items():
+        changed = loss(pairs, base.model_copy(update={field: value}))
+        reads = field in loss.hyperparameters or (field == "reward_shift" and loss.stateful)
+        assert torch.equal(changed, loss(pairs, base)) is not reads, field
 
 
 @pytest.mark.parametrize("name", ALL_LOSSES)
@@ -108,27 +128,38 @@ def test_discopop_is_finite_for_very_negative_margins():
 
 
 def test_combined_losses_are_weighted_sums_with_components():
-    mix = resolve_losses(["sigmoid", "sft"], [1.0, 0.25], 0.0)
-    assert mix == LossMix(("sigmoid", "sft"), (1.0, 0.25))
+    mix = resolve_losses(["sigmoid", "sft"], [1.0, 0.25], PreferenceHyperparameters())
+    assert mix == LossMix((get_loss("sigmoid"), get_loss("sft")), (1.0, 0.25))
+    assert (mix.names, mix.stateful, mix.hyperparameters) == (("sigmoid", "sft"), False, {"beta", "label_smoothing"})
+    assert resolve_losses(["bco_pair"], None, PreferenceHyperparameters()).stateful
     total, components = mix(pair_tensors(), LossParams(beta=BETA))
     want = [expected("sigmoid", *row, e=0.0) + 0.25 * expected("sft", *row) for row in PAIRS]
     assert total.tolist() == pytest.approx(want, abs=1e-6)
     assert components["sft"].tolist() == pytest.approx([expected("sft", *row) for row in PAIRS], abs=1e-6)
-    assert resolve_losses("ipo", None, 0.0) == LossMix(("ipo",), (1.0,))
+    assert resolve_losses("ipo", None, PreferenceHyperparameters()) == LossMix((get_loss("ipo"),), (1.0,))
 
 
 @pytest.mark.parametrize(
-    "loss_type, weights, smoothing, message",
+    "loss_type, weights, hyperparameters, message",
     [
-        ("nope", None, 0.0, "unknown loss_type 'nope'"),
-        (["sigmoid", "sigmoid"], None, 0.0, "repeats a loss"),
-        ([], None, 0.0, "non-empty list"),
-        (["sigmoid", "sft"], [1.0], 0.0, "1 weights for 2 losses"),
-        (["sigmoid", "sft"], [1.0, -1.0], 0.0, "non-negative"),
-        ("hinge", None, 0.1, "label_smoothing: 0.1 has no effect on \\['hinge'\\]"),
-        ("robust", None, 0.5, "must be in \\[0, 0.5\\)"),
+        ("nope", None, {}, "unknown loss_type 'nope'"),
+        (["sigmoid", "sigmoid"], None, {}, "repeats a loss"),
+        ([], None, {}, "non-empty list"),
+        (["sigmoid", "sft"], [1.0], {}, "1 weights for 2 losses"),
+        (["sigmoid", "sft"], [1.0, -1.0], {}, "non-negative"),
+        ("hinge", None, {"label_smoothing": 0.1}, "label_smoothing: 0.1 has no effect on \\['hinge'\\]"),
+        (
+            "sigmoid",
+            None,
+            {"discopop_tau": 0.1},
+            "discopop_tau: 0.1 has no effect on \\['sigmoid'\\]; it is read by \\['discopop'\\]",
+        ),
     ],
 )
-def test_invalid_loss_configurations_are_errors(loss_type, weights, smoothing, message):
+def test_invalid_loss_configurations_are_errors(loss_type, weights, hyperparameters, message):
     with pytest.raises(ValueError, match=message):
-        resolve_losses(loss_type, weights, smoothing)
+        resolve_losses(loss_type, weights, PreferenceHyperparameters(**hyperparameters))
+
+
+def test_beta_counts_as_used_by_every_loss_because_it_scales_the_logged_rewards():
+    assert resolve_losses("sft", None, PreferenceHyperparameters(beta=0.5)).names == ("sft",)

@@ -1,11 +1,16 @@
+import copy
 import math
 
 import matplotlib.image
 import pytest
+import torch
 
 from tasks.reporting import RunSummary, comparison_rows, markdown_table, plot_eval_bars, plot_training_curves
-from trainers.evaluation import Completion, PromptResult, answer_metrics
+from trainers.data import Truncation, tokenize_split
+from trainers.evaluation import Completion, PromptResult, answer_metrics, preference_rewards
 from trainers.metrics import bootstrap_ci, pass_at_k
+from trainers.reference import reference_logps
+from trainers.synthetic import AdditionTask, generate_addition
 
 
 @pytest.mark.parametrize(
@@ -66,7 +71,13 @@ def test_answer_metrics_by_hand():
 
 def summaries() -> list[RunSummary]:
     def run(run_id, beta, acc, low, high, losses):
-        return RunSummary(run_id, "exp", {"dpo.beta": beta}, {"sampled_accuracy": acc, "sampled_accuracy_ci_low": low, "sampled_accuracy_ci_high": high}, {"loss": list(enumerate(losses))})
+        return RunSummary(
+            run_id,
+            "exp",
+            {"dpo.beta": beta},
+            {"sampled_accuracy": acc, "sampled_accuracy_ci_low": low, "sampled_accuracy_ci_high": high},
+            {"loss": list(enumerate(losses))},
+        )
 
     return [
         run("a" * 32, "0.1", 0.50, 0.45, 0.55, [0.7, 0.6, 0.5]),
@@ -88,7 +99,43 @@ def test_comparison_rows_and_deltas():
 
 def test_plots_are_written_as_images(tmp_path):
     runs = summaries()
-    curves = matplotlib.image.imread(plot_training_curves(runs, ["loss", "rewards/accuracies"], tmp_path / "curves.png"))
+    curves = matplotlib.image.imread(
+        plot_training_curves(runs, ["loss", "rewards/accuracies"], tmp_path / "curves.png")
+    )
     bars = matplotlib.image.imread(plot_eval_bars(runs, ["sampled_accuracy"], tmp_path / "bars.png"))
     assert curves.shape[0] > 300 and curves.shape[1] > 2 * curves.shape[0]  # two panels side by side
     assert bars.shape[0] > 300 and bars.shape[2] in (3, 4)
+
+
+def naive_completion_logp(model, prompt_ids: list[int], completion_ids: list[int]) -> float:
+    ids = torch.tensor([prompt_ids + completion_ids])
+    logps = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), -1)
+    positions = range(len(prompt_ids) - 1, ids.shape[1] - 1)
+    return sum(logps[t, ids[0, t + 1]].item() for t in positions)
+
+
+@torch.no_grad()
+def test_held_out_reward_metrics_by_hand(tiny):
+    """Accuracy and margin of the implicit rewards β·(π − ref) on held-out pairs, against the
+    reference's cached log-probs: recomputed here row by row with a plain log-softmax."""
+    model, tokenizer = tiny
+    reference = copy.deepcopy(model)
+    for parameter in reference.parameters():  # a reference that differs from the policy
+        parameter.add_(0.05 * torch.randn_like(parameter, generator=torch.Generator().manual_seed(3)))
+    rows = generate_addition(AdditionTask(max_operand=9, num_eval_problems=12))["preference_eval"]
+    pairs, _ = tokenize_split(rows, "preference_eval", tokenizer, Truncation(32, 16))
+    chosen, rejected = reference_logps(reference, tokenizer.pad_token_id, pairs, batch_size=5, progress=False)
+    pairs = [dict(p, ref_chosen_logps=c, ref_rejected_logps=r) for p, c, r in zip(pairs, chosen, rejected)]
+
+    beta = 0.5
+    rewards = [
+        (
+            beta * (naive_completion_logp(model, p["prompt_ids"], p["chosen_ids"]) - p["ref_chosen_logps"]),
+            beta * (naive_completion_logp(model, p["prompt_ids"], p["rejected_ids"]) - p["ref_rejected_logps"]),
+        )
+        for p in pairs
+    ]
+    got = preference_rewards(model, tokenizer, pairs, beta, batch_size=5)  # batches of 5, 5 and 2 pairs
+    assert got["rewards/accuracies"] == pytest.approx(sum(c > r for c, r in rewards) / len(rewards), abs=1e-6)
+    assert got["rewards/margins"] == pytest.approx(sum(c - r for c, r in rewards) / len(rewards), abs=1e-5)
+    assert 0 < got["rewards/accuracies"] < 1  # the case is not degenerate

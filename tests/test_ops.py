@@ -11,25 +11,35 @@ from datetime import timedelta
 import pytest
 from pydantic import ValidationError
 
-from infra import servers
-from infra.cli import main
-from infra.config import DPOStageConfig, EvaluationRequest, ExperimentConfig, load_config
-from infra.deployments import PROJECT_ROOT, config_parameters, schedules, select_deployments, served_deployments
+from infra.config import EvaluationRequest, ExperimentConfig, load_config
+from infra.ops import servers
+from infra.ops.cli import main
+from infra.ops.deployments import PROJECT_ROOT, config_parameters, schedules, select_deployments, served_deployments
 from tasks.tracking import flow_run_url
+from trainers.stages.dpo import DPOStageConfig
 
 
 def test_config_parameters_build_step_loads_and_validates_a_config_file():
-    assert config_parameters("configs/minimal.yaml") == {"config": load_config("configs/minimal.yaml").model_dump(mode="json")}
-    tiny = config_parameters("configs/minimal.yaml", ["stages=[]", "dpo.beta=0.25"])["config"]
-    assert tiny["stages"] == [] and tiny["dpo"]["beta"] == 0.25 and tiny["name"] == "minimal"
+    assert config_parameters("configs/minimal.yaml") == {
+        "config": load_config("configs/minimal.yaml").model_dump(mode="json")
+    }
+    tiny = config_parameters("configs/minimal.yaml", ["stages=[sft]", "dpo.beta=0.25"])["config"]
+    assert tiny["stages"] == ["sft"] and tiny["dpo"]["beta"] == 0.25 and tiny["name"] == "minimal"
     with pytest.raises(ValidationError, match="dpo.beta"):
         config_parameters("configs/minimal.yaml", ["dpo.beta=-1"])
 
 
 def test_served_deployments_mirror_prefect_yaml(prefect_api_url):  # build steps resolve templates through the API
     nightly, smoke, evaluate, compare = served_deployments()
-    assert (nightly.name, smoke.name, evaluate.name, compare.name) == ("nightly", "smoke", "evaluate-champion", "compare-daily")
-    assert evaluate.parameters == {"request": load_config(PROJECT_ROOT / "configs/evaluate.yaml", [], EvaluationRequest).model_dump(mode="json")}
+    assert (nightly.name, smoke.name, evaluate.name, compare.name) == (
+        "nightly",
+        "smoke",
+        "evaluate-champion",
+        "compare-daily",
+    )
+    assert evaluate.parameters == {
+        "request": load_config(PROJECT_ROOT / "configs/evaluate.yaml", [], EvaluationRequest).model_dump(mode="json")
+    }
     assert compare.parameters == {"experiment": "alignflow"}
     assert compare.schedules[0].schedule.cron == "0 6 * * *"
     assert nightly.entrypoint == smoke.entrypoint == "flows/pipeline.py:experiment"
@@ -42,7 +52,15 @@ def test_served_deployments_mirror_prefect_yaml(prefect_api_url):  # build steps
 
 
 def test_schedules_accept_seconds_iso_durations_and_cron():
-    parsed = schedules({"schedules": [{"interval": 90}, {"interval": "PT10S", "active": False}, {"cron": "*/5 * * * *", "timezone": "Europe/Berlin"}]})
+    parsed = schedules(
+        {
+            "schedules": [
+                {"interval": 90},
+                {"interval": "PT10S", "active": False},
+                {"cron": "*/5 * * * *", "timezone": "Europe/Berlin"},
+            ]
+        }
+    )
     assert [s.interval for s in parsed[:2]] == [timedelta(seconds=90), timedelta(seconds=10)]
     assert parsed[1].active is False
     assert (parsed[2].cron, parsed[2].timezone) == ("*/5 * * * *", "Europe/Berlin")
@@ -56,10 +74,21 @@ def test_an_unknown_deployment_name_is_a_clear_error():
 def test_form_hints_keep_declaration_order_and_title_sections():
     schema = ExperimentConfig.model_json_schema()
     top = schema["properties"]
-    assert [top[name]["position"] for name in ExperimentConfig.model_fields] == list(range(len(ExperimentConfig.model_fields)))
-    assert [top[name]["title"] for name in ("model", "sft", "dpo", "evaluation")] == ["Model", "SFT", "DPO", "Evaluation"]
+    assert [top[name]["position"] for name in ExperimentConfig.model_fields] == list(
+        range(len(ExperimentConfig.model_fields))
+    )
+    assert [top[name]["title"] for name in ("model", "sft", "dpo", "evaluation")] == [
+        "Model",
+        "SFT",
+        "DPO",
+        "Evaluation",
+    ]
     data = schema["$defs"]["DataConfig"]["properties"]
-    assert (data["sft"]["title"], data["preference_eval"]["title"], data["max_length"]["title"]) == ("SFT", "Preference eval", "Max Length")
+    assert (data["sft"]["title"], data["preference_eval"]["title"], data["max_length"]["title"]) == (
+        "SFT",
+        "Preference eval",
+        "Max Length",
+    )
     dpo = schema["$defs"]["DPOStageConfig"]["properties"]
     assert sorted(dpo, key=lambda name: dpo[name]["position"]) == list(DPOStageConfig.model_fields)
 
@@ -74,11 +103,19 @@ def test_server_specs_default_to_sqlite_and_take_postgres_urls_with_their_driver
     assert mlflow.command[mlflow.command.index("--artifacts-destination") + 1] == str(tmp_path / "artifacts")
     assert mlflow.exports == {"MLFLOW_TRACKING_URI": "http://127.0.0.1:5555"}
 
-    options = servers.ServerOptions(prefect_database_url="postgresql://u:secret@db:5432/prefect", mlflow_database_url="postgresql://u:secret@db/mlflow")
+    options = servers.ServerOptions(
+        prefect_database_url="postgresql://u:secret@db:5432/prefect",
+        mlflow_database_url="postgresql://u:secret@db/mlflow",
+    )
     assert servers.prefect_server(options, tmp_path).database_url == "postgresql+asyncpg://u:secret@db:5432/prefect"
     assert servers.mlflow_server(options, tmp_path).database_url == "postgresql+psycopg2://u:secret@db/mlflow"
-    assert servers.with_driver("postgresql+psycopg://u@db/x", "psycopg2") == "postgresql+psycopg://u@db/x"  # an explicit driver stays
-    assert servers.redacted("postgresql+asyncpg://u:secret@db:5432/prefect") == "postgresql+asyncpg://u:***@db:5432/prefect"
+    assert (
+        servers.with_driver("postgresql+psycopg://u@db/x", "psycopg2") == "postgresql+psycopg://u@db/x"
+    )  # an explicit driver stays
+    assert (
+        servers.redacted("postgresql+asyncpg://u:secret@db:5432/prefect")
+        == "postgresql+asyncpg://u:***@db:5432/prefect"
+    )
 
 
 def test_a_wildcard_bind_is_advertised_by_name_and_mlflow_allows_that_name(tmp_path, monkeypatch):
@@ -86,7 +123,10 @@ def test_a_wildcard_bind_is_advertised_by_name_and_mlflow_allows_that_name(tmp_p
     options = servers.ServerOptions(host="0.0.0.0")
     name = socket.getfqdn()
     prefect, mlflow = servers.prefect_server(options, tmp_path), servers.mlflow_server(options, tmp_path)
-    assert prefect.exports == {"PREFECT_API_URL": f"http://{name}:4200/api"} and prefect.env["PREFECT_UI_API_URL"] == f"http://{name}:4200/api"
+    assert (
+        prefect.exports == {"PREFECT_API_URL": f"http://{name}:4200/api"}
+        and prefect.env["PREFECT_UI_API_URL"] == f"http://{name}:4200/api"
+    )
     assert prefect.health_url == "http://127.0.0.1:4200/api/health"
     allowed = mlflow.command[mlflow.command.index("--allowed-hosts") + 1].split(",")
     assert {name, f"{name}:*", "localhost", "10.*", "192.168.*"} <= set(allowed)
@@ -107,7 +147,9 @@ def test_stop_ends_the_whole_process_group_and_forgets_the_pid(tmp_path):
 
 
 def test_wait_healthy_gives_up_at_once_on_a_server_that_died(tmp_path):
-    spec = servers.ServerSpec("dies", "", "http://127.0.0.1:9/none", ["sh", "-c", "echo cannot bind; exit 3"], {}, {}, "")
+    spec = servers.ServerSpec(
+        "dies", "", "http://127.0.0.1:9/none", ["sh", "-c", "echo cannot bind; exit 3"], {}, {}, ""
+    )
     servers.start(spec, tmp_path)
     assert servers.wait_healthy({"dies": spec}, {"dies": tmp_path}, timeout=60) == ["dies"]
     assert "cannot bind" in servers.log_tail(tmp_path)
@@ -123,7 +165,13 @@ def test_servers_status_of_nothing_started_is_stopped_with_exit_3(tmp_path, monk
 
 def test_deploy_without_a_prefect_server_says_how_to_get_one(tmp_path):
     env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_API")}
-    result = subprocess.run([sys.executable, "-m", "infra.cli", "deploy"], env={**env, "PREFECT_HOME": str(tmp_path)}, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "infra.ops.cli", "deploy"],
+        env={**env, "PREFECT_HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "this needs a Prefect server: set PREFECT_API_URL" in result.stderr
 

@@ -43,13 +43,19 @@ class Counter:
 
 @pytest.fixture(params=["path", "file-url", "memory"])
 def store(request, tmp_path) -> ReferenceCache:
-    roots = {"path": str(tmp_path / "refcache"), "file-url": (tmp_path / "refcache").as_uri(), "memory": f"memory://refcache-{uuid.uuid4().hex}"}
+    roots = {
+        "path": str(tmp_path / "refcache"),
+        "file-url": (tmp_path / "refcache").as_uri(),
+        "memory": f"memory://refcache-{uuid.uuid4().hex}",
+    }
     return ReferenceCache(roots[request.param])
 
 
 def test_entry_is_written_once_with_manifest_checksums_and_read_back(store):
     compute = Counter()
-    entry, computed = store.get_or_compute("k1", compute, inputs={"weights": "abc"}, producer={"mlflow_run_id": "run-1"})
+    entry, computed = store.get_or_compute(
+        "k1", compute, inputs={"weights": "abc"}, producer={"mlflow_run_id": "run-1"}
+    )
     assert computed and compute.calls == 1
     assert entry.tables["preference"].column("ref_chosen_logps").to_pylist() == CHOSEN
     assert entry.tables["preference_eval"].column("ref_rejected_logps").to_pylist() == EVAL[1]
@@ -60,7 +66,11 @@ def test_entry_is_written_once_with_manifest_checksums_and_read_back(store):
     assert manifest["producer"]["mlflow_run_id"] == "run-1" and manifest["producer"]["pid"] == os.getpid()
     for split, rows in {"preference": 4, "preference_eval": 2}.items():
         data = store.fs.cat_file(f"{store.base}/k1/{split}.parquet")
-        assert manifest["splits"][split] == {"file": f"{split}.parquet", "rows": rows, "sha256": hashlib.sha256(data).hexdigest()}
+        assert manifest["splits"][split] == {
+            "file": f"{split}.parquet",
+            "rows": rows,
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
     assert manifest["timing"]["pairs"] == 6 and manifest["timing"]["compute_seconds"] >= 0
     assert datetime.now(timezone.utc) - datetime.fromisoformat(manifest["created_at"]) < timedelta(minutes=5)
     assert entry.digest == manifest["digest"] and entry.uri == f"{store.root}/k1"
@@ -80,7 +90,9 @@ def flip_a_byte(fs, path):
 
 DAMAGE = {
     "parquet-byte-flipped": lambda fs, e: flip_a_byte(fs, f"{e}/preference.parquet"),
-    "parquet-truncated": lambda fs, e: fs.pipe_file(f"{e}/preference.parquet", fs.cat_file(f"{e}/preference.parquet")[:100]),
+    "parquet-truncated": lambda fs, e: fs.pipe_file(
+        f"{e}/preference.parquet", fs.cat_file(f"{e}/preference.parquet")[:100]
+    ),
     "parquet-deleted": lambda fs, e: fs.rm_file(f"{e}/preference_eval.parquet"),
     "manifest-deleted": lambda fs, e: fs.rm_file(f"{e}/manifest.json"),
     "manifest-cut": lambda fs, e: fs.pipe_file(f"{e}/manifest.json", fs.cat_file(f"{e}/manifest.json")[:50]),
@@ -108,7 +120,9 @@ def test_entry_whose_rows_differ_from_the_prepared_data_is_rebuilt(tmp_path):
     store = ReferenceCache(str(tmp_path))
     store.get_or_compute("k1", Counter({"preference": (CHOSEN[:3], REJECTED[:3])}), inputs={})
     compute = Counter()
-    entry, computed = store.get_or_compute("k1", compute, inputs={}, expected_rows={"preference": 4, "preference_eval": 2})
+    entry, computed = store.get_or_compute(
+        "k1", compute, inputs={}, expected_rows={"preference": 4, "preference_eval": 2}
+    )
     assert computed and compute.calls == 1 and entry.rows == {"preference": 4, "preference_eval": 2}
 
 
@@ -142,7 +156,10 @@ def test_two_processes_requesting_one_key_compute_it_once_and_read_the_same_valu
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(2), context.Queue()
     calls_file = tmp_path / "calls.txt"
-    processes = [context.Process(target=request_entry, args=(str(tmp_path / "cache"), barrier, str(calls_file), results)) for _ in range(2)]
+    processes = [
+        context.Process(target=request_entry, args=(str(tmp_path / "cache"), barrier, str(calls_file), results))
+        for _ in range(2)
+    ]
     for process in processes:
         process.start()
     outcomes = [results.get(timeout=120) for _ in processes]
@@ -175,15 +192,20 @@ def test_two_threads_on_a_memory_store_compute_once_through_the_lease_lock():
     assert len(calls) == 1 and outcomes[0] == outcomes[1]
 
 
-HOLD_LOCK = "import sys, time; from tasks.locks import LocalFileLock; lock = LocalFileLock(sys.argv[1], 5).__enter__(); print('locked', flush=True); time.sleep(120)"
+HOLD_LOCK = (
+    "import sys, time; from tasks.locks import LocalFileLock; lock = LocalFileLock(sys.argv[1], 5).__enter__(); "
+    "print('locked', flush=True); time.sleep(120)"
+)
 
 
 def test_local_lock_of_a_killed_holder_is_free_at_once(tmp_path):
     path = tmp_path / "locks" / "k.lock"
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(path)], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(path)], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1]
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(LockTimeout, match=f"{path}: still locked .* \"pid\": {holder.pid}"):
+        with pytest.raises(LockTimeout, match=f'{path}: still locked .* "pid": {holder.pid}'):
             with LocalFileLock(path, timeout=0.3):
                 pass
         os.kill(holder.pid, signal.SIGKILL)
@@ -239,7 +261,7 @@ def test_parse_duration():
 
 
 def test_cache_cli_ls_show_verify_gc(tmp_path, capsys):
-    from infra.cli import main
+    from infra.ops.cli import main
 
     store = ReferenceCache(str(tmp_path))
     for key in ("aaa111", "bbb222", "ccc333"):

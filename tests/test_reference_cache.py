@@ -15,12 +15,15 @@ from prefect.logging import disable_run_logger
 import tasks.reference
 from infra.config import AdditionTaskConfig, DataConfig, DatasetSource, ModelConfig, ReferenceConfig
 from tasks.data import prepare_dataset
-from tasks.models import checkpoint_ref, resolve_model
+from tasks.models import checkpoint_handle, resolve_model
 from tasks.refcache import CacheIntegrityError
 from tasks.reference import cache_ref_logps, join_columns, reference_key, with_reference_columns
 from trainers.modeling import load_causal_lm
 
-PAIRS = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)} for a, b in [(1, 2), (3, 4), (10, 5), (7, 7)]]
+PAIRS = [
+    {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
+    for a, b in [(1, 2), (3, 4), (10, 5), (7, 7)]
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +36,16 @@ def prepare(folder, pairs, tokenizer, **fields):
     path = folder / "pairs.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in pairs))
     with disable_run_logger():
-        return prepare_dataset.fn(DataConfig(builtin=None, preference=DatasetSource(path=str(path)), **fields), tokenizer)
+        return prepare_dataset.fn(
+            DataConfig(builtin=None, preference=DatasetSource(path=str(path)), **fields), tokenizer
+        )
 
 
 def copy_checkpoint(source, target, edit=None):
     shutil.copytree(source, target)
     if edit is not None:
         edit(target)
-    return checkpoint_ref(target, "base")
+    return checkpoint_handle(target, "base")
 
 
 def change_one_weight(folder):
@@ -71,7 +76,9 @@ def test_key_misses_on_one_data_token_tokenizer_weight_or_max_length_and_nothing
     sft.write_text(json.dumps({"prompt": "1+1=", "completion": "2"}) + "\n")
     with_sft = prepare(tmp_path / "with-sft", PAIRS, base, sft=DatasetSource(path=str(sft)))
     assert with_sft.fingerprint != data.fingerprint and reference_key(with_sft, base) == key
-    other_run = copy_checkpoint(base.path, tmp_path / "other-run", lambda f: (f / "training_args.bin").write_bytes(b"output_dir=run-42"))
+    other_run = copy_checkpoint(
+        base.path, tmp_path / "other-run", lambda f: (f / "training_args.bin").write_bytes(b"output_dir=run-42")
+    )
     assert other_run.fingerprint != base.fingerprint and reference_key(data, other_run) == key
 
 
@@ -83,7 +90,9 @@ def live_completion_logp(model, row: dict, completion: str) -> float:
     return sum(logprobs[len(prompt) - 1 + i, token].item() for i, token in enumerate(tokens))
 
 
-def test_cached_values_equal_the_live_reference_hits_run_no_forward_and_corruption_is_rebuilt(tmp_path, monkeypatch, base, caplog):
+def test_cached_values_equal_the_live_reference_hits_run_no_forward_and_corruption_is_rebuilt(
+    tmp_path, monkeypatch, base, caplog
+):
     monkeypatch.setenv("ALIGNFLOW_REFERENCE_CACHE", str(tmp_path / "refcache"))
     with disable_run_logger():
         data = prepare_dataset.fn(DataConfig(builtin=AdditionTaskConfig(max_operand=5, num_eval_problems=8)), base)
@@ -103,7 +112,9 @@ def test_cached_values_equal_the_live_reference_hits_run_no_forward_and_corrupti
     calls = []
     monkeypatch.setattr(tasks.reference, "reference_logps", lambda *a, **k: calls.append(1) or real(*a, **k))
     with disable_run_logger():
-        assert cache_ref_logps.fn(data, base, ReferenceConfig(batch_size=32)) == ref.model_copy(update={"batch_size": 32})
+        assert cache_ref_logps.fn(data, base, ReferenceConfig(batch_size=32)) == ref.model_copy(
+            update={"batch_size": 32}
+        )
     assert with_reference_columns(ref)["preference"]["ref_chosen_logps"] == splits["preference"]["ref_chosen_logps"]
     assert calls == []
 
@@ -120,7 +131,13 @@ def test_join_matches_rows_by_row_id_whatever_the_stored_order():
     import datasets
 
     split = datasets.Dataset.from_list([{"prompt_ids": [i]} for i in range(4)])
-    table = pa.table({"row_id": [2, 0, 3, 1], "ref_chosen_logps": [-2.0, -0.0, -3.0, -1.0], "ref_rejected_logps": [-20.0, -0.5, -30.0, -10.0]})
+    table = pa.table(
+        {
+            "row_id": [2, 0, 3, 1],
+            "ref_chosen_logps": [-2.0, -0.0, -3.0, -1.0],
+            "ref_rejected_logps": [-20.0, -0.5, -30.0, -10.0],
+        }
+    )
     joined = join_columns(split, table, "entry")
     assert joined["ref_chosen_logps"] == [-0.0, -1.0, -2.0, -3.0]
     assert joined["ref_rejected_logps"] == [-0.5, -10.0, -20.0, -30.0]

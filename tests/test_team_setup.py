@@ -25,14 +25,23 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRun
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from infra.config import load_config
-from infra.deployments import PREFECT_FILE, PROJECT_ROOT
-from infra.servers import group_alive
+from infra.ops.deployments import PREFECT_FILE, PROJECT_ROOT
+from infra.ops.servers import group_alive
+
+pytestmark = pytest.mark.services
 
 POSTGRES = "postgresql://postgres@127.0.0.1:5432"
 SCREENSHOTS = PROJECT_ROOT / "test-artifacts" / "screenshots"
 RUN_TIMEOUT_S = 300
-# A scheduled run's config: the minimal data, no training, a few prompts: a flow run in seconds.
-SCHEDULED_OVERRIDES = ["name=scheduled", "stages=[]", "evaluation.num_prompts=4", "evaluation.num_samples=1", "tracking.experiment_name=scheduled"]
+# A scheduled run's config: the minimal data, two SFT steps, a few prompts: a flow run in seconds.
+SCHEDULED_OVERRIDES = [
+    "name=scheduled",
+    "stages=[sft]",
+    "sft.max_steps=2",
+    "evaluation.num_prompts=4",
+    "evaluation.num_samples=1",
+    "tracking.experiment_name=scheduled",
+]
 
 
 def free_port() -> int:
@@ -58,7 +67,10 @@ def processes_with_env(key: str, value: str) -> list[int]:
     found = []
     for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
-            if needle in environ.read_bytes().split(b"\0") and Path(environ.parent, "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            if (
+                needle in environ.read_bytes().split(b"\0")
+                and Path(environ.parent, "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+            ):
                 found.append(int(environ.parent.name))
         except OSError:
             continue
@@ -77,11 +89,21 @@ class Stack:
     worker_log: Path | None = None
 
     def alignflow(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "infra.cli", *args], env=self.env, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            [sys.executable, "-m", "infra.ops.cli", *args],
+            env=self.env,
+            cwd=PROJECT_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     @contextmanager
     def prefect(self):
-        with temporary_settings(updates={PREFECT_API_URL: f"{self.prefect_url}/api"}), get_client(sync_client=True) as client:
+        with (
+            temporary_settings(updates={PREFECT_API_URL: f"{self.prefect_url}/api"}),
+            get_client(sync_client=True) as client,
+        ):
             yield client
 
     def mlflow(self) -> MlflowClient:
@@ -96,7 +118,15 @@ def write_deployments_file(path: Path) -> None:
         "entrypoint": "flows/pipeline.py:experiment",
         "work_pool": {"name": "alignflow-process"},
         "paused": True,
-        "build": [{"infra.deployments.config_parameters": {"id": "tiny", "path": "configs/minimal.yaml", "overrides": SCHEDULED_OVERRIDES}}],
+        "build": [
+            {
+                "infra.ops.deployments.config_parameters": {
+                    "id": "tiny",
+                    "path": "configs/minimal.yaml",
+                    "overrides": SCHEDULED_OVERRIDES,
+                }
+            }
+        ],
         "parameters": {"config": "{{ tiny.config }}"},
         "schedules": [{"interval": 10}],
     }
@@ -126,8 +156,16 @@ def stack(tmp_path_factory):
     stack.worker_log = home / "worker.log"
     try:
         up = stack.alignflow(
-            "servers", "up", "--prefect-port", str(ports["prefect"]), "--mlflow-port", str(ports["mlflow"]),
-            "--prefect-database-url", f"{POSTGRES}/{databases['prefect']}", "--mlflow-database-url", f"{POSTGRES}/{databases['mlflow']}",
+            "servers",
+            "up",
+            "--prefect-port",
+            str(ports["prefect"]),
+            "--mlflow-port",
+            str(ports["mlflow"]),
+            "--prefect-database-url",
+            f"{POSTGRES}/{databases['prefect']}",
+            "--mlflow-database-url",
+            f"{POSTGRES}/{databases['mlflow']}",
         )
         assert up.returncode == 0, up.stdout + up.stderr
         stack.up_output = up.stdout
@@ -142,8 +180,12 @@ def stack(tmp_path_factory):
             client.pause_deployment(stack.nightly.id)
 
         worker = subprocess.Popen(
-            [sys.executable, "-m", "infra.cli", "worker", "--limit", "1"],
-            env=env, cwd=home, stdout=worker_log, stderr=subprocess.STDOUT, start_new_session=True,
+            [sys.executable, "-m", "infra.ops.cli", "worker", "--limit", "1"],
+            env=env,
+            cwd=home,
+            stdout=worker_log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         yield stack
     finally:
@@ -168,12 +210,18 @@ def wait_for_flow_runs(stack: Stack, deployment_id, count: int, timeout: float =
     deadline = time.monotonic() + timeout
     while True:
         with stack.prefect() as client:
-            runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])), sort="EXPECTED_START_TIME_ASC")
+            runs = client.read_flow_runs(
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])),
+                sort="EXPECTED_START_TIME_ASC",
+            )
         final = [run for run in runs if run.state and run.state.is_final()]
         if len(final) >= count:
             return final[:count]
         if time.monotonic() > deadline:
-            raise AssertionError(f"{len(final)}/{count} final runs after {timeout} s: {[(r.name, r.state_name) for r in runs]}\n{stack.worker_log.read_text()[-3000:]}")
+            raise AssertionError(
+                f"{len(final)}/{count} final runs after {timeout} s: "
+                f"{[(r.name, r.state_name) for r in runs]}\n{stack.worker_log.read_text()[-3000:]}"
+            )
         time.sleep(2)
 
 
@@ -188,19 +236,34 @@ def smoke_run(stack):
     assert finished.state.is_completed(), f"{finished.state}\n{stack.worker_log.read_text()[-3000:]}"
     mlflow = stack.mlflow()
     experiment = mlflow.get_experiment_by_name("alignflow")
-    (parent,) = mlflow.search_runs([experiment.experiment_id], f"tags.`prefect.flow_run_id` = '{finished.id}' and tags.`mlflow.runName` = 'minimal'")
-    children = {run.info.run_name: run for run in mlflow.search_runs([experiment.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")}
+    (parent,) = mlflow.search_runs(
+        [experiment.experiment_id],
+        f"tags.`prefect.flow_run_id` = '{finished.id}' and tags.`mlflow.runName` = 'minimal'",
+    )
+    children = {
+        run.info.run_name: run
+        for run in mlflow.search_runs([experiment.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    }
     return deployment, finished, parent, children
 
 
 def test_servers_run_on_fresh_postgres_databases_and_report_healthy(stack):
     assert f"export PREFECT_API_URL={stack.prefect_url}/api" in stack.up_output
     assert f"export MLFLOW_TRACKING_URI={stack.mlflow_url}" in stack.up_output
-    assert {f"prefect: created database {POSTGRES}/{stack.databases['prefect']}", f"mlflow: created database {POSTGRES}/{stack.databases['mlflow']}"} <= set(stack.up_output.splitlines())
+    assert {
+        f"prefect: created database {POSTGRES}/{stack.databases['prefect']}",
+        f"mlflow: created database {POSTGRES}/{stack.databases['mlflow']}",
+    } <= set(stack.up_output.splitlines())
     status = stack.alignflow("servers", "status")
     assert status.returncode == 0, status.stdout
-    assert re.search(rf"prefect: running \(pid \d+\), healthy; url {stack.prefect_url}, database postgresql\+asyncpg://postgres@127.0.0.1:5432/{stack.databases['prefect']}", status.stdout)
-    assert re.search(rf"mlflow: running \(pid \d+\), healthy; url {stack.mlflow_url}, database postgresql\+psycopg2://", status.stdout)
+    assert re.search(
+        rf"prefect: running \(pid \d+\), healthy; url {stack.prefect_url}, database postgresql\+asyncpg://postgres@127.0.0.1:5432/{stack.databases['prefect']}",
+        status.stdout,
+    )
+    assert re.search(
+        rf"mlflow: running \(pid \d+\), healthy; url {stack.mlflow_url}, database postgresql\+psycopg2://",
+        status.stdout,
+    )
     for name in ("prefect", "mlflow"):
         folder = stack.home / "servers" / name
         assert int((folder / "pid").read_text()) > 0 and (folder / "server.log").stat().st_size > 0
@@ -208,7 +271,10 @@ def test_servers_run_on_fresh_postgres_databases_and_report_healthy(stack):
     tables = psycopg2.connect(f"{POSTGRES}/{stack.databases['prefect']}")
     try:
         with tables.cursor() as cursor:
-            cursor.execute("SELECT count(*) FROM information_schema.tables WHERE table_name IN ('deployment', 'flow_run', 'work_pool')")
+            cursor.execute(
+                "SELECT count(*) FROM information_schema.tables WHERE "
+                "table_name IN ('deployment', 'flow_run', 'work_pool')"
+            )
             assert cursor.fetchone() == (3,)
     finally:
         tables.close()
@@ -231,7 +297,18 @@ def test_deploy_registers_prefect_yaml_with_config_defaults_on_a_process_pool(st
     # The form's schema: sections in declaration order, titled.
     sections = nightly.parameter_openapi_schema["definitions"]["ExperimentConfig"]["properties"]
     assert [name for name, _ in sorted(sections.items(), key=lambda item: item[1]["position"])] == [
-        "name", "stages", "model", "data", "sft", "dpo", "grpo", "reference", "evaluation", "tracking", "promotion"
+        "name",
+        "stages",
+        "plugins",
+        "model",
+        "data",
+        "sft",
+        "dpo",
+        "grpo",
+        "reference",
+        "evaluation",
+        "tracking",
+        "promotion",
     ]
     assert sections["dpo"]["title"] == "DPO" and sections["evaluation"]["title"] == "Evaluation"
 
@@ -256,7 +333,9 @@ def test_a_run_triggered_through_the_api_is_tracked_in_the_postgres_backed_mlflo
         with rows.cursor() as cursor:
             cursor.execute("SELECT value FROM params WHERE run_uuid = %s AND key = 'dpo.beta'", (parent.info.run_id,))
             assert cursor.fetchall() == [("0.5",)]
-            cursor.execute("SELECT count(*) FROM runs WHERE run_uuid = ANY(%s)", ([run.info.run_id for run in children.values()],))
+            cursor.execute(
+                "SELECT count(*) FROM runs WHERE run_uuid = ANY(%s)", ([run.info.run_id for run in children.values()],)
+            )
             assert cursor.fetchone() == (len(children),)
     finally:
         rows.close()
@@ -267,7 +346,9 @@ def test_flow_run_and_mlflow_run_link_to_each_other(stack, smoke_run):
     assert parent.data.tags["prefect.flow_run_url"] == f"{stack.prefect_url}/flow-runs/flow-run/{flow_run.id}"
     assert children["dpo"].data.tags["prefect.flow_run_url"] == parent.data.tags["prefect.flow_run_url"]
     with stack.prefect() as client:
-        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id])))
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))
+        )
     (link,) = [artifact for artifact in artifacts if artifact.key == "mlflow-run"]
     run_url = f"{stack.mlflow_url}/#/experiments/{parent.info.experiment_id}/runs/{parent.info.run_id}"
     assert link.data == f"[MLflow run minimal ({parent.info.run_id})]({run_url})"
@@ -290,13 +371,22 @@ def test_an_interval_schedule_produces_runs_that_the_worker_executes(stack, smok
     mlflow = stack.mlflow()
     experiment = mlflow.get_experiment_by_name("scheduled")
     for run in runs:
-        (tracked,) = mlflow.search_runs([experiment.experiment_id], f"tags.`prefect.flow_run_id` = '{run.id}' and tags.`mlflow.runName` = 'scheduled'")
+        (tracked,) = mlflow.search_runs(
+            [experiment.experiment_id],
+            f"tags.`prefect.flow_run_id` = '{run.id}' and tags.`mlflow.runName` = 'scheduled'",
+        )
         assert tracked.info.status == "FINISHED" and "eval/base/greedy_accuracy" in tracked.data.metrics
 
 
 CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-    "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
 ]
 
 
@@ -307,7 +397,9 @@ def test_browser_shows_the_run_form_and_the_mlflow_metrics(stack, smoke_run):
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     print(f"screenshots: {SCREENSHOTS}")
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=CHROMIUM_ARGS)  # a fresh profile each launch
+        browser = playwright.chromium.launch(
+            executable_path="/usr/bin/chromium", headless=True, args=CHROMIUM_ARGS
+        )  # a fresh profile each launch
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(f"{stack.prefect_url}/deployments/deployment/{stack.nightly.id}")
@@ -321,13 +413,28 @@ def test_browser_shows_the_run_form_and_the_mlflow_metrics(stack, smoke_run):
             beta = page.get_by_text("β: scale of the log-ratios").first
             beta.wait_for(timeout=60_000)
             form = page.inner_text("body")
-            labels = ["Name (Optional)", "Model (Optional)", "Data (Optional)", "SFT (Optional)", "DPO (Optional)", "Evaluation (Optional)", "Tracking (Optional)"]
+            labels = [
+                "Name (Optional)",
+                "Model (Optional)",
+                "Data (Optional)",
+                "SFT (Optional)",
+                "DPO (Optional)",
+                "Evaluation (Optional)",
+                "Tracking (Optional)",
+            ]
             positions = [form.find(label) for label in labels]
             assert -1 not in positions and positions == sorted(positions), dict(zip(labels, positions))
-            for field in ("Learning Rate (Optional)", "Lr Scheduler Type (Optional)", "Reference (Optional)", "Max Operand (Optional)"):
+            for field in (
+                "Learning Rate (Optional)",
+                "Lr Scheduler Type (Optional)",
+                "Reference (Optional)",
+                "Max Operand (Optional)",
+            ):
                 assert field in form
             # Enums render as selects: dpo.reference, both lr_scheduler_types, data.truncation_mode.
-            assert {"cached", "cosine", "constant", "keep_end"} <= set(page.locator(".p-select-button__value").all_inner_texts())
+            assert {"cached", "cosine", "constant", "keep_end"} <= set(
+                page.locator(".p-select-button__value").all_inner_texts()
+            )
             page.screenshot(path=SCREENSHOTS / "prefect-run-form.png")
             beta.scroll_into_view_if_needed()
             page.screenshot(path=SCREENSHOTS / "prefect-run-form-dpo.png")

@@ -1,52 +1,104 @@
-"""The pipeline's DPO stage builder: every DPO option of the config reaches the trainer."""
+"""Stage builders: each registered stage's trainer gets exactly its config section's values."""
+
+from enum import Enum
 
 import pytest
 from prefect.logging import disable_run_logger
 
 from infra.config import AdditionTaskConfig, DataConfig, ReferenceConfig, load_config
 from tasks.data import prepare_dataset
-from tasks.models import checkpoint_ref
+from tasks.models import checkpoint_handle
 from tasks.reference import cache_ref_logps
-from tasks.train import StageInputs, build_dpo
+from tasks.train import TrainInputs, stage_inputs
 from trainers.callbacks import SyncReferenceCallback
+from trainers.stages import STAGES
+
+# Section fields whose TrainingArguments field has another name (the one mapping's translations).
+ARGUMENT_NAMES = {"warmup_ratio": "warmup_steps"}
 
 
 @pytest.fixture(scope="module")
-def stage_inputs(tiny, tmp_path_factory):
+def handles(tiny, tmp_path_factory):
     """A real prepared dataset and a real reference-cache entry for it (the tiny model is the reference)."""
     model, tokenizer = tiny
-    root = tmp_path_factory.mktemp("dpo-stage")
+    root = tmp_path_factory.mktemp("stages")
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
-    policy = checkpoint_ref(root / "model", "sft")
+    policy = checkpoint_handle(root / "model", "sft")
     with disable_run_logger():
         data = prepare_dataset.fn(DataConfig(builtin=AdditionTaskConfig(max_operand=3, num_eval_problems=4)), policy)
-        ref_logps = cache_ref_logps.fn(data, policy, ReferenceConfig(batch_size=16))
-    return policy, data, ref_logps
+        reference_logps = cache_ref_logps.fn(data, policy, ReferenceConfig(batch_size=16))
+    return policy, data, reference_logps
 
 
-def test_cached_reference_stage_reads_columns_and_maps_loss_options(stage_inputs, tmp_path):
-    policy, data, ref_logps = stage_inputs
-    config = load_config(None, ["dpo.loss_type=[sigmoid, sft]", "dpo.loss_weights=[1.0, 0.3]", "dpo.label_smoothing=0.1",
-                                "dpo.beta=0.2", "dpo.discopop_tau=0.1"])
-    trainer = build_dpo(config, StageInputs(policy, data, ref_logps, policy), tmp_path, [])
+def build(stage, section, handles, tmp_path, with_reference_logps=False):
+    policy, data, reference_logps = handles
+    inputs = TrainInputs(policy, data, reference_logps if with_reference_logps else None)
+    return STAGES[stage].build(section, stage_inputs(stage, inputs, str(tmp_path), []))
+
+
+def argument_value(value):
+    return value.value if isinstance(value, Enum) else value
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_every_section_field_reaches_the_trainer_arguments_unchanged(stage, handles, tmp_path):
+    """No second default anywhere: the trainer's arguments hold the section's default of every field."""
+    section = STAGES[stage].section()
+    args = build(stage, section, handles, tmp_path).args
+    for name, value in section.model_dump().items():
+        assert argument_value(getattr(args, ARGUMENT_NAMES.get(name, name))) == value, name
+    assert args.save_strategy == "no" and args.output_dir == str(tmp_path)
+
+
+def test_cached_reference_stage_reads_columns_and_maps_loss_options(handles, tmp_path):
+    overrides = [
+        "dpo.loss_type=[sigmoid, sft]",
+        "dpo.loss_weights=[1.0, 0.3]",
+        "dpo.label_smoothing=0.1",
+        "dpo.beta=0.2",
+        "dpo.save_steps=5",
+        "dpo.warmup_ratio=0.1",
+    ]
+    section = load_config(None, overrides).dpo
+    assert STAGES["dpo"].needs_reference_logps(section)
+    trainer = build("dpo", section, handles, tmp_path, with_reference_logps=True)
     args = trainer.args
-    assert (args.loss_type, args.loss_weights, args.label_smoothing, args.beta, args.discopop_tau) == (["sigmoid", "sft"], [1.0, 0.3], 0.1, 0.2, 0.1)
-    assert trainer.ref_model is None and not args.reference_free and not args.sync_ref_model
+    assert (args.loss_type, args.loss_weights, args.label_smoothing, args.beta) == (
+        ["sigmoid", "sft"],
+        [1.0, 0.3],
+        0.1,
+        0.2,
+    )
+    assert (args.save_strategy, args.save_steps, args.warmup_steps) == ("steps", 5, 0.1)
+    assert trainer.ref_model is None and args.reference == "cached" and not args.sync_ref_model
     assert "ref_chosen_logps" in trainer.train_dataset.column_names
 
 
-def test_live_reference_stage_with_sync(stage_inputs, tmp_path):
-    policy, data, _ = stage_inputs
-    config = load_config(None, ["dpo.reference=live", "dpo.sync_ref_model=true", "dpo.ref_model_mixup_alpha=0.3", "dpo.ref_model_sync_steps=7"])
-    trainer = build_dpo(config, StageInputs(policy, data, None, policy), tmp_path, [])
+def test_live_reference_stage_with_sync(handles, tmp_path):
+    overrides = [
+        "dpo.reference=live",
+        "dpo.sync_ref_model=true",
+        "dpo.ref_model_mixup_alpha=0.3",
+        "dpo.ref_model_sync_steps=7",
+    ]
+    section = load_config(None, overrides).dpo
+    assert not STAGES["dpo"].needs_reference_logps(section)
+    trainer = build("dpo", section, handles, tmp_path)
     assert trainer.ref_model is not None and trainer.ref_model is not trainer.model
     (sync,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, SyncReferenceCallback)]
     assert (sync.alpha, sync.sync_steps, sync.ref_model) == (0.3, 7, trainer.ref_model)
 
 
-def test_reference_free_stage_loads_no_reference(stage_inputs, tmp_path):
-    policy, data, _ = stage_inputs
-    trainer = build_dpo(load_config(None, ["dpo.reference=none"]), StageInputs(policy, data, None, policy), tmp_path, [])
-    assert trainer.args.reference_free and trainer.ref_model is None
+def test_reference_free_stage_loads_no_reference(handles, tmp_path):
+    section = load_config(None, ["dpo.reference=none"]).dpo
+    assert not STAGES["dpo"].needs_reference_logps(section)
+    trainer = build("dpo", section, handles, tmp_path)
+    assert trainer.args.reference == "none" and trainer.ref_model is None
     assert "ref_chosen_logps" not in trainer.train_dataset.column_names
+
+
+def test_grpo_loads_its_kl_anchor_only_with_a_kl_term(handles, tmp_path):
+    assert build("grpo", load_config(None).grpo, handles, tmp_path).ref_model is None
+    anchored = build("grpo", load_config(None, ["grpo.beta=0.1"]).grpo, handles, tmp_path)
+    assert anchored.ref_model is not None and anchored.ref_model is not anchored.model

@@ -53,18 +53,29 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def build_builtin_model(source: str, seed: int) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
-    """Build the named built-in model with freshly initialised weights (deterministic for ``seed``)."""
+def builtin_spec(source: str, seed: int) -> dict:
+    """What determines a built-in model besides this module's source (which holds its tokenizer):
+    the name, the architecture and the initialisation seed."""
     name = source.removeprefix(BUILTIN_PREFIX)
     if name not in BUILTIN_MODELS:
         raise ValueError(f"unknown built-in model {source!r}; known: {sorted(BUILTIN_MODELS)}")
+    return {
+        "name": name,
+        "architecture": BUILTIN_MODELS[name],
+        "seed": seed,
+    }
+
+
+def build_builtin_model(source: str, seed: int) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+    """Build the named built-in model with freshly initialised weights (deterministic for ``seed``)."""
+    architecture = builtin_spec(source, seed)["architecture"]
     tokenizer = build_char_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        **BUILTIN_MODELS[name],
+        **architecture,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)

@@ -15,6 +15,13 @@ def pad_right(sequences: list[list[int]], pad_value: int) -> torch.Tensor:
     return torch.tensor([s + [pad_value] * (width - len(s)) for s in sequences], dtype=torch.long)
 
 
+def pad_left(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in sequences)
+    ids = torch.tensor([[pad_token_id] * (width - len(s)) + s for s in sequences], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], dtype=torch.long)
+    return ids, mask
+
+
 def prompt_completion_batch(prompts: list[list[int]], completions: list[list[int]], pad_token_id: int) -> dict:
     """``input_ids`` = prompt + completion, padded right; ``completion_mask`` marks completion tokens."""
     sequences = [p + c for p, c in zip(prompts, completions)]

@@ -77,7 +77,9 @@ def _is_conversation(value: Any) -> bool:
     return (
         isinstance(value, list)
         and len(value) > 0
-        and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+        )
     )
 
 

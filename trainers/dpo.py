@@ -9,7 +9,7 @@ completion log-probs, reference log-probs from a live frozen reference model, ca
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel, Trainer, TrainingArguments
@@ -17,45 +17,22 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 from trainers.callbacks import SyncReferenceCallback
 from trainers.collators import REF_COLUMNS
 from trainers.logprobs import CompletionLogps, completion_logps
-from trainers.losses import LossParams, PairLogps, resolve_losses
+from trainers.losses import LossParams, PairLogps, PreferenceHyperparameters, resolve_losses, reward_metrics
+from trainers.sections import section_fields
+from trainers.stages.dpo import DPOStageConfig
 
 # Metrics summed over the logging window and the processes; every other metric is averaged.
 SUMMED_METRICS = {"num_tokens"}
 
 
 @dataclass
+@section_fields(DPOStageConfig)
 class DPOConfig(TrainingArguments):
-    beta: float = field(default=0.1, metadata={"help": "β: scale of the log-ratios inside the loss."})
-    loss_type: str | list[str] = field(default="sigmoid", metadata={"help": "A registered preference loss, or a list of them."})
-    loss_weights: list[float] | None = field(default=None, metadata={"help": "One weight per loss in loss_type; default all 1."})
-    label_smoothing: float = field(default=0.0, metadata={"help": "ε of sigmoid (cDPO), robust and exo_pair; in [0, 0.5)."})
-    discopop_tau: float = field(default=0.05, metadata={"help": "τ of the discopop loss."})
-    reference_free: bool = field(default=False, metadata={"help": "Take reference log-probs as 0."})
-    sync_ref_model: bool = field(default=False, metadata={"help": "Mix the policy into the live reference every ref_model_sync_steps."})
-    ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "α in ref ← α·θ + (1 − α)·ref."})
-    ref_model_sync_steps: int = field(default=512, metadata={"help": "Optimizer steps between reference syncs."})
-    remove_unused_columns: bool = False
+    """``TrainingArguments`` plus the DPO section's fields (``beta``, ``loss_type``, ``reference``, …),
+    with its defaults. Build it from a section: ``DPOStageConfig(...).training_arguments(DPOConfig, output_dir=…)``,
+    which also runs the section's checks."""
 
-    def __post_init__(self):
-        super().__post_init__()
-        # Fail at configuration time, not at the first step.
-        resolve_losses(self.loss_type, self.loss_weights, self.label_smoothing)
-        if self.beta <= 0 or self.discopop_tau <= 0:
-            raise ValueError(f"beta ({self.beta}) and discopop_tau ({self.discopop_tau}) must be > 0")
-        if not 0 < self.ref_model_mixup_alpha <= 1 or self.ref_model_sync_steps < 1:
-            raise ValueError("ref_model_mixup_alpha must be in (0, 1] and ref_model_sync_steps >= 1")
-        if self.sync_ref_model and self.reference_free:
-            raise ValueError("sync_ref_model needs a reference model; it cannot be combined with reference_free")
-
-
-def reward_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Implicit rewards β·(π − ref): their means, the margin and how often chosen wins."""
-    return {
-        "rewards/chosen": chosen_rewards.mean(),
-        "rewards/rejected": rejected_rewards.mean(),
-        "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
-        "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-    }
+    remove_unused_columns: bool = False  # the collator reads prompt/chosen/rejected ids and ref_* columns
 
 
 class RunningMean:
@@ -79,36 +56,42 @@ class DPOTrainer(Trainer):
 
     def __init__(self, *args, ref_model: PreTrainedModel | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.objective = resolve_losses(self.args.loss_type, self.args.loss_weights, self.args.label_smoothing)
-        if self.args.reference_free and ref_model is not None:
-            raise ValueError("reference_free=True takes reference log-probs as 0; do not also pass a ref_model")
-        if self.args.sync_ref_model and ref_model is None:
-            raise ValueError("sync_ref_model=True needs a live ref_model (cached reference columns cannot be synced)")
+        hyperparameters = {name: getattr(self.args, name) for name in PreferenceHyperparameters.model_fields}
+        self.loss_params = LossParams(**hyperparameters)
+        self.objective = resolve_losses(self.args.loss_type, self.args.loss_weights, self.loss_params)
+        if (ref_model is not None) != (self.args.reference == "live"):
+            raise ValueError(f"reference={self.args.reference!r}: pass a ref_model exactly when reference='live'")
         self.ref_model = None
         if ref_model is not None:
             ref_model.requires_grad_(False).eval()
             self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True)
         if self.args.sync_ref_model:
-            self.add_callback(SyncReferenceCallback(self.ref_model, self.args.ref_model_mixup_alpha, self.args.ref_model_sync_steps))
+            self.add_callback(
+                SyncReferenceCallback(self.ref_model, self.args.ref_model_mixup_alpha, self.args.ref_model_sync_steps)
+            )
         self.reward_mean = RunningMean()
         self.window_metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
 
     def reference_logps(self, inputs: dict[str, torch.Tensor], batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A live reference model if given, else the cached ``ref_*`` columns, else zeros (reference-free)."""
-        if self.args.reference_free:
+        """The live reference model's (``reference='live'``), the cached ``ref_*`` columns
+        (``'cached'``) or zeros (``'none'``, reference-free)."""
+        if self.args.reference == "none":
             zeros = torch.zeros(batch_size, device=inputs["input_ids"].device)
             return zeros, zeros
-        if self.ref_model is not None:
+        if self.args.reference == "live":
             with torch.no_grad():
-                ref = completion_logps(self.ref_model, inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"]).logps
+                ref = completion_logps(
+                    self.ref_model, inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"]
+                ).logps
             return ref[:batch_size], ref[batch_size:]
-        if all(column in inputs for column in REF_COLUMNS):
-            return inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
-        raise ValueError("no reference: give cached ref_* columns, a ref_model, or set reference_free=True")
+        if not all(column in inputs for column in REF_COLUMNS):
+            raise ValueError(f"reference='cached' needs the columns {list(REF_COLUMNS)} in the dataset")
+        return inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
 
     def reward_shift(self, pairs: PairLogps, training: bool) -> float:
-        """δ of bco_pair: running mean of the batch-mean implicit rewards, updated in training only."""
-        if "bco_pair" not in self.objective.names:  # spare every other loss a gather and a device sync
+        """δ of a stateful loss (bco_pair): running mean of the batch-mean implicit rewards, updated
+        in training only."""
+        if not self.objective.stateful:  # spare every other loss a gather and a device sync
             return 0.0
         if not training:
             return self.reward_mean.mean
@@ -127,12 +110,9 @@ class DPOTrainer(Trainer):
             chosen_lengths=policy.num_tokens[:batch_size],
             rejected_lengths=policy.num_tokens[batch_size:],
         )
-        params = LossParams(
-            beta=self.args.beta,
-            label_smoothing=self.args.label_smoothing,
-            discopop_tau=self.args.discopop_tau,
-            reward_shift=self.reward_shift(pairs, model.training),
-        )
+        params = self.loss_params
+        if self.objective.stateful:
+            params = params.model_copy(update={"reward_shift": self.reward_shift(pairs, model.training)})
         losses, components = self.objective(pairs, params)
         loss = losses.mean()
         metrics = self.batch_metrics(pairs, policy, components, inputs["attention_mask"])
@@ -140,7 +120,11 @@ class DPOTrainer(Trainer):
         return (loss, {"chosen_logps": pairs.chosen, "rejected_logps": pairs.rejected}) if return_outputs else loss
 
     def batch_metrics(
-        self, pairs: PairLogps, policy: CompletionLogps, components: dict[str, torch.Tensor], attention_mask: torch.Tensor
+        self,
+        pairs: PairLogps,
+        policy: CompletionLogps,
+        components: dict[str, torch.Tensor],
+        attention_mask: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
         beta, half = self.args.beta, len(pairs.chosen)
         metrics = reward_metrics(beta * pairs.chosen_logratios.detach(), beta * pairs.rejected_logratios.detach())

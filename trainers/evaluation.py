@@ -8,10 +8,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from trainers.collators import PreferenceCollator
-from trainers.dpo import reward_metrics
+from trainers.collators import PreferenceCollator, pad_left
 from trainers.logprobs import completion_logps
-from trainers.metrics import bootstrap_ci, pass_at_k
+from trainers.losses import reward_metrics
+from trainers.metrics import bootstrap_ci, exact_match, pass_at_k
 
 
 @dataclass(frozen=True)
@@ -45,13 +45,6 @@ class PromptResult:
         return [exact_match(s.text, self.answer) for s in self.samples]
 
 
-def pad_left(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in sequences)
-    ids = torch.tensor([[pad_token_id] * (width - len(s)) + s for s in sequences], dtype=torch.long)
-    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], dtype=torch.long)
-    return ids, mask
-
-
 def generated_length(tokens: list[int], eos_token_id: int) -> int:
     return tokens.index(eos_token_id) + 1 if eos_token_id in tokens else len(tokens)
 
@@ -69,7 +62,11 @@ def generate_completions(
     """``num_return_sequences`` completions per prompt, batched, special tokens removed from the text."""
     model.eval()
     torch.manual_seed(spec.seed)
-    sampling = {"do_sample": True, "temperature": spec.temperature, "top_k": 0, "top_p": 1.0} if do_sample else {"do_sample": False}
+    sampling = (
+        {"do_sample": True, "temperature": spec.temperature, "top_k": 0, "top_p": 1.0}
+        if do_sample
+        else {"do_sample": False}
+    )
     completions: list[list[Completion]] = []
     starts = range(0, len(prompts), spec.batch_size)
     for start in tqdm(starts, desc="sampling" if do_sample else "greedy decoding", mininterval=5, leave=False):
@@ -85,20 +82,20 @@ def generate_completions(
         )
         generated = output[:, input_ids.shape[1] :].tolist()
         texts = tokenizer.batch_decode(generated, skip_special_tokens=True)
-        flat = [Completion(text, generated_length(tokens, tokenizer.eos_token_id)) for text, tokens in zip(texts, generated)]
+        flat = [
+            Completion(text, generated_length(tokens, tokenizer.eos_token_id)) for text, tokens in zip(texts, generated)
+        ]
         completions += [flat[i : i + num_return_sequences] for i in range(0, len(flat), num_return_sequences)]
     return completions
-
-
-def exact_match(completion: str, answer: str) -> bool:
-    return completion.strip() == answer.strip()
 
 
 def score_prompts(model, tokenizer, rows: list[dict], spec: GenerationSpec) -> list[PromptResult]:
     """Greedy and ``num_samples`` sampled completions of every prompt, same seed for every model."""
     prompts = [r["prompt_ids"] for r in rows]
     greedy = generate_completions(model, tokenizer, prompts, do_sample=False, num_return_sequences=1, spec=spec)
-    sampled = generate_completions(model, tokenizer, prompts, do_sample=True, num_return_sequences=spec.num_samples, spec=spec)
+    sampled = generate_completions(
+        model, tokenizer, prompts, do_sample=True, num_return_sequences=spec.num_samples, spec=spec
+    )
     return [
         PromptResult(tokenizer.decode(row["prompt_ids"], skip_special_tokens=True), row["answer"], g[0], s)
         for row, g, s in zip(rows, greedy, sampled)
@@ -110,14 +107,18 @@ def with_interval(name: str, per_prompt: list[float], seed: int, resamples: int)
     return {name: sum(per_prompt) / len(per_prompt), f"{name}_ci_low": low, f"{name}_ci_high": high}
 
 
-def answer_metrics(results: list[PromptResult], pass_ks: list[int], seed: int, resamples: int = 1000) -> dict[str, float]:
+def answer_metrics(
+    results: list[PromptResult], pass_ks: list[int], seed: int, resamples: int = 1000
+) -> dict[str, float]:
     """Greedy accuracy, ``sampled_accuracy`` (mean@N) and pass@k, each with a bootstrap 95% CI
     over prompts, plus the mean sampled completion length in tokens."""
     n = len(results[0].samples)
     metrics = with_interval("greedy_accuracy", [float(r.greedy_correct) for r in results], seed, resamples)
     metrics |= with_interval("sampled_accuracy", [sum(r.samples_correct) / n for r in results], seed, resamples)
     for k in (k for k in pass_ks if k <= n):
-        metrics |= with_interval(f"pass_at_{k}", [pass_at_k(n, sum(r.samples_correct), k) for r in results], seed, resamples)
+        metrics |= with_interval(
+            f"pass_at_{k}", [pass_at_k(n, sum(r.samples_correct), k) for r in results], seed, resamples
+        )
     metrics["mean_completion_tokens"] = sum(s.num_tokens for r in results for s in r.samples) / (n * len(results))
     return metrics
 
@@ -132,7 +133,9 @@ def preference_rewards(model, tokenizer, rows: list[dict], beta: float, batch_si
         batch = collate(rows[start : start + batch_size])
         logps = completion_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"]).logps
         n = len(batch["ref_chosen_logps"])
-        metrics = reward_metrics(beta * (logps[:n] - batch["ref_chosen_logps"]), beta * (logps[n:] - batch["ref_rejected_logps"]))
+        metrics = reward_metrics(
+            beta * (logps[:n] - batch["ref_chosen_logps"]), beta * (logps[n:] - batch["ref_rejected_logps"])
+        )
         for name in totals:
             totals[name] += metrics[name].item() * n
     return {name: value / len(rows) for name, value in totals.items()}

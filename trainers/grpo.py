@@ -14,53 +14,49 @@ import copy
 import math
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch.utils.data import DataLoader
 from transformers import GenerationConfig, PreTrainedModel, Trainer, TrainingArguments
 
-from trainers.collators import prompt_completion_batch
-from trainers.evaluation import pad_left
-from trainers.grpo_losses import REWARD_SCALES, clip_fractions, clipped_surrogate, get_grpo_loss, group_advantages, k3_kl, masked_mean
+from trainers.collators import pad_left, prompt_completion_batch
+from trainers.grpo_losses import (
+    clip_fractions,
+    clipped_surrogate,
+    get_grpo_loss,
+    group_advantages,
+    k3_kl,
+    masked_mean,
+    weighted_rewards,
+)
+from trainers.layout import GenerationLayout, resolve_layout
 from trainers.logprobs import next_token_logps
-from trainers.rewards import RewardFunction, resolve_rewards, score_completions, weighted_rewards
-from trainers.samplers import GenerationLayout, generation_dataloader, resolve_layout
-
-COMPLETIONS_LOG_KEY = "completions"  # a table (column -> values) in the logs; trackers render it
+from trainers.rewards import RewardFunction, resolve_rewards, score_completions
+from trainers.samplers import generation_dataloader
+from trainers.sections import section_fields
+from trainers.stages.grpo import COMPLETIONS_LOG_KEY, GRPOStageConfig
 
 
 @dataclass
+@section_fields(GRPOStageConfig)
 class GRPOConfig(TrainingArguments):
-    num_generations: int = field(default=8, metadata={"help": "Completions per prompt (G ≥ 2)."})
-    steps_per_generation: int | None = field(
-        default=None, metadata={"help": "Training steps served by one generation batch (default: gradient_accumulation_steps)."}
-    )
-    generation_batch_size: int | None = field(
-        default=None, metadata={"help": "Completions per generation batch over all processes; alternative to steps_per_generation."}
-    )
-    num_iterations: int = field(default=1, metadata={"help": "Optimisation passes (μ) over each generation batch."})
-    beta: float = field(default=0.0, metadata={"help": "KL coefficient; 0 loads no reference model."})
-    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping range ε: ρ ≥ 1 − ε."})
-    epsilon_high: float | None = field(default=None, metadata={"help": "Upper clipping range: ρ ≤ 1 + ε_high (default: epsilon)."})
-    loss_type: str = field(default="dapo", metadata={"help": "Aggregation of token losses: grpo, bnpo, dr_grpo or dapo."})
-    scale_rewards: str = field(default="group", metadata={"help": "Advantage divisor: group std, batch std, or none."})
-    reward_funcs: list[str] = field(default_factory=lambda: ["correctness"], metadata={"help": "Registered names or import paths."})
-    reward_weights: list[float] | None = field(default=None, metadata={"help": "One weight per reward function (default: all 1)."})
-    mask_truncated_completions: bool = field(default=False, metadata={"help": "Exclude completions without EOS from the loss."})
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = field(default=0, metadata={"help": "0 disables top-k."})
-    max_prompt_length: int | None = field(default=None, metadata={"help": "Keep at most this many last prompt tokens."})
-    max_completion_length: int = field(default=16, metadata={"help": "Generated tokens per completion at most."})
-    log_completions_steps: int = field(default=0, metadata={"help": "Put a table of sample completions in the logs every N steps (0: never)."})
-    num_completions_to_log: int = 8
-    remove_unused_columns: bool = False
+    """``TrainingArguments`` plus the GRPO section's fields, with its defaults. Build it from a
+    section: ``GRPOStageConfig(...).training_arguments(GRPOConfig, output_dir=…)``, which also
+    runs the section's checks. The fields keep their configured values; what follows from them
+    and the number of processes is derived below (``layout``, ``upper_epsilon``)."""
+
+    remove_unused_columns: bool = False  # the dataloader hands over raw prompt rows
 
     def __post_init__(self):
         super().__post_init__()
-        layout = resolve_layout(
+        self.layout  # noqa: B018  (check the batch arithmetic now, not at the first step)
+
+    @property
+    def layout(self) -> GenerationLayout:
+        """The generation layout over all processes (``steps_per_generation`` filled in)."""
+        return resolve_layout(
             per_device_batch_size=self.per_device_train_batch_size,
             gradient_accumulation_steps=self.gradient_accumulation_steps,
             num_generations=self.num_generations,
@@ -68,26 +64,16 @@ class GRPOConfig(TrainingArguments):
             steps_per_generation=self.steps_per_generation,
             generation_batch_size=self.generation_batch_size,
         )
-        self.steps_per_generation, self.generation_batch_size = layout.steps_per_generation, layout.generation_batch_size
-        self.epsilon_high = self.epsilon if self.epsilon_high is None else self.epsilon_high
-        for name, ok in [("num_iterations", self.num_iterations >= 1), ("beta", self.beta >= 0), ("epsilon", self.epsilon >= 0),
-                         ("epsilon_high", self.epsilon_high >= 0), ("temperature", self.temperature > 0),
-                         ("max_completion_length", self.max_completion_length >= 1)]:
-            if not ok:
-                raise ValueError(f"{name}={getattr(self, name)} is out of range")
-        get_grpo_loss(self.loss_type)
-        if self.scale_rewards not in REWARD_SCALES:
-            raise ValueError(f"unknown scale_rewards {self.scale_rewards!r}; registered: {sorted(REWARD_SCALES)}")
-        resolve_rewards(self.reward_funcs, self.reward_weights)
 
     @property
-    def layout(self) -> GenerationLayout:
-        return GenerationLayout(self.per_device_train_batch_size, self.world_size, self.steps_per_generation, self.num_generations)
+    def upper_epsilon(self) -> float:
+        """ε_high of the clip, ``epsilon`` unless set."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
     @property
     def reuses_generations(self) -> bool:
         """Whether a generation batch outlives the policy that sampled it (off-policy reuse)."""
-        return self.steps_per_generation > self.gradient_accumulation_steps or self.num_iterations > 1
+        return self.layout.steps_per_generation > self.gradient_accumulation_steps or self.num_iterations > 1
 
 
 def keep_rows(features: list[dict]) -> list[dict]:
@@ -152,10 +138,14 @@ class GRPOTrainer(Trainer):
         if self.processing_class is None:
             raise ValueError("GRPOTrainer needs processing_class: the tokenizer that decodes completions")
         if self.eval_dataset is not None:
-            raise ValueError("GRPOTrainer does not evaluate during training; score checkpoints with trainers.evaluation")
+            raise ValueError(
+                "GRPOTrainer does not evaluate during training; score checkpoints with trainers.evaluation"
+            )
         args: GRPOConfig = self.args
         self.loss_fn = get_grpo_loss(args.loss_type)
-        self.reward_functions, weights = resolve_rewards(reward_funcs if reward_funcs is not None else args.reward_funcs, args.reward_weights)
+        self.reward_functions, weights = resolve_rewards(
+            reward_funcs if reward_funcs is not None else args.reward_funcs, args.reward_weights
+        )
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
         self.ref_model = None
         if args.beta > 0:
@@ -164,8 +154,14 @@ class GRPOTrainer(Trainer):
             self.ref_model = self.accelerator.prepare_model(reference, evaluation_mode=True)
         tokenizer = self.processing_class
         self.generation_config = GenerationConfig(
-            do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_completion_length,
-            use_cache=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+            do_sample=True,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_new_tokens=args.max_completion_length,
+            use_cache=True,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
         )
         self.buffer = GenerationBuffer(args.num_iterations)
         self.generation_calls = 0
@@ -243,7 +239,9 @@ class GRPOTrainer(Trainer):
         texts = tokenizer.batch_decode(bare, skip_special_tokens=True)
         prompt_texts = tokenizer.batch_decode(prompts, skip_special_tokens=False)
         columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt_ids"} | {"completion_ids": bare}
-        per_function = torch.tensor(score_completions(self.reward_functions, prompt_texts, texts, columns), dtype=torch.float32)
+        per_function = torch.tensor(
+            score_completions(self.reward_functions, prompt_texts, texts, columns), dtype=torch.float32
+        )
         per_function = self.gather(per_function.T.contiguous()).T  # [F, N over all processes]
         rewards = weighted_rewards(per_function, self.reward_weights)
         advantages = group_advantages(rewards, args.num_generations, args.scale_rewards)
@@ -251,7 +249,9 @@ class GRPOTrainer(Trainer):
 
         active = self.gather(batch["completion_mask"].sum().reshape(1)).sum().item()
         batch["advantages"] = advantages[local]
-        slices = self.split(batch, tokens_per_step=active / (args.steps_per_generation * self.accelerator.num_processes))
+        slices = self.split(
+            batch, tokens_per_step=active / (args.layout.steps_per_generation * self.accelerator.num_processes)
+        )
         self.add_sampling_logps(model, slices)
         self.record_generation(rewards, per_function, completions, truncated)
         self.latest_samples = self.sample_table(prompt_texts, texts, rewards[local], per_function[:, local])
@@ -281,7 +281,9 @@ class GRPOTrainer(Trainer):
             source.eval()
             for part in slices:
                 device = self.accelerator.device
-                logps, _ = next_token_logps(source, part["input_ids"].to(device), part["attention_mask"].to(device), self.args.temperature)
+                logps, _ = next_token_logps(
+                    source, part["input_ids"].to(device), part["attention_mask"].to(device), self.args.temperature
+                )
                 part[name] = logps.cpu()
             source.train(was_training)
 
@@ -292,16 +294,21 @@ class GRPOTrainer(Trainer):
         logps, logits = next_token_logps(model, inputs["input_ids"], inputs["attention_mask"], args.temperature)
         mask = inputs["completion_mask"][:, 1:].to(logps.dtype)
         old_logps = inputs["old_logps"] if "old_logps" in inputs else logps.detach()
-        per_token = clipped_surrogate(logps, old_logps, inputs["advantages"], args.epsilon, args.epsilon_high)
+        per_token = clipped_surrogate(logps, old_logps, inputs["advantages"], args.epsilon, args.upper_epsilon)
         metrics = {}
         if "ref_logps" in inputs:
             kl = k3_kl(logps, inputs["ref_logps"])
             per_token = per_token + args.beta * kl
             metrics["kl"] = masked_mean(kl.detach(), mask)
-        loss = self.loss_fn(per_token, mask, max_completion_length=args.max_completion_length, tokens_per_step=inputs["tokens_per_step"].item())
+        loss = self.loss_fn(
+            per_token,
+            mask,
+            max_completion_length=args.max_completion_length,
+            tokens_per_step=inputs["tokens_per_step"].item(),
+        )
 
         with torch.no_grad():
-            low, high = clip_fractions(logps, old_logps, inputs["advantages"], mask, args.epsilon, args.epsilon_high)
+            low, high = clip_fractions(logps, old_logps, inputs["advantages"], mask, args.epsilon, args.upper_epsilon)
             entropy = -(torch.softmax(logits.float(), -1) * torch.log_softmax(logits.float(), -1)).sum(-1)
         metrics |= {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "entropy": masked_mean(entropy, mask)}
         self.record_step(metrics)
@@ -319,7 +326,9 @@ class GRPOTrainer(Trainer):
         for name, value in zip(names, gathered.mean(0).tolist()):
             self.window[name].append(value)
 
-    def record_generation(self, rewards: torch.Tensor, per_function: torch.Tensor, completions: list[list[int]], truncated: list[bool]) -> None:
+    def record_generation(
+        self, rewards: torch.Tensor, per_function: torch.Tensor, completions: list[list[int]], truncated: list[bool]
+    ) -> None:
         """Reward and completion statistics of one generation batch (all processes)."""
         grouped_std = rewards.view(-1, self.args.num_generations).std(dim=1)
         lengths = self.gather(torch.tensor([len(c) for c in completions], dtype=torch.float32))
@@ -338,7 +347,9 @@ class GRPOTrainer(Trainer):
         for name, value in values.items():
             self.window[name].append(value)
 
-    def sample_table(self, prompts: list[str], completions: list[str], rewards: torch.Tensor, per_function: torch.Tensor) -> dict[str, list]:
+    def sample_table(
+        self, prompts: list[str], completions: list[str], rewards: torch.Tensor, per_function: torch.Tensor
+    ) -> dict[str, list]:
         rows = slice(0, self.args.num_completions_to_log)
         table = {"prompt": prompts[rows], "completion": completions[rows], "reward": rewards[rows].tolist()}
         for (name, _), scores in zip(self.reward_functions, per_function):
@@ -359,6 +370,9 @@ class GRPOTrainer(Trainer):
             self.window_started, self.window_start_step = time.perf_counter(), self.state.global_step
         steps_due = self.args.log_completions_steps
         if steps_due and self.latest_samples and self.state.global_step >= self.next_table_step:
-            logs[COMPLETIONS_LOG_KEY] = {"step": [self.state.global_step] * len(self.latest_samples["prompt"]), **self.latest_samples}
+            logs[COMPLETIONS_LOG_KEY] = {
+                "step": [self.state.global_step] * len(self.latest_samples["prompt"]),
+                **self.latest_samples,
+            }
             self.next_table_step = (self.state.global_step // steps_due + 1) * steps_due
         super().log(logs, start_time)

@@ -6,24 +6,27 @@ Shapes: ``[B, T]`` per-token tensors with a 0/1 ``mask`` of the completion token
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
-import torch
-
+from trainers.lazy import LazyModule
 from trainers.registry import Registry
+
+if TYPE_CHECKING:
+    import torch
+else:  # the registries are read at config validation, which imports no torch
+    torch = LazyModule("torch")
 
 ADVANTAGE_EPS = 1e-4
 
 
 # ---- advantages -------------------------------------------------------------------------------
 
-RewardScale = Callable[[torch.Tensor], torch.Tensor]
-REWARD_SCALES: dict[str, RewardScale] = {
-    # grouped rewards [num_prompts, G] -> the divisor of each centred reward, broadcastable
-    "group": lambda grouped: grouped.std(dim=1, keepdim=True) + ADVANTAGE_EPS,
-    "batch": lambda grouped: grouped.std() + ADVANTAGE_EPS,
-    "none": lambda grouped: torch.ones((), dtype=grouped.dtype),
-}
+# grouped rewards [num_prompts, G] -> the divisor of each centred reward, broadcastable
+RewardScale = Callable[["torch.Tensor"], "torch.Tensor"]
+REWARD_SCALES: Registry[RewardScale] = Registry("reward scale", "scale_rewards")
+REWARD_SCALES.add("group", lambda grouped: grouped.std(dim=1, keepdim=True) + ADVANTAGE_EPS)
+REWARD_SCALES.add("batch", lambda grouped: grouped.std() + ADVANTAGE_EPS)
+REWARD_SCALES.add("none", lambda grouped: torch.ones((), dtype=grouped.dtype))
 
 
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str = "group") -> torch.Tensor:
@@ -36,10 +39,15 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str = "
     divides by 1 (no ε; Dr. GRPO, Liu et al., 2025, arXiv:2503.20783). Standard deviations are
     unbiased (n − 1).
     """
-    if scale not in REWARD_SCALES:
-        raise ValueError(f"unknown scale_rewards {scale!r}; registered: {sorted(REWARD_SCALES)}")
+    divisor = REWARD_SCALES.lookup(scale)
     grouped = rewards.view(-1, num_generations)
-    return ((grouped - grouped.mean(dim=1, keepdim=True)) / REWARD_SCALES[scale](grouped)).flatten()
+    return ((grouped - grouped.mean(dim=1, keepdim=True)) / divisor(grouped)).flatten()
+
+
+def weighted_rewards(scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``r_j = Σ_f w_f · s_{f,j}`` over the functions that scored row ``j`` (``NaN`` = ``None`` is
+    skipped; a row no function scored gets 0)."""
+    return torch.nansum(scores * weights.unsqueeze(1), dim=0)
 
 
 # ---- per-token terms --------------------------------------------------------------------------
@@ -63,7 +71,12 @@ def clipped_surrogate(
 
 
 def clip_fractions(
-    logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, epsilon_low: float, epsilon_high: float
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    epsilon_low: float,
+    epsilon_high: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fractions of counted tokens whose gradient the clip removes: ρ < 1 − ε_low with A < 0
     (low) and ρ > 1 + ε_high with A > 0 (high)."""
@@ -77,7 +90,7 @@ def clip_fractions(
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(π ‖ π_ref) per token (unbiased, always ≥ 0):
 
-        k3_t = exp(log π_ref − log π) − (log π_ref − log π) − 1
+    k3_t = exp(log π_ref − log π) − (log π_ref − log π) − 1
     """
     delta = ref_logps - logps
     return torch.exp(delta) - delta - 1
@@ -91,12 +104,16 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 class LossAggregation(Protocol):
-    def __call__(self, per_token_loss: torch.Tensor, mask: torch.Tensor, *, max_completion_length: int, tokens_per_step: float) -> torch.Tensor: ...
+    def __call__(
+        self, per_token_loss: torch.Tensor, mask: torch.Tensor, *, max_completion_length: int, tokens_per_step: float
+    ) -> torch.Tensor: ...
 
 
 GRPO_LOSSES: Registry[LossAggregation] = Registry("GRPO loss", "loss_type")
 register_grpo_loss = GRPO_LOSSES.register
 get_grpo_loss = GRPO_LOSSES.lookup
+GRPOLossName = GRPO_LOSSES.name_type()
+RewardScaleName = REWARD_SCALES.name_type()
 
 
 @register_grpo_loss("grpo")
@@ -115,7 +132,7 @@ def grpo_loss(per_token_loss, mask, *, max_completion_length, tokens_per_step):
 def bnpo_loss(per_token_loss, mask, *, max_completion_length, tokens_per_step):
     """Batch-normalised: every counted token of the micro-batch weighs the same,
 
-        L = Σ_i Σ_t ℓ_{i,t} / Σ_i |o_i|
+    L = Σ_i Σ_t ℓ_{i,t} / Σ_i |o_i|
     """
     return masked_mean(per_token_loss, mask)
 
@@ -124,7 +141,7 @@ def bnpo_loss(per_token_loss, mask, *, max_completion_length, tokens_per_step):
 def dr_grpo_loss(per_token_loss, mask, *, max_completion_length, tokens_per_step):
     """Dr. GRPO (Liu et al., 2025, arXiv:2503.20783): a constant normaliser, free of length bias,
 
-        L = Σ_i Σ_t ℓ_{i,t} / (B · L_max),   L_max = max_completion_length
+    L = Σ_i Σ_t ℓ_{i,t} / (B · L_max),   L_max = max_completion_length
     """
     return (per_token_loss * mask).sum() / (per_token_loss.shape[0] * max_completion_length)
 

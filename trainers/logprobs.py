@@ -22,7 +22,6 @@ from typing import NamedTuple
 import torch
 from transformers.modeling_utils import unwrap_model
 
-LOGPROB_CODE_VERSION = "completion-logps-v2"
 # Float32 elements of one chunk of (scored positions × vocabulary): 16 MiB.
 CHUNK_ELEMENTS = 1 << 22
 

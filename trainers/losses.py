@@ -1,22 +1,34 @@
-"""Preference losses, registered by name. Each is a pure function of per-pair tensors.
+"""Preference losses, registered by name. Each is a pure function of per-pair tensors and declares,
+beside its formula, the hyperparameters it reads and whether it keeps running state.
 
 Notation, per pair: ``π_c``, ``π_r`` summed completion log-probs of the chosen and rejected
 completion under the policy; ``ref_c``, ``ref_r`` the same under the reference (0 when
 reference-free); ``|y_c|``, ``|y_r|`` completion lengths in tokens;
 ``Δ = (π_c − ref_c) − (π_r − ref_r)``; implicit rewards ``r_c = β(π_c − ref_c)``,
 ``r_r = β(π_r − ref_r)``; ``ε`` label smoothing; ``σ`` the logistic function.
+
+A loss with a new hyperparameter adds a field to :class:`PreferenceHyperparameters` and names it
+in its ``register_loss``: the DPO config section, the trainer's arguments and the ``params`` its
+function receives all take it from there.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-import torch
-import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
 
+from trainers.lazy import LazyModule
 from trainers.registry import Registry
+
+if TYPE_CHECKING:
+    import torch
+    import torch.nn.functional as F
+else:  # the registry is read at config validation, which imports no torch
+    torch = LazyModule("torch")
+    F = LazyModule("torch.nn.functional")
 
 
 @dataclass(frozen=True)
@@ -46,38 +58,81 @@ class PairLogps:
     @property
     def length_normalised_margin(self) -> torch.Tensor:
         """``(π_c − ref_c)/|y_c| − (π_r − ref_r)/|y_r|``."""
-        return self.chosen_logratios / self.chosen_lengths.clamp(min=1) - self.rejected_logratios / self.rejected_lengths.clamp(min=1)
+        chosen = self.chosen_logratios / self.chosen_lengths.clamp(min=1)
+        return chosen - self.rejected_logratios / self.rejected_lengths.clamp(min=1)
+
+
+def reward_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Implicit rewards β·(π − ref): their means, the margin and how often chosen wins."""
+    return {
+        "rewards/chosen": chosen_rewards.mean(),
+        "rewards/rejected": rejected_rewards.mean(),
+        "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+        "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+    }
+
+
+class PreferenceHyperparameters(BaseModel):
+    """The hyperparameters of the registered losses: the one schema of these fields (the DPO
+    config section inherits them, the trainer's arguments are built from that section)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    beta: float = Field(
+        0.1, gt=0, description="β: scale of the log-ratios, e.g. −log σ(β·[(π_c − ref_c) − (π_r − ref_r)]) for sigmoid."
+    )
+    label_smoothing: float = Field(
+        0.0, ge=0.0, lt=0.5, description="ε: assumed label-flip rate, used by sigmoid (cDPO), robust and exo_pair."
+    )
+    discopop_tau: float = Field(0.05, gt=0, description="τ of the discopop loss.")
+
+
+# β also scales the logged implicit rewards, so it matters even to a loss that does not read it.
+ALWAYS_USED = frozenset({"beta"})
+
+
+class LossParams(PreferenceHyperparameters):
+    """What a loss function receives: the hyperparameters, and the running state the trainer keeps."""
+
+    reward_shift: float = 0.0  # δ of a stateful loss (bco_pair): the running mean of the implicit rewards
+
+
+LossFunction = Callable[[PairLogps, LossParams], "torch.Tensor"]
 
 
 @dataclass(frozen=True)
-class LossParams:
-    beta: float = 0.1
-    label_smoothing: float = 0.0
-    discopop_tau: float = 0.05
-    # δ of bco_pair: the running mean of the implicit rewards, kept by the trainer.
-    reward_shift: float = 0.0
+class PreferenceLoss:
+    """A registered loss: its per-pair function and what it needs from the trainer."""
 
+    name: str
+    function: LossFunction
+    hyperparameters: frozenset[str]  # fields of PreferenceHyperparameters the function reads
+    stateful: bool = False  # reads ``params.reward_shift``, updated by the trainer on training steps
 
-class PreferenceLoss(Protocol):
-    def __call__(self, pairs: PairLogps, params: LossParams) -> torch.Tensor: ...
+    def __call__(self, pairs: PairLogps, params: LossParams) -> torch.Tensor:
+        return self.function(pairs, params)
 
 
 PREFERENCE_LOSSES: Registry[PreferenceLoss] = Registry("preference loss", "loss_type")
-LABEL_SMOOTHING_LOSSES: set[str] = set()  # the losses whose formula uses ε
 get_loss = PREFERENCE_LOSSES.lookup
+LossName = PREFERENCE_LOSSES.name_type()
 
 
-def register_loss(name: str, uses_label_smoothing: bool = False) -> Callable[[PreferenceLoss], PreferenceLoss]:
-    def decorator(fn: PreferenceLoss) -> PreferenceLoss:
-        PREFERENCE_LOSSES.register(name)(fn)
-        if uses_label_smoothing:
-            LABEL_SMOOTHING_LOSSES.add(name)
-        return fn
+def register_loss(
+    name: str, *, hyperparameters: Sequence[str], stateful: bool = False
+) -> Callable[[LossFunction], LossFunction]:
+    unknown = set(hyperparameters) - set(PreferenceHyperparameters.model_fields)
+    if unknown:
+        raise ValueError(f"loss {name!r} reads {sorted(unknown)}, which are not fields of PreferenceHyperparameters")
+
+    def decorator(function: LossFunction) -> LossFunction:
+        PREFERENCE_LOSSES.add(name, PreferenceLoss(name, function, frozenset(hyperparameters), stateful))
+        return function
 
     return decorator
 
 
-@register_loss("sigmoid", uses_label_smoothing=True)
+@register_loss("sigmoid", hyperparameters=("beta", "label_smoothing"))
 def sigmoid_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     """DPO (Rafailov et al., 2023, arXiv:2305.18290), with conservative label smoothing ε
     (cDPO, Mitchell 2023):
@@ -89,36 +144,36 @@ def sigmoid_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
 
 
-@register_loss("robust", uses_label_smoothing=True)
+@register_loss("robust", hyperparameters=("beta", "label_smoothing"))
 def robust_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     """Robust DPO (Chowdhury et al., 2024, arXiv:2403.00409), unbiased under label-flip rate ε < ½:
 
-        L = [ −(1 − ε) log σ(βΔ) + ε log σ(−βΔ) ] / (1 − 2ε)
+    L = [ −(1 − ε) log σ(βΔ) + ε log σ(−βΔ) ] / (1 − 2ε)
     """
     z = params.beta * pairs.margin
     eps = params.label_smoothing
     return (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
 
 
-@register_loss("hinge")
+@register_loss("hinge", hyperparameters=("beta",))
 def hinge_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     """SLiC calibration hinge (Zhao et al., 2023, arXiv:2305.10425) on the DPO log-ratios:
 
-        L = max(0, 1 − βΔ)
+    L = max(0, 1 − βΔ)
     """
     return F.relu(1 - params.beta * pairs.margin)
 
 
-@register_loss("ipo")
+@register_loss("ipo", hyperparameters=("beta",))
 def ipo_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     """IPO (Azar et al., 2023, arXiv:2310.12036), log-probs averaged over completion length:
 
-        Δ̄ = (π_c − ref_c)/|y_c| − (π_r − ref_r)/|y_r|,    L = (Δ̄ − 1/(2β))²
+    Δ̄ = (π_c − ref_c)/|y_c| − (π_r − ref_r)/|y_r|,    L = (Δ̄ − 1/(2β))²
     """
     return (pairs.length_normalised_margin - 1 / (2 * params.beta)) ** 2
 
 
-@register_loss("exo_pair", uses_label_smoothing=True)
+@register_loss("exo_pair", hyperparameters=("beta", "label_smoothing"))
 def exo_pair_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     """EXO, pairwise (Ji et al., 2024, arXiv:2402.00856): reverse KL from the model's preference
     distribution ``(σ(βΔ), σ(−βΔ))`` to the smoothed labels ``(1 − ε, ε)``; ε = 10⁻³ when 0:
@@ -127,21 +182,23 @@ def exo_pair_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     """
     z = params.beta * pairs.margin
     eps = params.label_smoothing or 1e-3
-    return torch.sigmoid(z) * (F.logsigmoid(z) - math.log(1 - eps)) + torch.sigmoid(-z) * (F.logsigmoid(-z) - math.log(eps))
+    return torch.sigmoid(z) * (F.logsigmoid(z) - math.log(1 - eps)) + torch.sigmoid(-z) * (
+        F.logsigmoid(-z) - math.log(eps)
+    )
 
 
-@register_loss("nca_pair")
+@register_loss("nca_pair", hyperparameters=("beta",))
 def nca_pair_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     """NCA, pairwise (Chen et al., 2024, arXiv:2402.05369):
 
-        L = −log σ(r_c) − ½ log σ(−r_c) − ½ log σ(−r_r)
+    L = −log σ(r_c) − ½ log σ(−r_c) − ½ log σ(−r_r)
     """
     chosen = params.beta * pairs.chosen_logratios
     rejected = params.beta * pairs.rejected_logratios
     return -F.logsigmoid(chosen) - 0.5 * F.logsigmoid(-chosen) - 0.5 * F.logsigmoid(-rejected)
 
 
-@register_loss("bco_pair")
+@register_loss("bco_pair", hyperparameters=("beta",), stateful=True)
 def bco_pair_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     """BCO on pairs (Jung et al., 2024, arXiv:2404.04656): chosen vs. rejected as a binary
     classifier of the implicit reward, shifted by δ, the running mean of all implicit rewards:
@@ -154,27 +211,29 @@ def bco_pair_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     return -F.logsigmoid(chosen - delta) - F.logsigmoid(-(rejected - delta))
 
 
-@register_loss("sppo_hard")
+@register_loss("sppo_hard", hyperparameters=("beta",))
 def sppo_hard_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     """SPPO with hard labels (Wu et al., 2024, arXiv:2405.00675): winner probability 1, loser 0:
 
-        L = (π_c − ref_c − 1/(2β))² + (π_r − ref_r + 1/(2β))²
+    L = (π_c − ref_c − 1/(2β))² + (π_r − ref_r + 1/(2β))²
     """
     target = 1 / (2 * params.beta)
     return (pairs.chosen_logratios - target) ** 2 + (pairs.rejected_logratios + target) ** 2
 
 
-@register_loss("apo_zero")
+@register_loss("apo_zero", hyperparameters=("beta",))
 def apo_zero_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     """APO-zero (D'Oosterlinck et al., 2024, arXiv:2408.06266): raise the chosen, lower the
     rejected likelihood (for chosen completions better than the model's own):
 
         L = 1 − σ(r_c) + σ(r_r)
     """
-    return 1 - torch.sigmoid(params.beta * pairs.chosen_logratios) + torch.sigmoid(params.beta * pairs.rejected_logratios)
+    return (
+        1 - torch.sigmoid(params.beta * pairs.chosen_logratios) + torch.sigmoid(params.beta * pairs.rejected_logratios)
+    )
 
 
-@register_loss("apo_down")
+@register_loss("apo_down", hyperparameters=("beta",))
 def apo_down_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     """APO-down (D'Oosterlinck et al., 2024, arXiv:2408.06266): lower both likelihoods, the
     rejected more (for chosen completions worse than the model's own):
@@ -184,16 +243,16 @@ def apo_down_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     return torch.sigmoid(params.beta * pairs.chosen_logratios) + 1 - torch.sigmoid(params.beta * pairs.margin)
 
 
-@register_loss("sigmoid_norm")
+@register_loss("sigmoid_norm", hyperparameters=("beta",))
 def sigmoid_norm_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     """Length-normalised DPO (Tülu 3, Lambert et al., 2024, arXiv:2411.15124):
 
-        L = −log σ(β · [(π_c − ref_c)/|y_c| − (π_r − ref_r)/|y_r|])
+    L = −log σ(β · [(π_c − ref_c)/|y_c| − (π_r − ref_r)/|y_r|])
     """
     return -F.logsigmoid(params.beta * pairs.length_normalised_margin)
 
 
-@register_loss("discopop")
+@register_loss("discopop", hyperparameters=("beta", "discopop_tau"))
 def discopop_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     """DiscoPOP / log-ratio modulated loss (Lu et al., 2024, arXiv:2406.08414), temperature τ:
 
@@ -206,7 +265,7 @@ def discopop_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     return -F.logsigmoid(z) * (1 - modulation) + torch.exp(-z + F.logsigmoid(z / params.discopop_tau))
 
 
-@register_loss("sft")
+@register_loss("sft", hyperparameters=())
 def sft_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     """Negative log-likelihood of the chosen completion, per token (RPO's NLL term, Pang et
     al., 2024, arXiv:2404.19733); the reference plays no part:
@@ -220,23 +279,39 @@ def sft_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
 class LossMix:
     """A weighted sum of registered losses: ``L = Σ_k w_k L_k``."""
 
-    names: tuple[str, ...]
+    losses: tuple[PreferenceLoss, ...]
     weights: tuple[float, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(loss.name for loss in self.losses)
+
+    @property
+    def stateful(self) -> bool:
+        return any(loss.stateful for loss in self.losses)
+
+    @property
+    def hyperparameters(self) -> frozenset[str]:
+        return frozenset().union(*(loss.hyperparameters for loss in self.losses))
 
     def __call__(self, pairs: PairLogps, params: LossParams) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-pair total loss, and each component's per-pair loss (unweighted) by name."""
-        components = {name: PREFERENCE_LOSSES[name](pairs, params) for name in self.names}
+        components = {loss.name: loss(pairs, params) for loss in self.losses}
         total = sum(weight * loss for weight, loss in zip(self.weights, components.values()))
         return total, components
 
 
-def resolve_losses(loss_type: str | Sequence[str], loss_weights: Sequence[float] | None, label_smoothing: float) -> LossMix:
-    """Validate a loss configuration; raises ``ValueError`` naming the offending option."""
+def resolve_losses(
+    loss_type: str | Sequence[str], loss_weights: Sequence[float] | None, hyperparameters: PreferenceHyperparameters
+) -> LossMix:
+    """Validate a loss configuration; raises ``ValueError`` naming the offending option.
+
+    A hyperparameter set away from its default that none of the chosen losses reads is an error:
+    it would silently do nothing."""
     names = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
     if not names:
         raise ValueError("loss_type: give one loss name or a non-empty list")
-    for name in names:
-        get_loss(name)
+    losses = tuple(get_loss(name) for name in names)
     if len(set(names)) != len(names):
         raise ValueError(f"loss_type: {list(names)} repeats a loss; give each once and weight it with loss_weights")
     weights = (1.0,) * len(names) if loss_weights is None else tuple(float(w) for w in loss_weights)
@@ -244,11 +319,11 @@ def resolve_losses(loss_type: str | Sequence[str], loss_weights: Sequence[float]
         raise ValueError(f"loss_weights: {len(weights)} weights for {len(names)} losses {list(names)}")
     if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) == 0:
         raise ValueError(f"loss_weights: {list(weights)} must be finite, non-negative and not all zero")
-    if not 0 <= label_smoothing < 0.5:
-        raise ValueError(f"label_smoothing: {label_smoothing} must be in [0, 0.5)")
-    if label_smoothing > 0 and not LABEL_SMOOTHING_LOSSES.intersection(names):
-        raise ValueError(
-            f"label_smoothing: {label_smoothing} has no effect on {list(names)}; "
-            f"it is defined for {sorted(LABEL_SMOOTHING_LOSSES)}"
-        )
-    return LossMix(names, weights)
+    mix = LossMix(losses, weights)
+    defaults = PreferenceHyperparameters()
+    for field in sorted(PreferenceHyperparameters.model_fields.keys() - mix.hyperparameters - ALWAYS_USED):
+        value = getattr(hyperparameters, field)
+        if value != getattr(defaults, field):
+            readers = sorted(loss.name for loss in PREFERENCE_LOSSES.values() if field in loss.hyperparameters)
+            raise ValueError(f"{field}: {value} has no effect on {list(names)}; it is read by {readers}")
+    return mix

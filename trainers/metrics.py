@@ -1,10 +1,15 @@
-"""Evaluation statistics: unbiased pass@k and seeded bootstrap confidence intervals."""
+"""Evaluation statistics: exact-match answers, unbiased pass@k and seeded bootstrap confidence intervals."""
 
 from __future__ import annotations
 
 from math import comb
 
 import numpy as np
+
+
+def exact_match(completion: str, answer: str) -> bool:
+    """The built-in task's verifier: equal after stripping surrounding whitespace."""
+    return completion.strip() == answer.strip()
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -21,7 +26,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def bootstrap_ci(values: list[float], seed: int, resamples: int = 1000, confidence: float = 0.95) -> tuple[float, float]:
+def bootstrap_ci(
+    values: list[float], seed: int, resamples: int = 1000, confidence: float = 0.95
+) -> tuple[float, float]:
     """Percentile bootstrap interval of the mean of per-prompt ``values`` (seeded, reproducible)."""
     data = np.asarray(values, dtype=np.float64)
     if data.size == 0:

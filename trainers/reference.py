@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import torch
 from typing import Callable
 
+import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 

@@ -14,9 +14,7 @@ import math
 import re
 from typing import Protocol, Sequence
 
-import torch
-
-from trainers.evaluation import exact_match
+from trainers.metrics import exact_match
 from trainers.registry import Registry
 
 
@@ -34,7 +32,10 @@ def get_reward(name: str) -> RewardFunction:
         return REWARD_FUNCTIONS[name]
     module_name, sep, attribute = name.partition(":") if ":" in name else name.rpartition(".")
     if not sep or not module_name:
-        raise ValueError(f"unknown reward function {name!r}; registered: {sorted(REWARD_FUNCTIONS)}, or give an import path 'module:function'")
+        raise ValueError(
+            f"unknown reward function {name!r}; registered: "
+            f"{sorted(REWARD_FUNCTIONS)}, or give an import path 'module:function'"
+        )
     try:
         fn = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as error:
@@ -81,19 +82,18 @@ def length_penalty(prompts, completions, completion_ids, **columns) -> list[floa
 
 
 def score_completions(
-    functions: Sequence[tuple[str, RewardFunction]], prompts: list[str], completions: list[str], columns: dict[str, list]
+    functions: Sequence[tuple[str, RewardFunction]],
+    prompts: list[str],
+    completions: list[str],
+    columns: dict[str, list],
 ) -> list[list[float]]:
     """``[function][row]`` rewards, ``NaN`` where a function returned ``None``."""
     scores = []
     for name, fn in functions:
         values = fn(prompts, completions, **columns)
         if len(values) != len(completions):
-            raise ValueError(f"reward function {name!r} returned {len(values)} values for {len(completions)} completions")
+            raise ValueError(
+                f"reward function {name!r} returned {len(values)} values for {len(completions)} completions"
+            )
         scores.append([math.nan if v is None else float(v) for v in values])
     return scores
-
-
-def weighted_rewards(scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``r_j = Σ_f w_f · s_{f,j}`` over the functions that scored row ``j`` (``NaN`` = ``None`` is
-    skipped; a row no function scored gets 0)."""
-    return torch.nansum(scores * weights.unsqueeze(1), dim=0)

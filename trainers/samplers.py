@@ -7,78 +7,12 @@ receives the same prompts and the trainer generates for them once and serves its
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-
-@dataclass(frozen=True)
-class GenerationLayout:
-    """How prompts become optimizer steps.
-
-    ``steps_per_generation`` training steps (micro-batches of ``per_device_batch_size`` rows)
-    share one generation batch of ``generation_batch_size`` completions over all processes:
-    ``generation_batch_size / num_generations`` distinct prompts, ``num_generations`` each.
-    """
-
-    per_device_batch_size: int
-    num_processes: int
-    steps_per_generation: int
-    num_generations: int
-
-    @property
-    def generation_batch_size(self) -> int:
-        return self.per_device_batch_size * self.num_processes * self.steps_per_generation
-
-    @property
-    def per_device_generation_batch_size(self) -> int:
-        return self.per_device_batch_size * self.steps_per_generation
-
-    @property
-    def prompts_per_generation(self) -> int:
-        return self.generation_batch_size // self.num_generations
-
-
-def resolve_layout(
-    *,
-    per_device_batch_size: int,
-    gradient_accumulation_steps: int,
-    num_generations: int,
-    num_processes: int = 1,
-    steps_per_generation: int | None = None,
-    generation_batch_size: int | None = None,
-) -> GenerationLayout:
-    """Check the batch arithmetic and fill in ``steps_per_generation``.
-
-    ``steps_per_generation`` and ``generation_batch_size`` are alternatives; with neither,
-    one generation batch feeds one optimizer step (``steps_per_generation`` = accumulation steps).
-    The per-device part of a generation batch must hold whole groups, so that a prompt's
-    ``num_generations`` completions never straddle two processes.
-    """
-    if num_generations < 2:
-        raise ValueError(f"num_generations must be at least 2 (advantages compare completions of a prompt), got {num_generations}")
-    if steps_per_generation is not None and generation_batch_size is not None:
-        raise ValueError("set steps_per_generation or generation_batch_size, not both")
-    if generation_batch_size is not None:
-        per_step = per_device_batch_size * num_processes
-        if generation_batch_size % per_step:
-            raise ValueError(
-                f"generation_batch_size ({generation_batch_size}) must be divisible by per_device_train_batch_size × "
-                f"processes ({per_device_batch_size} × {num_processes} = {per_step})"
-            )
-        steps_per_generation = generation_batch_size // per_step
-    steps_per_generation = steps_per_generation or gradient_accumulation_steps
-    if steps_per_generation < 1:
-        raise ValueError(f"steps_per_generation must be at least 1, got {steps_per_generation}")
-    layout = GenerationLayout(per_device_batch_size, num_processes, steps_per_generation, num_generations)
-    if layout.per_device_generation_batch_size % num_generations:
-        raise ValueError(
-            f"per_device_train_batch_size × steps_per_generation ({per_device_batch_size} × {steps_per_generation} = "
-            f"{layout.per_device_generation_batch_size}) must be divisible by num_generations ({num_generations})"
-        )
-    return layout
+from trainers.layout import GenerationLayout
 
 
 class RepeatSampler(Sampler[int]):
@@ -96,7 +30,16 @@ class RepeatSampler(Sampler[int]):
     gets the p-th part of every chunk, every repeat: disjoint, and together complete.
     """
 
-    def __init__(self, num_rows: int, *, num_generations: int, prompts_per_chunk: int, repeats: int = 1, shuffle: bool = True, seed: int = 0):
+    def __init__(
+        self,
+        num_rows: int,
+        *,
+        num_generations: int,
+        prompts_per_chunk: int,
+        repeats: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+    ):
         if num_rows < prompts_per_chunk:
             raise ValueError(f"{num_rows} prompts cannot fill one generation batch of {prompts_per_chunk} prompts")
         self.num_rows = num_rows
@@ -112,7 +55,9 @@ class RepeatSampler(Sampler[int]):
 
     def chunks(self) -> list[list[int]]:
         if self.shuffle:
-            order = torch.randperm(self.num_rows, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+            order = torch.randperm(
+                self.num_rows, generator=torch.Generator().manual_seed(self.seed + self.epoch)
+            ).tolist()
         else:
             order = list(range(self.num_rows))
         usable = len(order) - len(order) % self.prompts_per_chunk
@@ -129,7 +74,14 @@ class RepeatSampler(Sampler[int]):
 
 
 def generation_dataloader(
-    dataset: Dataset, layout: GenerationLayout, *, num_iterations: int, seed: int, collate_fn: Callable, shuffle: bool = True, **loader_options
+    dataset: Dataset,
+    layout: GenerationLayout,
+    *,
+    num_iterations: int,
+    seed: int,
+    collate_fn: Callable,
+    shuffle: bool = True,
+    **loader_options,
 ) -> DataLoader:
     """One batch = one process's part of a generation batch (per-device batch × steps per
     generation rows), repeated for every step and iteration that consumes it. Shard it with
@@ -142,4 +94,10 @@ def generation_dataloader(
         shuffle=shuffle,
         seed=seed,
     )
-    return DataLoader(dataset, batch_size=layout.per_device_generation_batch_size, sampler=sampler, collate_fn=collate_fn, **loader_options)
+    return DataLoader(
+        dataset,
+        batch_size=layout.per_device_generation_batch_size,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        **loader_options,
+    )

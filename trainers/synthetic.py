@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 # Errors people (and small models) make: off by one or two, or a dropped / doubled carry.
 PLAUSIBLE_ERRORS = (-10, -2, -1, 1, 2, 10)
-GENERATOR_VERSION = "addition-v2"
 
 
 @dataclass(frozen=True)

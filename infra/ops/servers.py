@@ -79,12 +79,26 @@ def redacted(url: str) -> str:
 
 def prefect_server(options: ServerOptions, folder: Path) -> ServerSpec:
     url = f"http://{client_host(options.host)}:{options.prefect_port}"
-    database = with_driver(options.prefect_database_url, "asyncpg") if options.prefect_database_url else f"sqlite+aiosqlite:///{folder / 'prefect.db'}"
+    database = (
+        with_driver(options.prefect_database_url, "asyncpg")
+        if options.prefect_database_url
+        else f"sqlite+aiosqlite:///{folder / 'prefect.db'}"
+    )
     return ServerSpec(
         name="prefect",
         url=url,
         health_url=f"http://{local_host(options.host)}:{options.prefect_port}/api/health",
-        command=[sys.executable, "-m", "prefect", "server", "start", "--host", options.host, "--port", str(options.prefect_port)],
+        command=[
+            sys.executable,
+            "-m",
+            "prefect",
+            "server",
+            "start",
+            "--host",
+            options.host,
+            "--port",
+            str(options.prefect_port),
+        ],
         env={
             "PREFECT_HOME": str(folder),
             "PREFECT_API_DATABASE_CONNECTION_URL": database,
@@ -100,17 +114,36 @@ def prefect_server(options: ServerOptions, folder: Path) -> ServerSpec:
 
 def mlflow_server(options: ServerOptions, folder: Path) -> ServerSpec:
     url = f"http://{client_host(options.host)}:{options.mlflow_port}"
-    store = with_driver(options.mlflow_database_url, "psycopg2") if options.mlflow_database_url else f"sqlite:///{folder / 'mlflow.db'}"
+    store = (
+        with_driver(options.mlflow_database_url, "psycopg2")
+        if options.mlflow_database_url
+        else f"sqlite:///{folder / 'mlflow.db'}"
+    )
     artifacts = options.artifacts_destination or str(folder / "artifacts")
     command = [
-        sys.executable, "-m", "mlflow", "server", "--host", options.host, "--port", str(options.mlflow_port),
-        "--backend-store-uri", store, "--artifacts-destination", artifacts, "--workers", "1",
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--host",
+        options.host,
+        "--port",
+        str(options.mlflow_port),
+        "--backend-store-uri",
+        store,
+        "--artifacts-destination",
+        artifacts,
+        "--workers",
+        "1",
     ]
     if options.host in WILDCARD_HOSTS and not os.environ.get("MLFLOW_SERVER_ALLOWED_HOSTS"):
         # MLflow answers only Host headers it allows (localhost and private IPs by default); add the name clients use.
         from mlflow.server.security_utils import get_default_allowed_hosts
 
-        command += ["--allowed-hosts", ",".join([*get_default_allowed_hosts(), client_host(options.host), f"{client_host(options.host)}:*"])]
+        command += [
+            "--allowed-hosts",
+            ",".join([*get_default_allowed_hosts(), client_host(options.host), f"{client_host(options.host)}:*"]),
+        ]
     return ServerSpec(
         name="mlflow",
         url=url,
@@ -140,7 +173,9 @@ def ensure_postgres_database(url: str) -> bool:
     parsed = make_url(url)
     if not parsed.database:
         raise ValueError(f"{redacted(url)}: the URL names no database")
-    connection = psycopg2.connect(host=parsed.host, port=parsed.port or 5432, user=parsed.username, password=parsed.password, dbname="postgres")
+    connection = psycopg2.connect(
+        host=parsed.host, port=parsed.port or 5432, user=parsed.username, password=parsed.password, dbname="postgres"
+    )
     try:
         connection.autocommit = True  # CREATE DATABASE cannot run in a transaction
         with connection.cursor() as cursor:
@@ -217,11 +252,22 @@ def start(spec: ServerSpec, folder: Path) -> int:
         print(f"{spec.name}: created database {redacted(spec.postgres_url)}")
     with open(folder / "server.log", "ab") as log:
         process = subprocess.Popen(
-            spec.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, **spec.env}, cwd=folder, start_new_session=True,
+            spec.command,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **spec.env},
+            cwd=folder,
+            start_new_session=True,
         )
     (folder / "pid").write_text(str(process.pid))
-    record = {"url": spec.url, "health_url": spec.health_url, "exports": spec.exports, "database": redacted(spec.database_url), **spec.notes}
+    record = {
+        "url": spec.url,
+        "health_url": spec.health_url,
+        "exports": spec.exports,
+        "database": redacted(spec.database_url),
+        **spec.notes,
+    }
     (folder / "server.json").write_text(json.dumps(record, indent=2))
     return process.pid
 
@@ -281,4 +327,6 @@ def server_status(name: str, folder: Path) -> ServerStatus:
 
 
 def exports(statuses: list[ServerStatus]) -> dict[str, str]:
-    return {key: value for status in statuses if status.running for key, value in status.record.get("exports", {}).items()}
+    return {
+        key: value for status in statuses if status.running for key, value in status.record.get("exports", {}).items()
+    }

@@ -12,18 +12,24 @@ from infra.settings import get_settings
 def add_cache_parser(commands) -> None:
     cache = commands.add_parser("cache", help="inspect and clean the reference log-prob cache", description=__doc__)
     actions = cache.add_subparsers(dest="action", required=True)
-    root_help = "cache root: folder or fsspec URL (default: ALIGNFLOW_REFERENCE_CACHE, else $ALIGNFLOW_HOME/cache/reference)"
+    root_help = (
+        "cache root: folder or fsspec URL (default: ALIGNFLOW_REFERENCE_CACHE, else $ALIGNFLOW_HOME/cache/reference)"
+    )
     parsers = {
         "ls": actions.add_parser("ls", help="list entries: key, created, pairs per split, size"),
         "show": actions.add_parser("show", help="print an entry's manifest and verify it"),
-        "verify": actions.add_parser("verify", help="check every file's row count and sha256 (exit 1 if any entry is bad)"),
+        "verify": actions.add_parser(
+            "verify", help="check every file's row count and sha256 (exit 1 if any entry is bad)"
+        ),
         "gc": actions.add_parser("gc", help="remove entries (and abandoned staging folders) created before a time"),
     }
     for parser in parsers.values():
         parser.add_argument("--root", help=root_help)
     parsers["show"].add_argument("key", help="entry key or a unique prefix of it")
     parsers["verify"].add_argument("keys", nargs="*", help="entries to check (default: all)")
-    parsers["verify"].add_argument("--delete", action="store_true", help="remove the entries that fail (they are rebuilt when next needed)")
+    parsers["verify"].add_argument(
+        "--delete", action="store_true", help="remove the entries that fail (they are rebuilt when next needed)"
+    )
     parsers["gc"].add_argument("--older-than", required=True, metavar="AGE", help="e.g. 90m, 12h, 7d, 2w")
     parsers["gc"].add_argument("--dry-run", action="store_true", help="only print what would be removed")
 
@@ -41,7 +47,11 @@ def list_entries(store, args) -> int:
     for key in store.keys():
         try:
             manifest = store.manifest(key)
-            created, pairs, state = manifest["created_at"][:19].replace("T", " "), "+".join(str(s["rows"]) for s in manifest["splits"].values()), "complete"
+            created, pairs, state = (
+                manifest["created_at"][:19].replace("T", " "),
+                "+".join(str(s["rows"]) for s in manifest["splits"].values()),
+                "complete",
+            )
         except (CacheIntegrityError, KeyError, TypeError, AttributeError):
             created, pairs, state = "-", "-", "partial (rebuilt on next use)"
         print(f"{key:<22}{created:<22}{pairs:<14}{store.size(key) / 1024:>8.1f}Ki  {state}")

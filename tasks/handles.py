@@ -1,4 +1,5 @@
-"""The small, serializable references that pass between tasks (never models or tensors)."""
+"""Handles: the small, serializable values that pass between tasks, each a path or URI plus
+content fingerprints (never models or tensors)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 
-class Ref(BaseModel):
+class Handle(BaseModel):
     model_config = ConfigDict(frozen=True)
 
 
-class ModelRef(Ref):
+class ModelHandle(Handle):
+    """A model checkpoint folder (or hub id) and its fingerprints."""
+
     path: str
     fingerprint: str  # every file of the checkpoint
     tokenizer_fingerprint: str
@@ -21,7 +24,9 @@ class ModelRef(Ref):
     weights_fingerprint: str | None = None  # config and weight files only (local checkpoints)
 
 
-class PreparedData(Ref):
+class PreparedData(Handle):
+    """The prepared (tokenized) splits of an experiment's data."""
+
     path: str
     fingerprint: str
     rows: dict[str, int]
@@ -30,13 +35,14 @@ class PreparedData(Ref):
     truncation: dict[str, Any]  # max_length, max_prompt_length, mode
 
 
-class RefLogps(Ref):
-    """An entry of the reference log-prob cache, with what it takes to rebuild it."""
+class ReferenceLogps(Handle):
+    """An entry of the reference log-prob cache (log-probs of the preference pairs under the
+    reference model), with what it takes to rebuild it."""
 
     key: str
     root: str
     data: PreparedData
-    reference: ModelRef
+    reference: ModelHandle
     batch_size: int
 
     @property

@@ -22,12 +22,14 @@ from pydantic import TypeAdapter
 
 from infra.config import SCHEMAS, load_config
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PREFECT_FILE = PROJECT_ROOT / "prefect.yaml"
 WORK_POOL_TYPE = "process"
 
 
-def config_parameters(path: str, overrides: list[str] | None = None, schema: str = "ExperimentConfig", parameter: str = "config") -> dict[str, Any]:
+def config_parameters(
+    path: str, overrides: list[str] | None = None, schema: str = "ExperimentConfig", parameter: str = "config"
+) -> dict[str, Any]:
     """prefect.yaml build step: ``{parameter: …}`` from a config file validated against ``schema``
     (a name in ``infra.config.SCHEMAS``)."""
     return {parameter: load_config(path, overrides or [], SCHEMAS[schema]).model_dump(mode="json")}
@@ -37,7 +39,9 @@ def load_prefect_file(path: Path = PREFECT_FILE) -> dict[str, Any]:
     return yaml.safe_load(path.read_text()) or {}
 
 
-def select_deployments(project: dict[str, Any], names: list[str] | None, path: Path = PREFECT_FILE) -> list[dict[str, Any]]:
+def select_deployments(
+    project: dict[str, Any], names: list[str] | None, path: Path = PREFECT_FILE
+) -> list[dict[str, Any]]:
     deployments = project.get("deployments") or []
     if not names:
         return deployments
@@ -66,7 +70,10 @@ def schedules(entry: dict[str, Any]) -> list:
     """prefect.yaml schedule entries (``cron``, ``interval`` in seconds or ISO 8601, ``rrule``) as Prefect schedules."""
     from prefect.schedules import Schedule
 
-    converters = {"interval": TypeAdapter(timedelta).validate_python, "anchor_date": TypeAdapter(datetime).validate_python}
+    converters = {
+        "interval": TypeAdapter(timedelta).validate_python,
+        "anchor_date": TypeAdapter(datetime).validate_python,
+    }
     return [
         Schedule(**{key: converters[key](value) if key in converters else value for key, value in spec.items()})
         for spec in entry.get("schedules") or []

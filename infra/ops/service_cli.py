@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from infra import servers
+from infra.ops import servers
 from infra.settings import get_settings
 
 DEFAULT_POOL = "alignflow-process"
@@ -23,28 +23,57 @@ def add_parsers(commands) -> None:
         epilog="example: alignflow servers up --prefect-database-url postgresql://postgres@127.0.0.1:5432/prefect "
         "--mlflow-database-url postgresql://postgres@127.0.0.1:5432/mlflow",
     )
-    server.add_argument("action", choices=sorted(SERVER_ACTIONS), help="up: start and wait until healthy; down: stop; status: check; env: print client exports")
-    server.add_argument("names", nargs="*", metavar="server", help=f"which servers (default: all of {', '.join(servers.SERVERS)})")
+    server.add_argument(
+        "action",
+        choices=sorted(SERVER_ACTIONS),
+        help="up: start and wait until healthy; down: stop; status: check; env: print client exports",
+    )
+    server.add_argument(
+        "names", nargs="*", metavar="server", help=f"which servers (default: all of {', '.join(servers.SERVERS)})"
+    )
     defaults = servers.ServerOptions()
-    server.add_argument("--host", default=defaults.host, help="interface to bind (default: %(default)s; 0.0.0.0 for other machines)")
+    server.add_argument(
+        "--host", default=defaults.host, help="interface to bind (default: %(default)s; 0.0.0.0 for other machines)"
+    )
     server.add_argument("--prefect-port", type=int, default=defaults.prefect_port, help="default: %(default)s")
     server.add_argument("--mlflow-port", type=int, default=defaults.mlflow_port, help="default: %(default)s")
-    server.add_argument("--prefect-database-url", help="PostgreSQL URL for Prefect (default: SQLite in the server folder)")
-    server.add_argument("--mlflow-database-url", help="PostgreSQL URL for MLflow runs (default: SQLite in the server folder)")
-    server.add_argument("--artifacts-destination", help="MLflow artifact root: a shared folder or s3://… (default: the server folder)")
-    server.add_argument("--timeout", type=float, default=servers.HEALTH_TIMEOUT_S, help="seconds to wait for health (default: %(default)s)")
+    server.add_argument(
+        "--prefect-database-url", help="PostgreSQL URL for Prefect (default: SQLite in the server folder)"
+    )
+    server.add_argument(
+        "--mlflow-database-url", help="PostgreSQL URL for MLflow runs (default: SQLite in the server folder)"
+    )
+    server.add_argument(
+        "--artifacts-destination", help="MLflow artifact root: a shared folder or s3://… (default: the server folder)"
+    )
+    server.add_argument(
+        "--timeout",
+        type=float,
+        default=servers.HEALTH_TIMEOUT_S,
+        help="seconds to wait for health (default: %(default)s)",
+    )
 
     prefect_file = dict(type=Path, default=None, help="deployments file (default: the project's prefect.yaml)")
-    deploy = commands.add_parser("deploy", help="register prefect.yaml's deployments on the Prefect server", description="Create missing work pools, then `prefect deploy` the deployments of prefect.yaml.")
+    deploy = commands.add_parser(
+        "deploy",
+        help="register prefect.yaml's deployments on the Prefect server",
+        description="Create missing work pools, then `prefect deploy` the deployments of prefect.yaml.",
+    )
     deploy.add_argument("--name", action="append", help="only this deployment (repeatable; default: all)")
     deploy.add_argument("--prefect-file", **prefect_file)
 
-    serve = commands.add_parser("serve", help="serve prefect.yaml's deployments, with their schedules, from this process", description="Single-machine alternative to deploy + workers: flow runs start as subprocesses of this process.")
+    serve = commands.add_parser(
+        "serve",
+        help="serve prefect.yaml's deployments, with their schedules, from this process",
+        description="Single-machine alternative to deploy + workers: flow runs start as subprocesses of this process.",
+    )
     serve.add_argument("--name", action="append", help="only this deployment (repeatable; default: all)")
     serve.add_argument("--prefect-file", **prefect_file)
     serve.add_argument("--limit", type=int, default=None, help="maximum concurrent flow runs (default: no limit)")
 
-    worker = commands.add_parser("worker", help="start a process worker: `prefect worker start --pool … --type process`")
+    worker = commands.add_parser(
+        "worker", help="start a process worker: `prefect worker start --pool … --type process`"
+    )
     worker.add_argument("--pool", default=DEFAULT_POOL, help="work pool (default: %(default)s)")
     worker.add_argument("--limit", type=int, default=None, help="maximum concurrent flow runs (default: no limit)")
 
@@ -54,14 +83,20 @@ def require_prefect_server() -> str | None:
 
     url = PREFECT_API_URL.value()
     if not url:
-        print("alignflow: this needs a Prefect server: set PREFECT_API_URL (`alignflow servers up` prints it, `eval \"$(alignflow servers env)\"` sets it)", file=sys.stderr)
+        print(
+            "alignflow: this needs a Prefect server: set PREFECT_API_URL (`alignflow "
+            'servers up` prints it, `eval "$(alignflow servers env)"` sets it)',
+            file=sys.stderr,
+        )
     return url
 
 
 def server_folders(names: list[str]) -> dict[str, Path]:
     unknown = sorted(set(names) - set(servers.SERVERS))
     if unknown:
-        raise SystemExit(f"alignflow servers: unknown server {', '.join(unknown)} (known: {', '.join(servers.SERVERS)})")
+        raise SystemExit(
+            f"alignflow servers: unknown server {', '.join(unknown)} (known: {', '.join(servers.SERVERS)})"
+        )
     root = servers.servers_dir(get_settings())
     return {name: root / name for name in names or servers.SERVERS}
 
@@ -73,20 +108,32 @@ def print_exports(statuses: list[servers.ServerStatus]) -> None:
 
 def servers_up(args: argparse.Namespace, folders: dict[str, Path]) -> int:
     options = servers.ServerOptions(
-        args.host, args.prefect_port, args.mlflow_port, args.prefect_database_url, args.mlflow_database_url, args.artifacts_destination
+        args.host,
+        args.prefect_port,
+        args.mlflow_port,
+        args.prefect_database_url,
+        args.mlflow_database_url,
+        args.artifacts_destination,
     )
     specs = {}
     for name, folder in folders.items():
         status = servers.server_status(name, folder)
         if status.running:
-            print(f"{name}: already running (pid {status.pid}) at {status.record.get('url')}; `alignflow servers down {name}` to restart it")
+            print(
+                f"{name}: already running (pid {status.pid}) at "
+                f"{status.record.get('url')}; `alignflow servers down {name}` to restart it"
+            )
             continue
         specs[name] = servers.SERVERS[name](options, folder)
         pid = servers.start(specs[name], folder)
         print(f"{name}: started (pid {pid}), log {folder / 'server.log'}")
     failed = servers.wait_healthy(specs, folders, args.timeout)
     for name in failed:
-        print(f"alignflow: {name} did not become healthy at {specs[name].health_url}; last log lines:\n{servers.log_tail(folders[name])}", file=sys.stderr)
+        print(
+            f"alignflow: {name} did not become healthy at {specs[name].health_url}; "
+            f"last log lines:\n{servers.log_tail(folders[name])}",
+            file=sys.stderr,
+        )
         servers.stop(folders[name])
     statuses = [servers.server_status(name, folder) for name, folder in folders.items()]
     report(statuses)
@@ -102,8 +149,14 @@ def servers_down(args: argparse.Namespace, folders: dict[str, Path]) -> int:
 
 def report(statuses: list[servers.ServerStatus]) -> None:
     for status in statuses:
-        state = f"running (pid {status.pid}), {'healthy' if status.healthy else 'NOT healthy'}" if status.running else "stopped"
-        details = ", ".join(f"{key} {status.record[key]}" for key in ("url", "database", "artifacts") if key in status.record)
+        state = (
+            f"running (pid {status.pid}), {'healthy' if status.healthy else 'NOT healthy'}"
+            if status.running
+            else "stopped"
+        )
+        details = ", ".join(
+            f"{key} {status.record[key]}" for key in ("url", "database", "artifacts") if key in status.record
+        )
         print(f"{status.name}: {state}" + (f"; {details}" if status.running and details else ""))
 
 
@@ -126,7 +179,7 @@ def servers_command(args: argparse.Namespace) -> int:
 
 
 def deploy_command(args: argparse.Namespace) -> int:
-    from infra.deployments import PREFECT_FILE, deploy
+    from infra.ops.deployments import PREFECT_FILE, deploy
 
     if not require_prefect_server():
         return 2
@@ -134,7 +187,7 @@ def deploy_command(args: argparse.Namespace) -> int:
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    from infra.deployments import PREFECT_FILE, PROJECT_ROOT, served_deployments
+    from infra.ops.deployments import PREFECT_FILE, PROJECT_ROOT, served_deployments
 
     if not require_prefect_server():
         return 2

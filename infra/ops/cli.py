@@ -5,22 +5,29 @@ from __future__ import annotations
 import argparse
 import sys
 
-from infra.cache_cli import add_cache_parser, cache_command
-from infra import ops_cli
+from infra.ops import service_cli
+from infra.ops.cache_cli import add_cache_parser, cache_command
 from infra.settings import configure_environment
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="alignflow", description="Preference and RL training pipelines on Prefect, tracked in MLflow.")
+    parser = argparse.ArgumentParser(
+        prog="alignflow", description="Preference and RL training pipelines on Prefect, tracked in MLflow."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser(
         "run",
         help="run the experiment flow",
-        description="Run prepare → the configured stages (SFT → reference log-probs → DPO → GRPO by default) → evaluate for a config.",
+        description=(
+            "Run prepare → the configured stages (SFT → reference "
+            "log-probs → DPO → GRPO by default) → evaluate for a config."
+        ),
         epilog="example: alignflow run configs/default.yaml dpo.beta=0.2 sft.num_train_epochs=10",
     )
     run.add_argument("config", nargs="?", help="experiment YAML (default: the built-in defaults)")
-    run.add_argument("overrides", nargs="*", metavar="key.sub=value", help="override config fields (values parsed as YAML)")
+    run.add_argument(
+        "overrides", nargs="*", metavar="key.sub=value", help="override config fields (values parsed as YAML)"
+    )
 
     evaluate = commands.add_parser(
         "evaluate",
@@ -34,14 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
     compare = commands.add_parser(
         "compare",
         help="compare an experiment's runs",
-        description="Table of runs x key params x final eval metrics with deltas, training-curve and eval-metric plots.",
+        description=(
+            "Table of runs x key params x final eval metrics with deltas, training-curve and eval-metric plots."
+        ),
     )
     compare.add_argument("--experiment", default="alignflow", help="MLflow experiment (default: alignflow)")
     compare.add_argument("--baseline", help="run id, run name or key=value tag (default: the oldest run)")
     compare.add_argument("--metric", action="append", dest="metrics", help="final eval metric to compare (repeatable)")
     compare.add_argument("--curve", action="append", dest="curves", help="training metric to plot (repeatable)")
     add_cache_parser(commands)
-    ops_cli.add_parsers(commands)
+    service_cli.add_parsers(commands)
     return parser
 
 
@@ -64,19 +73,24 @@ def load_or_exit(schema, args: argparse.Namespace):
         raise SystemExit(2) from None
 
 
-# Flows are imported inside the commands, after configure_environment: Prefect reads it at import.
+# The config is validated before anything heavy is imported (torch, Prefect, the flows), so a bad
+# file fails at once; flows are imported after configure_environment: Prefect reads it at import.
 def run_command(args: argparse.Namespace) -> int:
-    from flows.pipeline import experiment
     from infra.config import ExperimentConfig
 
-    return finished(experiment(load_or_exit(ExperimentConfig, args), return_state=True))
+    config = load_or_exit(ExperimentConfig, args)
+    from flows.pipeline import experiment
+
+    return finished(experiment(config, return_state=True))
 
 
 def evaluate_command(args: argparse.Namespace) -> int:
-    from flows.evaluation import evaluation
     from infra.config import EvaluationRequest
 
-    return finished(evaluation(load_or_exit(EvaluationRequest, args), return_state=True))
+    request = load_or_exit(EvaluationRequest, args)
+    from flows.evaluation import evaluation
+
+    return finished(evaluation(request, return_state=True))
 
 
 def compare_command(args: argparse.Namespace) -> int:
@@ -86,7 +100,13 @@ def compare_command(args: argparse.Namespace) -> int:
     return finished(compare(experiment=args.experiment, baseline=args.baseline, **options, return_state=True))
 
 
-COMMANDS = {"run": run_command, "evaluate": evaluate_command, "compare": compare_command, "cache": cache_command, **ops_cli.COMMANDS}
+COMMANDS = {
+    "run": run_command,
+    "evaluate": evaluate_command,
+    "compare": compare_command,
+    "cache": cache_command,
+    **service_cli.COMMANDS,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,80 @@
+"""Cache keys follow the code that produces the content: an edit to a function's source misses
+the caches built from it, and only those, with no version constant to bump."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from infra.config import AdditionTaskConfig, DataConfig
+from tasks.data import data_fingerprint
+from tasks.fingerprints import code_fingerprint, imported_modules
+from tasks.handles import ModelHandle, PreparedData
+from tasks.reference import reference_key_inputs
+from trainers.stages import STAGES
+
+PROJECT = Path(__file__).resolve().parents[1]
+# The code behind each cache: the reference log-prob cache, prepared data, the cached SFT model.
+ROOTS = {"reference": "tasks.reference", "data": "tasks.data", "sft": STAGES["sft"].build.__module__}
+PRINT_FINGERPRINTS = (
+    "import json, sys; from tasks.fingerprints import code_fingerprint; "
+    "print(json.dumps({name: code_fingerprint(root) for name, root in json.loads(sys.argv[1]).items()}))"
+)
+
+
+def fingerprints_of(tree: Path) -> dict[str, str]:
+    """The fingerprints computed by a fresh interpreter on the copy of the project in ``tree``."""
+    result = subprocess.run(
+        [sys.executable, "-c", PRINT_FINGERPRINTS, json.dumps(ROOTS)],
+        cwd=tree,
+        env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(result.stdout)
+
+
+def edit_function(path: Path, function: str, statement: str) -> None:
+    """Insert ``statement`` as the first line of ``function``'s body (after its docstring)."""
+    source = path.read_text()
+    head, sep, body = source.partition(f"def {function}(")
+    signature_end = body.index(":\n") + 2
+    docstring_end = body.index('"""', body.index('"""', signature_end) + 3) + 4
+    path.write_text(head + sep + body[:docstring_end] + f"    {statement}\n" + body[docstring_end:])
+
+
+def test_editing_a_function_misses_exactly_the_caches_built_from_it(tmp_path):
+    for package in ("trainers", "tasks"):
+        shutil.copytree(PROJECT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    original = fingerprints_of(tmp_path)
+    assert original == {name: code_fingerprint(root) for name, root in ROOTS.items()}  # the copy is the checkout
+
+    edit_function(tmp_path / "trainers" / "logprobs.py", "completion_logps", "input_ids = input_ids.long()")
+    after_logprobs = fingerprints_of(tmp_path)
+    assert after_logprobs["reference"] != original["reference"]  # the reference pass runs completion_logps
+    assert after_logprobs["data"] == original["data"] and after_logprobs["sft"] == original["sft"]
+
+    edit_function(tmp_path / "trainers" / "collators.py", "prompt_completion_batch", "prompts = list(prompts)")
+    after_collators = fingerprints_of(tmp_path)
+    assert after_collators["reference"] != after_logprobs["reference"]  # both batch with the collators
+    assert after_collators["sft"] != after_logprobs["sft"]
+    assert after_collators["data"] == original["data"]
+
+
+def test_the_keys_of_every_cache_include_their_code_fingerprint():
+    handle = ModelHandle(path="m", fingerprint="f", tokenizer_fingerprint="t", stage="base")
+    data = PreparedData(path="d", fingerprint="x", rows={}, dropped={}, token_fingerprints={}, truncation={})
+    assert reference_key_inputs(data, handle)["code"] == code_fingerprint("tasks.reference")
+    config = DataConfig(builtin=AdditionTaskConfig())
+    assert data_fingerprint(config, handle) != data_fingerprint(config.model_copy(update={"max_length": 31}), handle)
+
+
+def test_imports_in_function_bodies_count_and_from_imports_name_submodules():
+    import ast
+
+    tree = ast.parse("def build():\n    from trainers.dpo import DPOTrainer\n    import trainers.collators\n")
+    assert imported_modules(tree) == {"trainers.dpo", "trainers.dpo.DPOTrainer", "trainers.collators"}

@@ -1,0 +1,106 @@
+"""Config sections: the one schema of each training stage, and the one mapping to ``TrainingArguments``.
+
+A stage's pydantic section (:class:`TrainingConfig` plus the stage's own fields) is the only place
+its fields, defaults and checks are written. The trainer's ``TrainingArguments`` subclass takes its
+own fields from the section (:func:`section_fields`), and :meth:`TrainingConfig.training_arguments`
+turns a section into those arguments. No torch here: the experiment config imports this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from transformers import TrainingArguments
+
+
+def form_hints(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """Prefect UI form hints. ``position`` keeps the fields in declaration order (the server stores
+    schemas as JSONB, which reorders keys; the form sorts by ``position``); nested sections get a
+    title (pydantic leaves ``$ref`` properties untitled, and the form would show the bare key)."""
+    for position, (name, prop) in enumerate(schema.get("properties", {}).items()):
+        prop["position"] = position
+        prop.setdefault("title", name.replace("_", " ").capitalize())
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=form_hints)
+
+    def content_hash(self) -> str:
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+
+    def flat(self) -> dict[str, Any]:
+        """``{"dpo.beta": 0.5, ...}``: the config as MLflow params."""
+        return flatten(self.model_dump(mode="json"))
+
+
+SchedulerName = Literal["linear", "cosine", "constant", "constant_with_warmup"]
+
+
+class TrainingConfig(Section):
+    """Optimisation settings shared by every training stage. A stage overrides a default with
+    ``Field(new default, <the same constraints>)``; ``tests/test_config.py`` checks they are kept."""
+
+    num_train_epochs: float = Field(1.0, gt=0, description="Epochs over the stage's training split.")
+    max_steps: int = Field(-1, description="If > 0, overrides num_train_epochs.")
+    per_device_train_batch_size: int = Field(32, ge=1)
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    learning_rate: float = Field(5e-4, gt=0)
+    lr_scheduler_type: SchedulerName = "linear"
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="Fraction of steps used for linear warm-up.")
+    weight_decay: float = Field(0.0, ge=0.0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    logging_steps: int = Field(10, ge=1)
+    save_steps: int = Field(
+        0, ge=0, description="Save (and log to MLflow) a checkpoint every N steps; 0 = only at the end."
+    )
+    seed: int = 0
+
+    def training_arguments(self, arguments_class: type[TrainingArguments], **runtime: Any) -> TrainingArguments:
+        """The one mapping from a section to its trainer's arguments: every field by name (the
+        class has them: ``TrainingArguments``' own, or added by :func:`section_fields`), except
+        ``warmup_ratio`` (``warmup_steps`` below 1 is a fraction of the steps) and ``save_steps`` (0
+        turns step saving off). ``runtime`` holds what is not configuration (``output_dir``, …)."""
+        values = self.model_dump()
+        values["warmup_steps"] = values.pop("warmup_ratio")
+        values["save_strategy"] = "steps" if self.save_steps else "no"
+        values["per_device_eval_batch_size"] = self.per_device_train_batch_size
+        return arguments_class(**values, **runtime)
+
+
+def section_fields(section: type[TrainingConfig]):
+    """Class decorator, applied before ``@dataclass``: give a ``TrainingArguments`` subclass the
+    section's own fields (those ``TrainingConfig`` does not have), with the section's defaults, so
+    a script that builds the arguments directly gets the same defaults as the pipeline."""
+
+    def decorator(cls: type) -> type:
+        inherited = {field.name for field in dataclasses.fields(cls)}
+        annotations = cls.__dict__.get("__annotations__", {})
+        for name, info in section.model_fields.items():
+            if name in TrainingConfig.model_fields:
+                continue
+            if name in inherited:
+                raise TypeError(f"{section.__name__}.{name} shadows a field of {cls.__name__}'s bases")
+            annotations[name] = info.annotation
+            default = {"default_factory": info.default_factory} if info.default_factory else {"default": info.default}
+            setattr(cls, name, dataclasses.field(**default, metadata={"help": info.description}))
+        cls.__annotations__ = annotations
+        cls.section = section
+        return cls
+
+    return decorator

@@ -1,0 +1,80 @@
+"""DPO: preference optimisation on chosen/rejected pairs with the registered preference losses,
+against cached reference log-probs (default), a live reference model, or none."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from trainers.losses import LossName, PreferenceHyperparameters, resolve_losses
+from trainers.sections import SchedulerName, TrainingConfig
+from trainers.stages.registry import StageInputs, StageSpec, register_stage
+
+ReferenceMode = Literal["cached", "live", "none"]
+
+
+# The hyperparameter fields (beta, label_smoothing, …) come from the loss module, which declares them.
+class DPOStageConfig(PreferenceHyperparameters, TrainingConfig):
+    num_train_epochs: float = Field(3.0, gt=0, description="Epochs over the preference pairs.")
+    lr_scheduler_type: SchedulerName = "constant"
+    logging_steps: int = Field(20, ge=1)
+    loss_type: LossName | list[LossName] = Field(
+        "sigmoid",
+        description="A registered preference loss (trainers/losses.py), or a list of them combined by loss_weights.",
+    )
+    loss_weights: list[float] | None = Field(None, description="One weight per loss in loss_type (default: all 1).")
+    reference: ReferenceMode = Field(
+        "cached",
+        description="`cached`: precomputed reference log-prob columns; `live`: a frozen reference model in memory; "
+        "`none`: reference-free (reference log-probs taken as 0).",
+    )
+    sync_ref_model: bool = Field(
+        False,
+        description="With `reference: live`, mix the policy into the reference every ref_model_sync_steps (TR-DPO).",
+    )
+    ref_model_mixup_alpha: float = Field(0.6, gt=0.0, le=1.0, description="α in ref ← α·θ + (1 − α)·ref.")
+    ref_model_sync_steps: int = Field(512, ge=1, description="Optimizer steps between reference syncs.")
+
+    @model_validator(mode="after")
+    def _check_losses_and_reference(self) -> DPOStageConfig:
+        resolve_losses(self.loss_type, self.loss_weights, self)
+        if self.sync_ref_model and self.reference != "live":
+            raise ValueError(f"sync_ref_model needs reference: live (got reference: {self.reference})")
+        return self
+
+
+def build_dpo(section: DPOStageConfig, inputs: StageInputs):
+    from trainers.collators import PreferenceCollator
+    from trainers.dpo import DPOConfig, DPOTrainer
+    from trainers.modeling import load_causal_lm
+
+    model, tokenizer = load_causal_lm(inputs.policy.path, inputs.policy.revision)
+    ref_model = (
+        load_causal_lm(inputs.reference.path, inputs.reference.revision)[0] if section.reference == "live" else None
+    )
+    eval_split = inputs.splits.get("preference_eval")
+    return DPOTrainer(
+        model=model,
+        ref_model=ref_model,
+        args=section.training_arguments(
+            DPOConfig, **inputs.runtime_arguments(), eval_strategy="no" if eval_split is None else "epoch"
+        ),
+        train_dataset=inputs.splits["preference"],
+        eval_dataset=eval_split,
+        data_collator=PreferenceCollator(tokenizer.pad_token_id),
+        processing_class=tokenizer,
+        callbacks=inputs.callbacks,
+    )
+
+
+DPO = register_stage(
+    StageSpec(
+        name="dpo",
+        section=DPOStageConfig,
+        split="preference",
+        build=build_dpo,
+        description="Preference optimisation on the `preference` split; its reference is the model it starts from.",
+        needs_reference_logps=lambda section: section.reference == "cached",
+    )
+)

@@ -1,0 +1,82 @@
+"""The stage registry: one :class:`StageSpec` per training stage.
+
+A spec holds everything the rest of alignflow needs to know about a stage: its config section
+(which becomes a section of the experiment config and of the Prefect UI form), how to build its
+trainer, the prepared data split it trains on, whether it trains on cached reference log-probs,
+and whether its result may be cached across flow runs. The config, the train task and the flow
+read specs; none of them names a stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from trainers.registry import Registry
+from trainers.sections import TrainingConfig
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from transformers import Trainer
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A checkpoint folder or hub id, and the hub revision."""
+
+    path: str
+    revision: str | None = None
+
+
+@dataclass(frozen=True)
+class StageInputs:
+    """What a stage's trainer is built from."""
+
+    policy: ModelSource  # the model the stage starts from
+    reference: ModelSource  # DPO's reference, GRPO's KL anchor: the same starting model
+    splits: Mapping[str, Dataset]  # prepared splits; with ``ref_*`` columns when the stage reads reference log-probs
+    output_dir: str
+    callbacks: list = field(default_factory=list)
+
+    def runtime_arguments(self) -> dict[str, Any]:
+        """Trainer arguments that are not configuration: where to write, and the pipeline's own logging."""
+        import torch
+
+        return dict(
+            output_dir=self.output_dir,
+            save_total_limit=2,
+            report_to=[],  # MLflow logging is the pipeline's callback
+            disable_tqdm=True,
+            dataloader_pin_memory=torch.cuda.is_available(),
+        )
+
+
+def never(section: TrainingConfig) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    section: type[TrainingConfig]
+    split: str  # the prepared split it trains on: `data.<split>`, or the built-in task's
+    build: Callable[[Any, StageInputs], Trainer]  # (section, inputs) -> a ready Trainer; imports torch lazily
+    description: str
+    # Whether the stage, so configured, trains on cached reference log-probs of its pairs (computed
+    # from the model it starts from). Such a section has `beta`, the scale of its implicit rewards.
+    needs_reference_logps: Callable[[Any], bool] = never
+    # Whether its model is a pure function of its config, input model and data (then cached across runs).
+    cacheable: bool = False
+
+    @property
+    def title(self) -> str:
+        return self.name.upper()
+
+
+STAGES: Registry[StageSpec] = Registry("stage", "stages")
+StageName = STAGES.name_type()
+
+
+def register_stage(spec: StageSpec) -> StageSpec:
+    STAGES.add(spec.name, spec)
+    return spec
