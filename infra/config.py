@@ -122,7 +122,10 @@ class ExperimentBase(Section):
     def _import_plugins(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for module in data.get("plugins") or []:
-                importlib.import_module(module)
+                try:
+                    importlib.import_module(module)
+                except ImportError as error:
+                    raise ValueError(f"plugins: cannot import {module!r}: {error}") from None
         return data
 
     @model_validator(mode="after")

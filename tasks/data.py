@@ -32,9 +32,8 @@ def data_fingerprint(config: DataConfig, tokenizer: ModelHandle) -> str:
     sources = {split: source_identity(s) for split in SPLIT_FIELDS if (s := getattr(config, split)) is not None}
     return hash_value(
         {
-            "code": code_fingerprint(
-                __name__
-            ),  # this module and the trainers code it runs: loading, tokenizing, the task
+            # this module and the trainers code it runs: loading, validating, tokenizing, the built-in task
+            "code": code_fingerprint(__name__),
             "builtin": config.builtin.model_dump() if config.builtin else None,
             "sources": sources,
             "truncation": [config.max_length, config.max_prompt_length, config.truncation_mode],

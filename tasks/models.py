@@ -74,7 +74,7 @@ def resolve_model(config: ModelConfig, stage: str = "base") -> ModelHandle:
     there once; local folders are hashed; hub ids are identified by id and revision (pin a
     commit for an immutable fingerprint)."""
     if is_builtin(config.source):
-        spec = builtin_spec(config.source, config.seed)  # architecture, vocabulary and seed
+        spec = builtin_spec(config.source, config.seed)  # name, architecture, seed; the module's source has the rest
         identity = hash_value({"spec": spec, "code": code_fingerprint("trainers.builtin_model")})
         target = get_settings().model_cache / f"{config.source.removeprefix('builtin:')}-{identity}"
         if not target.exists():
