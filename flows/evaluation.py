@@ -29,8 +29,5 @@ def evaluation(request: EvaluationRequest) -> EvalReport:
             reference_logps = cache_ref_logps(data, reference, request.reference, parent_run_id)
             held_out_rewards = HeldOutRewards(reference_logps=reference_logps, beta=request.beta)
         report = evaluate(models, data, held_out_rewards, request.evaluation, parent_run_id, request.name)
-        print(
-            f"Evaluation ({report.num_prompts} held-out prompts, "
-            f"{report.num_pairs} held-out pairs):\n{report.markdown()}"
-        )
+        print(report.summary())
         return report

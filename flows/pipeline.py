@@ -38,10 +38,7 @@ def experiment(config: ExperimentConfig = ExperimentConfig()) -> EvalReport:  # 
             models[CHAMPION_LABEL] = resolve_model(ModelConfig(source=champion), stage=CHAMPION_LABEL)
         final = config.stages[-1]
         report = evaluate(models, data, held_out_rewards, config.evaluation, parent_run_id, config.name, final)
-        print(
-            f"Evaluation ({report.num_prompts} held-out prompts, "
-            f"{report.num_pairs} held-out pairs):\n{report.markdown()}"
-        )
+        print(report.summary())
         if config.promotion.registered_model:
             decision = promote(report, policy, final, config.promotion, parent_run_id)
             print(f"Promotion: {'accepted' if decision.promoted else 'rejected'} ({decision.reason})")

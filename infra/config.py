@@ -9,12 +9,13 @@ can register more. Importing this module imports no torch: config errors come ba
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import Field, create_model, model_validator
+from pydantic import BaseModel, Field, ValidationError, create_model, model_validator
 
 from trainers.sections import Section, TrainingConfig
 from trainers.stages import STAGES, StageName
@@ -217,6 +218,36 @@ def load_config(
     for override in overrides:
         apply_override(tree, override)
     return (schema or ExperimentConfig).model_validate(tree)
+
+
+def section_at(schema: type[BaseModel], path: tuple) -> type[BaseModel] | None:
+    """The section model reached by following field names ``path`` from ``schema``."""
+    model = schema
+    for name in path:
+        field = model.model_fields.get(name) if isinstance(name, str) else None
+        if field is None:
+            return None
+        candidates = [field.annotation, *get_args(field.annotation)]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if model is None:
+            return None
+    return model
+
+
+def did_you_mean(error: ValidationError, schema: type[BaseModel]) -> list[str]:
+    """For each unknown key in ``error``, the known keys of its section that look like it."""
+    hints = []
+    for item in error.errors():
+        if item["type"] != "extra_forbidden":
+            continue
+        *parents, key = item["loc"]
+        section = section_at(schema, tuple(parents))
+        matches = difflib.get_close_matches(str(key), list(section.model_fields) if section else [], n=3)
+        if matches:
+            where = ".".join(map(str, parents))
+            known = ", ".join(f"{where}.{m}" if where else m for m in matches)
+            hints.append(f"unknown key {'.'.join(map(str, item['loc']))}: did you mean {known}?")
+    return hints
 
 
 SCHEMAS: dict[str, type[Section]] = {"ExperimentConfig": ExperimentConfig, "EvaluationRequest": EvaluationRequest}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import datasets
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel
 
@@ -27,6 +27,12 @@ TABLE_COLUMNS = {
 }
 
 
+NOTHING_EVALUATED = (
+    "Nothing was evaluated: no held-out prompts (`data.eval_prompts` or the built-in task) and no held-out "
+    "pairs (`data.preference_eval` and a stage with cached reference log-probs)."
+)
+
+
 class HeldOutRewards(BaseModel):
     """Implicit rewards β·(π − ref) on the held-out pairs: the reference's cached log-probs and β."""
 
@@ -39,6 +45,12 @@ class EvalReport(BaseModel):
     num_prompts: int
     num_pairs: int
     mlflow_run_id: str
+
+    def summary(self) -> str:
+        """What the flows print: the table, or that there was nothing to evaluate."""
+        if not self.num_prompts and not self.num_pairs:
+            return NOTHING_EVALUATED
+        return f"Evaluation ({self.num_prompts} held-out prompts, {self.num_pairs} held-out pairs):\n{self.markdown()}"
 
     def markdown(self) -> str:
         columns = [c for c in TABLE_COLUMNS if any(c in m for m in self.rows.values())]
@@ -106,6 +118,8 @@ def evaluate(
         pairs = with_reference["preference_eval"].to_list() if "preference_eval" in with_reference else None
         reference_fingerprint, beta = held_out_rewards.reference_logps.reference_fingerprint, held_out_rewards.beta
 
+    if not prompts and not pairs:
+        get_run_logger().warning(NOTHING_EVALUATED)
     run_id = stage_run_id(parent_run_id, "evaluate", stage_output_dir(config_name, "evaluate"))
     rows = {}
     with tracked_run(run_id):

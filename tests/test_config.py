@@ -1,9 +1,11 @@
 import sys
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
-from infra.config import ExperimentConfig, load_config
+from infra.config import ExperimentConfig, did_you_mean, load_config
+from infra.ops.cli import main
 from trainers.losses import PREFERENCE_LOSSES
 from trainers.rewards import REWARD_FUNCTIONS
 
@@ -147,3 +149,22 @@ def test_a_plugin_module_registers_losses_and_rewards_that_the_config_then_accep
         load_config(None, ["plugins=[no_such_plugin]"])
     loss_choices = ExperimentConfig.model_json_schema()["$defs"]["DPOStageConfig"]["properties"]["loss_type"]
     assert "plugin_margin" in loss_choices["anyOf"][0]["enum"]  # the UI form lists it from now on
+
+
+def test_unknown_keys_get_the_nearest_known_keys_of_their_section():
+    with pytest.raises(ValidationError) as raised:
+        load_config(None, ["dpo.bta=0.2", "data.max_lenght=3", "dataa={}", "zzz=1"])
+    assert sorted(did_you_mean(raised.value, ExperimentConfig)) == [
+        "unknown key data.max_lenght: did you mean data.max_length, data.max_prompt_length?",
+        "unknown key dataa: did you mean data?",
+        "unknown key dpo.bta: did you mean dpo.beta?",
+    ]
+
+
+def test_print_config_prints_the_resolved_config_and_runs_nothing(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "configs/minimal.yaml", "dpo.beta=0.3", "--print-config"])
+    assert exited.value.code == 0
+    assert yaml.safe_load(capsys.readouterr().out) == load_config("configs/minimal.yaml", ["dpo.beta=0.3"]).model_dump(
+        mode="json"
+    )

@@ -1,7 +1,7 @@
 import pytest
 
 from infra.config import PromotionConfig
-from tasks.evaluate import EvalReport
+from tasks.evaluate import NOTHING_EVALUATED, EvalReport
 from tasks.promote import gate
 
 
@@ -28,3 +28,11 @@ def test_gate_needs_a_real_improvement_of_at_least_min_improvement(candidate, ch
     verdict, reason = gate(report(candidate, champion), "dpo", config)
     assert verdict is promoted
     assert "sampled_accuracy" in reason
+
+
+def test_the_summary_says_when_nothing_was_evaluated():
+    empty = EvalReport(rows={"base": {}}, num_prompts=0, num_pairs=0, mlflow_run_id="r")
+    assert empty.summary() == NOTHING_EVALUATED
+    scored = EvalReport(rows={"base": {"greedy_accuracy": 0.5}}, num_prompts=2, num_pairs=0, mlflow_run_id="r")
+    assert scored.summary() == "Evaluation (2 held-out prompts, 0 held-out pairs):\n" + scored.markdown()
+    assert "| base | 0.500 |" in scored.markdown()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 
 from infra.ops import service_cli
@@ -14,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="alignflow", description="Preference and RL training pipelines on Prefect, tracked in MLflow."
     )
+    parser.add_argument("--version", action="version", version=f"alignflow {importlib.metadata.version('alignflow')}")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser(
         "run",
@@ -28,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "overrides", nargs="*", metavar="key.sub=value", help="override config fields (values parsed as YAML)"
     )
+    run.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
 
     evaluate = commands.add_parser(
         "evaluate",
@@ -37,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("config", help="evaluation request YAML (see configs/evaluate.yaml)")
     evaluate.add_argument("overrides", nargs="*", metavar="key.sub=value")
+    evaluate.add_argument("--print-config", action="store_true", help="print the resolved request as YAML and exit")
 
     compare = commands.add_parser(
         "compare",
@@ -62,15 +66,24 @@ def finished(state) -> int:
 
 
 def load_or_exit(schema, args: argparse.Namespace):
+    """The validated config, or exit 2 with the error (and near matches for unknown keys); with
+    ``--print-config``, print the resolved config as YAML and exit 0."""
+    import yaml
     from pydantic import ValidationError
 
-    from infra.config import load_config
+    from infra.config import did_you_mean, load_config
 
     try:
-        return load_config(args.config, args.overrides, schema)
+        config = load_config(args.config, args.overrides, schema)
     except (ValidationError, ValueError, FileNotFoundError) as error:
         print(f"alignflow: invalid config: {error}", file=sys.stderr)
+        for hint in did_you_mean(error, schema) if isinstance(error, ValidationError) else []:
+            print(hint, file=sys.stderr)
         raise SystemExit(2) from None
+    if args.print_config:
+        print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+        raise SystemExit(0)
+    return config
 
 
 # The config is validated before anything heavy is imported (torch, Prefect, the flows), so a bad
