@@ -24,6 +24,7 @@ TABLE_COLUMNS = {
     "mean_completion_tokens": "mean tokens",
     "rewards/accuracies": "DPO reward acc",
     "rewards/margins": "DPO margin",
+    "logratios/margins": "log-ratio margin",
 }
 
 

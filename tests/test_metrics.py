@@ -138,4 +138,5 @@ def test_held_out_reward_metrics_by_hand(tiny):
     got = preference_rewards(model, tokenizer, pairs, beta, batch_size=5)  # batches of 5, 5 and 2 pairs
     assert got["rewards/accuracies"] == pytest.approx(sum(c > r for c, r in rewards) / len(rewards), abs=1e-6)
     assert got["rewards/margins"] == pytest.approx(sum(c - r for c, r in rewards) / len(rewards), abs=1e-5)
+    assert got["logratios/margins"] == pytest.approx(got["rewards/margins"] / beta, abs=1e-5)  # β-free
     assert 0 < got["rewards/accuracies"] < 1  # the case is not degenerate

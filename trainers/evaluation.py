@@ -125,17 +125,17 @@ def answer_metrics(
 
 @torch.no_grad()
 def preference_rewards(model, tokenizer, rows: list[dict], beta: float, batch_size: int = 256) -> dict[str, float]:
-    """Held-out implicit-reward accuracy and margin, against the cached ``ref_*`` log-probs."""
+    """Held-out implicit-reward accuracy and margin β·Δ against the cached ``ref_*`` log-probs, and
+    the β-free log-ratio margin Δ = (π_c − ref_c) − (π_r − ref_r), comparable across runs of any β."""
     model.eval()
     collate = PreferenceCollator(tokenizer.pad_token_id)
-    totals = {"rewards/accuracies": 0.0, "rewards/margins": 0.0}
+    totals = {"rewards/accuracies": 0.0, "rewards/margins": 0.0, "logratios/margins": 0.0}
     for start in range(0, len(rows), batch_size):
         batch = collate(rows[start : start + batch_size])
         logps = completion_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"]).logps
         n = len(batch["ref_chosen_logps"])
-        metrics = reward_metrics(
-            beta * (logps[:n] - batch["ref_chosen_logps"]), beta * (logps[n:] - batch["ref_rejected_logps"])
-        )
+        chosen, rejected = logps[:n] - batch["ref_chosen_logps"], logps[n:] - batch["ref_rejected_logps"]
+        metrics = reward_metrics(beta * chosen, beta * rejected) | {"logratios/margins": (chosen - rejected).mean()}
         for name in totals:
             totals[name] += metrics[name].item() * n
     return {name: value / len(rows) for name, value in totals.items()}
