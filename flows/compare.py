@@ -14,9 +14,11 @@ def compare(
     metrics: list[str] = DEFAULT_METRICS,
     curves: list[str] = DEFAULT_CURVES,
     params: list[str] | None = None,
+    stage: str | None = None,
 ) -> ComparisonReport:
     """Compare finished runs of ``experiment`` against ``baseline`` (run id, run name or key=value
-    tag; default: the oldest). ``params`` default to the config fields that differ between runs."""
-    report = compare_runs(experiment, baseline, metrics, curves, params)
+    tag; default: the oldest). ``params`` default to the config fields that differ between runs;
+    ``stage``, whose training curves are plotted, to the first stage whose settings differ."""
+    report = compare_runs(experiment, baseline, metrics, curves, params, stage)
     print(f"{report.table}\nPlots and table: {report.folder}")
     return report

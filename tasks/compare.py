@@ -5,13 +5,21 @@ from __future__ import annotations
 import json
 import time
 
+import yaml
 from mlflow.entities import Run
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel
 
 from infra.settings import get_settings
-from tasks.reporting import RunSummary, comparison_rows, markdown_table, plot_eval_bars, plot_training_curves
+from tasks.reporting import (
+    RunSummary,
+    comparison_rows,
+    label_runs,
+    markdown_table,
+    plot_eval_bars,
+    plot_training_curves,
+)
 from tasks.tracking import client, experiment_id, tracked_run
 
 MAX_VARYING_PARAMS = 8
@@ -49,10 +57,8 @@ def select_baseline(runs: list[Run], baseline: str | None) -> Run:
     raise ValueError(f"baseline {baseline!r} matches no finished run (run id, run name or key=value tag)")
 
 
-def final_training_run(parent: Run) -> Run | None:
-    stage = parent.data.tags.get("alignflow.final_stage")
-    if stage is None:
-        return None
+def stage_run(parent: Run, stage: str) -> Run | None:
+    """The child run that trained ``stage`` in the flow run of ``parent``."""
     children = client().search_runs(
         [parent.info.experiment_id],
         f"tags.mlflow.parentRunId = '{parent.info.run_id}' and tags.`alignflow.stage` = '{stage}'",
@@ -60,8 +66,8 @@ def final_training_run(parent: Run) -> Run | None:
     return children[0] if children else None
 
 
-def summarize(run: Run, curves: list[str]) -> RunSummary:
-    trained = final_training_run(run)
+def summarize(run: Run, curves: list[str], stage: str) -> RunSummary:
+    trained = stage_run(run, stage)
     histories = {}
     if trained is not None:
         histories = {
@@ -71,9 +77,16 @@ def summarize(run: Run, curves: list[str]) -> RunSummary:
     return RunSummary(run.info.run_id, run.info.run_name, dict(run.data.params), final, histories)
 
 
-def varying_params(runs: list[RunSummary]) -> list[str]:
-    names = sorted({name for run in runs for name in run.params})
-    return [n for n in names if len({run.params.get(n) for run in runs}) > 1][:MAX_VARYING_PARAMS]
+def differing_params(params: list[dict[str, str]]) -> list[str]:
+    """The config fields whose values differ between runs, sorted."""
+    names = sorted({name for run in params for name in run})
+    return [n for n in names if len({run.get(n) for run in params}) > 1]
+
+
+def curve_stage(stages: list[str], differing: list[str], final: str) -> str:
+    """The stage whose curves tell the runs apart: the first whose settings differ (a β sweep
+    shows DPO's curves, not those of the GRPO stage after it), else the final stage."""
+    return next((s for s in stages if any(p.startswith(f"{s}.") for p in differing)), final)
 
 
 @task(name="compare-runs")
@@ -83,22 +96,28 @@ def compare_runs(
     metrics: list[str] = DEFAULT_METRICS,
     curves: list[str] = DEFAULT_CURVES,
     params: list[str] | None = None,
+    stage: str | None = None,
 ) -> ComparisonReport:
-    """``params`` default to the config fields whose values differ between the runs."""
+    """``params`` default to the config fields whose values differ between the runs, and label
+    the runs; ``stage`` (whose training curves are plotted) to the first stage whose settings differ."""
     runs = experiment_runs(experiment)
     if not runs:
         raise ValueError(f"experiment {experiment!r} has no finished experiment runs to compare")
     chosen = select_baseline(runs, baseline)
-    summaries = [summarize(run, curves) for run in runs]
+    differing = differing_params([run.data.params for run in runs])
+    shown = params or differing[:MAX_VARYING_PARAMS]
+    final = chosen.data.tags.get("alignflow.final_stage", "")
+    stage = stage or curve_stage(yaml.safe_load(chosen.data.params.get("stages", "[]")), differing, final)
+    summaries = label_runs([summarize(run, curves, stage) for run in runs], shown)
     base = next(s for s in summaries if s.run_id == chosen.info.run_id)
 
     folder = get_settings().root / "comparisons" / experiment / time.strftime("%Y%m%d-%H%M%S")
     folder.mkdir(parents=True, exist_ok=True)
-    rows = comparison_rows(summaries, base, params or varying_params(summaries), metrics)
+    rows = comparison_rows(summaries, base, shown, metrics)
     table = markdown_table(rows)
     (folder / "table.md").write_text(table)
     (folder / "table.json").write_text(json.dumps(rows, indent=2))
-    plot_training_curves(summaries, curves, folder / "training_curves.png")
+    plot_training_curves(summaries, curves, folder / "training_curves.png", stage)
     plot_eval_bars(summaries, metrics, folder / "eval_metrics.png")
 
     run = client().create_run(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import matplotlib
@@ -19,10 +19,21 @@ class RunSummary:
     params: dict[str, str]
     metrics: dict[str, float]  # final evaluation metrics, with `<name>_ci_low` / `<name>_ci_high`
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # training metric -> (step, value)
+    distinction: str = ""  # what sets it apart from the runs it is compared with (see `label_runs`)
 
     @property
     def label(self) -> str:
-        return f"{self.name} ({self.run_id[:8]})"
+        return f"{self.distinction or self.name} ({self.run_id[:8]})"
+
+
+def label_runs(runs: list[RunSummary], params: list[str]) -> list[RunSummary]:
+    """The runs, each labelled by its values of ``params`` (the fields that differ between them)."""
+    return [replace(run, distinction=", ".join(f"{p}={run.params.get(p, '—')}" for p in params)) for run in runs]
+
+
+def run_colours(runs: list[RunSummary]) -> dict[str, str]:
+    """One colour per run, the same in every panel and plot."""
+    return {run.run_id: f"C{index % 10}" for index, run in enumerate(runs)}
 
 
 def comparison_rows(
@@ -54,20 +65,28 @@ def markdown_table(rows: list[dict[str, object]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_training_curves(runs: list[RunSummary], metrics: list[str], path: Path) -> Path:
-    """One panel per training metric, one line per run."""
-    figure, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.6), squeeze=False)
+def training_curves_figure(runs: list[RunSummary], metrics: list[str], stage: str) -> plt.Figure:
+    """One panel per training metric of ``stage``, one line per run in its own colour, one legend."""
+    colours = run_colours(runs)
+    figure, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4.2), squeeze=False)
     for axis, metric in zip(axes[0], metrics):
         for run in runs:
-            points = run.curves.get(metric, [])
-            if points:
+            if points := run.curves.get(metric, []):
                 steps, values = zip(*points)
-                axis.plot(steps, values, marker=".", label=run.label)
-        axis.set_title(metric)
+                axis.plot(steps, values, marker=".", color=colours[run.run_id], label=run.label)
+        if not axis.get_lines():
+            axis.text(0.5, 0.5, f"not logged by {stage or 'this stage'}", ha="center", transform=axis.transAxes)
+        axis.set_title(f"{stage}: {metric}" if stage else metric)
         axis.set_xlabel("optimizer step")
         axis.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    figure.tight_layout()
+    handles = [plt.Line2D([], [], color=colours[run.run_id], marker=".", label=run.label) for run in runs]
+    figure.legend(handles=handles, loc="lower center", ncol=min(len(runs), 3), fontsize=7, frameon=False)
+    figure.tight_layout(rect=(0, 0.06 * math.ceil(len(runs) / 3), 1, 1))
+    return figure
+
+
+def plot_training_curves(runs: list[RunSummary], metrics: list[str], path: Path, stage: str = "") -> Path:
+    figure = training_curves_figure(runs, metrics, stage)
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
@@ -75,14 +94,14 @@ def plot_training_curves(runs: list[RunSummary], metrics: list[str], path: Path)
 
 def plot_eval_bars(runs: list[RunSummary], metrics: list[str], path: Path) -> Path:
     """Grouped bars: final eval metrics per run, with 95% bootstrap intervals as error bars."""
-    width = 0.8 / len(runs)
+    width, colours = 0.8 / len(runs), run_colours(runs)
     figure, axis = plt.subplots(figsize=(max(6, 2.2 * len(metrics)), 3.8))
     for index, run in enumerate(runs):
         values = [run.metrics.get(m, math.nan) for m in metrics]
         lower = [v - run.metrics.get(f"{m}_ci_low", v) for m, v in zip(metrics, values)]
         upper = [run.metrics.get(f"{m}_ci_high", v) - v for m, v in zip(metrics, values)]
         positions = [i + (index - (len(runs) - 1) / 2) * width for i in range(len(metrics))]
-        axis.bar(positions, values, width, yerr=[lower, upper], capsize=3, label=run.label)
+        axis.bar(positions, values, width, yerr=[lower, upper], capsize=3, color=colours[run.run_id], label=run.label)
     axis.set_xticks(range(len(metrics)), metrics)
     axis.set_ylim(0, 1.05)
     axis.set_ylabel("held-out score (95% CI)")

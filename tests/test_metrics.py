@@ -5,7 +5,16 @@ import matplotlib.image
 import pytest
 import torch
 
-from tasks.reporting import RunSummary, comparison_rows, markdown_table, plot_eval_bars, plot_training_curves
+from tasks.compare import curve_stage, differing_params
+from tasks.reporting import (
+    RunSummary,
+    comparison_rows,
+    label_runs,
+    markdown_table,
+    plot_eval_bars,
+    plot_training_curves,
+    training_curves_figure,
+)
 from trainers.data import Truncation, tokenize_split
 from trainers.evaluation import Completion, PromptResult, answer_metrics, preference_rewards
 from trainers.metrics import bootstrap_ci, pass_at_k
@@ -95,6 +104,34 @@ def test_comparison_rows_and_deltas():
     table = markdown_table(rows)
     assert table.splitlines()[0] == "| run | baseline | dpo.beta | sampled_accuracy | Δ sampled_accuracy |"
     assert "| exp (bbbbbbbb) | yes | 0.5 | 0.620 | 0.000 |" in table
+
+
+def test_curves_keep_one_colour_per_run_across_panels_and_share_one_legend():
+    runs = label_runs(summaries(), ["dpo.beta"])
+    for run in runs:
+        run.curves["rewards/accuracies"] = [(0, 0.5), (1, 0.6)]
+    figure = training_curves_figure(runs, ["loss", "rewards/accuracies"], "dpo")
+    labels = [run.label for run in runs]
+    assert labels == ["dpo.beta=0.1 (aaaaaaaa)", "dpo.beta=0.5 (bbbbbbbb)", "dpo.beta=1.0 (cccccccc)"]
+    panels = figure.axes
+    assert [axis.get_title() for axis in panels] == ["dpo: loss", "dpo: rewards/accuracies"]
+    colours = [{line.get_label(): line.get_color() for line in axis.get_lines()} for axis in panels]
+    assert colours[0] == colours[1] and len(set(colours[0].values())) == 3 and set(colours[0]) == set(labels)
+    assert all(axis.get_legend() is None for axis in panels)
+    (legend,) = figure.legends
+    assert [text.get_text() for text in legend.get_texts()] == labels
+    assert [handle.get_color() for handle in legend.legend_handles] == [colours[0][label] for label in labels]
+    unlogged = training_curves_figure(runs, ["kl"], "dpo").axes[0]
+    assert [text.get_text() for text in unlogged.texts] == ["not logged by dpo"]
+
+
+def test_curves_come_from_the_first_stage_whose_settings_differ():
+    params = [{"dpo.beta": "0.1", "sft.seed": "0", "name": "a"}, {"dpo.beta": "0.5", "sft.seed": "0", "name": "b"}]
+    differing = differing_params(params)
+    assert differing == ["dpo.beta", "name"]
+    assert curve_stage(["sft", "dpo", "grpo"], differing, "grpo") == "dpo"
+    assert curve_stage(["sft", "dpo", "grpo"], ["name", "sft.seed", "grpo.beta"], "grpo") == "sft"
+    assert curve_stage(["sft", "dpo", "grpo"], ["name"], "grpo") == "grpo"
 
 
 def test_plots_are_written_as_images(tmp_path):

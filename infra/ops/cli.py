@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--baseline", help="run id, run name or key=value tag (default: the oldest run)")
     compare.add_argument("--metric", action="append", dest="metrics", help="final eval metric to compare (repeatable)")
     compare.add_argument("--curve", action="append", dest="curves", help="training metric to plot (repeatable)")
+    compare.add_argument(
+        "--stage", help="stage whose training curves are plotted (default: the first whose settings differ)"
+    )
     add_cache_parser(commands)
     service_cli.add_parsers(commands)
     return parser
@@ -109,7 +112,7 @@ def evaluate_command(args: argparse.Namespace) -> int:
 def compare_command(args: argparse.Namespace) -> int:
     from flows.compare import compare
 
-    options = {k: v for k, v in {"metrics": args.metrics, "curves": args.curves}.items() if v}
+    options = {k: v for k, v in {"metrics": args.metrics, "curves": args.curves, "stage": args.stage}.items() if v}
     return finished(compare(experiment=args.experiment, baseline=args.baseline, **options, return_state=True))
 
 
