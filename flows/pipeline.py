@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from prefect import flow
 
-from infra.config import ExperimentConfig, ModelConfig
+from infra.config import ExperimentConfig
 from tasks.data import prepare_dataset
 from tasks.evaluate import EvalReport, HeldOutRewards, evaluate
 from tasks.models import resolve_model
-from tasks.promote import CHAMPION_LABEL, champion_source, promote
+from tasks.promote import find_champion, promote
 from tasks.reference import cache_ref_logps
 from tasks.tracking import link_stage, start_parent_run, tracked_run
 from tasks.train import TrainInputs, train
@@ -34,12 +34,13 @@ def experiment(config: ExperimentConfig = ExperimentConfig()) -> EvalReport:  # 
             policy = train(stage, section, TrainInputs(policy, data, reference_logps), parent_run_id, config.name)
             link_stage(parent_run_id, stage, policy.mlflow_run_id)
             models[stage] = policy
-        if champion := champion_source(config.promotion):
-            models[CHAMPION_LABEL] = resolve_model(ModelConfig(source=champion), stage=CHAMPION_LABEL)
+        champion = find_champion(config.promotion, policy, data) if config.promotion.registered_model else None
+        if champion is not None:
+            models |= champion.models()
         final = config.stages[-1]
         report = evaluate(models, data, held_out_rewards, config.evaluation, parent_run_id, config.name, final)
         print(report.summary())
         if config.promotion.registered_model:
-            decision = promote(report, policy, final, config.promotion, parent_run_id)
+            decision = promote(report, policy, final, config.promotion, champion, data, parent_run_id)
             print(f"Promotion: {'accepted' if decision.promoted else 'rejected'} ({decision.reason})")
         return report

@@ -96,6 +96,13 @@ class PromotionConfig(Section):
         0.0, description="Required gain of `metric` over the current champion, re-scored on the same prompts."
     )
     alias: str = Field("champion", description="Registry alias that marks the promoted version.")
+    confidence: float | None = Field(
+        0.95,
+        gt=0,
+        lt=1,
+        description="The gain must be significant: the one-sided lower bound of a paired bootstrap over the "
+        "held-out prompts, at this confidence, above 0. null compares the means only.",
+    )
 
 
 class TrackingConfig(Section):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import datasets
 from prefect import get_run_logger, task
@@ -13,7 +14,14 @@ from infra.config import EvaluationConfig
 from tasks.handles import ModelHandle, PreparedData, ReferenceLogps
 from tasks.reference import with_reference_columns
 from tasks.tracking import client, log_metrics, stage_output_dir, stage_run_id, tracked_run
-from trainers.evaluation import GenerationSpec, PromptResult, answer_metrics, preference_rewards, score_prompts
+from trainers.evaluation import (
+    GenerationSpec,
+    PromptResult,
+    answer_metrics,
+    per_prompt_scores,
+    preference_rewards,
+    score_prompts,
+)
 from trainers.modeling import load_causal_lm
 
 # Shown in the printed table; every metric (CIs, pass@k, lengths) goes to MLflow.
@@ -46,6 +54,8 @@ class EvalReport(BaseModel):
     num_prompts: int
     num_pairs: int
     mlflow_run_id: str
+    # model label -> metric -> one value per held-out prompt (same prompts, same order for every model)
+    per_prompt: dict[str, dict[str, list[float]]] = {}
 
     def summary(self) -> str:
         """What the flows print: the table, or that there was nothing to evaluate."""
@@ -82,21 +92,31 @@ def samples_table(results: list[PromptResult], rows: int) -> dict[str, list]:
     }
 
 
+@dataclass(frozen=True)
+class ModelScores:
+    metrics: dict[str, float]
+    samples: dict[str, list]  # the samples table
+    per_prompt: dict[str, list[float]]
+
+
 def score_model(
     handle: ModelHandle, prompts: list[dict], pairs: list[dict] | None, config: EvaluationConfig, beta: float | None
-) -> tuple[dict[str, float], dict]:
+) -> ModelScores:
     model, tokenizer = load_causal_lm(handle.path, handle.revision)
-    metrics, samples = {}, {}
+    scores = ModelScores({}, {}, {})
     if prompts:
         spec = GenerationSpec(
             config.max_new_tokens, config.num_samples, config.temperature, config.batch_size, config.seed
         )
         results = score_prompts(model, tokenizer, prompts, spec)
-        metrics = answer_metrics(results, config.pass_k, config.seed, config.bootstrap_resamples)
-        samples = samples_table(results, config.num_logged_samples)
+        scores = ModelScores(
+            answer_metrics(results, config.pass_k, config.seed, config.bootstrap_resamples),
+            samples_table(results, config.num_logged_samples),
+            per_prompt_scores(results, config.pass_k),
+        )
     if pairs:
-        metrics |= preference_rewards(model, tokenizer, pairs, beta, config.batch_size)
-    return metrics, samples
+        scores.metrics.update(preference_rewards(model, tokenizer, pairs, beta, config.batch_size))
+    return scores
 
 
 @task(name="evaluate")
@@ -122,20 +142,23 @@ def evaluate(
     if not prompts and not pairs:
         get_run_logger().warning(NOTHING_EVALUATED)
     run_id = stage_run_id(parent_run_id, "evaluate", stage_output_dir(config_name, "evaluate"))
-    rows = {}
+    rows, per_prompt = {}, {}
     with tracked_run(run_id):
         for label, model in models.items():
             # the reference's implicit reward is 0 by definition: no reward metrics for it
             model_pairs = None if model.fingerprint == reference_fingerprint else pairs
-            rows[label], samples = score_model(model, prompts, model_pairs, config, beta)
+            scores = score_model(model, prompts, model_pairs, config, beta)
+            rows[label], per_prompt[label] = scores.metrics, scores.per_prompt
             log_metrics(run_id, {f"{label}/{name}": value for name, value in rows[label].items()})
             log_metrics(parent_run_id, {f"eval/{label}/{name}": value for name, value in rows[label].items()})
-            if samples:
-                client().log_table(run_id, data=samples, artifact_file=f"samples/{label}.json")
+            if scores.samples:
+                client().log_table(run_id, data=scores.samples, artifact_file=f"samples/{label}.json")
         if final_label is not None:
             log_metrics(parent_run_id, {f"final/{name}": value for name, value in rows[final_label].items()})
             client().set_tag(parent_run_id, "alignflow.final_stage", final_label)
-        report = EvalReport(rows=rows, num_prompts=len(prompts), num_pairs=len(pairs or []), mlflow_run_id=run_id)
+        report = EvalReport(
+            rows=rows, num_prompts=len(prompts), num_pairs=len(pairs or []), mlflow_run_id=run_id, per_prompt=per_prompt
+        )
         client().log_table(
             run_id,
             data={"model": list(rows), **{c: [m.get(c) for m in rows.values()] for c in TABLE_COLUMNS}},

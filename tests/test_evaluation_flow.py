@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import matplotlib.image
 import pytest
 from mlflow import MlflowClient
@@ -16,6 +18,7 @@ COMMON = [
     f"tracking.experiment_name={EXPERIMENT}",
     f"promotion.registered_model={REGISTERED}",
     "promotion.metric=greedy_accuracy",
+    "promotion.confidence=null",  # 20 prompts: the strong run's gain is real but not significant
 ]
 
 
@@ -27,10 +30,10 @@ def run(*overrides):
     return state.state_details.flow_run_id, state.result()
 
 
-def parent_run(flow_run_id):
+def parent_run(flow_run_id, experiment=EXPERIMENT):
     client = MlflowClient(get_settings().mlflow_tracking_uri)
     (parent,) = client.search_runs(
-        [client.get_experiment_by_name(EXPERIMENT).experiment_id],
+        [client.get_experiment_by_name(experiment).experiment_id],
         f"tags.`prefect.flow_run_id` = '{flow_run_id}' and tags.`alignflow.kind` = 'experiment'",
     )
     return parent
@@ -65,6 +68,31 @@ def test_promotion_gate_promotes_better_runs_only(three_runs):
         strong.rows["dpo"]["greedy_accuracy"], abs=1e-5
     )
     assert len(client.search_model_versions(f"name = '{REGISTERED}'")) == 2
+
+
+def test_a_champion_with_another_tokenizer_is_neither_scored_nor_replaced(three_runs, tiny, tmp_path):
+    """A run whose base model has another tokenizer (here: another chat template) cannot score the
+    champion on its token ids: the champion is left out of the evaluation and stays champion."""
+    model, tokenizer = tiny
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+    model.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    client = MlflowClient(get_settings().mlflow_tracking_uri)
+    before = client.get_model_version_by_alias(REGISTERED, "champion").version
+
+    flow_run_id, report = run(
+        "name=other-tokenizer",
+        f"model.source={tmp_path / 'base'}",
+        "stages=[sft]",
+        "tracking.experiment_name=tokenizers",
+    )
+    assert "champion" not in report.rows
+    assert parent_run(flow_run_id, "tokenizers").data.tags["alignflow.promotion"] == (
+        f"rejected: champion version {before} is not comparable: the champion uses another tokenizer: "
+        "scoring it on this run's token ids would be meaningless"
+    )
+    assert client.get_model_version_by_alias(REGISTERED, "champion").version == before
 
 
 def parent_child(flow_run_id, stage):

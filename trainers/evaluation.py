@@ -102,9 +102,17 @@ def score_prompts(model, tokenizer, rows: list[dict], spec: GenerationSpec) -> l
     ]
 
 
-def with_interval(name: str, per_prompt: list[float], seed: int, resamples: int) -> dict[str, float]:
-    low, high = bootstrap_ci(per_prompt, seed, resamples)
-    return {name: sum(per_prompt) / len(per_prompt), f"{name}_ci_low": low, f"{name}_ci_high": high}
+def per_prompt_scores(results: list[PromptResult], pass_ks: list[int]) -> dict[str, list[float]]:
+    """Each prompt's greedy correctness, sampled accuracy (mean@N) and pass@k (k ≤ N): the values
+    the metrics average, and what a paired comparison of two models resamples."""
+    n = len(results[0].samples)
+    scores = {
+        "greedy_accuracy": [float(r.greedy_correct) for r in results],
+        "sampled_accuracy": [sum(r.samples_correct) / n for r in results],
+    }
+    for k in (k for k in pass_ks if k <= n):
+        scores[f"pass_at_{k}"] = [pass_at_k(n, sum(r.samples_correct), k) for r in results]
+    return scores
 
 
 def answer_metrics(
@@ -112,13 +120,11 @@ def answer_metrics(
 ) -> dict[str, float]:
     """Greedy accuracy, ``sampled_accuracy`` (mean@N) and pass@k, each with a bootstrap 95% CI
     over prompts, plus the mean sampled completion length in tokens."""
+    metrics = {}
+    for name, values in per_prompt_scores(results, pass_ks).items():
+        low, high = bootstrap_ci(values, seed, resamples)
+        metrics |= {name: sum(values) / len(values), f"{name}_ci_low": low, f"{name}_ci_high": high}
     n = len(results[0].samples)
-    metrics = with_interval("greedy_accuracy", [float(r.greedy_correct) for r in results], seed, resamples)
-    metrics |= with_interval("sampled_accuracy", [sum(r.samples_correct) / n for r in results], seed, resamples)
-    for k in (k for k in pass_ks if k <= n):
-        metrics |= with_interval(
-            f"pass_at_{k}", [pass_at_k(n, sum(r.samples_correct), k) for r in results], seed, resamples
-        )
     metrics["mean_completion_tokens"] = sum(s.num_tokens for r in results for s in r.samples) / (n * len(results))
     return metrics
 
