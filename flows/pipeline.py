@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 from prefect import flow
+from prefect.runtime import deployment
 
-from infra.config import ExperimentConfig
+from infra.config import ExperimentConfig, merge_onto
 from tasks.data import prepare_dataset
 from tasks.evaluate import EvalReport, HeldOutRewards, evaluate
 from tasks.models import resolve_model
@@ -18,7 +19,10 @@ from trainers.stages import STAGES
 
 @flow(name="alignflow-experiment", log_prints=True)
 def experiment(config: ExperimentConfig = ExperimentConfig()) -> EvalReport:  # noqa: B008 (the UI form's defaults)
-    """Train a policy with the configured stages and compare every stage's model."""
+    """Train a policy with the configured stages and compare every stage's model. In a run of a
+    deployment, a partial ``config`` is merged onto the deployment's default config."""
+    if defaults := (deployment.parameters or {}).get("config"):
+        config = merge_onto(config, defaults)
     with tracked_run(start_parent_run(config)) as parent_run_id:
         base = resolve_model(config.model)
         data = prepare_dataset(config.data, base)

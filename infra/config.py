@@ -227,6 +227,23 @@ def load_config(
     return (schema or ExperimentConfig).model_validate(tree)
 
 
+def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``update`` written over it, nested dicts merged key by key."""
+    merged = dict(base)
+    for key, value in update.items():
+        merged[key] = (
+            deep_merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        )
+    return merged
+
+
+def merge_onto(config: Section, defaults: dict[str, Any]) -> Section:
+    """The fields set explicitly in ``config`` (at any depth) over ``defaults``, a whole config as a
+    dict, validated again. A deployment's run given ``{"dpo": {"beta": 0.2}}`` keeps every other
+    default of the deployment, not the schema's (Prefect merges parameters at the top level only)."""
+    return type(config).model_validate(deep_merge(defaults, config.model_dump(mode="json", exclude_unset=True)))
+
+
 def section_at(schema: type[BaseModel], path: tuple) -> type[BaseModel] | None:
     """The section model reached by following field names ``path`` from ``schema``."""
     model = schema

@@ -4,7 +4,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from infra.config import ExperimentConfig, did_you_mean, load_config
+from infra.config import ExperimentConfig, did_you_mean, load_config, merge_onto
 from infra.ops.cli import main
 from trainers.losses import PREFERENCE_LOSSES
 from trainers.rewards import REWARD_FUNCTIONS
@@ -168,3 +168,15 @@ def test_print_config_prints_the_resolved_config_and_runs_nothing(capsys):
     assert yaml.safe_load(capsys.readouterr().out) == load_config("configs/minimal.yaml", ["dpo.beta=0.3"]).model_dump(
         mode="json"
     )
+
+
+def test_a_partial_config_keeps_every_default_it_does_not_set():
+    defaults = load_config("configs/minimal.yaml").model_dump(mode="json")
+    partial = ExperimentConfig.model_validate({"name": "partial", "dpo": {"beta": 0.25}})
+    merged = merge_onto(partial, defaults)
+    assert (merged.name, merged.dpo.beta) == ("partial", 0.25)
+    assert merged.model_dump(exclude={"name": True, "dpo": {"beta"}}) == load_config("configs/minimal.yaml").model_dump(
+        exclude={"name": True, "dpo": {"beta"}}
+    )
+    full = load_config("configs/minimal.yaml")
+    assert merge_onto(full, defaults) == full

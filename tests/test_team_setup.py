@@ -247,6 +247,26 @@ def smoke_run(stack):
     return deployment, finished, parent, children
 
 
+def test_a_partial_config_through_the_api_keeps_the_deployments_other_defaults(stack, smoke_run):
+    """Prefect merges parameters at the top level only: the flow merges a partial config onto the
+    deployment's default config itself."""
+    deployment = smoke_run[0]
+    with stack.prefect() as client:
+        partial = {"config": {"name": "partial", "dpo": {"beta": 0.25}}}
+        flow_run = client.create_flow_run_from_deployment(deployment.id, parameters=partial)
+    finished = next(run for run in wait_for_flow_runs(stack, deployment.id, 2) if run.id == flow_run.id)
+    assert finished.state.is_completed(), f"{finished.state}\n{stack.worker_log.read_text()[-3000:]}"
+    mlflow = stack.mlflow()
+    (parent,) = mlflow.search_runs(
+        [mlflow.get_experiment_by_name("alignflow").experiment_id],
+        f"tags.`prefect.flow_run_id` = '{finished.id}' and tags.`alignflow.kind` = 'experiment'",
+    )
+    minimal = load_config("configs/minimal.yaml").flat()
+    assert (parent.info.run_name, parent.data.params["dpo.beta"]) == ("partial", "0.25")
+    for key in ("sft.max_steps", "dpo.max_steps", "grpo.num_generations", "data.builtin.max_operand"):
+        assert parent.data.params[key] == str(minimal[key]), key
+
+
 def test_servers_run_on_fresh_postgres_databases_and_report_healthy(stack):
     assert f"export PREFECT_API_URL={stack.prefect_url}/api" in stack.up_output
     assert f"export MLFLOW_TRACKING_URI={stack.mlflow_url}" in stack.up_output
