@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -334,3 +335,9 @@ def test_new_hyperparameters_without_a_reader_are_errors(loss_type, hyperparamet
         resolve_losses(loss_type, None, PreferenceHyperparameters(**hyperparameters))
     alpha = PreferenceHyperparameters(f_divergence_type="alpha_divergence", f_alpha=0.3)
     assert resolve_losses("f_divergence", None, alpha).names == ("f_divergence",)
+
+
+def test_the_readme_loss_table_lists_every_registered_loss():
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    table = readme.split("### DPO losses")[1].split("###")[0]
+    assert [name for name in sorted(PREFERENCE_LOSSES) if f"| `{name}` |" not in table] == []

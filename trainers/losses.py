@@ -85,7 +85,11 @@ class PreferenceHyperparameters(BaseModel):
         0.1, gt=0, description="β: scale of the log-ratios, e.g. −log σ(β·[(π_c − ref_c) − (π_r − ref_r)]) for sigmoid."
     )
     label_smoothing: float = Field(
-        0.0, ge=0.0, lt=0.5, description="ε: assumed label-flip rate, used by sigmoid (cDPO), robust and exo_pair."
+        0.0,
+        ge=0.0,
+        lt=0.5,
+        description="ε: assumed label-flip rate, used by sigmoid (cDPO), robust, exo_pair, aot, aot_pair, "
+        "f_divergence, simpo and cpo.",
     )
     discopop_tau: float = Field(0.05, gt=0, description="τ of the discopop loss.")
     f_divergence_type: FDivergence = Field(
