@@ -295,9 +295,12 @@ def sft_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
 
 @register_loss("aot_pair", hyperparameters=("beta", "label_smoothing"))
 def aot_pair_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
-    """AOT, paired (Melnyk et al., 2024, arXiv:2406.05882): distributional alignment by optimal
-    transport in one dimension, i.e. the sigmoid loss on *sorted* log-ratios. With ``↑`` sorting
-    over the pairs of the batch, ``u = sort↑(π_c − ref_c)``, ``v = sort↑(π_r − ref_r)``, pair ``i``:
+    """AOT on the reward distributions (Melnyk et al., 2024, arXiv:2406.05882): optimal transport in
+    one dimension makes the distribution of chosen rewards dominate that of rejected rewards in the
+    first order, quantile by quantile; it never uses which chosen goes with which rejected (the
+    paper's unpaired setting; the name follows TRL's). The sigmoid loss on *sorted* log-ratios: with
+    ``↑`` sorting over the pairs of the batch, ``u = sort↑(π_c − ref_c)``, ``v = sort↑(π_r − ref_r)``,
+    pair ``i``:
 
         d_i = u_i − v_i,    L_i = −(1 − ε) log σ(βd_i) − ε log σ(−βd_i)
 
@@ -313,9 +316,10 @@ def aot_pair_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
 
 @register_loss("aot", hyperparameters=("beta", "label_smoothing"))
 def aot_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
-    """AOT, unpaired form (Melnyk et al., 2024, arXiv:2406.05882): the policy's chosen-minus-
-    rejected log-ratios should dominate the reference's in the first order; sorted over the pairs
-    of the batch, ``u = sort↑(π_c − π_r)``, ``v = sort↑(ref_c − ref_r)``, pair ``i``:
+    """AOT on paired data (Melnyk et al., 2024, arXiv:2406.05882): the distribution of the policy's
+    per-pair log-likelihood ratios ``π_c − π_r`` should dominate the reference's ``ref_c − ref_r``
+    in the first order, quantile by quantile; sorted over the pairs of the batch,
+    ``u = sort↑(π_c − π_r)``, ``v = sort↑(ref_c − ref_r)``, pair ``i``:
 
         d_i = u_i − v_i,    L_i = −(1 − ε) log σ(βd_i) − ε log σ(−βd_i)
 
