@@ -105,8 +105,13 @@ def with_cached_reference(model, tokenizer, rows):
 
 @pytest.mark.parametrize(
     "losses",
-    [{"loss_type": "sigmoid"}, {"loss_type": ["ipo", "sft"], "loss_weights": [1.0, 0.5]}],
-    ids=["sigmoid", "ipo+sft"],
+    [
+        {"loss_type": "sigmoid"},
+        {"loss_type": ["ipo", "sft"], "loss_weights": [1.0, 0.5]},
+        {"loss_type": ["f_divergence", "orpo"], "f_divergence_type": "js_divergence", "use_weighting": True},
+        {"loss_type": "simpo", "ld_alpha": 0.5, "use_weighting": True},
+    ],
+    ids=["sigmoid", "ipo+sft", "f_divergence+orpo-wpo", "simpo-ld-wpo"],
 )
 def test_gradient_accumulation_matches_one_large_batch(tiny, pairs, tmp_path, losses):
     """2 micro-batches x 2 accumulation steps make the same SGD update as one batch of 4."""
