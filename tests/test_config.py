@@ -51,6 +51,26 @@ def test_dpo_defaults_and_loss_options():
     combined = load_config(None, ["dpo.loss_type=[sigmoid, sft]", "dpo.loss_weights=[1.0, 0.2]"]).dpo
     assert combined.loss_type == ["sigmoid", "sft"] and combined.loss_weights == [1.0, 0.2]
     assert load_config(None, ["dpo.reference=live", "dpo.sync_ref_model=true"]).dpo.sync_ref_model
+    assert (dpo.use_weighting, dpo.ld_alpha, dpo.f_divergence_type) == (False, None, "reverse_kl")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["dpo.loss_type=aot", "dpo.label_smoothing=0.1"],
+        ["dpo.loss_type=aot_pair"],
+        ["dpo.loss_type=f_divergence", "dpo.f_divergence_type=alpha_divergence", "dpo.f_alpha=0.3"],
+        ["dpo.loss_type=simpo", "dpo.beta=2.0", "dpo.simpo_gamma=1.0"],
+        ["dpo.loss_type=cpo", "dpo.cpo_alpha=0.5"],
+        ["dpo.loss_type=orpo", "dpo.orpo_lambda=0.2", "dpo.reference=none"],
+        ["dpo.loss_type=[simpo, sft]", "dpo.loss_weights=[1.0, 0.1]", "dpo.use_weighting=true", "dpo.ld_alpha=0.5"],
+    ],
+)
+def test_new_dpo_objectives_load_with_their_hyperparameters(overrides):
+    dpo = load_config(None, overrides).dpo
+    for override in overrides:
+        field, value = override.removeprefix("dpo.").split("=")
+        assert getattr(dpo, field) == yaml.safe_load(value), field
 
 
 @pytest.mark.parametrize(
@@ -64,6 +84,22 @@ def test_dpo_defaults_and_loss_options():
         (["dpo.label_smoothing=0.5"], "label_smoothing"),
         (["dpo.sync_ref_model=true"], "sync_ref_model needs reference: live"),
         (["dpo.reference=none", "dpo.sync_ref_model=true"], "sync_ref_model needs reference: live"),
+        # the objectives of issue 17: unknown names, missing and invalid hyperparameters
+        (["dpo.loss_type=simpoo"], "dpo.loss_type"),
+        (["dpo.loss_type=f_divergence", "dpo.f_divergence_type=hellinger"], "f_divergence_type"),
+        (["dpo.loss_type=f_divergence", "dpo.f_divergence_type=null"], "f_divergence_type"),
+        (["dpo.loss_type=f_divergence", "dpo.f_alpha=0.3"], "f_alpha: 0.3 has no effect with f_divergence_type"),
+        (["dpo.loss_type=f_divergence", "dpo.f_divergence_type=alpha_divergence", "dpo.f_alpha=0"], "f_alpha"),
+        (["dpo.loss_type=simpo", "dpo.simpo_gamma=-1"], "simpo_gamma"),
+        (["dpo.loss_type=simpo", "dpo.simpo_gamma=null"], "simpo_gamma"),
+        (["dpo.loss_type=sigmoid", "dpo.simpo_gamma=1.0"], "simpo_gamma: 1.0 has no effect"),
+        (["dpo.loss_type=cpo", "dpo.cpo_alpha=-0.5"], "cpo_alpha"),
+        (["dpo.loss_type=orpo", "dpo.orpo_lambda=0"], "orpo_lambda"),
+        (["dpo.loss_type=orpo", "dpo.cpo_alpha=2"], "cpo_alpha: 2.0 has no effect"),
+        (["dpo.ld_alpha=1.5"], "ld_alpha"),
+        (["dpo.use_weighting=maybe"], "use_weighting"),
+        (["dpo.loss_type=simpo", "dpo.reference=live"], "reference: live loads a reference model"),
+        (["dpo.loss_type=[cpo, sft]", "dpo.reference=live", "dpo.sync_ref_model=true"], "reference: live loads"),
     ],
 )
 def test_invalid_dpo_options_are_config_errors(overrides, message):

@@ -8,7 +8,7 @@ from transformers import TrainerCallback
 
 from trainers.collators import PreferenceCollator
 from trainers.data import Truncation, tokenize_split
-from trainers.dpo import DPOConfig, DPOTrainer
+from trainers.dpo import DPOConfig, DPOTrainer, ld_token_weights, wpo_pair_weights
 from trainers.losses import PREFERENCE_LOSSES
 from trainers.reference import reference_logps
 from trainers.stages.dpo import DPOStageConfig
@@ -105,8 +105,13 @@ def with_cached_reference(model, tokenizer, rows):
 
 @pytest.mark.parametrize(
     "losses",
-    [{"loss_type": "sigmoid"}, {"loss_type": ["ipo", "sft"], "loss_weights": [1.0, 0.5]}],
-    ids=["sigmoid", "ipo+sft"],
+    [
+        {"loss_type": "sigmoid"},
+        {"loss_type": ["ipo", "sft"], "loss_weights": [1.0, 0.5]},
+        {"loss_type": ["f_divergence", "orpo"], "f_divergence_type": "js_divergence", "use_weighting": True},
+        {"loss_type": "simpo", "ld_alpha": 0.5, "use_weighting": True},
+    ],
+    ids=["sigmoid", "ipo+sft", "f_divergence+orpo-wpo", "simpo-ld-wpo"],
 )
 def test_gradient_accumulation_matches_one_large_batch(tiny, pairs, tmp_path, losses):
     """2 micro-batches x 2 accumulation steps make the same SGD update as one batch of 4."""
@@ -139,25 +144,38 @@ def test_gradient_accumulation_matches_one_large_batch(tiny, pairs, tmp_path, lo
 LOSS_RUNS = {name: {"loss_type": name} for name in sorted(PREFERENCE_LOSSES)} | {
     "robust-smoothed": {"loss_type": "robust", "label_smoothing": 0.1},
     "sigmoid+sft": {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]},
+    "simpo+sft": {"loss_type": ["simpo", "sft"], "loss_weights": [1.0, 0.5]},
+    "f_divergence-forward_kl": {"loss_type": "f_divergence", "f_divergence_type": "forward_kl"},
+    "f_divergence-js_divergence": {"loss_type": "f_divergence", "f_divergence_type": "js_divergence"},
+    "f_divergence-alpha_divergence": {"loss_type": "f_divergence", "f_divergence_type": "alpha_divergence"},
+    "sigmoid-wpo": {"loss_type": "sigmoid", "use_weighting": True},
+    "sigmoid-ld": {"loss_type": "sigmoid", "ld_alpha": 0.5},
+    "simpo-wpo-ld": {"loss_type": "simpo", "use_weighting": True, "ld_alpha": 0.5},
 }
 
 
 @pytest.mark.parametrize("name", sorted(LOSS_RUNS))
 def test_short_run_changes_every_parameter_and_leaves_the_live_reference_unchanged(tiny, pairs, tmp_path, name):
+    """Every objective trains; one that needs a reference gets a live one and leaves it unchanged, a
+    reference-free one runs under the default ``reference: cached`` with no reference model and
+    no ``ref_*`` columns in its rows: it reads no reference at all."""
     model, tokenizer = tiny
     policy, reference = copy.deepcopy(model), copy.deepcopy(model)
     policy_before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     reference_before = {n: p.detach().clone() for n, p in reference.named_parameters()}
-    make_trainer(
+    needs_reference = DPOStageConfig(**LOSS_RUNS[name]).objective().needs_reference
+    trainer = make_trainer(
         policy,
         tokenizer,
         pairs[:4],
         tmp_path,
-        ref_model=reference,
+        ref_model=reference if needs_reference else None,
         max_steps=1,
         per_device_train_batch_size=4,
         **LOSS_RUNS[name],
-    ).train()
+    )
+    assert trainer.reference_mode == ("live" if needs_reference else "none")
+    trainer.train()
     assert [n for n, p in policy.named_parameters() if torch.equal(p, policy_before[n])] == []
     assert [n for n, p in reference.named_parameters() if not torch.equal(p, reference_before[n])] == []
 
@@ -319,3 +337,117 @@ def test_a_cached_reference_trainer_refuses_a_reference_model_and_missing_column
     trainer = make_trainer(model, tokenizer, pairs[:4], tmp_path)
     with pytest.raises(ValueError, match="reference='cached' needs the columns"):
         trainer.compute_loss(model, PreferenceCollator(tokenizer.pad_token_id)(pairs[:4]))
+
+
+def uneven_rows(model, tokenizer, pairs):
+    """Pairs whose chosen and rejected completions differ in length, both ways, with cached
+    reference columns (:func:`with_cached_reference`)."""
+    rows = []
+    for i, r in enumerate(pairs[:4]):
+        longer = r["chosen_ids"] + r["rejected_ids"] + r["chosen_ids"][: i + 1]
+        chosen, rejected = (longer, r["rejected_ids"]) if i % 2 == 0 else (r["chosen_ids"], longer)
+        rows.append(dict(r, chosen_ids=chosen, rejected_ids=rejected))
+    return with_cached_reference(model, tokenizer, rows)
+
+
+def naive_token_terms(model, prompt_ids, completion_ids):
+    """Per completion token, with plain float64 ops on one unpadded sequence: log p(y_t) (with
+    gradient) and log p(y_t) − log Σ_v p_v² (without)."""
+    sequence = torch.tensor([prompt_ids + completion_ids])
+    logits = model(sequence).logits[0].double()
+    logps, wpo = [], []
+    for position in range(len(prompt_ids) - 1, len(prompt_ids) + len(completion_ids) - 1):
+        log_probs = torch.log_softmax(logits[position], -1)
+        logp = log_probs[sequence[0, position + 1]]
+        logps.append(logp)
+        wpo.append(logp.item() - math.log(sum(p * p for p in log_probs.detach().exp().tolist())))
+    return logps, wpo
+
+
+def naive_option_loss(model, rows, beta, ld_alpha, use_weighting):
+    """The sigmoid loss with LD-DPO and WPO written out per pair from :func:`naive_token_terms`."""
+    total = 0
+    for r in rows:
+        chosen, chosen_wpo = naive_token_terms(model, r["prompt_ids"], r["chosen_ids"])
+        rejected, rejected_wpo = naive_token_terms(model, r["prompt_ids"], r["rejected_ids"])
+        public = min(len(chosen), len(rejected))  # l_p: tokens beyond it are scaled by α
+        alpha = 1.0 if ld_alpha is None else ld_alpha
+        chosen_ld, rejected_ld = (sum(x[:public]) + alpha * sum(x[public:]) for x in (chosen, rejected))
+        margin = (chosen_ld - r["ref_chosen_logps"]) - (rejected_ld - r["ref_rejected_logps"])
+        weight = 1.0
+        if use_weighting:
+            weight = min(1.0, math.exp(sum(chosen_wpo) / len(chosen) + sum(rejected_wpo) / len(rejected)))
+        total = total - weight * torch.nn.functional.logsigmoid(beta * margin)
+    return total / len(rows)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"ld_alpha": 0.3}, {"use_weighting": True}, {"ld_alpha": 0.6, "use_weighting": True}],
+    ids=["ld", "wpo", "ld+wpo"],
+)
+def test_ld_alpha_and_wpo_weighting_match_the_per_token_formula_in_float64(tiny, pairs, tmp_path, options):
+    """Loss and every parameter's gradient equal the per-token formulas, written here with plain
+    log_softmax per sequence in float64; WPO weights carry no gradient; the reference columns are
+    read as cached (LD-DPO scales the policy's log-probs only)."""
+    model, tokenizer = tiny
+    rows = uneven_rows(model, tokenizer, pairs)
+    policy = copy.deepcopy(model).double().eval()
+    trainer = make_trainer(policy, tokenizer, rows, tmp_path, **options)
+    loss = trainer.compute_loss(policy, PreferenceCollator(tokenizer.pad_token_id)(rows))
+    loss.backward()
+    got = {n: p.grad.clone() for n, p in policy.named_parameters()}
+    policy.zero_grad()
+    want = naive_option_loss(policy, rows, 0.5, options.get("ld_alpha"), options.get("use_weighting", False))
+    want.backward()
+    assert loss.dtype == torch.float64
+    assert loss.item() == pytest.approx(want.item(), abs=1e-6)
+    for name, p in policy.named_parameters():
+        assert torch.allclose(got[name], p.grad, atol=1e-6, rtol=0), name
+    plain = make_trainer(policy, tokenizer, rows, tmp_path).compute_loss(
+        policy, PreferenceCollator(tokenizer.pad_token_id)(rows)
+    )
+    assert abs(plain.item() - loss.item()) > 1e-3  # the option does something on these pairs
+    if options.get("use_weighting"):
+        weights = trainer.window_metrics["eval"]["wpo/weights"]  # the policy is in eval mode
+        assert weights and 0.1 < weights[-1] < 0.99  # some pairs below 1, some clamped at 1
+
+
+def test_ld_token_weights_split_each_pair_at_its_shorter_completion():
+    # rows: chosen 0, chosen 1, rejected 0, rejected 1; completion tokens marked 1
+    completion_mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 0, 0], [0, 1, 1, 0, 0], [0, 0, 1, 1, 1]])
+    a = 0.25
+    want = torch.tensor(
+        [[1, 1, 1, a, 1], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1], [1, 1, 1, a, a]],
+        dtype=torch.float32,
+    )
+    assert torch.equal(ld_token_weights(completion_mask, a), want)
+
+
+def test_wpo_pair_weights_are_clamped_products():
+    chosen, rejected = torch.tensor([-0.5, 0.4, 0.1]), torch.tensor([-0.25, -0.1, 0.2])
+    want = [min(1.0, math.exp(c + r)) for c, r in zip(chosen.tolist(), rejected.tolist())]
+    assert wpo_pair_weights(chosen, rejected).tolist() == pytest.approx(want, abs=1e-7)
+
+
+def test_reference_free_objective_reads_no_reference_and_refuses_a_live_one(tiny, pairs, tmp_path):
+    """simpo under the default reference: cached needs no ref_* columns (the reference log-probs
+    are never read), and a live reference model is an error in the section and in the trainer."""
+    model, tokenizer = tiny
+    trainer = make_trainer(model, tokenizer, pairs[:4], tmp_path, loss_type="simpo", beta=2.0)
+    assert (trainer.args.reference, trainer.reference_mode) == ("cached", "none")
+    model.eval()
+    loss = trainer.compute_loss(model, PreferenceCollator(tokenizer.pad_token_id)(pairs[:4]))
+    scores = [
+        (
+            naive_row_scores(model, r["prompt_ids"], r["chosen_ids"]),
+            naive_row_scores(model, r["prompt_ids"], r["rejected_ids"]),
+        )
+        for r in pairs[:4]
+    ]
+    z = [2.0 * (c[0] / c[2] - j[0] / j[2]) - 0.5 for c, j in scores]
+    assert loss.item() == pytest.approx(sum(math.log1p(math.exp(-v)) for v in z) / 4, abs=1e-5)
+    with pytest.raises(ValueError, match="reference: live loads a reference model that \\['simpo'\\] never reads"):
+        make_trainer(model, tokenizer, pairs[:4], tmp_path, ref_model=copy.deepcopy(model), loss_type="simpo")
+    with pytest.raises(ValueError, match="reference: live loads a reference model"):
+        DPOStageConfig(loss_type=["orpo", "sft"], reference="live")

@@ -2,6 +2,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -94,6 +95,36 @@ def test_completion_logps_equals_naive_sum_over_completion_tokens(tiny):
             assert abs(got.logps[row].item() - expected.item()) <= 1e-5
             assert abs(fallback.logps[row].item() - expected.item()) <= 1e-5
             assert abs(got.logit_sums[row].item() - mean_logits.item()) <= 1e-5
+
+
+def test_completion_logps_options_weight_tokens_and_give_wpo_terms_and_are_off_by_default(tiny):
+    """``token_weights`` of ones is bit-identical to none; other weights scale each token's
+    log-prob; ``wpo_terms`` gives, per row, the mean of log p(y_t) − log Σ_v p_v² (chunked like the
+    log-probs; here one position per chunk), without gradient."""
+    model, tokenizer = tiny
+    prompts, completions = [[10, 11, 12, 14], [13, 15]], [[20, 21], [22, 23, 24, 25, 2]]
+    batch = prompt_completion_batch(prompts, completions, tokenizer.pad_token_id)
+    ids, attention, mask = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+    plain = completion_logps(model, ids, attention, mask)
+    assert plain.wpo_logweights is None
+    ones = completion_logps(model, ids, attention, mask, token_weights=torch.ones(ids.shape))
+    assert torch.equal(ones.logps, plain.logps)
+    weights = torch.rand(ids.shape, dtype=torch.float64)
+    with patch("trainers.logprobs.CHUNK_ELEMENTS", 1):
+        got = completion_logps(model, ids, attention, mask, token_weights=weights, wpo_terms=True)
+    assert got.wpo_logweights.requires_grad is False and got.logps.requires_grad
+    with torch.no_grad():
+        for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+            sequence = torch.tensor([prompt + completion])
+            log_probs = torch.log_softmax(model(sequence).logits[0].double(), -1)
+            positions = range(len(prompt) - 1, len(prompt) + len(completion) - 1)
+            token = [log_probs[p, sequence[0, p + 1]].item() for p in positions]
+            collision = [torch.logsumexp(2 * log_probs[p], -1).item() for p in positions]
+            # position p predicts token p + 1, whose weight is weights[row, p + 1]
+            weighted = sum(weights[row, p + 1].item() * t for p, t in zip(positions, token))
+            assert abs(got.logps[row].item() - weighted) <= 1e-5
+            wpo = sum(t - c for t, c in zip(token, collision)) / len(completion)
+            assert abs(got.wpo_logweights[row].item() - wpo) <= 1e-5
 
 
 def test_completion_logps_gradient_equals_naive_gradient(tiny):

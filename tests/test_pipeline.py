@@ -197,6 +197,23 @@ def test_each_stage_receives_only_its_own_inputs(first_run):
     assert all("rewards/accuracies" in report.rows[model] for model in ("base", "dpo", "grpo"))
 
 
+def test_reference_free_objective_runs_with_no_reference_cache_task(prefect_api_url):
+    """simpo declares that it needs no reference: under the default `reference: cached` the flow
+    runs DPO with no cache-reference-logps task, the DPO run carries no reference-cache key, and
+    the evaluation reports no implicit rewards (there is no reference to measure them against)."""
+    config = load_config(MINIMAL, ["stages=[dpo]", "dpo.loss_type=simpo", "dpo.beta=2.0"])
+    assert config.dpo.reference == "cached"
+    flow_run_id, report = run_flow(config)
+    states = task_states(flow_run_id)
+    assert [name for name in states if name.startswith("cache-reference-logps")] == []
+    assert states["train-dpo"] == "Completed"
+    client, _, children = parent_and_children(flow_run_id)
+    dpo = client.get_run(children["dpo"].info.run_id)
+    assert "alignflow.reference_cache_key" not in dpo.data.tags and not dpo.inputs.dataset_inputs
+    assert dpo.data.params["dpo.loss_type"] == "simpo"
+    assert "rewards/accuracies" not in report.rows["dpo"]
+
+
 BAD_ROWS = {
     "missing": ({"prompt": "1+1=", "rejected": "3"}, "row 1: field 'chosen' is missing"),
     "empty": ({"prompt": "1+1=", "chosen": "", "rejected": "3"}, "row 1: field 'chosen' is an empty completion"),

@@ -98,6 +98,25 @@ def test_reference_free_stage_loads_no_reference(handles, tmp_path):
     assert "ref_chosen_logps" not in trainer.train_dataset.column_names
 
 
+@pytest.mark.parametrize("loss_type", ["simpo", "cpo", "orpo", "sft", "[simpo, sft]"])
+def test_reference_free_objective_needs_no_reference_logps_under_the_default_cached_reference(
+    loss_type, handles, tmp_path
+):
+    """The objective declares it needs no reference: the flow builds no reference cache for it and
+    the trainer reads none, though ``reference`` keeps its default ``cached``."""
+    section = load_config(None, [f"dpo.loss_type={loss_type}"]).dpo
+    assert section.reference == "cached" and section.reference_source() == "none"
+    assert not STAGES["dpo"].needs_reference_logps(section)
+    trainer = build("dpo", section, handles, tmp_path)
+    assert trainer.ref_model is None and trainer.reference_mode == "none"
+    assert "ref_chosen_logps" not in trainer.train_dataset.column_names
+
+
+def test_an_objective_with_a_reference_still_needs_the_cache():
+    for overrides in (["dpo.loss_type=[simpo, sigmoid]"], ["dpo.loss_type=aot"], ["dpo.loss_type=f_divergence"]):
+        assert STAGES["dpo"].needs_reference_logps(load_config(None, overrides).dpo), overrides
+
+
 def test_grpo_loads_its_kl_anchor_only_with_a_kl_term(handles, tmp_path):
     assert build("grpo", load_config(None).grpo, handles, tmp_path).ref_model is None
     anchored = build("grpo", load_config(None, ["grpo.beta=0.1"]).grpo, handles, tmp_path)

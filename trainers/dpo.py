@@ -2,8 +2,13 @@
 
 Per step: one forward of the policy over the concatenated ``[chosen; rejected]`` batch, summed
 completion log-probs, reference log-probs from a live frozen reference model, cached columns
-(default in the pipeline), or zeros (reference-free), then the registered loss(es) chosen by
-``loss_type``, weighted by ``loss_weights``.
+(default in the pipeline), or zeros (reference-free: ``reference='none'``, or an objective whose
+losses all declare ``needs_reference=False``, which then runs no reference at all), then the
+registered loss(es) chosen by ``loss_type``, weighted by ``loss_weights``.
+
+Two options apply to any loss: ``ld_alpha`` (LD-DPO) scales the policy's log-probs of the tokens
+beyond the pair's shorter completion; ``use_weighting`` (WPO) weights each pair's loss by
+:func:`wpo_pair_weights`.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from trainers.collators import REF_COLUMNS
 from trainers.logprobs import CompletionLogps, completion_logps
 from trainers.losses import LossParams, PairLogps, PreferenceHyperparameters, resolve_losses, reward_metrics
 from trainers.sections import section_fields
-from trainers.stages.dpo import DPOStageConfig
+from trainers.stages.dpo import DPOStageConfig, reference_source
 
 # Metrics summed over the logging window and the processes; every other metric is averaged.
 SUMMED_METRICS = {"num_tokens"}
@@ -51,6 +56,34 @@ class RunningMean:
         return self.total / self.count if self.count else 0.0
 
 
+def ld_token_weights(completion_mask: torch.Tensor, alpha: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """LD-DPO (Liu et al., 2024, arXiv:2409.06411) token weights for ``[chosen; rejected]`` rows:
+    1 for the first ``l_p = min(|y_c|, |y_r|)`` tokens of each completion (the "public" length of
+    the pair), ``α`` for the tokens beyond it, so the policy's log-prob of a completion becomes
+
+        log π̂(y) = Σ_{t ≤ l_p} log π(y_t | ·) + α Σ_{t > l_p} log π(y_t | ·)
+
+    (shaped like ``completion_mask``, in ``dtype``; prompt and padding positions get 1 and are not scored)."""
+    half = completion_mask.shape[0] // 2
+    lengths = completion_mask.sum(1)
+    public = torch.minimum(lengths[:half], lengths[half:]).repeat(2)
+    position = completion_mask.cumsum(1)  # t: 1-based index of a completion token in its completion
+    beyond = (position > public[:, None]) & completion_mask.bool()
+    return torch.where(beyond, torch.tensor(alpha, dtype=dtype), torch.tensor(1.0, dtype=dtype))
+
+
+def wpo_pair_weights(chosen_logweights: torch.Tensor, rejected_logweights: torch.Tensor) -> torch.Tensor:
+    """WPO (Zhou et al., 2024, arXiv:2406.11827, eq. 2 with its per-token normalisation): the weight
+    of a pair is the product of its completions' length-normalised probabilities under the policy,
+    each token's probability divided by ``Σ_v p_v²`` (its expectation under the policy's own
+    sampling), clamped at 1 so a weight only ever lowers a pair's loss:
+
+        w(y) = exp( (1/|y|) Σ_t [log π(y_t | ·) − log Σ_v π(v | ·)²] ),    w = min(1, w(y_c) w(y_r))
+
+    The inputs are ``CompletionLogps.wpo_logweights``, computed without gradient."""
+    return torch.exp(chosen_logweights + rejected_logweights).clamp(max=1.0)
+
+
 class DPOTrainer(Trainer):
     loss_is_scaled_for_ga = False  # compute_loss returns a per-micro-batch mean
 
@@ -59,7 +92,9 @@ class DPOTrainer(Trainer):
         hyperparameters = {name: getattr(self.args, name) for name in PreferenceHyperparameters.model_fields}
         self.loss_params = LossParams(**hyperparameters)
         self.objective = resolve_losses(self.args.loss_type, self.args.loss_weights, self.loss_params)
-        if (ref_model is not None) != (self.args.reference == "live"):
+        # "none" for a reference-free objective: no reference forward, no cached columns read
+        self.reference_mode = reference_source(self.args.reference, self.objective)
+        if (ref_model is not None) != (self.reference_mode == "live"):
             raise ValueError(f"reference={self.args.reference!r}: pass a ref_model exactly when reference='live'")
         self.ref_model = None
         if ref_model is not None:
@@ -74,11 +109,11 @@ class DPOTrainer(Trainer):
 
     def reference_logps(self, inputs: dict[str, torch.Tensor], batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The live reference model's (``reference='live'``), the cached ``ref_*`` columns
-        (``'cached'``) or zeros (``'none'``, reference-free)."""
-        if self.args.reference == "none":
+        (``'cached'``) or zeros (``'none'``, or a reference-free objective)."""
+        if self.reference_mode == "none":
             zeros = torch.zeros(batch_size, device=inputs["input_ids"].device)
             return zeros, zeros
-        if self.args.reference == "live":
+        if self.reference_mode == "live":
             with torch.no_grad():
                 ref = completion_logps(
                     self.ref_model, inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"]
@@ -100,7 +135,15 @@ class DPOTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         batch_size = inputs["input_ids"].shape[0] // 2
-        policy = completion_logps(model, inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"])
+        options = {}
+        if self.args.ld_alpha is not None:
+            dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)  # that of the log-probs
+            options["token_weights"] = ld_token_weights(inputs["completion_mask"], self.args.ld_alpha, dtype)
+        if self.args.use_weighting:
+            options["wpo_terms"] = True
+        policy = completion_logps(
+            model, inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"], **options
+        )
         ref_chosen, ref_rejected = self.reference_logps(inputs, batch_size)
         pairs = PairLogps(
             chosen=policy.logps[:batch_size],
@@ -114,8 +157,12 @@ class DPOTrainer(Trainer):
         if self.objective.stateful:
             params = params.model_copy(update={"reward_shift": self.reward_shift(pairs, model.training)})
         losses, components = self.objective(pairs, params)
-        loss = losses.mean()
         metrics = self.batch_metrics(pairs, policy, components, inputs["attention_mask"])
+        if self.args.use_weighting:
+            weights = wpo_pair_weights(policy.wpo_logweights[:batch_size], policy.wpo_logweights[batch_size:])
+            losses = losses * weights.to(losses.dtype)
+            metrics["wpo/weights"] = weights.mean()
+        loss = losses.mean()
         self.record_metrics(metrics, "train" if model.training else "eval")
         return (loss, {"chosen_logps": pairs.chosen, "rejected_logps": pairs.rejected}) if return_outputs else loss
 

@@ -33,6 +33,9 @@ class CompletionLogps(NamedTuple):
     logps: torch.Tensor  # Σ_t m_t · log p(x_t | x_<t); differentiable
     num_tokens: torch.Tensor  # Σ_t m_t: completion tokens scored
     logit_sums: torch.Tensor  # Σ_t m_t · mean_v z_{t,v}: for the ``logits/*`` metrics; no gradient
+    # With ``wpo_terms=True``: (1/Σ_t m_t) Σ_t m_t [log p(x_t) − log Σ_v p_v²], WPO's log-weight of the
+    # row (unweighted token log-probs); no gradient. None otherwise.
+    wpo_logweights: torch.Tensor | None = None
 
 
 class TargetLogProbs(torch.autograd.Function):
@@ -84,16 +87,36 @@ def accepts_logits_to_keep(model_class: type) -> bool:
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
+def collision_logps(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``log Σ_v p_v²`` of ``softmax(logits[rows, cols])`` (the log-probability that two draws
+    agree), ``chunk`` positions at a time, without gradient; as :class:`TargetLogProbs`' dtype."""
+    out = torch.empty(rows.numel(), dtype=compute_dtype(logits), device=logits.device)
+    with torch.no_grad():
+        for start in range(0, rows.numel(), chunk):
+            part = slice(start, start + chunk)
+            block = logits[rows[part], cols[part]].to(out.dtype)
+            out[part] = (2 * block).logsumexp(-1) - 2 * block.logsumexp(-1)
+    return out
+
+
 def completion_logps(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     completion_mask: torch.Tensor,
+    *,
+    token_weights: torch.Tensor | None = None,
+    wpo_terms: bool = False,
 ) -> CompletionLogps:
     """Summed log-probs of the completion tokens of each row: ``sum_t m_t log p(x_t | x_<t)``.
 
     Position ``t`` of the logits predicts token ``t + 1``; prompt and padding carry ``m_t = 0``.
     One forward over all rows (the trainer passes chosen and rejected concatenated).
+
+    Options for the DPO trainer, which cost nothing when off (the reference cache never sets them):
+    ``token_weights`` (shaped like ``input_ids``, the weight ``w_t`` of token ``x_t``) makes ``logps``
+    ``sum_t m_t w_t log p(x_t | x_<t)`` (LD-DPO); ``wpo_terms`` fills ``wpo_logweights``, one more
+    pass over the vocabulary of the scored positions, without gradient (WPO).
     """
     scored = completion_mask[:, 1:].bool()  # scored[:, t]: position t predicts a completion token
     has_scored = scored.any(0)
@@ -111,10 +134,18 @@ def completion_logps(
     def per_row(values: torch.Tensor) -> torch.Tensor:
         return torch.zeros(input_ids.shape[0], dtype=values.dtype, device=values.device).index_add(0, rows, values)
 
+    num_tokens = scored.sum(-1).float()
+    wpo_logweights = None
+    if wpo_terms:
+        collisions = collision_logps(logits, rows, cols, chunk)
+        wpo_logweights = per_row(token_logps.detach() - collisions) / num_tokens.clamp(min=1).to(collisions.dtype)
+    if token_weights is not None:
+        token_logps = token_logps * token_weights[:, first + 1 :][rows, cols].to(token_logps.dtype)
     return CompletionLogps(
         logps=per_row(token_logps),
-        num_tokens=scored.sum(-1).float(),
+        num_tokens=num_tokens,
         logit_sums=per_row(token_means.detach()),
+        wpo_logweights=wpo_logweights,
     )
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -72,6 +72,9 @@ def reward_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor)
     }
 
 
+FDivergence = Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"]
+
+
 class PreferenceHyperparameters(BaseModel):
     """The hyperparameters of the registered losses: the one schema of these fields (the DPO
     config section inherits them, the trainer's arguments are built from that section)."""
@@ -82,9 +85,22 @@ class PreferenceHyperparameters(BaseModel):
         0.1, gt=0, description="β: scale of the log-ratios, e.g. −log σ(β·[(π_c − ref_c) − (π_r − ref_r)]) for sigmoid."
     )
     label_smoothing: float = Field(
-        0.0, ge=0.0, lt=0.5, description="ε: assumed label-flip rate, used by sigmoid (cDPO), robust and exo_pair."
+        0.0,
+        ge=0.0,
+        lt=0.5,
+        description="ε: assumed label-flip rate, used by sigmoid (cDPO), robust, exo_pair, aot, aot_pair, "
+        "f_divergence, simpo and cpo.",
     )
     discopop_tau: float = Field(0.05, gt=0, description="τ of the discopop loss.")
+    f_divergence_type: FDivergence = Field(
+        "reverse_kl",
+        description="f of the f_divergence loss (f-DPO): reverse_kl (= sigmoid), forward_kl, js_divergence or "
+        "alpha_divergence.",
+    )
+    f_alpha: float = Field(0.5, gt=0, description="α of f_divergence_type: alpha_divergence (1 is forward KL).")
+    simpo_gamma: float = Field(0.5, ge=0, description="γ, the target reward margin of simpo.")
+    cpo_alpha: float = Field(1.0, ge=0, description="α, the weight of the chosen NLL term of cpo.")
+    orpo_lambda: float = Field(0.1, gt=0, description="λ, the weight of the odds-ratio term of orpo.")
 
 
 # β also scales the logged implicit rewards, so it matters even to a loss that does not read it.
@@ -108,6 +124,7 @@ class PreferenceLoss:
     function: LossFunction
     hyperparameters: frozenset[str]  # fields of PreferenceHyperparameters the function reads
     stateful: bool = False  # reads ``params.reward_shift``, updated by the trainer on training steps
+    needs_reference: bool = True  # reads ``ref_chosen``/``ref_rejected``; False: reference-free objective
 
     def __call__(self, pairs: PairLogps, params: LossParams) -> torch.Tensor:
         return self.function(pairs, params)
@@ -119,14 +136,15 @@ LossName = PREFERENCE_LOSSES.name_type()
 
 
 def register_loss(
-    name: str, *, hyperparameters: Sequence[str], stateful: bool = False
+    name: str, *, hyperparameters: Sequence[str], stateful: bool = False, needs_reference: bool = True
 ) -> Callable[[LossFunction], LossFunction]:
     unknown = set(hyperparameters) - set(PreferenceHyperparameters.model_fields)
     if unknown:
         raise ValueError(f"loss {name!r} reads {sorted(unknown)}, which are not fields of PreferenceHyperparameters")
 
     def decorator(function: LossFunction) -> LossFunction:
-        PREFERENCE_LOSSES.add(name, PreferenceLoss(name, function, frozenset(hyperparameters), stateful))
+        loss = PreferenceLoss(name, function, frozenset(hyperparameters), stateful, needs_reference)
+        PREFERENCE_LOSSES.add(name, loss)
         return function
 
     return decorator
@@ -265,7 +283,7 @@ def discopop_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     return -F.logsigmoid(z) * (1 - modulation) + torch.exp(-z + F.logsigmoid(z / params.discopop_tau))
 
 
-@register_loss("sft", hyperparameters=())
+@register_loss("sft", hyperparameters=(), needs_reference=False)
 def sft_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     """Negative log-likelihood of the chosen completion, per token (RPO's NLL term, Pang et
     al., 2024, arXiv:2404.19733); the reference plays no part:
@@ -273,6 +291,126 @@ def sft_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
         L = −π_c / |y_c|
     """
     return -pairs.chosen / pairs.chosen_lengths.clamp(min=1)
+
+
+@register_loss("aot_pair", hyperparameters=("beta", "label_smoothing"))
+def aot_pair_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
+    """AOT on the reward distributions (Melnyk et al., 2024, arXiv:2406.05882): optimal transport in
+    one dimension makes the distribution of chosen rewards dominate that of rejected rewards in the
+    first order, quantile by quantile; it never uses which chosen goes with which rejected (the
+    paper's unpaired setting; the name follows TRL's). The sigmoid loss on *sorted* log-ratios: with
+    ``↑`` sorting over the pairs of the batch, ``u = sort↑(π_c − ref_c)``, ``v = sort↑(π_r − ref_r)``,
+    pair ``i``:
+
+        d_i = u_i − v_i,    L_i = −(1 − ε) log σ(βd_i) − ε log σ(−βd_i)
+
+    A batch-level loss: ``L_i`` depends on every pair of the batch it sorts, which is the
+    per-process micro-batch. Gradient accumulation and several processes therefore sort smaller
+    batches than one large batch would (like ``bco_pair``'s δ, per micro-batch); with one pair per
+    micro-batch it is the sigmoid loss.
+    """
+    chosen = torch.sort(pairs.chosen_logratios, dim=0).values
+    rejected = torch.sort(pairs.rejected_logratios, dim=0).values
+    return smoothed_sigmoid(params.beta * (chosen - rejected), params.label_smoothing)
+
+
+@register_loss("aot", hyperparameters=("beta", "label_smoothing"))
+def aot_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
+    """AOT on paired data (Melnyk et al., 2024, arXiv:2406.05882): the distribution of the policy's
+    per-pair log-likelihood ratios ``π_c − π_r`` should dominate the reference's ``ref_c − ref_r``
+    in the first order, quantile by quantile; sorted over the pairs of the batch,
+    ``u = sort↑(π_c − π_r)``, ``v = sort↑(ref_c − ref_r)``, pair ``i``:
+
+        d_i = u_i − v_i,    L_i = −(1 − ε) log σ(βd_i) − ε log σ(−βd_i)
+
+    Batch-level, sorted per micro-batch and process: see ``aot_pair``.
+    """
+    policy = torch.sort(pairs.chosen - pairs.rejected, dim=0).values
+    reference = torch.sort(pairs.ref_chosen - pairs.ref_rejected, dim=0).values
+    return smoothed_sigmoid(params.beta * (policy - reference), params.label_smoothing)
+
+
+def smoothed_sigmoid(z: torch.Tensor, eps: float) -> torch.Tensor:
+    """``−(1 − ε) log σ(z) − ε log σ(−z)``."""
+    return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+
+
+def capped_exp(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x)`` with ``x`` capped below the log of the dtype's largest value, so it stays finite."""
+    return torch.exp(x.clamp(max=math.log(torch.finfo(x.dtype).max) - 1))
+
+
+@register_loss("f_divergence", hyperparameters=("beta", "label_smoothing", "f_divergence_type", "f_alpha"))
+def f_divergence_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
+    """f-DPO (Wang et al., 2023, arXiv:2309.16240): DPO under a KL-regulariser generalised to an
+    f-divergence; the implicit reward is ``β f'(u)`` of the ratio ``u = π/ref``, with
+    ``ℓ = log u`` (``ℓ_c = π_c − ref_c``, ``ℓ_r = π_r − ref_r``):
+
+        reverse_kl        f'(u) = log u + 1            z = β(ℓ_c − ℓ_r) = βΔ           (DPO)
+        forward_kl        f'(u) = 1 − 1/u              z = β(e^{−ℓ_r} − e^{−ℓ_c})
+        js_divergence     f'(u) = log(2u/(1 + u))      z = β[(ℓ_c − log(1 + e^{ℓ_c})) − (ℓ_r − log(1 + e^{ℓ_r}))]
+        alpha_divergence  f'(u) = (1 − u^{−α})/α       z = β(e^{−αℓ_r} − e^{−αℓ_c})/α
+
+        L = −(1 − ε) log σ(z) − ε log σ(−z)
+
+    ``α = f_alpha``; ``alpha_divergence`` with α = 1 is ``forward_kl``. The exponentials are capped
+    below the dtype's overflow.
+    """
+    chosen, rejected = pairs.chosen_logratios, pairs.rejected_logratios
+    kind = params.f_divergence_type
+    if kind == "reverse_kl":
+        z = chosen - rejected
+    elif kind == "forward_kl":
+        z = capped_exp(-rejected) - capped_exp(-chosen)
+    elif kind == "js_divergence":
+        z = (chosen - F.softplus(chosen)) - (rejected - F.softplus(rejected))
+    else:  # alpha_divergence
+        alpha = params.f_alpha
+        z = (capped_exp(-alpha * rejected) - capped_exp(-alpha * chosen)) / alpha
+    return smoothed_sigmoid(params.beta * z, params.label_smoothing)
+
+
+@register_loss("simpo", hyperparameters=("beta", "label_smoothing", "simpo_gamma"), needs_reference=False)
+def simpo_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
+    """SimPO (Meng et al., 2024, arXiv:2405.14734): reference-free, the length-normalised policy
+    log-probs as the reward, with a target margin γ (and label smoothing ε):
+
+        z = β(π_c/|y_c| − π_r/|y_r|) − γ,    L = −(1 − ε) log σ(z) − ε log σ(−z)
+    """
+    chosen = pairs.chosen / pairs.chosen_lengths.clamp(min=1)
+    rejected = pairs.rejected / pairs.rejected_lengths.clamp(min=1)
+    return smoothed_sigmoid(params.beta * (chosen - rejected) - params.simpo_gamma, params.label_smoothing)
+
+
+@register_loss("cpo", hyperparameters=("beta", "label_smoothing", "cpo_alpha"), needs_reference=False)
+def cpo_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
+    """CPO (Xu et al., 2024, arXiv:2401.08417): reference-free DPO (a uniform reference) plus
+    α times the per-token NLL of the chosen completion:
+
+        z = β(π_c − π_r),    L = −(1 − ε) log σ(z) − ε log σ(−z) − α π_c/|y_c|
+    """
+    nll = -pairs.chosen / pairs.chosen_lengths.clamp(min=1)
+    return (
+        smoothed_sigmoid(params.beta * (pairs.chosen - pairs.rejected), params.label_smoothing) + params.cpo_alpha * nll
+    )
+
+
+@register_loss("orpo", hyperparameters=("orpo_lambda",), needs_reference=False)
+def orpo_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
+    """ORPO (Hong et al., 2024, arXiv:2403.07691): the chosen per-token NLL plus λ times the
+    log-odds-ratio term, on the average per-token log-probs ``a_c = π_c/|y_c|``, ``a_r = π_r/|y_r|``
+    (``odds(y) = P/(1 − P)`` with ``P = e^{a}``); reference-free:
+
+        log odds(y) = a − log(1 − e^{a}),
+        L = −a_c − λ log σ(log odds(y_c) − log odds(y_r))
+
+    ``log(1 − e^{a})`` is evaluated as ``log(−expm1(a))``; it is finite for ``a < 0`` (any completion
+    whose probability is below 1).
+    """
+    chosen = pairs.chosen / pairs.chosen_lengths.clamp(min=1)
+    rejected = pairs.rejected / pairs.rejected_lengths.clamp(min=1)
+    log_odds = (chosen - torch.log(-torch.expm1(chosen))) - (rejected - torch.log(-torch.expm1(rejected)))
+    return -chosen - params.orpo_lambda * F.logsigmoid(log_odds)
 
 
 @dataclass(frozen=True)
@@ -293,6 +431,11 @@ class LossMix:
     @property
     def hyperparameters(self) -> frozenset[str]:
         return frozenset().union(*(loss.hyperparameters for loss in self.losses))
+
+    @property
+    def needs_reference(self) -> bool:
+        """False when every loss is reference-free: then nothing reads reference log-probs."""
+        return any(loss.needs_reference for loss in self.losses)
 
     def __call__(self, pairs: PairLogps, params: LossParams) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-pair total loss, and each component's per-pair loss (unweighted) by name."""
@@ -326,4 +469,9 @@ def resolve_losses(
         if value != getattr(defaults, field):
             readers = sorted(loss.name for loss in PREFERENCE_LOSSES.values() if field in loss.hyperparameters)
             raise ValueError(f"{field}: {value} has no effect on {list(names)}; it is read by {readers}")
+    if hyperparameters.f_alpha != defaults.f_alpha and hyperparameters.f_divergence_type != "alpha_divergence":
+        raise ValueError(
+            f"f_alpha: {hyperparameters.f_alpha} has no effect with f_divergence_type: "
+            f"{hyperparameters.f_divergence_type}; it is read with alpha_divergence"
+        )
     return mix
