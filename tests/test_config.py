@@ -147,3 +147,48 @@ def test_a_plugin_module_registers_losses_and_rewards_that_the_config_then_accep
         load_config(None, ["plugins=[no_such_plugin]"])
     loss_choices = ExperimentConfig.model_json_schema()["$defs"]["DPOStageConfig"]["properties"]["loss_type"]
     assert "plugin_margin" in loss_choices["anyOf"][0]["enum"]  # the UI form lists it from now on
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["grpo.policy_loss=ppo"], "unknown policy_loss 'ppo'"),
+        (["grpo.importance_sampling_level=segment"], "unknown importance_sampling_level 'segment'"),
+        (["grpo.policy_loss=cispo"], "policy_loss 'cispo' at importance_sampling_level 'token' needs cispo_max_ratio"),
+        (["grpo.policy_loss=cispo", "grpo.cispo_max_ratio=1"], "cispo_max_ratio"),
+        (["grpo.sequence_epsilon=0.001"], "sequence_epsilon: 0.001 has no effect with policy_loss 'clip' at"),
+        (["grpo.importance_sampling_level=sequence", "grpo.epsilon=0.3"], "epsilon: 0.3 has no effect"),
+        (["grpo.policy_loss=sapo", "grpo.epsilon_high=0.28"], "epsilon_high: 0.28 has no effect"),
+        (["grpo.policy_loss=sapo", "grpo.delta=2"], "delta: 2.0 has no effect with policy_loss 'sapo'"),
+        (["grpo.sapo_temperature_neg=2"], "sapo_temperature_neg: 2.0 has no effect with policy_loss 'clip'"),
+        (["grpo.cispo_max_ratio=5"], "cispo_max_ratio: 5.0 has no effect"),
+        (["grpo.delta=1.1"], r"delta \(1.1\) must exceed 1 \+ epsilon_high \(1.2\)"),
+        (["grpo.delta=0.5"], "delta"),
+        (["grpo.use_bias_correction_kl=true"], "use_bias_correction_kl needs beta > 0"),
+        (["grpo.top_entropy_quantile=1.5"], "top_entropy_quantile"),
+        (["grpo.entropy_coef=-0.1"], "entropy_coef"),
+    ],
+)
+def test_invalid_grpo_objective_options_are_config_errors(overrides, message):
+    with pytest.raises(ValidationError, match=message):
+        load_config(None, overrides)
+
+
+def test_grpo_objective_options_that_load():
+    grpo = load_config(None).grpo
+    assert (grpo.policy_loss, grpo.importance_sampling_level, grpo.delta, grpo.entropy_coef) == (
+        "clip",
+        "token",
+        None,
+        0.0,
+    )
+    assert (grpo.use_bias_correction_kl, grpo.top_entropy_quantile) == (False, 1.0)
+    gspo = load_config(None, ["grpo.importance_sampling_level=sequence", "grpo.sequence_epsilon_high=0.001"]).grpo
+    assert (gspo.sequence_epsilon, gspo.sequence_epsilon_high) == (3e-4, 1e-3)
+    assert load_config(None, ["grpo.policy_loss=cispo", "grpo.cispo_max_ratio=5"]).grpo.cispo_max_ratio == 5.0
+    assert load_config(None, ["grpo.importance_sampling_level=sequence", "grpo.delta=1.1"]).grpo.delta == 1.1
+    options = ["grpo.beta=0.01", "grpo.use_bias_correction_kl=true", "grpo.top_entropy_quantile=0.2"]
+    assert load_config(None, [*options, "grpo.entropy_coef=0.001", "grpo.policy_loss=sapo"]).grpo.entropy_coef == 0.001
+    properties = ExperimentConfig.model_json_schema()["$defs"]["GRPOStageConfig"]["properties"]
+    assert properties["policy_loss"]["enum"] == ["cispo", "clip", "sapo"]
+    assert properties["importance_sampling_level"]["enum"] == ["sequence", "token"]
