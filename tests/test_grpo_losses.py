@@ -79,11 +79,22 @@ MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0,
         ("bnpo", (1 + 2 + 3 + 4 + 5) / 5),  # mean over counted tokens
         ("dr_grpo", (1 + 2 + 3 + 4 + 5) / (3 * 8)),  # sum / (B · max_completion_length)
         ("dapo", (1 + 2 + 3 + 4 + 5) / 7.5),  # sum / (generation batch tokens per step)
+        ("luspo", (1 + 2 + 3 + 4 + 5) / 3),  # sum / B
     ],
 )
 def test_each_loss_type_against_its_formula(loss_type, expected):
     loss = get_grpo_loss(loss_type)(PER_TOKEN, MASK, max_completion_length=8, tokens_per_step=7.5)
     assert loss.item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_luspo_weights_each_sequence_loss_by_its_length():
+    """At sequence level every token of a completion carries the same loss ℓ_i ([B, 1]): LUSPO is
+    Σ_i |o_i| ℓ_i / B."""
+    sequence_losses = torch.tensor([[2.0], [-3.0], [5.0]])
+    lengths = MASK.sum(-1).tolist()  # 3, 2, 0
+    expected = sum(n * loss for n, loss in zip(lengths, [2.0, -3.0, 5.0])) / 3
+    got = get_grpo_loss("luspo")(sequence_losses, MASK, max_completion_length=8, tokens_per_step=7.5)
+    assert got.item() == pytest.approx(expected, abs=1e-6)
 
 
 def test_unknown_loss_types_and_reward_scales_are_rejected_by_name():

@@ -291,6 +291,7 @@ def constant_reward(prompts, completions, **columns):
 OBJECTIVE_OPTIONS = {
     "gspo": dict(importance_sampling_level="sequence"),
     "gspo_wide": dict(importance_sampling_level="sequence", sequence_epsilon=0.2, sequence_epsilon_high=0.3),
+    "gspo_luspo": dict(importance_sampling_level="sequence", loss_type="luspo"),
     "cispo": dict(policy_loss="cispo", cispo_max_ratio=2.0),
     "sapo": dict(policy_loss="sapo"),
     "delta": dict(delta=1.5),

@@ -364,3 +364,17 @@ def dapo_loss(per_token_loss, mask, *, max_completion_length, tokens_per_step):
     optimizer step takes the mean of k big-batch losses.
     """
     return (per_token_loss * mask).sum() / max(float(tokens_per_step), 1.0)
+
+
+@register_grpo_loss("luspo")
+def luspo_loss(per_token_loss, mask, *, max_completion_length, tokens_per_step):
+    """LUSPO's length-weighted sequence loss (Length-Unbiased Sequence Policy Optimization,
+    arXiv:2602.05261, as TRL implements it): a constant normaliser, the number of completions,
+
+        L = 1/B Σ_i |o_i| ℓ_i = Σ_i Σ_t ℓ_{i,t} / B
+
+    where ℓ_i is the loss every token of ``o_i`` shares at ``importance_sampling_level: sequence``
+    (GSPO's ratio), so a completion weighs by its length; Dr. GRPO's sum with B in place of
+    B · L_max. Meant for the sequence level; at token level it is still Σ ℓ / B.
+    """
+    return (per_token_loss * mask).sum() / per_token_loss.shape[0]
