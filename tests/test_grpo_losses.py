@@ -3,11 +3,13 @@ per-token objectives (clip at token and sequence level = GSPO, cispo, sapo) and 
 
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
 
 from trainers.grpo_losses import (
+    GRPO_LOSSES,
     IMPORTANCE_LEVELS,
     POLICY_OBJECTIVES,
     ObjectiveParams,
@@ -409,3 +411,12 @@ def test_unknown_objectives_and_levels_are_rejected_by_name():
         IMPORTANCE_LEVELS.lookup("segment")
     assert sorted(POLICY_OBJECTIVES) == ["cispo", "clip", "sapo"]
     assert sorted(IMPORTANCE_LEVELS) == ["sequence", "token"]
+
+
+def test_the_readme_tables_list_every_registered_objective_level_and_aggregation():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("### GRPO objectives") :]
+    for name in [*POLICY_OBJECTIVES, *IMPORTANCE_LEVELS]:
+        assert f"| `{name}` |" in section, name
+    for name in GRPO_LOSSES:
+        assert f"`{name}`" in section, name
