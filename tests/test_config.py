@@ -192,3 +192,15 @@ def test_grpo_objective_options_that_load():
     properties = ExperimentConfig.model_json_schema()["$defs"]["GRPOStageConfig"]["properties"]
     assert properties["policy_loss"]["enum"] == ["cispo", "clip", "sapo"]
     assert properties["importance_sampling_level"]["enum"] == ["sequence", "token"]
+
+
+def test_a_grpo_objective_that_reads_no_section_field_is_a_config_error():
+    from trainers.grpo_losses import POLICY_OBJECTIVES, register_policy_objective
+
+    register_policy_objective("plugin_objective", hyperparameters=("plugin_tau",))(lambda *args: None)
+    try:
+        with pytest.raises(ValidationError, match=r"read \['plugin_tau'\], which are not fields of the section"):
+            load_config(None, ["grpo.policy_loss=plugin_objective"])
+    finally:
+        POLICY_OBJECTIVES.pop("plugin_objective")
+    assert load_config(None).grpo.policy_loss == "clip"

@@ -29,6 +29,7 @@ from trainers.grpo_losses import (
 )
 from trainers.rewards import REWARD_FUNCTIONS, get_reward, score_completions
 
+F64 = torch.float64
 REWARDS = [1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0, 0.0, 0.0, 0.0, 3.0]  # 3 prompts x G = 4
 
 
@@ -92,11 +93,13 @@ def test_each_loss_type_against_its_formula(loss_type, expected):
 def test_luspo_weights_each_sequence_loss_by_its_length():
     """At sequence level every token of a completion carries the same loss ℓ_i ([B, 1]): LUSPO is
     Σ_i |o_i| ℓ_i / B."""
-    sequence_losses = torch.tensor([[2.0], [-3.0], [5.0]])
+    sequence_losses = torch.tensor([[2.0], [-3.0], [5.0]], dtype=F64, requires_grad=True)
     lengths = MASK.sum(-1).tolist()  # 3, 2, 0
     expected = sum(n * loss for n, loss in zip(lengths, [2.0, -3.0, 5.0])) / 3
-    got = get_grpo_loss("luspo")(sequence_losses, MASK, max_completion_length=8, tokens_per_step=7.5)
-    assert got.item() == pytest.approx(expected, abs=1e-6)
+    got = get_grpo_loss("luspo")(sequence_losses, MASK.to(F64), max_completion_length=8, tokens_per_step=7.5)
+    assert got.item() == pytest.approx(expected, abs=1e-12)
+    got.backward()
+    assert sequence_losses.grad.flatten().tolist() == pytest.approx([n / 3 for n in lengths], abs=1e-12)  # |o_i| / B
 
 
 def test_unknown_loss_types_and_reward_scales_are_rejected_by_name():
@@ -138,7 +141,6 @@ def test_reward_names_resolve_by_registry_or_import_path():
 
 # ---- per-token objectives, importance levels and add-ons (fp64, against formulas written out here) ----
 
-F64 = torch.float64
 LOGPS = [[-1.2, -0.3, -2.0, -0.7], [-0.5, -1.5, -0.9, -3.0], [-0.1, -2.5, -0.4, -1.1]]
 OLD = [[-1.0, -0.9, -2.1, -0.2], [-0.6, -1.1, -0.2, -3.0], [-0.3, -2.0, -0.4, -1.0]]
 ADVANTAGES = [1.3, -0.8, 0.4]

@@ -136,6 +136,9 @@ def check_policy_options(options: Any) -> None:
     above the clip range, and the KL bias correction needs a KL term."""
     objective = POLICY_OBJECTIVES.lookup(options.policy_loss)
     level = IMPORTANCE_LEVELS.lookup(options.importance_sampling_level)
+    unknown = sorted(objective_fields() - GRPOStageConfig.model_fields.keys())
+    if unknown:
+        raise ValueError(f"GRPO objectives or importance levels read {unknown}, which are not fields of the section")
     reads = set(objective.hyperparameters) | (set(level.clip_range) if objective.clip_range else set())
     chosen = f"policy_loss {objective.name!r} at importance_sampling_level {level.name!r}"
     for field in sorted(objective_fields() - reads):
