@@ -296,6 +296,19 @@ def test_cispo_against_its_formula():
             assert math.exp(LOGPS[0][1] - OLD[0][1]) > cap and grad[0, 1] != 0
 
 
+def test_objective_metrics():
+    ratio = torch.tensor([[0.5, 1.0, 3.0, 3.0], [0.7, 2.5, 1.0, 1.0]])
+    advantages = torch.tensor([1.0, -1.0])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    capped = get_policy_objective("cispo").metrics(ratio, advantages, mask, params(cispo_max_ratio=2.0))
+    assert capped["cispo/capped_fraction"].item() == pytest.approx(2 / 5)  # 3.0 and 2.5; the padded 3.0 not
+    clip = get_policy_objective("clip").metrics(ratio, advantages, mask, params())
+    assert (clip["clip_ratio/low_mean"].item(), clip["clip_ratio/high_mean"].item()) == pytest.approx((1 / 5, 1 / 5))
+    sequence = get_policy_objective("clip").metrics(torch.tensor([[1.5], [1.0]]), advantages, mask, params())
+    assert sequence["clip_ratio/high_mean"].item() == pytest.approx(3 / 5)  # a clipped sequence counts per token
+    assert get_policy_objective("sapo").metrics is None
+
+
 def test_sapo_against_its_formula():
     tau_pos, tau_neg = 1.0, 1.05
     for level in ("token", "sequence"):

@@ -323,6 +323,7 @@ def test_a_short_run_per_objective_and_option_trains_the_policy_and_not_the_refe
     assert any(not torch.equal(p, b) for p, b in zip(trainer.model.parameters(), before))
     assert all(torch.equal(p, b) for p, b in zip(trainer.ref_model.parameters(), reference_before))
     assert ("clip_ratio/low_mean" in logs[0]) == (trainer.objective.name == "clip")
+    assert ("cispo/capped_fraction" in logs[0]) == (trainer.objective.name == "cispo")
     if option == "top_entropy_quantile":
         assert all(0.0 < log["entropy_mask/kept_fraction"] <= 0.5 for log in logs)
 

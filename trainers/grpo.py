@@ -34,7 +34,6 @@ from trainers.grpo_losses import (
     high_entropy_mask,
     k3_kl,
     masked_mean,
-    ratio_clip_fractions,
     token_entropy,
     weighted_rewards,
 )
@@ -358,9 +357,8 @@ class GRPOTrainer(Trainer):
         )
 
         with torch.no_grad():
-            if self.objective.clip_range:
-                low, high = ratio_clip_fractions(torch.exp(log_ratio), advantages, mask, *self.objective_params[:2])
-                metrics |= {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high}
+            if self.objective.metrics is not None:
+                metrics |= self.objective.metrics(torch.exp(log_ratio), advantages, mask, self.objective_params)
             if entropy is None:
                 entropy = -(torch.softmax(logits.float(), -1) * torch.log_softmax(logits.float(), -1)).sum(-1)
         metrics["entropy"] = masked_mean(entropy.detach(), mask)

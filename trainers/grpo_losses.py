@@ -226,17 +226,22 @@ class ObjectiveParams(NamedTuple):
 ObjectiveFunction = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor", ObjectiveParams], "torch.Tensor"]
 
 
+# (ρ [B, T] or [B, 1], detached; advantages [B]; mask [B, T]; params) -> named scalars for the logs
+ObjectiveMetrics = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor", ObjectiveParams], dict]
+
+
 @dataclass(frozen=True)
 class PolicyObjective:
     """A registered objective: its function, the section fields it reads (``clip_range``: also the
-    importance level's ``ε`` fields), those it cannot do without, and whether the clip metrics
-    (``clip_ratio/*``) describe it."""
+    importance level's ``ε`` fields), those it cannot do without, and the metrics that describe
+    it (computed without gradient at every step; ``None``: none)."""
 
     name: str
     function: ObjectiveFunction
     hyperparameters: frozenset[str]
     required: frozenset[str]
     clip_range: bool
+    metrics: ObjectiveMetrics | None = None
 
     def __call__(self, log_ratio, logps, advantages, params: ObjectiveParams) -> torch.Tensor:
         return self.function(log_ratio, logps, advantages, params)
@@ -248,17 +253,34 @@ PolicyObjectiveName = POLICY_OBJECTIVES.name_type()
 
 
 def register_policy_objective(
-    name: str, *, hyperparameters: Sequence[str] = (), required: Sequence[str] = (), clip_range: bool = False
+    name: str,
+    *,
+    hyperparameters: Sequence[str] = (),
+    required: Sequence[str] = (),
+    clip_range: bool = False,
+    metrics: ObjectiveMetrics | None = None,
 ) -> Callable[[ObjectiveFunction], ObjectiveFunction]:
     def decorator(function: ObjectiveFunction) -> ObjectiveFunction:
-        spec = PolicyObjective(name, function, frozenset(hyperparameters), frozenset(required), clip_range)
+        spec = PolicyObjective(name, function, frozenset(hyperparameters), frozenset(required), clip_range, metrics)
         POLICY_OBJECTIVES.add(name, spec)
         return function
 
     return decorator
 
 
-@register_policy_objective("clip", hyperparameters=("delta",), clip_range=True)
+def clip_metrics(ratio, advantages, mask, params) -> dict:
+    """``clip_ratio/low_mean``, ``clip_ratio/high_mean``: :func:`ratio_clip_fractions`."""
+    low, high = ratio_clip_fractions(ratio, advantages, mask, params.epsilon_low, params.epsilon_high)
+    return {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high}
+
+
+def cispo_metrics(ratio, advantages, mask, params) -> dict:
+    """``cispo/capped_fraction``: counted tokens whose weight the cap ρ_max binds (ρ > ρ_max)."""
+    capped = (ratio > params.cispo_max_ratio).float()
+    return {"cispo/capped_fraction": masked_mean(capped.expand_as(mask), mask)}
+
+
+@register_policy_objective("clip", hyperparameters=("delta",), clip_range=True, metrics=clip_metrics)
 def clip_objective(log_ratio, logps, advantages, params):
     """The clipped surrogate of PPO/GRPO (:func:`clipped_surrogate`) on the level's ratio ρ, with
     optional two-sided clipping (INTELLECT-2, arXiv:2505.07291, ``delta`` = δ > 1 + ε_high):
@@ -271,7 +293,9 @@ def clip_objective(log_ratio, logps, advantages, params):
     return clipped_ratio_loss(torch.exp(log_ratio), advantages, params.epsilon_low, params.epsilon_high, params.delta)
 
 
-@register_policy_objective("cispo", hyperparameters=("cispo_max_ratio",), required=("cispo_max_ratio",))
+@register_policy_objective(
+    "cispo", hyperparameters=("cispo_max_ratio",), required=("cispo_max_ratio",), metrics=cispo_metrics
+)
 def cispo_objective(log_ratio, logps, advantages, params):
     """CISPO (MiniMax-M1 report, arXiv:2506.13585): clip the importance *weight*, stop its
     gradient, and keep every token's policy gradient:
