@@ -216,3 +216,60 @@ def test_a_partial_config_keeps_every_default_it_does_not_set():
     )
     full = load_config("configs/minimal.yaml")
     assert merge_onto(full, defaults) == full
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["grpo.policy_loss=ppo"], "unknown policy_loss 'ppo'"),
+        (["grpo.importance_sampling_level=segment"], "unknown importance_sampling_level 'segment'"),
+        (["grpo.policy_loss=cispo"], "policy_loss 'cispo' at importance_sampling_level 'token' needs cispo_max_ratio"),
+        (["grpo.policy_loss=cispo", "grpo.cispo_max_ratio=1"], "cispo_max_ratio"),
+        (["grpo.sequence_epsilon=0.001"], "sequence_epsilon: 0.001 has no effect with policy_loss 'clip' at"),
+        (["grpo.importance_sampling_level=sequence", "grpo.epsilon=0.3"], "epsilon: 0.3 has no effect"),
+        (["grpo.policy_loss=sapo", "grpo.epsilon_high=0.28"], "epsilon_high: 0.28 has no effect"),
+        (["grpo.policy_loss=sapo", "grpo.delta=2"], "delta: 2.0 has no effect with policy_loss 'sapo'"),
+        (["grpo.sapo_temperature_neg=2"], "sapo_temperature_neg: 2.0 has no effect with policy_loss 'clip'"),
+        (["grpo.cispo_max_ratio=5"], "cispo_max_ratio: 5.0 has no effect"),
+        (["grpo.delta=1.1"], r"delta \(1.1\) must exceed 1 \+ epsilon_high \(1.2\)"),
+        (["grpo.delta=0.5"], "delta"),
+        (["grpo.use_bias_correction_kl=true"], "use_bias_correction_kl needs beta > 0"),
+        (["grpo.top_entropy_quantile=1.5"], "top_entropy_quantile"),
+        (["grpo.entropy_coef=-0.1"], "entropy_coef"),
+    ],
+)
+def test_invalid_grpo_objective_options_are_config_errors(overrides, message):
+    with pytest.raises(ValidationError, match=message):
+        load_config(None, overrides)
+
+
+def test_grpo_objective_options_that_load():
+    grpo = load_config(None).grpo
+    assert (grpo.policy_loss, grpo.importance_sampling_level, grpo.delta, grpo.entropy_coef) == (
+        "clip",
+        "token",
+        None,
+        0.0,
+    )
+    assert (grpo.use_bias_correction_kl, grpo.top_entropy_quantile) == (False, 1.0)
+    gspo = load_config(None, ["grpo.importance_sampling_level=sequence", "grpo.sequence_epsilon_high=0.001"]).grpo
+    assert (gspo.sequence_epsilon, gspo.sequence_epsilon_high) == (3e-4, 1e-3)
+    assert load_config(None, ["grpo.policy_loss=cispo", "grpo.cispo_max_ratio=5"]).grpo.cispo_max_ratio == 5.0
+    assert load_config(None, ["grpo.importance_sampling_level=sequence", "grpo.delta=1.1"]).grpo.delta == 1.1
+    options = ["grpo.beta=0.01", "grpo.use_bias_correction_kl=true", "grpo.top_entropy_quantile=0.2"]
+    assert load_config(None, [*options, "grpo.entropy_coef=0.001", "grpo.policy_loss=sapo"]).grpo.entropy_coef == 0.001
+    properties = ExperimentConfig.model_json_schema()["$defs"]["GRPOStageConfig"]["properties"]
+    assert properties["policy_loss"]["enum"] == ["cispo", "clip", "sapo"]
+    assert properties["importance_sampling_level"]["enum"] == ["sequence", "token"]
+
+
+def test_a_grpo_objective_that_reads_no_section_field_is_a_config_error():
+    from trainers.grpo_losses import POLICY_OBJECTIVES, register_policy_objective
+
+    register_policy_objective("plugin_objective", hyperparameters=("plugin_tau",))(lambda *args: None)
+    try:
+        with pytest.raises(ValidationError, match=r"read \['plugin_tau'\], which are not fields of the section"):
+            load_config(None, ["grpo.policy_loss=plugin_objective"])
+    finally:
+        POLICY_OBJECTIVES.pop("plugin_objective")
+    assert load_config(None).grpo.policy_loss == "clip"

@@ -1,21 +1,35 @@
-"""GRPO math against formulas written out here: advantages, clipping, k3, each loss_type, rewards."""
+"""GRPO math against formulas written out here: advantages, clipping, k3, each loss_type, rewards, and the
+per-token objectives (clip at token and sequence level = GSPO, cispo, sapo) and add-ons, in fp64 with gradients."""
 
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
 
 from trainers.grpo_losses import (
+    GRPO_LOSSES,
+    IMPORTANCE_LEVELS,
+    POLICY_OBJECTIVES,
+    ObjectiveParams,
+    bias_corrected_k3_kl,
     clip_fractions,
     clipped_surrogate,
     get_grpo_loss,
+    get_policy_objective,
     group_advantages,
+    high_entropy_mask,
     k3_kl,
+    sapo_objective,
+    sequence_log_ratio,
+    token_entropy,
+    token_log_ratio,
     weighted_rewards,
 )
 from trainers.rewards import REWARD_FUNCTIONS, get_reward, score_completions
 
+F64 = torch.float64
 REWARDS = [1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0, 0.0, 0.0, 0.0, 3.0]  # 3 prompts x G = 4
 
 
@@ -68,11 +82,24 @@ MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0,
         ("bnpo", (1 + 2 + 3 + 4 + 5) / 5),  # mean over counted tokens
         ("dr_grpo", (1 + 2 + 3 + 4 + 5) / (3 * 8)),  # sum / (B · max_completion_length)
         ("dapo", (1 + 2 + 3 + 4 + 5) / 7.5),  # sum / (generation batch tokens per step)
+        ("luspo", (1 + 2 + 3 + 4 + 5) / 3),  # sum / B
     ],
 )
 def test_each_loss_type_against_its_formula(loss_type, expected):
     loss = get_grpo_loss(loss_type)(PER_TOKEN, MASK, max_completion_length=8, tokens_per_step=7.5)
     assert loss.item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_luspo_weights_each_sequence_loss_by_its_length():
+    """At sequence level every token of a completion carries the same loss ℓ_i ([B, 1]): LUSPO is
+    Σ_i |o_i| ℓ_i / B."""
+    sequence_losses = torch.tensor([[2.0], [-3.0], [5.0]], dtype=F64, requires_grad=True)
+    lengths = MASK.sum(-1).tolist()  # 3, 2, 0
+    expected = sum(n * loss for n, loss in zip(lengths, [2.0, -3.0, 5.0])) / 3
+    got = get_grpo_loss("luspo")(sequence_losses, MASK.to(F64), max_completion_length=8, tokens_per_step=7.5)
+    assert got.item() == pytest.approx(expected, abs=1e-12)
+    got.backward()
+    assert sequence_losses.grad.flatten().tolist() == pytest.approx([n / 3 for n in lengths], abs=1e-12)  # |o_i| / B
 
 
 def test_unknown_loss_types_and_reward_scales_are_rejected_by_name():
@@ -110,3 +137,301 @@ def test_reward_names_resolve_by_registry_or_import_path():
         get_reward("correctness")(["p"], ["1"])
     with pytest.raises(ValueError, match="'format' returned 1 values for 2 completions"):
         score_completions([("format", lambda prompts, completions, **_: [1.0])], ["p", "q"], ["1", "2"], {})
+
+
+# ---- per-token objectives, importance levels and add-ons (fp64, against formulas written out here) ----
+
+LOGPS = [[-1.2, -0.3, -2.0, -0.7], [-0.5, -1.5, -0.9, -3.0], [-0.1, -2.5, -0.4, -1.1]]
+OLD = [[-1.0, -0.9, -2.1, -0.2], [-0.6, -1.1, -0.2, -3.0], [-0.3, -2.0, -0.4, -1.0]]
+ADVANTAGES = [1.3, -0.8, 0.4]
+TOKEN_MASK = [[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
+
+
+def leaf(values):
+    return torch.tensor(values, dtype=F64, requires_grad=True)
+
+
+def params(**overrides):
+    values = dict(epsilon_low=0.2, epsilon_high=0.28) | overrides
+    return ObjectiveParams(**values)
+
+
+def grpo_mean(per_row_token_losses):
+    """GRPO's aggregation written out: mean over rows of each row's mean over its counted tokens."""
+    return sum(sum(row) / len(row) for row in per_row_token_losses) / len(per_row_token_losses)
+
+
+def counted(row):
+    return [t for t, m in enumerate(TOKEN_MASK[row]) if m]
+
+
+def check_against(ours_loss, ours_logps, theirs_loss, theirs_logps):
+    """Values and gradients (w.r.t. the log-probs) agree to 1e-6 in fp64."""
+    assert ours_loss.item() == pytest.approx(theirs_loss.item(), abs=1e-6)
+    (ours_grad,) = torch.autograd.grad(ours_loss, ours_logps)
+    (theirs_grad,) = torch.autograd.grad(theirs_loss, theirs_logps)
+    assert torch.allclose(ours_grad, theirs_grad, atol=1e-6, rtol=0)
+    assert ours_grad.abs().max() > 1e-3  # the comparison is not between two zeros
+    return ours_grad
+
+
+def our_loss(objective, level, logps, old=OLD, advantages=ADVANTAGES, mask=TOKEN_MASK, **overrides):
+    mask = torch.tensor(mask, dtype=F64)
+    old = torch.tensor(old, dtype=F64)
+    log_ratio = IMPORTANCE_LEVELS.lookup(level).log_ratio(logps, old, mask)
+    per_token = get_policy_objective(objective)(
+        log_ratio, logps, torch.tensor(advantages, dtype=F64), params(**overrides)
+    )
+    return get_grpo_loss("grpo")(per_token, mask, max_completion_length=4, tokens_per_step=1.0)
+
+
+def test_sequence_ratio_is_the_length_normalised_geometric_mean():
+    logps = torch.tensor(LOGPS, dtype=F64)
+    got = sequence_log_ratio(logps, torch.tensor(OLD, dtype=F64), torch.tensor(TOKEN_MASK, dtype=F64))
+    assert got.shape == (3, 1)
+    for i in range(3):
+        ratios = [math.exp(LOGPS[i][t] - OLD[i][t]) for t in counted(i)]
+        geometric_mean = math.prod(ratios) ** (1 / len(ratios))
+        assert math.exp(got[i, 0].item()) == pytest.approx(geometric_mean, abs=1e-12)
+    assert token_log_ratio(logps, torch.tensor(OLD, dtype=F64), None).flatten().tolist() == pytest.approx(
+        [a - b for x, y in zip(LOGPS, OLD) for a, b in zip(x, y)], abs=1e-12
+    )
+
+
+@pytest.mark.parametrize("delta", [None, 1.5])
+def test_gspo_clip_objective_against_its_formula(delta):
+    """GSPO: J_i = min(s_i A_i, clip(s_i, 1 − ε, 1 + ε_high) A_i) per completion, s_i the geometric mean
+    ratio; the ε here (0.05 / 0.1) let some rows clip and some not."""
+    ours = leaf(LOGPS)
+    loss = our_loss("clip", "sequence", ours, epsilon_low=0.05, epsilon_high=0.1, delta=delta)
+
+    theirs = leaf(LOGPS)
+    rows = []
+    for i in range(3):
+        tokens = counted(i)
+        s = torch.exp(sum(theirs[i, t] - OLD[i][t] for t in tokens) / len(tokens))
+        a = ADVANTAGES[i]
+        unclipped = torch.clamp(s, max=delta) * a if delta is not None else s * a
+        objective = torch.minimum(unclipped, torch.clamp(s, 0.95, 1.1) * a)
+        rows.append([-objective] * len(tokens))
+    grad = check_against(loss, ours, grpo_mean(rows), theirs)
+    # every counted token of a row gets the same gradient (s_i A_i / |o_i| / B where unclipped)
+    for i in range(3):
+        assert len({round(grad[i, t].item(), 12) for t in counted(i)}) == 1
+
+
+def test_gspo_equals_token_level_grpo_when_every_completion_has_one_token():
+    mask = [[0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 1]]
+    token, sequence = leaf(LOGPS), leaf(LOGPS)
+    same = dict(mask=mask, epsilon_low=0.05, epsilon_high=0.1)
+    token_loss = our_loss("clip", "token", token, **same)
+    sequence_loss = our_loss("clip", "sequence", sequence, **same)
+    check_against(sequence_loss, sequence, token_loss, token)
+
+
+def test_gspo_differs_from_token_level_in_the_direction_the_paper_predicts():
+    """One positive-advantage completion of two tokens: one token's probability rose (ρ = e^0.5), the
+    other's fell (ρ = e^-0.5), so the sequence ratio is exactly 1 (geometric mean).
+
+    Token level, each token is weighted by its own ρ_t, and the clip zeroes the gradient of the token
+    that already rose: GRPO reinforces only the token that fell. GSPO (Zheng et al., 2025) weights all
+    tokens of a completion alike, by s_i = 1: it reinforces both equally, the whole completion at once.
+    A completion whose sequence ratio left the range gets no gradient at all under GSPO, while token
+    level still trains its in-range tokens."""
+    old = [[-1.0, -1.0]]
+    mask = [[1, 1]]
+    logps_values = [[-0.5, -1.5]]
+    token, sequence = leaf(logps_values), leaf(logps_values)
+    our_loss("clip", "token", token, old=old, advantages=[1.0], mask=mask).backward()
+    our_loss("clip", "sequence", sequence, old=old, advantages=[1.0], mask=mask).backward()
+    assert token.grad[0, 0] == 0.0 and token.grad[0, 1] < 0  # descent raises only the token that fell
+    assert sequence.grad[0, 0] < 0 and sequence.grad[0, 1] < 0  # descent raises both ...
+    assert sequence.grad[0, 0].item() == pytest.approx(sequence.grad[0, 1].item(), abs=1e-12)  # ... equally
+    assert sequence.grad[0, 0].item() == pytest.approx(-0.5, abs=1e-12)  # −s·A/|o| with s = 1
+    assert token.grad[0, 1].item() == pytest.approx(-math.exp(-0.5) / 2, abs=1e-12)  # −ρ_t·A/|o|
+
+    drifted = [[-0.9, -0.95]]  # both in token range [0.8, 1.28], but s = e^0.075 > 1 + 4e-4
+    token, sequence = leaf(drifted), leaf(drifted)
+    our_loss("clip", "token", token, old=old, advantages=[1.0], mask=mask).backward()
+    gspo = dict(epsilon_low=3e-4, epsilon_high=4e-4)
+    our_loss("clip", "sequence", sequence, old=old, advantages=[1.0], mask=mask, **gspo).backward()
+    assert (token.grad < 0).all() and (sequence.grad == 0).all()
+
+
+def test_two_sided_clipping_caps_only_negative_advantages():
+    ratios = [0.5, 1.0, 1.5, 3.0, 6.0]
+    logps = leaf([[math.log(r) for r in ratios]] * 2)
+    old = torch.zeros(2, 5, dtype=F64)
+    advantages = torch.tensor([1.0, -2.0], dtype=F64)
+    loss = clipped_surrogate(logps, old, advantages, 0.2, 0.28, delta=4.0)
+    plain = clipped_surrogate(logps.detach(), old, advantages, 0.2, 0.28)
+    # A = −2: ℓ = −min(min(ρ, 4)·(−2), clip(ρ, 0.8, 1.28)·(−2)) = 2·max(min(ρ, 4), clip(ρ))
+    expected = [2 * max(min(r, 4.0), min(max(r, 0.8), 1.28)) for r in ratios]
+    assert loss[1].tolist() == pytest.approx(expected, abs=1e-12)
+    assert torch.equal(loss[0], plain[0])  # A > 0: δ > 1 + ε_high changes nothing
+    loss.sum().backward()
+    # d/dlogρ of 2·min(ρ, 4) is 2ρ below δ and 0 above; the clip binds (0) only for ρ < 0.8
+    assert logps.grad[1].tolist() == pytest.approx([0.0, 2.0, 3.0, 6.0, 0.0], abs=1e-12)
+
+
+def test_cispo_against_its_formula():
+    """ℓ_t = −sg(min(ρ_t, ρ_max)) A log π_t: value and gradient −min(ρ_t, ρ_max) A; weights above the
+    cap (and, at sequence level, the shared s_i) are written out independently."""
+    cap = 1.5
+    for level in ("token", "sequence"):
+        ours = leaf(LOGPS)
+        loss = our_loss("cispo", level, ours, cispo_max_ratio=cap)
+        theirs = leaf(LOGPS)
+        rows = []
+        for i in range(3):
+            tokens = counted(i)
+            if level == "token":
+                weights = [min(math.exp(LOGPS[i][t] - OLD[i][t]), cap) for t in tokens]
+            else:
+                s = math.exp(sum(LOGPS[i][t] - OLD[i][t] for t in tokens) / len(tokens))
+                weights = [min(s, cap)] * len(tokens)
+            rows.append([-w * ADVANTAGES[i] * theirs[i, t] for w, t in zip(weights, tokens)])
+        grad = check_against(loss, ours, grpo_mean(rows), theirs)
+        if level == "token":  # the cap binds somewhere, and the capped token still gets a gradient
+            assert math.exp(LOGPS[0][1] - OLD[0][1]) > cap and grad[0, 1] != 0
+
+
+def test_objective_metrics():
+    ratio = torch.tensor([[0.5, 1.0, 3.0, 3.0], [0.7, 2.5, 1.0, 1.0]])
+    advantages = torch.tensor([1.0, -1.0])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    capped = get_policy_objective("cispo").metrics(ratio, advantages, mask, params(cispo_max_ratio=2.0))
+    assert capped["cispo/capped_fraction"].item() == pytest.approx(2 / 5)  # 3.0 and 2.5; the padded 3.0 not
+    clip = get_policy_objective("clip").metrics(ratio, advantages, mask, params())
+    assert (clip["clip_ratio/low_mean"].item(), clip["clip_ratio/high_mean"].item()) == pytest.approx((1 / 5, 1 / 5))
+    sequence = get_policy_objective("clip").metrics(torch.tensor([[1.5], [1.0]]), advantages, mask, params())
+    assert sequence["clip_ratio/high_mean"].item() == pytest.approx(3 / 5)  # a clipped sequence counts per token
+    assert get_policy_objective("sapo").metrics is None
+
+
+def test_sapo_against_its_formula():
+    tau_pos, tau_neg = 1.0, 1.05
+    for level in ("token", "sequence"):
+        ours = leaf(LOGPS)
+        loss = our_loss("sapo", level, ours, sapo_temperature_pos=tau_pos, sapo_temperature_neg=tau_neg)
+        theirs = leaf(LOGPS)
+        rows = []
+        for i in range(3):
+            tokens = counted(i)
+            a = ADVANTAGES[i]
+            tau = tau_pos if a > 0 else tau_neg
+            if level == "token":
+                ratios = [torch.exp(theirs[i, t] - OLD[i][t]) for t in tokens]
+            else:
+                ratios = [torch.exp(sum(theirs[i, t] - OLD[i][t] for t in tokens) / len(tokens))] * len(tokens)
+            rows.append([-(4 / tau) * torch.sigmoid(tau * (r - 1)) * a for r in ratios])
+        check_against(loss, ours, grpo_mean(rows), theirs)
+
+    # gradient in closed form, −4σ(1 − σ)·ρ·A, and −A on-policy
+    logps = leaf([[math.log(0.7), 0.0, math.log(1.6)]])
+    per_token = sapo_objective(logps, logps, torch.tensor([-1.0], dtype=F64), params())
+    per_token.sum().backward()
+    for r, g in zip((0.7, 1.0, 1.6), logps.grad[0].tolist()):
+        sigma = 1 / (1 + math.exp(-tau_neg * (r - 1)))
+        assert g == pytest.approx(4 * sigma * (1 - sigma) * r, abs=1e-12)
+    assert logps.grad[0, 1].item() == pytest.approx(1.0, abs=1e-12)
+
+
+def test_objectives_finite_difference_gradients():
+    """The same gradients, checked by finite differences instead of a second formula."""
+    mask = torch.tensor(TOKEN_MASK, dtype=F64)
+    old = torch.tensor(OLD, dtype=F64)
+    advantages = torch.tensor(ADVANTAGES, dtype=F64)
+    for name, level, extra in [
+        ("clip", "sequence", dict(epsilon_low=0.05, epsilon_high=0.1, delta=1.2)),
+        ("sapo", "token", {}),
+        ("sapo", "sequence", {}),
+    ]:
+        objective, log_ratio = get_policy_objective(name), IMPORTANCE_LEVELS.lookup(level).log_ratio
+
+        def loss(logps, objective=objective, log_ratio=log_ratio, extra=extra):
+            per_token = objective(log_ratio(logps, old, mask), logps, advantages, params(**extra))
+            return get_grpo_loss("bnpo")(per_token, mask, max_completion_length=4, tokens_per_step=1.0)
+
+        assert torch.autograd.gradcheck(loss, (leaf(LOGPS),), eps=1e-6, atol=1e-6)
+
+
+def test_bias_corrected_kl_value_and_gradient():
+    ref = [[-1.0, -0.2, -2.5], [-0.4, -1.0, -0.1]]
+    logps_values = [[-1.2, -0.3, -2.0], [-0.5, -1.5, -0.9]]
+    old = [[-1.0, -0.9, -2.1], [-0.5, -1.5, -0.9]]  # row 2 on-policy
+    logps = leaf(logps_values)
+    kl = bias_corrected_k3_kl(logps, torch.tensor(old, dtype=F64), torch.tensor(ref, dtype=F64))
+    kl.sum().backward()
+    for i in range(2):
+        for t in range(3):
+            lp, o, r = logps_values[i][t], old[i][t], ref[i][t]
+            rho, k3 = math.exp(lp - o), math.exp(r - lp) - (r - lp) - 1
+            assert kl[i, t].item() == pytest.approx(rho * k3, abs=1e-12)
+            # d/dlp [ρ·k3] = ρ·k3 + ρ·(1 − e^{r − lp})
+            assert logps.grad[i, t].item() == pytest.approx(rho * k3 + rho * (1 - math.exp(r - lp)), abs=1e-12)
+    # on-policy the value is plain k3 but the gradient is log π − log π_ref (reverse-KL score), not 1 − π_ref/π
+    plain = leaf(logps_values)
+    k3_kl(plain, torch.tensor(ref, dtype=F64)).sum().backward()
+    for t in range(3):
+        lp, r = logps_values[1][t], ref[1][t]
+        assert logps.grad[1, t].item() == pytest.approx(lp - r, abs=1e-12)
+        assert plain.grad[1, t].item() == pytest.approx(1 - math.exp(r - lp), abs=1e-12)
+
+
+def test_token_entropy_and_its_gradient():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 5, dtype=F64, requires_grad=True)
+    entropy = token_entropy(logits)
+    weights = torch.randn(2, 3, dtype=F64)
+    (entropy * weights).sum().backward()
+    for b in range(2):
+        for t in range(3):
+            z = logits[b, t].tolist()
+            norm = math.log(sum(math.exp(v) for v in z))
+            p = [math.exp(v - norm) for v in z]
+            h = -sum(pv * math.log(pv) for pv in p)
+            assert entropy[b, t].item() == pytest.approx(h, abs=1e-12)
+            # ∂H/∂z_v = −p_v (log p_v + H)
+            expected = [-pv * (math.log(pv) + h) * weights[b, t].item() for pv in p]
+            assert logits.grad[b, t].tolist() == pytest.approx(expected, abs=1e-12)
+    assert token_entropy(torch.zeros(1, 1, 7)).item() == pytest.approx(math.log(7), abs=1e-6)
+
+
+def linear_quantile(values, q):
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q
+    below = math.floor(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (position - below) * (ordered[above] - ordered[below])
+
+
+@pytest.mark.parametrize("quantile", [0.2, 0.5, 1.0, 0.0])
+def test_high_entropy_mask_keeps_the_top_quantile_of_counted_tokens(quantile):
+    entropy = torch.tensor([[0.1, 2.0, 0.7, 9.0], [1.5, 0.3, 50.0, 0.0], [0.9, 1.1, 2.5, 0.2]], dtype=F64)
+    mask = torch.tensor(TOKEN_MASK, dtype=F64)  # the 9.0 and 50.0 sit on padding and must not count
+    values = [entropy[i, t].item() for i in range(3) for t in counted(i)]
+    threshold = linear_quantile(values, 1 - quantile)
+    expected = [[float(TOKEN_MASK[i][t] and entropy[i, t].item() >= threshold) for t in range(4)] for i in range(3)]
+    got = high_entropy_mask(entropy, mask, quantile)
+    assert got.tolist() == expected
+    assert got.sum().item() == {0.2: 2, 0.5: 5, 1.0: 9, 0.0: 1}[quantile]  # of the 9 counted tokens
+    assert high_entropy_mask(entropy, torch.zeros_like(mask), quantile).sum() == 0
+
+
+def test_unknown_objectives_and_levels_are_rejected_by_name():
+    with pytest.raises(ValueError, match="unknown policy_loss 'ppo'"):
+        get_policy_objective("ppo")
+    with pytest.raises(ValueError, match="unknown importance_sampling_level 'segment'"):
+        IMPORTANCE_LEVELS.lookup("segment")
+    assert sorted(POLICY_OBJECTIVES) == ["cispo", "clip", "sapo"]
+    assert sorted(IMPORTANCE_LEVELS) == ["sequence", "token"]
+
+
+def test_the_readme_tables_list_every_registered_objective_level_and_aggregation():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("### GRPO objectives") :]
+    for name in [*POLICY_OBJECTIVES, *IMPORTANCE_LEVELS]:
+        assert f"| `{name}` |" in section, name
+    for name in GRPO_LOSSES:
+        assert f"`{name}`" in section, name

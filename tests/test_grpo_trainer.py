@@ -2,6 +2,7 @@
 masking, resume, metrics. Rewards come from real reward functions; nothing is mocked."""
 
 import copy
+import math
 
 import datasets
 import pytest
@@ -280,3 +281,100 @@ def test_config_errors_are_clear(tmp_path):
     assert (args.steps_per_generation, args.layout.steps_per_generation, args.reuses_generations) == (None, 3, False)
     assert GRPOConfig(**common, num_generations=2, num_iterations=2).reuses_generations
     assert (args.epsilon_high, args.upper_epsilon) == (None, args.epsilon)
+
+
+def constant_reward(prompts, completions, **columns):
+    """Every completion gets the same reward: all advantages are 0."""
+    return [1.0] * len(completions)
+
+
+OBJECTIVE_OPTIONS = {
+    "gspo": dict(importance_sampling_level="sequence"),
+    "gspo_wide": dict(importance_sampling_level="sequence", sequence_epsilon=0.2, sequence_epsilon_high=0.3),
+    "gspo_luspo": dict(importance_sampling_level="sequence", loss_type="luspo"),
+    "cispo": dict(policy_loss="cispo", cispo_max_ratio=2.0),
+    "sapo": dict(policy_loss="sapo"),
+    "delta": dict(delta=1.5),
+    "bias_corrected_kl": dict(use_bias_correction_kl=True),
+    "entropy_bonus": dict(entropy_coef=0.01),
+    "top_entropy_quantile": dict(top_entropy_quantile=0.2),
+}
+
+
+@pytest.mark.parametrize("option", sorted(OBJECTIVE_OPTIONS))
+def test_a_short_run_per_objective_and_option_trains_the_policy_and_not_the_reference(tiny, prompts, tmp_path, option):
+    """Two optimizer steps of two micro-steps each over one generation batch reused twice
+    (num_iterations 2: ratios move away from 1), with β > 0 so a reference model is loaded."""
+    trainer = make_trainer(
+        tiny,
+        prompts,
+        tmp_path,
+        beta=0.1,
+        num_iterations=2,
+        steps_per_generation=2,
+        max_steps=2,
+        **OBJECTIVE_OPTIONS[option],
+    )
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    reference_before = [p.detach().clone() for p in trainer.ref_model.parameters()]
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(logs) == 2 and all(math.isfinite(log["loss"]) and log["kl"] >= 0 for log in logs)
+    assert any(not torch.equal(p, b) for p, b in zip(trainer.model.parameters(), before))
+    assert all(torch.equal(p, b) for p, b in zip(trainer.ref_model.parameters(), reference_before))
+    assert ("clip_ratio/low_mean" in logs[0]) == (trainer.objective.name == "clip")
+    assert ("cispo/capped_fraction" in logs[0]) == (trainer.objective.name == "cispo")
+    if option == "top_entropy_quantile":
+        assert all(0.0 < log["entropy_mask/kept_fraction"] <= 0.5 for log in logs)
+
+
+@pytest.mark.parametrize("entropy_coef, moves", [(0.0, False), (0.05, True)])
+def test_the_entropy_bonus_alone_moves_the_policy(tiny, prompts, tmp_path, entropy_coef, moves):
+    """With equal rewards every advantage is 0 and β = 0: the policy term has no gradient, so the
+    parameters move exactly when the entropy bonus is on."""
+    model, tokenizer = tiny
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+        save_strategy="no",
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=4,
+        learning_rate=1e-2,
+        max_steps=2,
+        optim="sgd",
+        entropy_coef=entropy_coef,
+    )
+    trainer = GRPOTrainer(
+        model=copy.deepcopy(model),
+        args=args,
+        train_dataset=datasets.Dataset.from_list(prompts),
+        processing_class=tokenizer,
+        reward_funcs=[constant_reward],
+    )
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    moved = any(not torch.equal(p, b) for p, b in zip(trainer.model.parameters(), before))
+    assert moved == moves
+
+
+def test_objective_options_are_checked_when_the_arguments_are_built(tmp_path):
+    common = dict(output_dir=str(tmp_path), report_to=[], per_device_train_batch_size=4, num_generations=2)
+    with pytest.raises(
+        ValueError, match="policy_loss 'cispo' at importance_sampling_level 'token' needs cispo_max_ratio"
+    ):
+        GRPOConfig(**common, policy_loss="cispo")
+    with pytest.raises(ValueError, match="epsilon_high: 0.28 has no effect with policy_loss 'clip' at importance_"):
+        GRPOConfig(**common, importance_sampling_level="sequence", epsilon_high=0.28)
+    with pytest.raises(ValueError, match=r"delta \(1.2\) must exceed 1 \+ epsilon_high \(1.28\)"):
+        GRPOConfig(**common, epsilon_high=0.28, delta=1.2)
+    with pytest.raises(ValueError, match="use_bias_correction_kl needs beta > 0"):
+        GRPOConfig(**common, use_bias_correction_kl=True)
+    gspo = GRPOConfig(**common, importance_sampling_level="sequence")
+    assert gspo.clip_range == (3e-4, 4e-4) and GRPOConfig(**common).clip_range == (0.2, 0.2)
+    section = GRPOStageConfig(per_device_train_batch_size=4, num_generations=2, policy_loss="sapo")
+    assert (
+        section.training_arguments(GRPOConfig, output_dir=str(tmp_path)).objective_params.sapo_temperature_neg == 1.05
+    )

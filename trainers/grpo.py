@@ -4,8 +4,10 @@ Per generation batch (``generation_batch_size`` completions = prompts × ``num_g
 sample completions from the policy (eval mode, no grad, KV cache), cut each at its first EOS,
 score them with the reward functions, turn rewards into group-relative advantages, and, when
 the batch is reused off-policy, record the sampling policy's log-probs. The batch is then served
-as ``steps_per_generation`` slices, each once per iteration (``num_iterations``), to the clipped
-surrogate loss (plus ``β``·k3 KL to a frozen reference when ``β > 0``).
+as ``steps_per_generation`` slices, each once per iteration (``num_iterations``), to the loss:
+the per-token objective (``policy_loss``) of the importance ratio (``importance_sampling_level``),
+plus the options that ask for it (entropy bonus, high-entropy token mask, ``β``·k3 KL to a frozen
+reference when ``β > 0``), aggregated by ``loss_type``.
 """
 
 from __future__ import annotations
@@ -23,12 +25,16 @@ from transformers import GenerationConfig, PreTrainedModel, Trainer, TrainingArg
 
 from trainers.collators import pad_left, prompt_completion_batch
 from trainers.grpo_losses import (
-    clip_fractions,
-    clipped_surrogate,
+    IMPORTANCE_LEVELS,
+    ObjectiveParams,
+    bias_corrected_k3_kl,
     get_grpo_loss,
+    get_policy_objective,
     group_advantages,
+    high_entropy_mask,
     k3_kl,
     masked_mean,
+    token_entropy,
     weighted_rewards,
 )
 from trainers.layout import GenerationLayout, resolve_layout
@@ -36,7 +42,7 @@ from trainers.logprobs import next_token_logps
 from trainers.rewards import RewardFunction, resolve_rewards, score_completions
 from trainers.samplers import generation_dataloader
 from trainers.sections import section_fields
-from trainers.stages.grpo import COMPLETIONS_LOG_KEY, GRPOStageConfig
+from trainers.stages.grpo import COMPLETIONS_LOG_KEY, GRPOStageConfig, check_policy_options
 
 
 @dataclass
@@ -52,6 +58,7 @@ class GRPOConfig(TrainingArguments):
     def __post_init__(self):
         super().__post_init__()
         self.layout  # noqa: B018  (check the batch arithmetic now, not at the first step)
+        check_policy_options(self)
 
     @property
     def layout(self) -> GenerationLayout:
@@ -69,6 +76,26 @@ class GRPOConfig(TrainingArguments):
     def upper_epsilon(self) -> float:
         """ε_high of the clip, ``epsilon`` unless set."""
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """``(ε_low, ε_high)`` of the importance level in use (``epsilon``/``epsilon_high`` per
+        token, ``sequence_epsilon``/``sequence_epsilon_high`` for GSPO); ε_high defaults to ε_low."""
+        low_field, high_field = IMPORTANCE_LEVELS.lookup(self.importance_sampling_level).clip_range
+        low, high = getattr(self, low_field), getattr(self, high_field)
+        return low, low if high is None else high
+
+    @property
+    def objective_params(self) -> ObjectiveParams:
+        low, high = self.clip_range
+        return ObjectiveParams(
+            epsilon_low=low,
+            epsilon_high=high,
+            delta=self.delta,
+            cispo_max_ratio=self.cispo_max_ratio,
+            sapo_temperature_pos=self.sapo_temperature_pos,
+            sapo_temperature_neg=self.sapo_temperature_neg,
+        )
 
     @property
     def reuses_generations(self) -> bool:
@@ -143,6 +170,9 @@ class GRPOTrainer(Trainer):
             )
         args: GRPOConfig = self.args
         self.loss_fn = get_grpo_loss(args.loss_type)
+        self.objective = get_policy_objective(args.policy_loss)
+        self.log_ratio = IMPORTANCE_LEVELS.lookup(args.importance_sampling_level).log_ratio
+        self.objective_params = args.objective_params
         self.reward_functions, weights = resolve_rewards(
             reward_funcs if reward_funcs is not None else args.reward_funcs, args.reward_weights
         )
@@ -290,14 +320,33 @@ class GRPOTrainer(Trainer):
     # ---- loss ------------------------------------------------------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Per token: the objective of the importance ratio, minus ``entropy_coef``·H (when
+        non-zero), times the high-entropy mask (when ``top_entropy_quantile`` < 1), plus β·KL; then
+        the ``loss_type`` aggregation. Entropy with gradient is computed only for the bonus."""
         args: GRPOConfig = self.args
         logps, logits = next_token_logps(model, inputs["input_ids"], inputs["attention_mask"], args.temperature)
         mask = inputs["completion_mask"][:, 1:].to(logps.dtype)
         old_logps = inputs["old_logps"] if "old_logps" in inputs else logps.detach()
-        per_token = clipped_surrogate(logps, old_logps, inputs["advantages"], args.epsilon, args.upper_epsilon)
+        advantages = inputs["advantages"]
+        log_ratio = self.log_ratio(logps, old_logps, mask)
+        per_token = self.objective(log_ratio, logps, advantages, self.objective_params)
+        entropy = None
+        if args.entropy_coef:
+            entropy = token_entropy(logits)
+            per_token = per_token - args.entropy_coef * entropy
         metrics = {}
+        if args.top_entropy_quantile < 1.0:
+            if entropy is None:
+                with torch.no_grad():
+                    entropy = token_entropy(logits)
+            selected = high_entropy_mask(entropy.detach(), mask, args.top_entropy_quantile)
+            per_token = per_token * selected
+            metrics["entropy_mask/kept_fraction"] = masked_mean(selected, mask)
         if "ref_logps" in inputs:
-            kl = k3_kl(logps, inputs["ref_logps"])
+            if args.use_bias_correction_kl:
+                kl = bias_corrected_k3_kl(logps, old_logps, inputs["ref_logps"])
+            else:
+                kl = k3_kl(logps, inputs["ref_logps"])
             per_token = per_token + args.beta * kl
             metrics["kl"] = masked_mean(kl.detach(), mask)
         loss = self.loss_fn(
@@ -308,9 +357,11 @@ class GRPOTrainer(Trainer):
         )
 
         with torch.no_grad():
-            low, high = clip_fractions(logps, old_logps, inputs["advantages"], mask, args.epsilon, args.upper_epsilon)
-            entropy = -(torch.softmax(logits.float(), -1) * torch.log_softmax(logits.float(), -1)).sum(-1)
-        metrics |= {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "entropy": masked_mean(entropy, mask)}
+            if self.objective.metrics is not None:
+                metrics |= self.objective.metrics(torch.exp(log_ratio), advantages, mask, self.objective_params)
+            if entropy is None:
+                entropy = -(torch.softmax(logits.float(), -1) * torch.log_softmax(logits.float(), -1)).sum(-1)
+        metrics["entropy"] = masked_mean(entropy.detach(), mask)
         self.record_step(metrics)
         return (loss, {"logps": logps}) if return_outputs else loss
 

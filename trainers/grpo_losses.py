@@ -1,12 +1,20 @@
-"""GRPO's math as pure functions: advantages, the clipped surrogate, the k3 KL and the
-registered aggregations (``loss_type``) of per-token losses into one scalar.
+"""GRPO's math as pure functions, in three kinds:
 
-Shapes: ``[B, T]`` per-token tensors with a 0/1 ``mask`` of the completion tokens that count.
+* the **per-token objective** (``policy_loss``: the clipped surrogate ``clip``, ``cispo``,
+  ``sapo``) of the **importance ratio** (``importance_sampling_level``: per token, or GSPO's
+  length-normalised sequence ratio);
+* **add-ons** to the per-token loss: the k3 KL (optionally bias-corrected), an entropy bonus, and
+  the mask that keeps only the highest-entropy tokens;
+* the **aggregation** (``loss_type``) of per-token losses into one scalar.
+
+Shapes: ``[B, T]`` per-token tensors with a 0/1 ``mask`` of the completion tokens that count; a
+sequence-level ratio has shape ``[B, 1]`` and broadcasts.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol, Sequence
 
 from trainers.lazy import LazyModule
 from trainers.registry import Registry
@@ -54,7 +62,12 @@ def weighted_rewards(scores: torch.Tensor, weights: torch.Tensor) -> torch.Tenso
 
 
 def clipped_surrogate(
-    logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, epsilon_low: float, epsilon_high: float
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    epsilon_low: float,
+    epsilon_high: float,
+    delta: float | None = None,
 ) -> torch.Tensor:
     """PPO's clipped objective (Schulman et al., 2017) per token, as in GRPO, with DAPO's
     decoupled upper bound (Yu et al., 2025, arXiv:2503.14476):
@@ -63,11 +76,21 @@ def clipped_surrogate(
         ℓ_t = −min(ρ_t · A,  clip(ρ_t, 1 − ε_low, 1 + ε_high) · A)
 
     ``A`` is the completion's advantage, shape ``[B]``. On-policy (π_old = π, detached) ρ = 1
-    and the gradient is −A ∇log π.
+    and the gradient is −A ∇log π. ``delta``: two-sided clipping, see :func:`clip_objective`.
     """
-    ratio = torch.exp(logps - old_logps)
+    return clipped_ratio_loss(torch.exp(logps - old_logps), advantages, epsilon_low, epsilon_high, delta)
+
+
+def clipped_ratio_loss(
+    ratio: torch.Tensor, advantages: torch.Tensor, epsilon_low: float, epsilon_high: float, delta: float | None
+) -> torch.Tensor:
+    """``−min(min(ρ, δ) · A, clip(ρ, 1 − ε_low, 1 + ε_high) · A)`` for a ratio ``[B, T]`` or ``[B, 1]``
+    (no ``min(ρ, δ)`` when ``delta`` is None)."""
     advantages = advantages.unsqueeze(1)
-    return -torch.min(ratio * advantages, ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * advantages)
+    clipped = ratio.clamp(1 - epsilon_low, 1 + epsilon_high)
+    if delta is not None:
+        ratio = ratio.clamp(max=delta)
+    return -torch.min(ratio * advantages, clipped * advantages)
 
 
 def clip_fractions(
@@ -80,7 +103,14 @@ def clip_fractions(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fractions of counted tokens whose gradient the clip removes: ρ < 1 − ε_low with A < 0
     (low) and ρ > 1 + ε_high with A > 0 (high)."""
-    ratio = torch.exp(logps - old_logps)
+    return ratio_clip_fractions(torch.exp(logps - old_logps), advantages, mask, epsilon_low, epsilon_high)
+
+
+def ratio_clip_fractions(
+    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, epsilon_low: float, epsilon_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`clip_fractions` of a token ``[B, T]`` or sequence ``[B, 1]`` ratio; a sequence's
+    clip counts for each of its tokens."""
     advantages = advantages.unsqueeze(1)
     low = ((ratio < 1 - epsilon_low) & (advantages < 0)).float()
     high = ((ratio > 1 + epsilon_high) & (advantages > 0)).float()
@@ -96,8 +126,205 @@ def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1
 
 
+def bias_corrected_k3_kl(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """k3 weighted by the token's importance ratio π/π_old, *with* its gradient (DeepSeek-V3.2,
+    arXiv:2512.02556, its unbiased KL estimate; TRL's ``use_bias_correction_kl``):
+
+        kl_t = exp(log π − log π_old) · k3_t
+
+    The value is an unbiased estimate of KL(π ‖ π_ref) when the tokens were sampled from π_old.
+    The gradient is what changes, even on-policy (ρ = 1): plain k3's ∇ is
+    (1 − π_ref/π) ∇log π, whose expectation under π is ∇KL(π_ref ‖ π) (the *forward* KL);
+    the corrected one's is (log π − log π_ref) ∇log π, whose expectation is ∇KL(π ‖ π_ref), the
+    reverse KL that the GRPO objective writes down. The ratio is always the per-token one.
+    """
+    return torch.exp(logps - old_logps) * k3_kl(logps, ref_logps)
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of each position's next-token distribution, ``H_t = −Σ_v p_v log p_v``, in float32
+    (float64 for float64 logits), differentiable. ``[B, T, V] → [B, T]``."""
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """Keep the top-``quantile`` fraction of counted tokens by entropy (Wang et al., 2025, "Beyond
+    the 80/20 Rule", arXiv:2506.01939):
+
+        keep_t = m_t · 1[H_t ≥ τ],   τ = the (1 − ρ) quantile of {H_t : m_t = 1}
+
+    (linear interpolation between order statistics; ρ = ``quantile``, 0.2 in the paper). The
+    result multiplies the policy term only; the aggregation's normaliser still counts every
+    token, as in the paper. Float 0/1 in ``mask``'s dtype; all zeros when no token counts.
+    """
+    counted = entropy[mask.bool()]
+    if counted.numel() == 0:
+        return torch.zeros_like(mask)
+    threshold = torch.quantile(counted.to(torch.promote_types(counted.dtype, torch.float32)), 1.0 - quantile)
+    return (entropy >= threshold).to(mask.dtype) * mask
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+# ---- importance ratios: importance_sampling_level ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class ImportanceLevel:
+    """How log π − log π_old becomes the importance ratio's logarithm, and which config fields
+    hold the clip range ``(ε_low, ε_high)`` at this level."""
+
+    name: str
+    log_ratio: Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor"], "torch.Tensor"]
+    clip_range: tuple[str, str]
+
+
+def token_log_ratio(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """PPO/GRPO's per-token ratio: ``log ρ_t = log π(o_t) − log π_old(o_t)``, ``[B, T]``."""
+    return logps - old_logps
+
+
+def sequence_log_ratio(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's sequence ratio (Zheng et al., 2025, arXiv:2507.18071), length-normalised:
+
+        s_i = (π(o_i) / π_old(o_i))^(1/|o_i|) = exp( (1/|o_i|) Σ_t m_t (log π(o_t) − log π_old(o_t)) )
+
+    ``[B, 1]`` (log s_i; 0 for a completion with no counted token). Every token of ``o_i`` shares
+    it, so the clip keeps or drops whole completions, and the gradient of ``s_i · A_i`` gives every
+    token the same weight s_i·A_i/|o_i| instead of its own ρ_t.
+    """
+    return ((logps - old_logps) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+
+
+IMPORTANCE_LEVELS: Registry[ImportanceLevel] = Registry("importance sampling level", "importance_sampling_level")
+IMPORTANCE_LEVELS.add("token", ImportanceLevel("token", token_log_ratio, ("epsilon", "epsilon_high")))
+IMPORTANCE_LEVELS.add(
+    "sequence", ImportanceLevel("sequence", sequence_log_ratio, ("sequence_epsilon", "sequence_epsilon_high"))
+)
+ImportanceLevelName = IMPORTANCE_LEVELS.name_type()
+
+
+# ---- per-token objectives: policy_loss -------------------------------------------------------
+
+
+class ObjectiveParams(NamedTuple):
+    """What an objective receives: the clip range of the importance level in use, and the
+    objectives' own hyperparameters (fields of the GRPO section, read as the objective declares)."""
+
+    epsilon_low: float
+    epsilon_high: float
+    delta: float | None = None
+    cispo_max_ratio: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+
+
+# (log ρ [B, T] or [B, 1], log π [B, T], advantages [B], params) -> per-token loss, broadcastable to [B, T]
+ObjectiveFunction = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor", ObjectiveParams], "torch.Tensor"]
+
+
+# (ρ [B, T] or [B, 1], detached; advantages [B]; mask [B, T]; params) -> named scalars for the logs
+ObjectiveMetrics = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor", ObjectiveParams], dict]
+
+
+@dataclass(frozen=True)
+class PolicyObjective:
+    """A registered objective: its function, the section fields it reads (``clip_range``: also the
+    importance level's ``ε`` fields), those it cannot do without, and the metrics that describe
+    it (computed without gradient at every step; ``None``: none)."""
+
+    name: str
+    function: ObjectiveFunction
+    hyperparameters: frozenset[str]
+    required: frozenset[str]
+    clip_range: bool
+    metrics: ObjectiveMetrics | None = None
+
+    def __call__(self, log_ratio, logps, advantages, params: ObjectiveParams) -> torch.Tensor:
+        return self.function(log_ratio, logps, advantages, params)
+
+
+POLICY_OBJECTIVES: Registry[PolicyObjective] = Registry("policy objective", "policy_loss")
+get_policy_objective = POLICY_OBJECTIVES.lookup
+PolicyObjectiveName = POLICY_OBJECTIVES.name_type()
+
+
+def register_policy_objective(
+    name: str,
+    *,
+    hyperparameters: Sequence[str] = (),
+    required: Sequence[str] = (),
+    clip_range: bool = False,
+    metrics: ObjectiveMetrics | None = None,
+) -> Callable[[ObjectiveFunction], ObjectiveFunction]:
+    def decorator(function: ObjectiveFunction) -> ObjectiveFunction:
+        spec = PolicyObjective(name, function, frozenset(hyperparameters), frozenset(required), clip_range, metrics)
+        POLICY_OBJECTIVES.add(name, spec)
+        return function
+
+    return decorator
+
+
+def clip_metrics(ratio, advantages, mask, params) -> dict:
+    """``clip_ratio/low_mean``, ``clip_ratio/high_mean``: :func:`ratio_clip_fractions`."""
+    low, high = ratio_clip_fractions(ratio, advantages, mask, params.epsilon_low, params.epsilon_high)
+    return {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high}
+
+
+def cispo_metrics(ratio, advantages, mask, params) -> dict:
+    """``cispo/capped_fraction``: counted tokens whose weight the cap ρ_max binds (ρ > ρ_max)."""
+    capped = (ratio > params.cispo_max_ratio).float()
+    return {"cispo/capped_fraction": masked_mean(capped.expand_as(mask), mask)}
+
+
+@register_policy_objective("clip", hyperparameters=("delta",), clip_range=True, metrics=clip_metrics)
+def clip_objective(log_ratio, logps, advantages, params):
+    """The clipped surrogate of PPO/GRPO (:func:`clipped_surrogate`) on the level's ratio ρ, with
+    optional two-sided clipping (INTELLECT-2, arXiv:2505.07291, ``delta`` = δ > 1 + ε_high):
+
+        ℓ_t = −min(min(ρ, δ) · A,  clip(ρ, 1 − ε_low, 1 + ε_high) · A)
+
+    δ only changes A < 0: there the unclipped term, unbounded in ρ, is capped at δ·A. With
+    ``importance_sampling_level: sequence`` ρ = s_i and this is GSPO's objective.
+    """
+    return clipped_ratio_loss(torch.exp(log_ratio), advantages, params.epsilon_low, params.epsilon_high, params.delta)
+
+
+@register_policy_objective(
+    "cispo", hyperparameters=("cispo_max_ratio",), required=("cispo_max_ratio",), metrics=cispo_metrics
+)
+def cispo_objective(log_ratio, logps, advantages, params):
+    """CISPO (MiniMax-M1 report, arXiv:2506.13585): clip the importance *weight*, stop its
+    gradient, and keep every token's policy gradient:
+
+        ℓ_t = −sg(min(ρ_t, ρ_max)) · A · log π(o_t),   ∇ℓ_t = −min(ρ_t, ρ_max) · A · ∇log π(o_t)
+
+    ``ρ_max`` = ``cispo_max_ratio`` (1 + ε_high^IS in the report, ε_max in ScaleRL,
+    arXiv:2510.13786); the report's lower bound is left off (it sets ε_low^IS large). The
+    value of ℓ is only a vehicle for the gradient; compare losses across objectives by reward.
+    """
+    weight = torch.exp(log_ratio).clamp(max=params.cispo_max_ratio).detach()
+    return -weight * advantages.unsqueeze(1) * logps
+
+
+@register_policy_objective("sapo", hyperparameters=("sapo_temperature_pos", "sapo_temperature_neg"))
+def sapo_objective(log_ratio, logps, advantages, params):
+    """SAPO (Soft Adaptive Policy Optimization, Qwen team, 2025, arXiv:2511.20347): a smooth,
+    temperature-controlled gate instead of the hard clip,
+
+        ℓ_t = −(4/τ) · σ(τ (ρ_t − 1)) · A,   τ = τ_pos if A > 0 else τ_neg
+
+    Its gradient −4 σ(1 − σ) ρ A ∇log π equals −A ∇log π on-policy (ρ = 1) and fades smoothly as
+    ρ leaves 1 (faster for the larger τ_neg, since negative updates are the less stable ones).
+    """
+    advantages = advantages.unsqueeze(1)
+    temperature = torch.where(
+        advantages > 0, advantages.new_tensor(params.sapo_temperature_pos), params.sapo_temperature_neg
+    )
+    return -(4.0 / temperature) * torch.sigmoid(temperature * (torch.exp(log_ratio) - 1)) * advantages
 
 
 # ---- aggregations: loss_type -----------------------------------------------------------------
@@ -161,3 +388,17 @@ def dapo_loss(per_token_loss, mask, *, max_completion_length, tokens_per_step):
     optimizer step takes the mean of k big-batch losses.
     """
     return (per_token_loss * mask).sum() / max(float(tokens_per_step), 1.0)
+
+
+@register_grpo_loss("luspo")
+def luspo_loss(per_token_loss, mask, *, max_completion_length, tokens_per_step):
+    """LUSPO's length-weighted sequence loss (Length-Unbiased Sequence Policy Optimization,
+    arXiv:2602.05261, as TRL implements it): a constant normaliser, the number of completions,
+
+        L = 1/B Σ_i |o_i| ℓ_i = Σ_i Σ_t ℓ_{i,t} / B
+
+    where ℓ_i is the loss every token of ``o_i`` shares at ``importance_sampling_level: sequence``
+    (GSPO's ratio), so a completion weighs by its length; Dr. GRPO's sum with B in place of
+    B · L_max. Meant for the sequence level; at token level it is still Σ ℓ / B.
+    """
+    return (per_token_loss * mask).sum() / per_token_loss.shape[0]

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field, model_validator
 
-from trainers.grpo_losses import GRPOLossName, RewardScaleName
+from trainers.grpo_losses import (
+    IMPORTANCE_LEVELS,
+    POLICY_OBJECTIVES,
+    GRPOLossName,
+    ImportanceLevelName,
+    PolicyObjectiveName,
+    RewardScaleName,
+)
 from trainers.layout import resolve_layout
 from trainers.rewards import resolve_rewards
 from trainers.sections import TrainingConfig
@@ -36,6 +45,46 @@ class GRPOStageConfig(TrainingConfig):
     epsilon: float = Field(0.2, ge=0.0, description="Clipping: ρ ≥ 1 − ε.")
     epsilon_high: float | None = Field(None, ge=0.0, description="Clipping: ρ ≤ 1 + ε_high; default: `epsilon`.")
     loss_type: GRPOLossName = Field("dapo", description="How token losses are averaged (trainers/grpo_losses.py).")
+    policy_loss: PolicyObjectiveName = Field(
+        "clip",
+        description="Per-token objective (trainers/grpo_losses.py): `clip` (PPO/GRPO clipped surrogate), "
+        "`cispo` (MiniMax-M1), `sapo` (soft gate).",
+    )
+    importance_sampling_level: ImportanceLevelName = Field(
+        "token", description="Importance ratio per token, or per completion, length-normalised (`sequence`: GSPO)."
+    )
+    sequence_epsilon: float = Field(
+        3e-4, ge=0.0, description="GSPO clipping of the sequence ratio: s ≥ 1 − ε (GSPO paper: 3e-4)."
+    )
+    sequence_epsilon_high: float = Field(
+        4e-4, ge=0.0, description="GSPO clipping of the sequence ratio: s ≤ 1 + ε_high (GSPO paper: 4e-4)."
+    )
+    delta: float | None = Field(
+        None,
+        gt=1.0,
+        description="Two-sided clipping (INTELLECT-2) of `clip`: the ratio is capped at δ for negative advantages; "
+        "must exceed 1 + ε_high. Default: off.",
+    )
+    cispo_max_ratio: float | None = Field(
+        None, gt=1.0, description="Cap ρ_max on CISPO's stopped-gradient importance weight; required by `cispo`."
+    )
+    sapo_temperature_pos: float = Field(1.0, gt=0.0, description="SAPO gate temperature τ for advantages > 0.")
+    sapo_temperature_neg: float = Field(1.05, gt=0.0, description="SAPO gate temperature τ for advantages ≤ 0.")
+    use_bias_correction_kl: bool = Field(
+        False,
+        description="Weight k3 by π/π_old with its gradient (DeepSeek-V3.2): optimises KL(π ‖ ref) instead of the "
+        "GRPO paper's plain k3, whose gradient is that of KL(ref ‖ π). Needs beta > 0.",
+    )
+    entropy_coef: float = Field(
+        0.0, ge=0.0, description="Entropy bonus: subtract coef · H_t from each token's loss; 0 computes nothing."
+    )
+    top_entropy_quantile: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="Train the policy term only on this top fraction of tokens by entropy (0.2 in Wang et al. 2025); "
+        "1 = all tokens.",
+    )
     scale_rewards: RewardScaleName = Field("group", description="Advantage divisor: group std, batch std or none.")
     reward_funcs: list[str] = Field(
         default_factory=lambda: ["correctness"],
@@ -67,6 +116,45 @@ class GRPOStageConfig(TrainingConfig):
             generation_batch_size=self.generation_batch_size,
         )
         return self
+
+    @model_validator(mode="after")
+    def _check_policy_options(self) -> GRPOStageConfig:
+        check_policy_options(self)
+        return self
+
+
+def objective_fields() -> set[str]:
+    """The section fields some registered objective or importance level reads."""
+    fields = set().union(*(objective.hyperparameters for objective in POLICY_OBJECTIVES.values()))
+    return fields.union(*(level.clip_range for level in IMPORTANCE_LEVELS.values()))
+
+
+def check_policy_options(options: Any) -> None:
+    """Cross-field checks of the objective options, for the section and for a ``GRPOConfig`` built
+    directly: a hyperparameter the chosen objective (at the chosen importance level) does not
+    read may not be set away from its default, one it requires may not be missing, δ must lie
+    above the clip range, and the KL bias correction needs a KL term."""
+    objective = POLICY_OBJECTIVES.lookup(options.policy_loss)
+    level = IMPORTANCE_LEVELS.lookup(options.importance_sampling_level)
+    unknown = sorted(objective_fields() - GRPOStageConfig.model_fields.keys())
+    if unknown:
+        raise ValueError(f"GRPO objectives or importance levels read {unknown}, which are not fields of the section")
+    reads = set(objective.hyperparameters) | (set(level.clip_range) if objective.clip_range else set())
+    chosen = f"policy_loss {objective.name!r} at importance_sampling_level {level.name!r}"
+    for field in sorted(objective_fields() - reads):
+        value, default = getattr(options, field), GRPOStageConfig.model_fields[field].default
+        if value != default:
+            raise ValueError(f"{field}: {value} has no effect with {chosen}")
+    for field in sorted(objective.required):
+        if getattr(options, field) is None:
+            raise ValueError(f"{chosen} needs {field}")
+    if options.delta is not None:
+        upper = getattr(options, level.clip_range[1])
+        upper = getattr(options, level.clip_range[0]) if upper is None else upper
+        if options.delta <= 1 + upper:
+            raise ValueError(f"delta ({options.delta}) must exceed 1 + {level.clip_range[1]} ({1 + upper})")
+    if options.use_bias_correction_kl and options.beta == 0:
+        raise ValueError("use_bias_correction_kl needs beta > 0 (there is no KL term with beta = 0)")
 
 
 def build_grpo(section: GRPOStageConfig, inputs: StageInputs):
