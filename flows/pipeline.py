@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from prefect import flow
+from prefect.client.orchestration import get_client
 from prefect.runtime import deployment
 
 from infra.config import ExperimentConfig, merge_onto
@@ -17,11 +18,20 @@ from tasks.train import TrainInputs, train
 from trainers.stages import STAGES
 
 
+def deployment_default_config() -> dict | None:
+    """The default ``config`` of the deployment this flow run belongs to; None outside one.
+    (``prefect.runtime.deployment.parameters`` are the run's own parameters, not the defaults.)"""
+    if deployment.id is None:
+        return None
+    with get_client(sync_client=True) as client:
+        return client.read_deployment(deployment.id).parameters.get("config")
+
+
 @flow(name="alignflow-experiment", log_prints=True)
 def experiment(config: ExperimentConfig = ExperimentConfig()) -> EvalReport:  # noqa: B008 (the UI form's defaults)
     """Train a policy with the configured stages and compare every stage's model. In a run of a
     deployment, a partial ``config`` is merged onto the deployment's default config."""
-    if defaults := (deployment.parameters or {}).get("config"):
+    if defaults := deployment_default_config():
         config = merge_onto(config, defaults)
     with tracked_run(start_parent_run(config)) as parent_run_id:
         base = resolve_model(config.model)
