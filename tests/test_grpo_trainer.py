@@ -46,6 +46,13 @@ class RecordingTrainer(GRPOTrainer):
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
+def grpo_args(tmp_path, **settings) -> GRPOConfig:
+    """Arguments for a short test run: no reporting, no progress bars, no pinned memory."""
+    return GRPOConfig(
+        output_dir=str(tmp_path), report_to=[], disable_tqdm=True, dataloader_pin_memory=False, **settings
+    )
+
+
 def make_trainer(tiny, prompts, tmp_path, **overrides):
     model, tokenizer = tiny
     settings = (
@@ -59,9 +66,7 @@ def make_trainer(tiny, prompts, tmp_path, **overrides):
         )
         | overrides
     )
-    args = GRPOConfig(
-        output_dir=str(tmp_path), report_to=[], disable_tqdm=True, dataloader_pin_memory=False, **settings
-    )
+    args = grpo_args(tmp_path, **settings)
     return RecordingTrainer(
         model=copy.deepcopy(model),
         args=args,
@@ -207,11 +212,8 @@ def test_resume_from_a_checkpoint_regenerates_the_empty_buffer(tiny, prompts, tm
 
 def test_metrics_kl_reference_and_sample_table(tiny, prompts, tmp_path):
     model, tokenizer = tiny
-    args = GRPOConfig(
-        output_dir=str(tmp_path),
-        report_to=[],
-        disable_tqdm=True,
-        dataloader_pin_memory=False,
+    args = grpo_args(
+        tmp_path,
         save_strategy="no",
         per_device_train_batch_size=4,
         num_generations=4,
@@ -333,11 +335,8 @@ def test_the_entropy_bonus_alone_moves_the_policy(tiny, prompts, tmp_path, entro
     """With equal rewards every advantage is 0 and β = 0: the policy term has no gradient, so the
     parameters move exactly when the entropy bonus is on."""
     model, tokenizer = tiny
-    args = GRPOConfig(
-        output_dir=str(tmp_path),
-        report_to=[],
-        disable_tqdm=True,
-        dataloader_pin_memory=False,
+    args = grpo_args(
+        tmp_path,
         save_strategy="no",
         per_device_train_batch_size=4,
         num_generations=2,

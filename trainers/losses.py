@@ -72,7 +72,26 @@ def reward_metrics(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor)
     }
 
 
-FDivergence = Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"]
+def smoothed_sigmoid(z: torch.Tensor, eps: float) -> torch.Tensor:
+    """``−(1 − ε) log σ(z) − ε log σ(−z)``."""
+    return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+
+
+def capped_exp(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x)`` with ``x`` capped below the log of the dtype's largest value, so it stays finite."""
+    return torch.exp(x.clamp(max=math.log(torch.finfo(x.dtype).max) - 1))
+
+
+# f-DPO's margin before β for each f, from the log-ratios ℓ_c, ℓ_r and α (see ``f_divergence_loss``).
+F_DIVERGENCE_MARGINS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
+    "reverse_kl": lambda chosen, rejected, alpha: chosen - rejected,
+    "forward_kl": lambda chosen, rejected, alpha: capped_exp(-rejected) - capped_exp(-chosen),
+    "js_divergence": lambda chosen, rejected, alpha: (chosen - F.softplus(chosen)) - (rejected - F.softplus(rejected)),
+    "alpha_divergence": lambda chosen, rejected, alpha: (
+        (capped_exp(-alpha * rejected) - capped_exp(-alpha * chosen)) / alpha
+    ),
+}
+FDivergence = Literal[tuple(F_DIVERGENCE_MARGINS)]
 
 
 class PreferenceHyperparameters(BaseModel):
@@ -157,9 +176,7 @@ def sigmoid_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
 
         L = −(1 − ε) log σ(βΔ) − ε log σ(−βΔ)
     """
-    z = params.beta * pairs.margin
-    eps = params.label_smoothing
-    return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
+    return smoothed_sigmoid(params.beta * pairs.margin, params.label_smoothing)
 
 
 @register_loss("robust", hyperparameters=("beta", "label_smoothing"))
@@ -330,16 +347,6 @@ def aot_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     return smoothed_sigmoid(params.beta * (policy - reference), params.label_smoothing)
 
 
-def smoothed_sigmoid(z: torch.Tensor, eps: float) -> torch.Tensor:
-    """``−(1 − ε) log σ(z) − ε log σ(−z)``."""
-    return -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
-
-
-def capped_exp(x: torch.Tensor) -> torch.Tensor:
-    """``exp(x)`` with ``x`` capped below the log of the dtype's largest value, so it stays finite."""
-    return torch.exp(x.clamp(max=math.log(torch.finfo(x.dtype).max) - 1))
-
-
 @register_loss("f_divergence", hyperparameters=("beta", "label_smoothing", "f_divergence_type", "f_alpha"))
 def f_divergence_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     """f-DPO (Wang et al., 2023, arXiv:2309.16240): DPO under a KL-regulariser generalised to an
@@ -356,17 +363,8 @@ def f_divergence_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     ``α = f_alpha``; ``alpha_divergence`` with α = 1 is ``forward_kl``. The exponentials are capped
     below the dtype's overflow.
     """
-    chosen, rejected = pairs.chosen_logratios, pairs.rejected_logratios
-    kind = params.f_divergence_type
-    if kind == "reverse_kl":
-        z = chosen - rejected
-    elif kind == "forward_kl":
-        z = capped_exp(-rejected) - capped_exp(-chosen)
-    elif kind == "js_divergence":
-        z = (chosen - F.softplus(chosen)) - (rejected - F.softplus(rejected))
-    else:  # alpha_divergence
-        alpha = params.f_alpha
-        z = (capped_exp(-alpha * rejected) - capped_exp(-alpha * chosen)) / alpha
+    margin = F_DIVERGENCE_MARGINS[params.f_divergence_type]
+    z = margin(pairs.chosen_logratios, pairs.rejected_logratios, params.f_alpha)
     return smoothed_sigmoid(params.beta * z, params.label_smoothing)
 
 
