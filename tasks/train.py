@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import datasets
 from prefect import task
+from transformers.trainer_callback import PrinterCallback
 
 from tasks.fingerprints import code_fingerprint, hash_value
 from tasks.handles import ModelHandle, PreparedData, ReferenceLogps
@@ -14,6 +15,7 @@ from tasks.models import checkpoint_handle
 from tasks.reference import log_reference_input, with_reference_columns
 from tasks.tracking import client, log_params, stage_output_dir, stage_run_id, tracked_run
 from tasks.trainer_callback import MlflowTrainerCallback
+from trainers.callbacks import ProgressLineCallback
 from trainers.sections import TrainingConfig
 from trainers.stages import STAGES, ModelSource, StageInputs
 
@@ -70,6 +72,8 @@ def train(
             client().set_tag(run_id, "alignflow.reference_cache_key", inputs.reference_logps.key)
         built = stage_inputs(stage, inputs, str(output_dir), [MlflowTrainerCallback(run_id)])
         trainer = spec.build(section, built)
+        trainer.remove_callback(PrinterCallback)  # a dict per log; the progress line replaces it
+        trainer.add_callback(ProgressLineCallback(stage))
         if inputs.reference_logps is not None:
             log_reference_input(run_id, inputs.reference_logps)  # after building: a corrupt entry is rebuilt by then
         trainer.train()

@@ -69,7 +69,9 @@ def generate_completions(
     )
     completions: list[list[Completion]] = []
     starts = range(0, len(prompts), spec.batch_size)
-    for start in tqdm(starts, desc="sampling" if do_sample else "greedy decoding", mininterval=5, leave=False):
+    # disable=None: a bar on a terminal only; redirected output (logs, CI) gets no bar fragments
+    bar = tqdm(starts, desc="sampling" if do_sample else "greedy decoding", mininterval=5, leave=False, disable=None)
+    for start in bar:
         input_ids, attention_mask = pad_left(prompts[start : start + spec.batch_size], tokenizer.pad_token_id)
         output = model.generate(
             input_ids=input_ids.to(model.device),

@@ -28,7 +28,8 @@ def reference_logps(
     collate = PreferenceCollator(pad_token_id)
     chosen, rejected = [], []
     starts = range(0, len(rows), batch_size)
-    for start in tqdm(starts, desc="reference log-probs", disable=not progress, mininterval=5):
+    # disable=None: a bar on a terminal only; redirected output (logs, CI) gets no bar fragments
+    for start in tqdm(starts, desc="reference log-probs", disable=None if progress else True, mininterval=5):
         batch = collate(rows[start : start + batch_size])
         batch = {name: tensor.to(model.device) for name, tensor in batch.items()}
         logps = completion_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"]).logps

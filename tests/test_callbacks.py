@@ -1,0 +1,33 @@
+"""The progress line printed per logging step instead of the Trainer's log dicts."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from trainers.callbacks import ProgressLineCallback, duration, progress_line
+
+
+def test_progress_line_shows_the_stage_step_key_metrics_rate_and_eta():
+    logs = {"loss": 0.2149, "grad_norm": 1.3, "rewards/accuracies": 0.93125, "learning_rate": 5e-4, "epoch": 1.2}
+    line = progress_line("dpo", 120, 345, logs, seconds=57.14, steps_done=120)
+    assert line == "dpo 120/345 · loss 0.215 · acc 0.931 · 2.1 it/s · ETA 1:47"
+    assert progress_line("grpo", 0, 10, {"reward": 0.5}, seconds=0.0, steps_done=0) == "grpo 0/10 · reward 0.5"
+
+
+@pytest.mark.parametrize("seconds, text", [(0, "0:00"), (59.6, "1:00"), (107, "1:47"), (3600 + 62, "1:01:02")])
+def test_durations_are_minutes_and_seconds_then_hours(seconds, text):
+    assert duration(seconds) == text
+
+
+def test_the_callback_prints_one_line_per_log_and_a_closing_line(capsys):
+    callback = ProgressLineCallback("sft")
+    state = SimpleNamespace(is_world_process_zero=True, global_step=0, max_steps=4)
+    callback.on_train_begin(None, state, None)
+    state.global_step = 2
+    callback.on_log(None, state, None, logs={"loss": 1.5})
+    state.global_step = 4
+    callback.on_log(None, state, None, logs={"train_runtime": 0.1, "train_loss": 1.2})
+    callback.on_log(None, SimpleNamespace(is_world_process_zero=False, global_step=4, max_steps=4), None, logs={"x": 1})
+    first, last = capsys.readouterr().out.splitlines()
+    assert first.startswith("sft 2/4 · loss 1.5 · ") and " it/s · ETA " in first
+    assert last == "sft done: 4 steps in 0:00"
