@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -178,3 +179,27 @@ def test_deploy_without_a_prefect_server_says_how_to_get_one(tmp_path):
 
 def test_no_flow_run_url_outside_a_flow_run():
     assert flow_run_url() is None
+
+
+# A process that ignores SIGTERM for a while, in a group with a child, like a slow worker and its flow runs.
+STUBBORN = (
+    "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, lambda *a: None); "
+    "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+    "print('ready', flush=True); time.sleep(60)"
+)
+
+
+def test_a_group_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path):
+    """`alignflow worker` runs the worker this way: SIGTERM reaches the whole group, and whatever is
+    left after --grace seconds is killed; the command returns 0."""
+    probe = (
+        "import sys; from infra.ops import servers; "
+        f"sys.exit(servers.run_in_group([sys.executable, '-c', {STUBBORN!r}], grace=1.0))"
+    )
+    runner = subprocess.Popen([sys.executable, "-c", probe], cwd=PROJECT_ROOT, stdout=subprocess.PIPE, text=True)
+    assert runner.stdout.readline().strip() == "ready"
+    (group,) = map(int, open(f"/proc/{runner.pid}/task/{runner.pid}/children").read().split())  # its own group
+    assert os.getpgid(group) == group and servers.group_alive(group)
+    runner.send_signal(signal.SIGTERM)
+    assert runner.wait(timeout=15) == 0
+    assert not servers.group_alive(group)

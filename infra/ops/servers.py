@@ -291,6 +291,37 @@ def stop(folder: Path, timeout: float = STOP_TIMEOUT_S) -> bool:
     return True
 
 
+def kill_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def run_in_group(command: list[str], grace: float) -> int:
+    """Run ``command`` in the foreground in a process group of its own. SIGTERM or SIGINT to this
+    process is passed on to the whole group; whatever of the group is still alive ``grace`` seconds
+    later is killed. Returns 0 after a requested shutdown, else the command's exit status."""
+    process = subprocess.Popen(command, start_new_session=True)
+    deadline: list[float] = []  # set by the first stop signal
+
+    def pass_on(signum, frame):
+        if not deadline:
+            deadline.append(time.monotonic() + grace)
+        kill_group(process.pid, signum)
+
+    previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while process.poll() is None or (deadline and group_alive(process.pid)):
+            if deadline and time.monotonic() > deadline[0]:
+                kill_group(process.pid, signal.SIGKILL)
+            time.sleep(0.2)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0 if deadline else process.returncode
+
+
 def wait_healthy(specs: dict[str, ServerSpec], folders: dict[str, Path], timeout: float) -> list[str]:
     """Wait until every server answers its health check; returns the names that did not."""
     pending = dict(specs)

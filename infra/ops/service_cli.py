@@ -76,6 +76,12 @@ def add_parsers(commands) -> None:
     )
     worker.add_argument("--pool", default=DEFAULT_POOL, help="work pool (default: %(default)s)")
     worker.add_argument("--limit", type=int, default=None, help="maximum concurrent flow runs (default: no limit)")
+    worker.add_argument(
+        "--grace",
+        type=float,
+        default=10.0,
+        help="seconds the worker (and its flow runs) get to stop after SIGTERM/SIGINT before they are killed",
+    )
 
 
 def require_prefect_server() -> str | None:
@@ -205,7 +211,9 @@ def worker_command(args: argparse.Namespace) -> int:
     command = [sys.executable, "-m", "prefect", "worker", "start", "--pool", args.pool, "--type", "process"]
     if args.limit:
         command += ["--limit", str(args.limit)]
-    os.execv(sys.executable, command)  # the worker replaces this process; flow runs inherit its environment
+    # A child in its own process group, not exec: Prefect's worker answers SIGTERM slowly (45 s and
+    # more); this process passes the signal on and kills the group after --grace seconds.
+    return servers.run_in_group(command, grace=args.grace)
 
 
 COMMANDS = {"servers": servers_command, "deploy": deploy_command, "serve": serve_command, "worker": worker_command}
