@@ -13,11 +13,15 @@ CONFIG ?= configs/default.yaml
 install: $(INSTALLED)
 
 $(INSTALLED): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[test]"
-	touch $(INSTALLED)
+	@echo "install 1/4: virtual environment $(VENV)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "install 2/4: pip"
+	@$(PY) -m pip install --quiet --upgrade pip
+	@echo "install 3/4: $(TORCH_SPEC) (the largest download when it is not on disk)"
+	@$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	@echo "install 4/4: alignflow and its dependencies (pyproject.toml, with the test extras)"
+	@$(PY) -m pip install --quiet -e ".[test]"
+	@touch $(INSTALLED)
 
 run: $(INSTALLED)
 	$(VENV)/bin/alignflow run $(CONFIG) $(ARGS)

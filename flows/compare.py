@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from tasks.compare import DEFAULT_CURVES, DEFAULT_METRICS, ComparisonReport, compare_runs
+from tasks.compare import DEFAULT_CURVES, DEFAULT_METRICS, ComparisonReport, RunSelection, compare_runs
 
 
 @flow(name="alignflow-compare", log_prints=True)
@@ -15,10 +15,15 @@ def compare(
     curves: list[str] = DEFAULT_CURVES,
     params: list[str] | None = None,
     stage: str | None = None,
+    filter: str | None = None,
+    runs: list[str] | None = None,
+    last: int | None = None,
 ) -> ComparisonReport:
     """Compare finished runs of ``experiment`` against ``baseline`` (run id, run name or key=value
     tag; default: the oldest). ``params`` default to the config fields that differ between runs;
-    ``stage``, whose training curves are plotted, to the first stage whose settings differ."""
-    report = compare_runs(experiment, baseline, metrics, curves, params, stage)
+    ``stage``, whose training curves are plotted, to the first stage whose settings differ. The runs:
+    all finished ones, or those matching the MLflow search ``filter``, named in ``runs``, the ``last`` N."""
+    selection = RunSelection(filter=filter, runs=tuple(runs or ()), last=last)
+    report = compare_runs(experiment, baseline, metrics, curves, params, stage, selection)
     print(f"{report.table}\nPlots and table: {report.folder}")
     return report

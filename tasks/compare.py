@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 
 import yaml
 from mlflow.entities import Run
@@ -20,7 +21,7 @@ from tasks.reporting import (
     plot_eval_bars,
     plot_training_curves,
 )
-from tasks.tracking import client, experiment_id, tracked_run
+from tasks.tracking import client, experiment_id, mlflow_run_url, tracked_run
 
 MAX_VARYING_PARAMS = 8
 DEFAULT_METRICS = ["greedy_accuracy", "sampled_accuracy", "pass_at_4"]
@@ -36,14 +37,26 @@ class ComparisonReport(BaseModel):
     mlflow_run_id: str
 
 
-def experiment_runs(experiment: str) -> list[Run]:
-    """Finished experiment-flow parent runs, oldest first."""
-    runs = client().search_runs(
-        [experiment_id(experiment)],
-        "tags.`alignflow.kind` = 'experiment' and attributes.status = 'FINISHED'",
-        order_by=["attributes.start_time ASC"],
-    )
-    return [run for run in runs if "mlflow.parentRunId" not in run.data.tags]
+@dataclass(frozen=True)
+class RunSelection:
+    """Which finished experiment runs to compare: an MLflow search ``filter`` (e.g.
+    ``params.`dpo.loss_type` = 'ipo'``), run ids or names, and the ``last`` N (by start time)."""
+
+    filter: str | None = None
+    runs: tuple[str, ...] = ()
+    last: int | None = None
+
+
+def experiment_runs(experiment: str, selection: RunSelection = RunSelection()) -> list[Run]:
+    """The selected finished experiment-flow parent runs, oldest first."""
+    query = "tags.`alignflow.kind` = 'experiment' and attributes.status = 'FINISHED'"
+    if selection.filter:
+        query += f" and {selection.filter}"
+    runs = client().search_runs([experiment_id(experiment)], query, order_by=["attributes.start_time ASC"])
+    runs = [run for run in runs if "mlflow.parentRunId" not in run.data.tags]
+    if selection.runs:
+        runs = [run for run in runs if {run.info.run_id, run.info.run_name} & set(selection.runs)]
+    return runs[-selection.last :] if selection.last else runs
 
 
 def select_baseline(runs: list[Run], baseline: str | None) -> Run:
@@ -97,12 +110,13 @@ def compare_runs(
     curves: list[str] = DEFAULT_CURVES,
     params: list[str] | None = None,
     stage: str | None = None,
+    selection: RunSelection = RunSelection(),
 ) -> ComparisonReport:
     """``params`` default to the config fields whose values differ between the runs, and label
     the runs; ``stage`` (whose training curves are plotted) to the first stage whose settings differ."""
-    runs = experiment_runs(experiment)
+    runs = experiment_runs(experiment, selection)
     if not runs:
-        raise ValueError(f"experiment {experiment!r} has no finished experiment runs to compare")
+        raise ValueError(f"experiment {experiment!r} has no finished experiment runs to compare ({selection})")
     chosen = select_baseline(runs, baseline)
     differing = differing_params([run.data.params for run in runs])
     shown = params or differing[:MAX_VARYING_PARAMS]
@@ -127,12 +141,11 @@ def compare_runs(
     )
     with tracked_run(run.info.run_id) as run_id:
         client().log_artifacts(run_id, str(folder))
-    artifact_root = run.info.artifact_uri
     create_markdown_artifact(
         key="comparison",
         markdown=f"## {experiment}: {len(runs)} runs, baseline {base.label}\n\n{table}\n"
-        f"Plots (MLflow run `{run_id}`): [training curves]({artifact_root}/training_curves.png), "
-        f"[eval metrics]({artifact_root}/eval_metrics.png); local copies in `{folder}`.\n",
+        f"Plots `training_curves.png` and `eval_metrics.png`: the artifacts of the MLflow run "
+        f"[comparison]({mlflow_run_url(run.info.experiment_id, run_id)}); local copies in `{folder}`.\n",
         description="alignflow comparison",
     )
     return ComparisonReport(

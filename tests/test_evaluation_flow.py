@@ -151,3 +151,14 @@ def test_compare_three_runs_writes_table_and_plots(three_runs):
     client = MlflowClient(get_settings().mlflow_tracking_uri)
     logged = {a.path for a in client.list_artifacts(report.mlflow_run_id)}
     assert {"table.md", "table.json", "training_curves.png", "eval_metrics.png"} <= logged
+
+
+def test_compare_selects_runs_by_name_filter_and_recency(three_runs):
+    from flows.compare import compare
+
+    (weak_id, _), (strong_id, _), (again_id, _) = three_runs
+    weak, strong, again = (parent_run(run).info.run_id for run in (weak_id, strong_id, again_id))
+    assert compare(experiment=EXPERIMENT, runs=["weak", strong]).run_ids == [weak, strong]
+    assert compare(experiment=EXPERIMENT, filter="params.`sft.max_steps` = '6'").run_ids == [weak, again]
+    report = compare(experiment=EXPERIMENT, filter="params.`sft.max_steps` = '6'", last=1)
+    assert report.run_ids == [again] and report.baseline_run_id == again

@@ -45,7 +45,8 @@ def test_served_deployments_mirror_prefect_yaml(prefect_api_url):  # build steps
     assert compare.schedules[0].schedule.cron == "0 6 * * *"
     assert nightly.entrypoint == smoke.entrypoint == "flows/pipeline.py:experiment"
     assert nightly.parameters == {"config": load_config(PROJECT_ROOT / "configs/default.yaml").model_dump(mode="json")}
-    assert smoke.parameters == {"config": load_config(PROJECT_ROOT / "configs/minimal.yaml").model_dump(mode="json")}
+    smoke_config = load_config(PROJECT_ROOT / "configs/minimal.yaml", ["tracking.experiment_name=alignflow-smoke"])
+    assert smoke.parameters == {"config": smoke_config.model_dump(mode="json")}
     (schedule,) = nightly.schedules
     assert (schedule.schedule.cron, schedule.schedule.timezone, schedule.active) == ("0 2 * * *", "UTC", True)
     assert smoke.schedules == []

@@ -235,7 +235,7 @@ def smoke_run(stack):
     assert finished.id == flow_run.id
     assert finished.state.is_completed(), f"{finished.state}\n{stack.worker_log.read_text()[-3000:]}"
     mlflow = stack.mlflow()
-    experiment = mlflow.get_experiment_by_name("alignflow")
+    experiment = mlflow.get_experiment_by_name("alignflow-smoke")  # smoke runs stay out of the team's experiment
     (parent,) = mlflow.search_runs(
         [experiment.experiment_id],
         f"tags.`prefect.flow_run_id` = '{finished.id}' and tags.`mlflow.runName` = 'minimal'",
@@ -258,7 +258,7 @@ def test_a_partial_config_through_the_api_keeps_the_deployments_other_defaults(s
     assert finished.state.is_completed(), f"{finished.state}\n{stack.worker_log.read_text()[-3000:]}"
     mlflow = stack.mlflow()
     (parent,) = mlflow.search_runs(
-        [mlflow.get_experiment_by_name("alignflow").experiment_id],
+        [mlflow.get_experiment_by_name("alignflow-smoke").experiment_id],
         f"tags.`prefect.flow_run_id` = '{finished.id}' and tags.`alignflow.kind` = 'experiment'",
     )
     minimal = load_config("configs/minimal.yaml").flat()
@@ -308,7 +308,8 @@ def test_deploy_registers_prefect_yaml_with_config_defaults_on_a_process_pool(st
     assert pool.type == "process"
     assert nightly.work_pool_name == smoke.work_pool_name == "alignflow-process"
     assert nightly.parameters == {"config": load_config("configs/default.yaml").model_dump(mode="json")}
-    assert smoke.parameters == {"config": load_config("configs/minimal.yaml").model_dump(mode="json")}
+    smoke_config = load_config("configs/minimal.yaml", ["tracking.experiment_name=alignflow-smoke"])
+    assert smoke.parameters == {"config": smoke_config.model_dump(mode="json")}
     (schedule,) = nightly.schedules
     assert (schedule.schedule.cron, schedule.schedule.timezone) == ("0 2 * * *", "UTC")
     assert smoke.schedules == []

@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--baseline", help="run id, run name or key=value tag (default: the oldest run)")
     compare.add_argument("--metric", action="append", dest="metrics", help="final eval metric to compare (repeatable)")
     compare.add_argument("--curve", action="append", dest="curves", help="training metric to plot (repeatable)")
+    compare.add_argument("--filter", help="MLflow search filter, e.g. \"params.`dpo.beta` = '0.5'\"")
+    compare.add_argument("--runs", nargs="+", help="run ids or run names to compare")
+    compare.add_argument("--last", type=int, help="only the last N runs (by start time)")
     compare.add_argument(
         "--stage", help="stage whose training curves are plotted (default: the first whose settings differ)"
     )
@@ -112,7 +115,9 @@ def evaluate_command(args: argparse.Namespace) -> int:
 def compare_command(args: argparse.Namespace) -> int:
     from flows.compare import compare
 
-    options = {k: v for k, v in {"metrics": args.metrics, "curves": args.curves, "stage": args.stage}.items() if v}
+    chosen = {"metrics": args.metrics, "curves": args.curves, "stage": args.stage}
+    chosen |= {"filter": args.filter, "runs": args.runs, "last": args.last}
+    options = {k: v for k, v in chosen.items() if v}
     return finished(compare(experiment=args.experiment, baseline=args.baseline, **options, return_state=True))
 
 
