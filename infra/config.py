@@ -108,6 +108,11 @@ class PromotionConfig(Section):
 class TrackingConfig(Section):
     experiment_name: str = Field("alignflow", description="MLflow experiment.")
     run_name: str | None = Field(None, description="Parent run name; defaults to the config name.")
+    log_checkpoints: Literal["all", "final", "none"] = Field(
+        "all",
+        description="What each training stage stores in MLflow besides its metrics: every saved checkpoint and the "
+        "final model (`all`), the final model only (`final`), or no model (`none`; checkpoints stay in outputs/).",
+    )
 
 
 class ExperimentBase(Section):
@@ -135,6 +140,15 @@ class ExperimentBase(Section):
                 except ImportError as error:
                     raise ValueError(f"plugins: cannot import {module!r}: {error}") from None
         return data
+
+    @model_validator(mode="after")
+    def _check_promotion_has_a_model_to_register(self) -> ExperimentBase:
+        if self.promotion.registered_model and self.tracking.log_checkpoints == "none":
+            raise ValueError(
+                "tracking.log_checkpoints: none stores no model in MLflow, which promotion.registered_model registers; "
+                "use final or all"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_data_for_stages(self) -> ExperimentBase:

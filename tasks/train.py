@@ -59,8 +59,15 @@ def train_cache_key(context, parameters) -> str | None:
 
 @task(name="train", cache_key_fn=train_cache_key, persist_result=True, task_run_name="train-{stage}")
 def train(
-    stage: str, section: TrainingConfig, inputs: TrainInputs, parent_run_id: str, config_name: str
+    stage: str,
+    section: TrainingConfig,
+    inputs: TrainInputs,
+    parent_run_id: str,
+    config_name: str,
+    log_checkpoints: str = "all",
 ) -> ModelHandle:
+    """Train the stage; ``log_checkpoints`` (``tracking.log_checkpoints``) says which models go to
+    MLflow: ``all`` saved checkpoints and the final model, the ``final`` one, or ``none``."""
     spec = STAGES[stage]
     output_dir = stage_output_dir(config_name, stage)
     run_id = stage_run_id(parent_run_id, stage, output_dir)
@@ -70,7 +77,8 @@ def train(
         log_params(run_id, {f"data.dropped.{split}": count for split, count in inputs.data.dropped.items()})
         if inputs.reference_logps is not None:
             client().set_tag(run_id, "alignflow.reference_cache_key", inputs.reference_logps.key)
-        built = stage_inputs(stage, inputs, str(output_dir), [MlflowTrainerCallback(run_id)])
+        tracker = MlflowTrainerCallback(run_id, log_checkpoints=log_checkpoints == "all")
+        built = stage_inputs(stage, inputs, str(output_dir), [tracker])
         trainer = spec.build(section, built)
         trainer.remove_callback(PrinterCallback)  # a dict per log; the progress line replaces it
         trainer.add_callback(ProgressLineCallback(stage))
@@ -79,5 +87,6 @@ def train(
         trainer.train()
         model_dir = output_dir / "model"
         trainer.save_model(str(model_dir))
-        client().log_artifacts(run_id, str(model_dir), "model")
+        if log_checkpoints != "none":
+            client().log_artifacts(run_id, str(model_dir), "model")
     return checkpoint_handle(model_dir, stage, mlflow_run_id=run_id)

@@ -31,3 +31,18 @@ def test_the_callback_prints_one_line_per_log_and_a_closing_line(capsys):
     first, last = capsys.readouterr().out.splitlines()
     assert first.startswith("sft 2/4 · loss 1.5 · ") and " it/s · ETA " in first
     assert last == "sft done: 4 steps in 0:00"
+
+
+def test_checkpoints_reach_mlflow_only_when_asked(tmp_path):
+    from tasks.tracking import client, experiment_id
+    from tasks.trainer_callback import MlflowTrainerCallback
+
+    run_id = client().create_run(experiment_id("callbacks")).info.run_id
+    checkpoint = tmp_path / "checkpoint-3"
+    checkpoint.mkdir()
+    (checkpoint / "model.safetensors").write_bytes(b"weights")
+    args, state = SimpleNamespace(output_dir=str(tmp_path)), SimpleNamespace(is_world_process_zero=True, global_step=3)
+    MlflowTrainerCallback(run_id, log_checkpoints=False).on_save(args, state, None)
+    assert client().list_artifacts(run_id) == []
+    MlflowTrainerCallback(run_id).on_save(args, state, None)
+    assert [a.path for a in client().list_artifacts(run_id, "checkpoints")] == ["checkpoints/checkpoint-3"]

@@ -273,3 +273,10 @@ def test_a_grpo_objective_that_reads_no_section_field_is_a_config_error():
     finally:
         POLICY_OBJECTIVES.pop("plugin_objective")
     assert load_config(None).grpo.policy_loss == "clip"
+
+
+def test_promotion_needs_a_model_in_mlflow():
+    assert load_config("configs/default.yaml", ["tracking.log_checkpoints=final"]).tracking.log_checkpoints == "final"
+    with pytest.raises(ValidationError, match="tracking.log_checkpoints: none stores no model in MLflow"):
+        load_config("configs/default.yaml", ["tracking.log_checkpoints=none"])
+    assert load_config(None, ["tracking.log_checkpoints=none"]).promotion.registered_model is None
