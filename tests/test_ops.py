@@ -204,3 +204,24 @@ def test_a_group_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path)
     runner.send_signal(signal.SIGTERM)
     assert runner.wait(timeout=15) == 0
     assert not servers.group_alive(group)
+
+
+def test_serve_refuses_names_that_workers_own(prefect_api_url, capsys):
+    """`alignflow serve` would replace the pull steps of a deployment that `alignflow deploy` made
+    for a work pool; its workers' next runs would then fail. It refuses, naming the deployment."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+
+    with get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name="serve-test-pool", type="process"))
+        flow_id = client.create_flow_from_name("alignflow-experiment")
+        deployment_id = client.create_deployment(flow_id=flow_id, name="smoke", work_pool_name="serve-test-pool")
+    try:
+        assert main(["serve", "--name", "smoke"]) == 2
+        assert "alignflow-experiment/smoke (work pool serve-test-pool) already deployed for workers" in (
+            capsys.readouterr().err
+        )
+    finally:
+        with get_client(sync_client=True) as client:
+            client.delete_deployment(deployment_id)
+            client.delete_work_pool("serve-test-pool")

@@ -101,6 +101,25 @@ def served_deployments(names: list[str] | None = None, path: Path = PREFECT_FILE
     return deployments
 
 
+def pooled_deployments(deployments: list) -> list[str]:
+    """Those of ``deployments`` that the server already has on a work pool (``alignflow deploy``'s):
+    serving one would replace its pull steps, and its workers' next runs would fail."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    taken = []
+    with get_client(sync_client=True) as client:
+        for deployment in deployments:
+            name = f"{deployment.flow_name}/{deployment.name}"
+            try:
+                existing = client.read_deployment_by_name(name)
+            except ObjectNotFound:
+                continue
+            if existing.work_pool_name:
+                taken.append(f"{name} (work pool {existing.work_pool_name})")
+    return taken
+
+
 def ensure_work_pool(name: str) -> bool:
     """Create a process work pool with Prefect's default job template if it is missing; True if created."""
     from prefect.client.orchestration import get_client

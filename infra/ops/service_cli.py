@@ -193,7 +193,7 @@ def deploy_command(args: argparse.Namespace) -> int:
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    from infra.ops.deployments import PREFECT_FILE, PROJECT_ROOT, served_deployments
+    from infra.ops.deployments import PREFECT_FILE, PROJECT_ROOT, pooled_deployments, served_deployments
 
     if not require_prefect_server():
         return 2
@@ -201,7 +201,16 @@ def serve_command(args: argparse.Namespace) -> int:
 
     path = (args.prefect_file or PREFECT_FILE).resolve()
     os.chdir(PROJECT_ROOT)  # entrypoints and config paths are relative to it; flow runs start here
-    serve(*served_deployments(args.name, path), limit=args.limit)
+    deployments = served_deployments(args.name, path)
+    if taken := pooled_deployments(deployments):
+        print(
+            f"alignflow: {', '.join(taken)} already deployed for workers (`alignflow deploy`); serving would "
+            "replace their pull steps and break their workers' runs. Serve other names (--name), or delete "
+            "those deployments first (`prefect deployment delete …`)",
+            file=sys.stderr,
+        )
+        return 2
+    serve(*deployments, limit=args.limit)
     return 0
 
 
