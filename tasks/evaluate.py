@@ -164,7 +164,8 @@ def evaluate(
             data={"model": list(rows), **{c: [m.get(c) for m in rows.values()] for c in TABLE_COLUMNS}},
             artifact_file="eval_table.json",
         )
-        client().log_text(run_id, report.markdown(), "eval_table.md")
+        for table_run in (run_id, parent_run_id):  # the parent, found first in the UI, carries it too
+            client().log_text(table_run, report.markdown(), "eval_table.md")
     create_table_artifact(
         key="evaluation",
         table=[{"model": label, **{c: round(m[c], 4) for c in TABLE_COLUMNS if c in m}} for label, m in rows.items()],

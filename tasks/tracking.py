@@ -18,6 +18,7 @@ import yaml
 from mlflow import MlflowClient
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+from prefect import get_run_logger
 from prefect.artifacts import create_link_artifact
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_UI_URL
@@ -89,8 +90,16 @@ def flow_run_url() -> str | None:
     return f"{ui.rstrip('/')}/flow-runs/flow-run/{run_id}" if ui and run_id else None
 
 
+# MLflow 3's UI opens an experiment on its GenAI (traces) view unless asked for the runs view.
+RUNS_VIEW = "?workflowType=machine_learning"
+
+
+def mlflow_experiment_url(experiment: str) -> str:
+    return f"{get_settings().mlflow_ui}/#/experiments/{experiment}{RUNS_VIEW}"
+
+
 def mlflow_run_url(experiment: str, run_id: str) -> str:
-    return f"{get_settings().mlflow_ui}/#/experiments/{experiment}/runs/{run_id}"
+    return f"{get_settings().mlflow_ui}/#/experiments/{experiment}/runs/{run_id}{RUNS_VIEW}"
 
 
 def start_parent_run(config: Section, kind: str = "experiment") -> str:
@@ -104,10 +113,13 @@ def start_parent_run(config: Section, kind: str = "experiment") -> str:
     }
     if url := flow_run_url():
         tags["prefect.flow_run_url"] = url
+        # the run's description (markdown) in the MLflow UI: a link that can be clicked, unlike a tag
+        tags["mlflow.note.content"] = f"[Prefect flow run {flow_run.get_name()}]({url})"
     run = client().create_run(experiment_id(config.tracking.experiment_name), run_name=config.run_name, tags=tags)
     log_params(run.info.run_id, config.flat())
     client().log_text(run.info.run_id, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), "config.yaml")
     if flow_run.get_id():
+        get_run_logger().info("MLflow run: %s", mlflow_run_url(run.info.experiment_id, run.info.run_id))
         create_link_artifact(
             key="mlflow-run",
             link=mlflow_run_url(run.info.experiment_id, run.info.run_id),

@@ -338,7 +338,7 @@ def test_a_run_triggered_through_the_api_is_tracked_in_the_postgres_backed_mlflo
     deployment, flow_run, parent, children = smoke_run
     assert flow_run.work_pool_name == "alignflow-process" and flow_run.infrastructure_pid
     assert parent.info.status == "FINISHED" and set(children) == {"sft", "dpo", "grpo", "evaluate"}
-    minimal = load_config("configs/minimal.yaml")
+    minimal = load_config("configs/minimal.yaml", ["tracking.experiment_name=alignflow-smoke"])
     assert parent.data.params["sft.max_steps"] == "6" and parent.data.params["data.builtin.max_operand"] == "9"
     assert parent.data.params == {key: str(value) for key, value in minimal.flat().items()}
     assert {f"eval/{stage}/greedy_accuracy" for stage in ("base", "sft", "dpo", "grpo")} <= set(parent.data.metrics)
@@ -371,7 +371,10 @@ def test_flow_run_and_mlflow_run_link_to_each_other(stack, smoke_run):
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))
         )
     (link,) = [artifact for artifact in artifacts if artifact.key == "mlflow-run"]
-    run_url = f"{stack.mlflow_url}/#/experiments/{parent.info.experiment_id}/runs/{parent.info.run_id}"
+    run_url = (
+        f"{stack.mlflow_url}/#/experiments/{parent.info.experiment_id}/runs/{parent.info.run_id}"
+        "?workflowType=machine_learning"
+    )
     assert link.data == f"[MLflow run minimal ({parent.info.run_id})]({run_url})"
 
 
@@ -461,14 +464,36 @@ def test_browser_shows_the_run_form_and_the_mlflow_metrics(stack, smoke_run):
             page.screenshot(path=SCREENSHOTS / "prefect-run-form-dpo.png")
 
             page.set_viewport_size({"width": 1400, "height": 1400})
-            page.goto(f"{stack.mlflow_url}/#/experiments/{parent.info.experiment_id}/runs/{parent.info.run_id}")
+            with stack.prefect() as client:  # the link this flow run stored to its MLflow run
+                (link,) = [
+                    artifact
+                    for artifact in client.read_artifacts(
+                        artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))
+                    )
+                    if artifact.key == "mlflow-run"
+                ]
+            page.goto(re.search(r"\((http[^)]+)\)", link.data).group(1))
             metric = page.get_by_text("eval/dpo/sampled_accuracy").first
             metric.wait_for(timeout=60_000)
             text = page.inner_text("body")
             assert "minimal" in text and "eval/sft/greedy_accuracy" in text and parent.info.run_id in text
+            prefect_link = page.get_by_role("link", name=f"Prefect flow run {flow_run.name}")
+            assert prefect_link.get_attribute("href") == parent.data.tags["prefect.flow_run_url"]  # clickable
             metric.scroll_into_view_if_needed()
             page.screenshot(path=SCREENSHOTS / "mlflow-run.png")
+
+            # The experiment, as the README links it: the runs view (a table of runs), not GenAI's traces.
+            page.goto(f"{stack.mlflow_url}/#/experiments/{parent.info.experiment_id}?workflowType=machine_learning")
+            page.get_by_text("minimal").first.wait_for(timeout=60_000)
+            assert "Run Name" in page.inner_text("body")  # the runs table
+            page.screenshot(path=SCREENSHOTS / "mlflow-experiment.png")
         finally:
             browser.close()
-    shots = ("prefect-deployment-parameters.png", "prefect-run-form.png", "prefect-run-form-dpo.png", "mlflow-run.png")
+    shots = (
+        "prefect-deployment-parameters.png",
+        "prefect-run-form.png",
+        "prefect-run-form-dpo.png",
+        "mlflow-run.png",
+        "mlflow-experiment.png",
+    )
     assert all((SCREENSHOTS / name).stat().st_size > 10_000 for name in shots)
