@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,8 +130,6 @@ def mlflow_server(options: ServerOptions, folder: Path) -> ServerSpec:
         options.host,
         "--port",
         str(options.mlflow_port),
-        "--backend-store-uri",
-        store,
         "--artifacts-destination",
         artifacts,
         "--workers",
@@ -149,8 +148,13 @@ def mlflow_server(options: ServerOptions, folder: Path) -> ServerSpec:
         url=url,
         health_url=f"http://{local_host(options.host)}:{options.mlflow_port}/health",
         command=command,
-        # MLflow's GenAI job runner (8 extra processes) serves nothing alignflow logs; set it to true to keep it.
-        env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")},
+        env={
+            # MLflow's GenAI job runner (8 extra processes) serves nothing alignflow logs; set it to true to keep it.
+            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false"),
+            # Through the environment (readable by this user only), not the command line (readable by every
+            # local user): the URL may hold the database password.
+            "MLFLOW_BACKEND_STORE_URI": store,
+        },
         exports={"MLFLOW_TRACKING_URI": url},
         database_url=store,
         postgres_url=options.mlflow_database_url,
@@ -230,6 +234,19 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+def port_in_use(url: str) -> str | None:
+    """Why the host and port of ``url`` cannot be bound (another process listens there), or None."""
+    parsed = urllib.parse.urlsplit(url)
+    family = socket.AF_INET6 if ":" in (parsed.hostname or "") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is no conflict
+        try:
+            probe.bind((parsed.hostname, parsed.port))
+        except OSError as error:
+            return f"port {parsed.port} on {parsed.hostname} is not free ({error.strerror})"
+    return None
+
+
 def is_healthy(health_url: str) -> bool:
     try:
         with urllib.request.urlopen(health_url, timeout=2) as response:
@@ -292,16 +309,17 @@ def stop(folder: Path, timeout: float = STOP_TIMEOUT_S) -> bool:
 
 
 def wait_healthy(specs: dict[str, ServerSpec], folders: dict[str, Path], timeout: float) -> list[str]:
-    """Wait until every server answers its health check; returns the names that did not."""
+    """Wait until every server answers its health check; returns the names that did not. A server
+    whose own process has died has failed even if something answers on its port (another process)."""
     pending = dict(specs)
     deadline = time.monotonic() + timeout
     while pending and time.monotonic() < deadline:
         for name, spec in list(pending.items()):
             pid = read_pid(folders[name])
+            if pid is None or not is_alive(pid):
+                return [name, *[n for n in pending if n != name]]
             if is_healthy(spec.health_url):
                 del pending[name]
-            elif pid is None or not is_alive(pid):
-                return [name, *[n for n in pending if n != name]]
         time.sleep(0.5)
     return list(pending)
 
