@@ -251,7 +251,7 @@ class EvaluationRequest(Section):
     """What the standalone evaluation flow scores: any models, on one eval spec, same prompts and seeds."""
 
     name: SafeName = Field("evaluation", description="Parent run name and output folder.")
-    models: dict[str, ModelSource] = Field(
+    models: dict[SafeName, ModelSource] = Field(
         min_length=1,
         description=(
             "Label → model source: local folder, `runs:/<id>/model`, `models:/<name>@<alias>`, hub id or `builtin:…`."

@@ -131,6 +131,10 @@ CASES = {
         ["evaluate", "configs/evaluate.yaml", "models={a: {tmp}/missing}"],
         "models.a: model folder '{tmp}/missing' does not exist",
     ),
+    "evaluate-unsafe-label": (
+        ["evaluate", "configs/evaluate.yaml", "models={../x: builtin:tiny-llama}"],
+        "models.../x.[key]: '../x' is not a safe name",
+    ),
     "evaluate-no-models": (
         ["evaluate", "configs/evaluate.yaml", "models={}"],
         "models: Dictionary should have at least",
@@ -295,3 +299,22 @@ def test_servers_report_a_dead_server_even_if_its_port_answers(tmp_path, monkeyp
     monkeypatch.setattr(servers, "is_healthy", lambda url: True)  # the other process answers
     assert servers.wait_healthy({"dies": spec}, {"dies": tmp_path}, timeout=30) == ["dies"]
     assert "in use" in servers.log_tail(tmp_path)
+
+
+def test_servers_up_does_not_take_another_process_answer_for_its_own_server(tmp_path, monkeypatch):
+    """Its own server runs (not yet listening) while another process listens and answers on its port."""
+    from infra.ops import servers
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        url = f"http://127.0.0.1:{other.getsockname()[1]}/health"
+        spec = servers.ServerSpec("ours", "", url, ["sh", "-c", "sleep 60"], {}, {}, "")
+        servers.start(spec, tmp_path)
+        try:
+            monkeypatch.setattr(servers, "is_healthy", lambda url: True)  # the other process answers
+            if servers.listening_pids(other.getsockname()[1]) is None:
+                pytest.skip("no /proc to tell who listens")
+            assert servers.wait_healthy({"ours": spec}, {"ours": tmp_path}, timeout=30) == ["ours"]
+        finally:
+            servers.stop(tmp_path, timeout=5)

@@ -247,6 +247,45 @@ def port_in_use(url: str) -> str | None:
     return None
 
 
+def listening_pids(port: int) -> set[int] | None:
+    """Processes with a socket listening on ``port`` (Linux ``/proc``); None when that cannot be told."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return None
+    pids = set()
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd) in inodes for fd in fd_dir.iterdir()):
+                pids.add(int(fd_dir.parent.name))
+        except OSError:
+            continue
+    return pids
+
+
+def answered_by_group(health_url: str, pgid: int) -> bool:
+    """False when the process listening on the health URL's port is known and outside process group
+    ``pgid`` (another program answers there); True when it is ours or cannot be told."""
+    pids = listening_pids(urllib.parse.urlsplit(health_url).port)
+    if not pids:
+        return True
+    groups = set()
+    for pid in pids:
+        try:
+            groups.add(os.getpgid(pid))
+        except OSError:
+            continue
+    return not groups or pgid in groups
+
+
 def is_healthy(health_url: str) -> bool:
     try:
         with urllib.request.urlopen(health_url, timeout=2) as response:
@@ -319,6 +358,8 @@ def wait_healthy(specs: dict[str, ServerSpec], folders: dict[str, Path], timeout
             if pid is None or not is_alive(pid):
                 return [name, *[n for n in pending if n != name]]
             if is_healthy(spec.health_url):
+                if not answered_by_group(spec.health_url, pid):
+                    return [name, *[n for n in pending if n != name]]  # another process answers on its port
                 del pending[name]
         time.sleep(0.5)
     return list(pending)
