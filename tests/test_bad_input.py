@@ -5,6 +5,7 @@ safe names, redacted credentials, a 0700 state folder) and the short error outpu
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import stat
@@ -318,3 +319,13 @@ def test_servers_up_does_not_take_another_process_answer_for_its_own_server(tmp_
             assert servers.wait_healthy({"ours": spec}, {"ours": tmp_path}, timeout=30) == ["ours"]
         finally:
             servers.stop(tmp_path, timeout=5)
+
+
+def test_log_records_with_credentials_are_redacted_and_lose_their_traceback_on_the_terminal():
+    record = logging.LogRecord("prefect", logging.ERROR, __file__, 1, "View at %s", ("http://u:pw@ui/runs/1",), None)
+    assert cli.RedactUrls().filter(record) and record.getMessage() == "View at http://u:***@ui/runs/1"
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        failed = logging.LogRecord("prefect", logging.ERROR, __file__, 1, "failed", (), sys.exc_info())
+    assert cli.ShortTracebacks().filter(failed) and failed.exc_info is None

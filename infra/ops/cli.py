@@ -125,11 +125,26 @@ class ShortTracebacks(logging.Filter):
         return True
 
 
+class RedactUrls(logging.Filter):
+    """Credentials in URLs of a log record (e.g. Prefect's "View at <UI URL>") become ``***``, on the
+    terminal and in the logs Prefect stores."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if (redacted := redact_url(message)) != message:
+            record.msg, record.args = redacted, ()
+        return True
+
+
 def quiet_prefect_tracebacks() -> None:
+    """Filters on the handlers logging has now (Prefect's, set up when it is imported)."""
     for logger in [logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict))]:
         for handler in getattr(logger, "handlers", []):
+            kinds = {type(f) for f in handler.filters}
+            if RedactUrls not in kinds:
+                handler.addFilter(RedactUrls())
             if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
-                if not any(isinstance(f, ShortTracebacks) for f in handler.filters):
+                if ShortTracebacks not in kinds:
                     handler.addFilter(ShortTracebacks())
 
 
