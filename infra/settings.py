@@ -92,14 +92,15 @@ class StateFolderError(RuntimeError):
 
 
 def prepare_state_folder(root: Path) -> None:
-    """Create the state folder with mode 0700 (a folder of ours loses group and other access too) and
-    check at once that it is writable: a read-only folder must not surface minutes later as a
-    timeout of the temporary Prefect server."""
+    """Create the state folder with mode 0700 (checkpoints, pickled results and databases inside are
+    then private whatever their own modes; an existing folder keeps its mode: a team may share one
+    on purpose) and check at once that it is writable: a read-only folder must not surface minutes
+    later as a timeout of the temporary Prefect server."""
     hint = "set ALIGNFLOW_HOME to a writable folder"
     try:
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if root.stat().st_uid == os.getuid() and root.stat().st_mode & 0o077:
-            root.chmod(0o700)
+        if not root.is_dir():
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            root.chmod(0o700)  # mkdir's mode is cut by the umask; this one is not
     except OSError as error:
         raise StateFolderError(f"state folder {root}: cannot create it: {error.strerror}; {hint}") from None
     probe = root / f".write-probe-{os.getpid()}"

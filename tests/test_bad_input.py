@@ -193,13 +193,17 @@ def test_every_metric_the_evaluation_produces_is_a_valid_promotion_metric(tiny):
         load_config(MINIMAL, [f"promotion.metric={metric}", "evaluation.pass_k=[1, 2, 4]"])
 
 
-def test_the_state_folder_is_created_0700_and_tightened(tmp_path):
-    root = tmp_path / "state"
-    configure_environment(Settings(home=root))
+def test_the_state_folder_is_created_0700(tmp_path):
+    root = tmp_path / "state" / "nested"
+    old = os.umask(0o022)
+    try:
+        configure_environment(Settings(home=root))
+    finally:
+        os.umask(old)
     assert stat.S_IMODE(root.stat().st_mode) == 0o700
-    root.chmod(0o755)
+    root.chmod(0o750)  # a folder shared on purpose keeps its mode
     prepare_state_folder(root)
-    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    assert stat.S_IMODE(root.stat().st_mode) == 0o750
 
 
 def test_a_read_only_state_folder_fails_at_once_with_the_cause(tmp_path, monkeypatch, capsys):
