@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import AfterValidator, BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 
-from trainers.metrics import evaluation_metric_names
+from trainers.metrics import evaluation_metric_names, per_prompt_metric_names
 from trainers.rewards import allow_module
 from trainers.sections import Section, TrainingConfig
 from trainers.stages import STAGES, StageName
@@ -215,6 +215,16 @@ class ExperimentBase(Section):
             raise ValueError(
                 f"promotion.metric: {self.promotion.metric!r} is not a metric the evaluation produces; "
                 f"known: {', '.join(known)}"
+            )
+        paired = per_prompt_metric_names(self.evaluation.pass_k, self.evaluation.num_samples)
+        if (
+            self.promotion.registered_model
+            and self.promotion.confidence is not None
+            and self.promotion.metric not in paired
+        ):
+            raise ValueError(
+                f"promotion.metric: {self.promotion.metric!r} has no per-prompt values for the paired test of "
+                f"promotion.confidence; use one of {', '.join(paired)}, or set promotion.confidence: null"
             )
         return self
 

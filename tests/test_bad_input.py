@@ -71,6 +71,10 @@ CASES = {
         ["run", MINIMAL, "promotion.metric=pass_at_4"],  # minimal.yaml draws 2 samples: pass@4 is skipped
         "promotion.metric: 'pass_at_4' is not a metric",
     ),
+    "promotion-metric-without-paired-test": (
+        ["run", MINIMAL, "promotion.registered_model=m", "promotion.metric=rewards/accuracies"],
+        "promotion.metric: 'rewards/accuracies' has no per-prompt values for the paired test",
+    ),
     "pass-k-zero": (["run", MINIMAL, "evaluation.pass_k=[1, 0]"], "evaluation.pass_k.1: Input should be greater"),
     "reward-import-not-in-plugins": (
         ["run", MINIMAL, "grpo.reward_funcs=[this:x]"],
