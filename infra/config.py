@@ -91,7 +91,7 @@ class DatasetSource(Section):
     @field_validator("path")
     @classmethod
     def _local_file_exists(cls, path: str) -> str:
-        if path.lower().endswith(LOCAL_DATA_SUFFIXES) and not Path(path).expanduser().is_file():
+        if path.lower().endswith(LOCAL_DATA_SUFFIXES) and not Path(path).is_file():  # as trainers.data reads it
             raise ValueError(f"data file {path!r} does not exist")
         return path
 
