@@ -11,18 +11,64 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import re
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, create_model, model_validator
+from pydantic import AfterValidator, BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 
+from trainers.metrics import evaluation_metric_names, per_prompt_metric_names
+from trainers.rewards import allow_module
 from trainers.sections import Section, TrainingConfig
 from trainers.stages import STAGES, StageName
 
+# Kept in step with trainers.builtin_model.BUILTIN_MODELS (which imports torch; tests check both agree).
+BUILTIN_MODEL_NAMES = ("tiny-llama",)
+# Suffixes that trainers.data reads as local files (anything else is a `datasets.load_dataset` name).
+LOCAL_DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def safe_name(value: str) -> str:
+    """A name used in paths under the state folder: letters, digits, ``.``, ``_``, ``-``; no ``..``."""
+    if not SAFE_NAME.fullmatch(value) or ".." in value:
+        raise ValueError(
+            f"{value!r} is not a safe name: use letters, digits, '.', '_' and '-', starting with a letter or "
+            "digit, without '..'"
+        )
+    return value
+
+
+SafeName = Annotated[str, AfterValidator(safe_name)]
+
+
+def is_local_path(source: str) -> bool:
+    """A model source that names a local folder: absolute, relative (``./``, ``../``, ``~``) or with more
+    than one ``/`` (a hub id is ``org/name``), or an existing path."""
+    return source.startswith(("/", ".", "~")) or source.count("/") > 1 or Path(source).exists()
+
+
+def check_model_source(source: str) -> str:
+    if source.startswith("builtin:"):
+        name = source.removeprefix("builtin:")
+        if name not in BUILTIN_MODEL_NAMES:
+            known = ", ".join(f"builtin:{n}" for n in BUILTIN_MODEL_NAMES)
+            raise ValueError(f"unknown built-in model {source!r}; known: {known}")
+    elif not source.startswith(("runs:/", "models:/")) and is_local_path(source):
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise ValueError(f"model folder {source!r} does not exist")
+        if not path.is_dir():
+            raise ValueError(f"model source {source!r} is a file; give the checkpoint's folder")
+    return source
+
+
+ModelSource = Annotated[str, AfterValidator(check_model_source)]
+
 
 class ModelConfig(Section):
-    source: str = Field(
+    source: ModelSource = Field(
         "builtin:tiny-llama", description="`builtin:tiny-llama`, a Hugging Face model id or a local checkpoint path."
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) for a model id.")
@@ -41,6 +87,13 @@ class DatasetSource(Section):
     name: str | None = Field(None, description="Dataset configuration name (hub datasets).")
     split: str = Field("train", description="Split to read (hub datasets).")
     revision: str | None = Field(None, description="Hub revision of the dataset.")
+
+    @field_validator("path")
+    @classmethod
+    def _local_file_exists(cls, path: str) -> str:
+        if path.lower().endswith(LOCAL_DATA_SUFFIXES) and not Path(path).is_file():  # as trainers.data reads it
+            raise ValueError(f"data file {path!r} does not exist")
+        return path
 
 
 class DataConfig(Section):
@@ -65,6 +118,15 @@ class DataConfig(Section):
         "keep_end", description="Which end of a too-long prompt to keep; completions keep their start."
     )
 
+    @model_validator(mode="after")
+    def _prompt_fits(self) -> DataConfig:
+        if self.max_prompt_length >= self.max_length:
+            raise ValueError(
+                f"max_prompt_length ({self.max_prompt_length}) must be less than max_length ({self.max_length}): "
+                "no token would be left for the completion"
+            )
+        return self
+
 
 class ReferenceConfig(Section):
     batch_size: int = Field(128, ge=1, description="Pairs per reference forward pass.")
@@ -73,7 +135,7 @@ class ReferenceConfig(Section):
 class EvaluationConfig(Section):
     num_prompts: int = Field(300, ge=1, description="Held-out prompts scored per model (at most the split's size).")
     num_samples: int = Field(4, ge=1, description="Samples per prompt at `temperature`: sampled accuracy is mean@N.")
-    pass_k: list[int] = Field(
+    pass_k: list[Annotated[int, Field(ge=1)]] = Field(
         default_factory=lambda: [1, 4],
         description="k values for pass@k (unbiased estimator); k > num_samples is skipped.",
     )
@@ -106,7 +168,7 @@ class PromotionConfig(Section):
 
 
 class TrackingConfig(Section):
-    experiment_name: str = Field("alignflow", description="MLflow experiment.")
+    experiment_name: str = Field("alignflow", min_length=1, pattern=r"\S", description="MLflow experiment.")
     run_name: str | None = Field(None, description="Parent run name; defaults to the config name.")
     log_checkpoints: Literal["all", "final", "none"] = Field(
         "all",
@@ -118,7 +180,10 @@ class TrackingConfig(Section):
 class ExperimentBase(Section):
     """The fields of an experiment besides its sections (see :data:`ExperimentConfig`)."""
 
-    name: str = Field("default", description="Experiment name, used for the run name.")
+    name: SafeName = Field(
+        "default",
+        description="Experiment name, used for the run name and the output folder: letters, digits, '.', '_', '-'.",
+    )
     stages: list[StageName] = Field(
         default_factory=lambda: ["sft", "dpo", "grpo"],
         min_length=1,
@@ -139,6 +204,7 @@ class ExperimentBase(Section):
                     importlib.import_module(module)
                 except ImportError as error:
                     raise ValueError(f"plugins: cannot import {module!r}: {error}") from None
+                allow_module(module)  # reward import paths may name its functions
         return data
 
     @model_validator(mode="after")
@@ -158,6 +224,22 @@ class ExperimentBase(Section):
             split = STAGES[stage].split
             if self.data.builtin is None and getattr(self.data, split) is None:
                 raise ValueError(f"stage {stage!r} needs data.{split} (or data.builtin)")
+        known = evaluation_metric_names(self.evaluation.pass_k, self.evaluation.num_samples)
+        if self.promotion.metric not in known:
+            raise ValueError(
+                f"promotion.metric: {self.promotion.metric!r} is not a metric the evaluation produces; "
+                f"known: {', '.join(known)}"
+            )
+        paired = per_prompt_metric_names(self.evaluation.pass_k, self.evaluation.num_samples)
+        if (
+            self.promotion.registered_model
+            and self.promotion.confidence is not None
+            and self.promotion.metric not in paired
+        ):
+            raise ValueError(
+                f"promotion.metric: {self.promotion.metric!r} has no per-prompt values for the paired test of "
+                f"promotion.confidence; use one of {', '.join(paired)}, or set promotion.confidence: null"
+            )
         return self
 
     def stage(self, name: str) -> TrainingConfig:
@@ -192,14 +274,14 @@ ExperimentConfig = create_model(
 class EvaluationRequest(Section):
     """What the standalone evaluation flow scores: any models, on one eval spec, same prompts and seeds."""
 
-    name: str = Field("evaluation", description="Parent run name and output folder.")
-    models: dict[str, str] = Field(
+    name: SafeName = Field("evaluation", description="Parent run name and output folder.")
+    models: dict[SafeName, ModelSource] = Field(
         min_length=1,
         description=(
             "Label → model source: local folder, `runs:/<id>/model`, `models:/<name>@<alias>`, hub id or `builtin:…`."
         ),
     )
-    reference_model: str | None = Field(
+    reference_model: ModelSource | None = Field(
         None, description="Model source of the reference for held-out implicit-reward metrics."
     )
     beta: float = Field(0.5, gt=0, description="β of the implicit reward β·(π − ref).")
@@ -226,7 +308,40 @@ def apply_override(tree: dict[str, Any], override: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ValueError(f"override {override!r}: {part!r} is not a section")
-    node[leaf] = yaml.safe_load(raw)
+    try:
+        node[leaf] = yaml.safe_load(raw)
+    except yaml.YAMLError as error:
+        raise ValueError(f"override {override!r}: {yaml_problem(error)}") from None
+
+
+def yaml_problem(error: yaml.YAMLError) -> str:
+    """``line L, column C: <problem>`` of a YAML error (1-based, as editors count)."""
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    problem = getattr(error, "problem", None) or str(error)
+    if getattr(error, "context", None) and getattr(error, "problem", None):
+        problem = f"{error.context}, {error.problem}"
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark else problem
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML file; errors name the file (and line and column)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text (byte {error.start})") from None
+    except OSError as error:
+        raise ValueError(f"{path}: {error.strerror}") from None
+    try:
+        tree = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path}: {yaml_problem(error)}") from None
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise ValueError(f"{path}: the file must hold a mapping of config keys, not a {type(tree).__name__}")
+    return tree
 
 
 def load_config(
@@ -235,7 +350,7 @@ def load_config(
     """Validate YAML plus ``key.sub=value`` overrides against ``schema`` (default ExperimentConfig)."""
     tree: dict[str, Any] = {}
     if path is not None:
-        tree = yaml.safe_load(Path(path).read_text()) or {}
+        tree = read_yaml(path)
     for override in overrides:
         apply_override(tree, override)
     return (schema or ExperimentConfig).model_validate(tree)

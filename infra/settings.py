@@ -10,6 +10,7 @@ log-prob cache, any fsspec URL, shared by every run and machine that reaches it)
 from __future__ import annotations
 
 import os
+import re
 from functools import cached_property
 from pathlib import Path
 
@@ -73,14 +74,47 @@ class Settings(BaseSettings):
         return "http://127.0.0.1:5000"
 
 
+def redact_url(url: str) -> str:
+    """``url`` with the password of its ``user:password@`` part (a lone ``token@``) replaced by ``***``: for
+    every URL that is printed, logged, tagged or stored (link artifacts). Other text is unchanged."""
+    return CREDENTIALS.sub(lambda m: f"{m['scheme']}{m['user'] + ':' if m['password'] is not None else ''}***@", url)
+
+
+CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:@/\s]*)(?::(?P<password>[^@/\s]*))?@")
+
+
 def get_settings() -> Settings:
     return Settings()
+
+
+class StateFolderError(RuntimeError):
+    """The run-state folder cannot be created or written."""
+
+
+def prepare_state_folder(root: Path) -> None:
+    """Create the state folder with mode 0700 (checkpoints, pickled results and databases inside are
+    then private whatever their own modes; an existing folder keeps its mode: a team may share one
+    on purpose) and check at once that it is writable: a read-only folder must not surface minutes
+    later as a timeout of the temporary Prefect server."""
+    hint = "set ALIGNFLOW_HOME to a writable folder"
+    try:
+        if not root.is_dir():
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            root.chmod(0o700)  # mkdir's mode is cut by the umask; this one is not
+    except OSError as error:
+        raise StateFolderError(f"state folder {root}: cannot create it: {error.strerror}; {hint}") from None
+    probe = root / f".write-probe-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise StateFolderError(f"state folder {root}: not writable: {error.strerror}; {hint}") from None
 
 
 def configure_environment(settings: Settings | None = None) -> Settings:
     """Set process-wide defaults for Prefect and MLflow. Call before importing prefect."""
     settings = settings or get_settings()
-    settings.root.mkdir(parents=True, exist_ok=True)
+    prepare_state_folder(settings.root)
     defaults = {
         "PREFECT_HOME": str(settings.root / "prefect"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -96,6 +130,9 @@ def configure_environment(settings: Settings | None = None) -> Settings:
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
         "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
     }
+    if redact_url(settings.mlflow_tracking_uri) != settings.mlflow_tracking_uri:
+        # MLflow prints "View run … at: <tracking URI>…" when a run ends: not with credentials in it.
+        defaults["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
     return settings

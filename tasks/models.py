@@ -6,6 +6,7 @@ Sources: ``builtin:<name>``, a local folder, an MLflow URI (``runs:/<run id>/mod
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import mlflow
@@ -32,6 +33,37 @@ MLFLOW_SCHEMES = ("runs:/", "models:/")
 
 def weight_files(path: Path) -> list[str]:
     return sorted({p.name for pattern in WEIGHT_PATTERNS for p in path.glob(pattern) if p.is_file()})
+
+
+def check_model_folder(path: Path) -> None:
+    """A local checkpoint folder has a config, weights and a tokenizer, and its safetensors headers
+    parse; errors name the folder and the file (not "Repo id must be in the form…" minutes later)."""
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model folder {path}: config.json is missing (not a Hugging Face checkpoint folder?)")
+    weights = [name for name in weight_files(path) if name != "config.json"]
+    if not weights:
+        raise ValueError(f"model folder {path}: no weights (*.safetensors or pytorch_model*.bin)")
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise ValueError(f"model folder {path}: no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
+    for name in weights:
+        if name.endswith(".safetensors"):
+            check_safetensors(path / name)
+
+
+def check_safetensors(file: Path) -> None:
+    """The file's header: 8 bytes of length, then that much JSON, within the file."""
+    size = file.stat().st_size
+    with file.open("rb") as handle:
+        head = handle.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        try:
+            if not 0 < length <= size - 8:
+                raise ValueError
+            json.loads(handle.read(length))
+        except ValueError:
+            raise ValueError(
+                f"model folder {file.parent}: {file.name} is corrupt (no valid safetensors header)"
+            ) from None
 
 
 def checkpoint_handle(path: Path, stage: str, mlflow_run_id: str | None = None) -> ModelHandle:
@@ -83,8 +115,9 @@ def resolve_model(config: ModelConfig, stage: str = "base") -> ModelHandle:
         return checkpoint_handle(target, stage)
     if config.source.startswith(MLFLOW_SCHEMES):
         return checkpoint_handle(download_mlflow_model(config.source), stage)
-    if Path(config.source).is_dir():
-        return checkpoint_handle(Path(config.source), stage)
+    if Path(config.source).expanduser().is_dir():
+        check_model_folder(Path(config.source).expanduser())
+        return checkpoint_handle(Path(config.source).expanduser(), stage)
     identity = hash_value({"hub": config.source, "revision": config.revision})
     return ModelHandle(
         path=config.source, revision=config.revision, fingerprint=identity, tokenizer_fingerprint=identity, stage=stage

@@ -23,7 +23,7 @@ from prefect.artifacts import create_link_artifact
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_UI_URL
 
-from infra.settings import get_settings
+from infra.settings import get_settings, redact_url
 from trainers.sections import Section
 
 RUN_ID_FILE = "mlflow_run_id"
@@ -87,19 +87,16 @@ def flow_run_url() -> str | None:
     """The Prefect UI page of the current flow run; None outside a run or without a known UI
     (the temporary local server has none)."""
     ui, run_id = PREFECT_UI_URL.value(), flow_run.get_id()
-    return f"{ui.rstrip('/')}/flow-runs/flow-run/{run_id}" if ui and run_id else None
+    return redact_url(f"{ui.rstrip('/')}/flow-runs/flow-run/{run_id}") if ui and run_id else None
 
 
 # MLflow 3's UI opens an experiment on its GenAI (traces) view unless asked for the runs view.
 RUNS_VIEW = "?workflowType=machine_learning"
 
 
-def mlflow_experiment_url(experiment: str) -> str:
-    return f"{get_settings().mlflow_ui}/#/experiments/{experiment}{RUNS_VIEW}"
-
-
 def mlflow_run_url(experiment: str, run_id: str) -> str:
-    return f"{get_settings().mlflow_ui}/#/experiments/{experiment}/runs/{run_id}{RUNS_VIEW}"
+    """The run's page in the MLflow UI, credentials redacted: it is stored in Prefect (link artifacts)."""
+    return redact_url(f"{get_settings().mlflow_ui}/#/experiments/{experiment}/runs/{run_id}{RUNS_VIEW}")
 
 
 def start_parent_run(config: Section, kind: str = "experiment") -> str:

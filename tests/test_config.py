@@ -127,7 +127,7 @@ def test_grpo_stage_is_checked_when_the_config_loads():
         load_config(None, ["grpo.loss_type=ppo"])
     with pytest.raises(ValidationError, match="needs data.grpo_prompts"):
         ExperimentConfig.model_validate(
-            {"data": {"builtin": None, "sft": {"path": "x.jsonl"}}, "stages": ["sft", "grpo"]}
+            {"data": {"builtin": None, "sft": {"path": "org/sft-rows"}}, "stages": ["sft", "grpo"]}
         )
     assert load_config(None, ["stages=[sft, grpo]"]).stages == ["sft", "grpo"]
 

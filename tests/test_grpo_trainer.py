@@ -11,6 +11,7 @@ from transformers import TrainerCallback
 
 from trainers.data import Truncation, tokenize_split
 from trainers.grpo import COMPLETIONS_LOG_KEY, GRPOConfig, GRPOTrainer, completion_batch
+from trainers.rewards import allow_module
 from trainers.samplers import RepeatSampler
 from trainers.stages.grpo import GRPOStageConfig
 from trainers.synthetic import AdditionTask, generate_addition
@@ -212,6 +213,7 @@ def test_resume_from_a_checkpoint_regenerates_the_empty_buffer(tiny, prompts, tm
 
 def test_metrics_kl_reference_and_sample_table(tiny, prompts, tmp_path):
     model, tokenizer = tiny
+    allow_module("tests.test_grpo_trainer")  # as a config's `plugins` would: import paths need an allowed module
     args = grpo_args(
         tmp_path,
         save_strategy="no",

@@ -101,7 +101,7 @@ def test_server_specs_default_to_sqlite_and_take_postgres_urls_with_their_driver
     assert prefect.exports == {"PREFECT_API_URL": "http://127.0.0.1:4200/api"}
     assert prefect.health_url == "http://127.0.0.1:4200/api/health"
     mlflow = servers.mlflow_server(servers.ServerOptions(mlflow_port=5555), tmp_path)
-    assert mlflow.command[mlflow.command.index("--backend-store-uri") + 1] == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert mlflow.env["MLFLOW_BACKEND_STORE_URI"] == f"sqlite:///{tmp_path / 'mlflow.db'}"
     assert mlflow.command[mlflow.command.index("--artifacts-destination") + 1] == str(tmp_path / "artifacts")
     assert mlflow.exports == {"MLFLOW_TRACKING_URI": "http://127.0.0.1:5555"}
 
@@ -110,7 +110,11 @@ def test_server_specs_default_to_sqlite_and_take_postgres_urls_with_their_driver
         mlflow_database_url="postgresql://u:secret@db/mlflow",
     )
     assert servers.prefect_server(options, tmp_path).database_url == "postgresql+asyncpg://u:secret@db:5432/prefect"
-    assert servers.mlflow_server(options, tmp_path).database_url == "postgresql+psycopg2://u:secret@db/mlflow"
+    with_password = servers.mlflow_server(options, tmp_path)
+    assert with_password.database_url == "postgresql+psycopg2://u:secret@db/mlflow"
+    # the password travels in the server's environment (its user only), never on its command line (every user)
+    assert with_password.env["MLFLOW_BACKEND_STORE_URI"] == "postgresql+psycopg2://u:secret@db/mlflow"
+    assert not any("secret" in part for part in with_password.command)
     assert (
         servers.with_driver("postgresql+psycopg://u@db/x", "psycopg2") == "postgresql+psycopg://u@db/x"
     )  # an explicit driver stays

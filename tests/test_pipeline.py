@@ -250,6 +250,11 @@ def test_bad_input_fails_the_cli_and_leaves_nothing_behind(prefect_api_url, stat
     )
     assert result.returncode != 0
     assert f"{data_file}: {message}" in result.stdout + result.stderr
+    # one short error, then where the traceback is: no Prefect tracebacks on the terminal
+    assert "Traceback (most recent call last)" not in result.stdout + result.stderr
+    (error_line,) = [line for line in result.stderr.splitlines() if line.startswith("alignflow: ")]
+    assert f"{data_file}: {message}" in error_line
+    assert "full traceback: " in result.stderr and "(or run with --debug)" in result.stderr
     assert sorted(p.name for p in get_settings().data_cache.glob("*")) == cache_before  # no entry, no staging folder
 
     client = MlflowClient(get_settings().mlflow_tracking_uri)

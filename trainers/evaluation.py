@@ -11,7 +11,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trainers.collators import PreferenceCollator, pad_left
 from trainers.logprobs import completion_logps
 from trainers.losses import reward_metrics
-from trainers.metrics import bootstrap_ci, exact_match, pass_at_k
+from trainers.metrics import ANSWER_METRICS, PREFERENCE_METRICS, bootstrap_ci, exact_match, pass_at_k
 
 
 @dataclass(frozen=True)
@@ -109,8 +109,8 @@ def per_prompt_scores(results: list[PromptResult], pass_ks: list[int]) -> dict[s
     the metrics average, and what a paired comparison of two models resamples."""
     n = len(results[0].samples)
     scores = {
-        "greedy_accuracy": [float(r.greedy_correct) for r in results],
-        "sampled_accuracy": [sum(r.samples_correct) / n for r in results],
+        ANSWER_METRICS[0]: [float(r.greedy_correct) for r in results],
+        ANSWER_METRICS[1]: [sum(r.samples_correct) / n for r in results],
     }
     for k in (k for k in pass_ks if k <= n):
         scores[f"pass_at_{k}"] = [pass_at_k(n, sum(r.samples_correct), k) for r in results]
@@ -137,7 +137,7 @@ def preference_rewards(model, tokenizer, rows: list[dict], beta: float, batch_si
     the β-free log-ratio margin Δ = (π_c − ref_c) − (π_r − ref_r), comparable across runs of any β."""
     model.eval()
     collate = PreferenceCollator(tokenizer.pad_token_id)
-    totals = {"rewards/accuracies": 0.0, "rewards/margins": 0.0, "logratios/margins": 0.0}
+    totals = dict.fromkeys(PREFERENCE_METRICS, 0.0)
     for start in range(0, len(rows), batch_size):
         batch = collate(rows[start : start + batch_size])
         logps = completion_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"]).logps

@@ -6,6 +6,23 @@ from math import comb
 
 import numpy as np
 
+PREFERENCE_METRICS = ("rewards/accuracies", "rewards/margins", "logratios/margins")
+ANSWER_METRICS = ("greedy_accuracy", "sampled_accuracy")
+
+
+def per_prompt_metric_names(pass_ks: list[int], num_samples: int) -> list[str]:
+    """The metrics with one value per held-out prompt (what a paired comparison resamples)."""
+    return [*ANSWER_METRICS, *(f"pass_at_{k}" for k in dict.fromkeys(pass_ks) if k <= num_samples)]
+
+
+def evaluation_metric_names(pass_ks: list[int], num_samples: int) -> list[str]:
+    """Every metric the evaluation can report for a model (``trainers.evaluation``): the answer
+    metrics with their CIs, pass@k for k ≤ N, the mean completion length and the held-out
+    implicit-reward metrics. Light on purpose: the config checks ``promotion.metric`` against it."""
+    answers = per_prompt_metric_names(pass_ks, num_samples)
+    with_ci = [f"{name}{suffix}" for name in answers for suffix in ("", "_ci_low", "_ci_high")]
+    return [*with_ci, "mean_completion_tokens", *PREFERENCE_METRICS]
+
 
 def exact_match(completion: str, answer: str) -> bool:
     """The built-in task's verifier: equal after stripping surrounding whitespace."""

@@ -5,11 +5,16 @@ completion, ``None`` where the function does not apply to that row. ``prompts`` 
 ``completions`` are decoded text (a completion stops before its first EOS); ``columns`` holds
 every dataset column of the rows (e.g. ``answer``) plus ``completion_ids`` (token ids, EOS
 excluded). Functions must accept ``**columns`` they do not use.
+
+An import path is accepted only from a module the user allowed: one listed in the config's
+``plugins`` (or a submodule of one), see :func:`allow_module`. Naming a reward never imports
+anything else: ``grpo.reward_funcs=[this:x]`` is an error, not ``import this``.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import re
 from typing import Protocol, Sequence
@@ -26,23 +31,61 @@ REWARD_FUNCTIONS: Registry[RewardFunction] = Registry("reward function", "reward
 register_reward = REWARD_FUNCTIONS.register
 
 
+ALLOWED_MODULES: set[str] = set()
+"""Modules (and their submodules) whose functions may be named by import path: the plugins of every
+config validated in this process."""
+
+
+def allow_module(module: str) -> None:
+    """Let reward import paths name functions of ``module`` and of its submodules."""
+    ALLOWED_MODULES.add(module)
+
+
+def is_allowed(module: str) -> bool:
+    return any(module == allowed or module.startswith(allowed + ".") for allowed in ALLOWED_MODULES)
+
+
+def check_signature(name: str, fn: RewardFunction) -> RewardFunction:
+    """``fn`` must accept ``(prompts, completions, **columns)``."""
+    if not callable(fn):
+        raise ValueError(f"reward function {name!r} is not callable")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return fn  # builtins without a signature: trust them
+    takes_columns = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+    try:
+        signature.bind_partial([], [])  # prompts, completions
+    except TypeError:
+        takes_columns = False
+    if not takes_columns:
+        raise ValueError(
+            f"reward function {name!r} has the signature {signature}; it must accept (prompts, completions, **columns)"
+        )
+    return fn
+
+
 def get_reward(name: str) -> RewardFunction:
-    """A registered name, or an import path ``package.module:function`` / ``package.module.function``."""
+    """A registered name, or an import path ``package.module:function`` / ``package.module.function``
+    of a module allowed by :func:`allow_module` (the config's ``plugins``)."""
     if name in REWARD_FUNCTIONS:
-        return REWARD_FUNCTIONS[name]
+        return check_signature(name, REWARD_FUNCTIONS[name])
     module_name, sep, attribute = name.partition(":") if ":" in name else name.rpartition(".")
     if not sep or not module_name:
         raise ValueError(
             f"unknown reward function {name!r}; registered: "
-            f"{sorted(REWARD_FUNCTIONS)}, or give an import path 'module:function'"
+            f"{sorted(REWARD_FUNCTIONS)}, or give an import path 'module:function' of a module listed in plugins"
+        )
+    if not is_allowed(module_name):
+        raise ValueError(
+            f"reward function {name!r}: module {module_name!r} is not listed in plugins; "
+            f"registered: {sorted(REWARD_FUNCTIONS)}, or add {module_name!r} to plugins"
         )
     try:
         fn = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as error:
         raise ValueError(f"reward function {name!r} cannot be imported: {error}") from None
-    if not callable(fn):
-        raise ValueError(f"reward function {name!r} is not callable")
-    return fn
+    return check_signature(name, fn)
 
 
 def resolve_rewards(

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import logging
+import os
 import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
 
 from infra.ops import service_cli
 from infra.ops.cache_cli import add_cache_parser, cache_command
-from infra.settings import configure_environment
+from infra.settings import StateFolderError, configure_environment, redact_url
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,6 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="alignflow", description="Preference and RL training pipelines on Prefect, tracked in MLflow."
     )
     parser.add_argument("--version", action="version", version=f"alignflow {importlib.metadata.version('alignflow')}")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="print full tracebacks (by default: one error line, traceback in a log file)",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser(
         "run",
@@ -64,11 +75,80 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+DEBUG = False  # --debug: tracebacks on the terminal too
+
+
+def write_traceback(error: BaseException) -> Path:
+    """The full traceback of ``error`` in a log file under the state folder (the temp folder if that is unusable)."""
+    text = "".join(traceback.format_exception(error))
+    name = f"error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    try:
+        from infra.settings import get_settings
+
+        folder = get_settings().root / "logs"
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+        return folder / name
+    except OSError:
+        path = Path(tempfile.gettempdir()) / f"alignflow-{name}"
+        path.write_text(text)
+        return path
+
+
+def report_error(message: str, error: BaseException | None = None) -> None:
+    """One line ``alignflow: <message>``, then where the full traceback is (or, with --debug, the traceback)."""
+    first = message.strip().splitlines()[0] if message.strip() else type(error).__name__
+    print(f"alignflow: {redact_url(first)}", file=sys.stderr)
+    if error is not None:
+        if DEBUG:
+            traceback.print_exception(error, file=sys.stderr)
+        else:
+            print(f"full traceback: {write_traceback(error)} (or run with --debug)", file=sys.stderr)
+
+
 def finished(state) -> int:
     if not state.is_completed():
-        print(f"alignflow: run {state.name}: {state.message}", file=sys.stderr)
+        error = state.result(raise_on_failure=False)
+        if isinstance(error, BaseException):
+            report_error(f"run {state.name}: {type(error).__name__}: {error}", error)
+        else:
+            report_error(f"run {state.name}: {state.message}")
         return 1
     return 0
+
+
+class ShortTracebacks(logging.Filter):
+    """On the terminal, Prefect's failure records keep their message and lose their traceback (it
+    goes to the log file named by :func:`report_error`); --debug keeps them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and not DEBUG:
+            record.exc_info, record.exc_text = None, None
+            record.msg = str(record.msg).split("\nTraceback (most recent call last)")[0]
+        return True
+
+
+class RedactUrls(logging.Filter):
+    """Credentials in URLs of a log record (e.g. Prefect's "View at <UI URL>") become ``***``, on the
+    terminal and in the logs Prefect stores."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if (redacted := redact_url(message)) != message:
+            record.msg, record.args = redacted, ()
+        return True
+
+
+def quiet_prefect_tracebacks() -> None:
+    """Filters on the handlers logging has now (Prefect's, set up when it is imported)."""
+    for logger in [logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict))]:
+        for handler in getattr(logger, "handlers", []):
+            kinds = {type(f) for f in handler.filters}
+            if RedactUrls not in kinds:
+                handler.addFilter(RedactUrls())
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                if ShortTracebacks not in kinds:
+                    handler.addFilter(ShortTracebacks())
 
 
 def load_or_exit(schema, args: argparse.Namespace):
@@ -81,10 +161,17 @@ def load_or_exit(schema, args: argparse.Namespace):
 
     try:
         config = load_config(args.config, args.overrides, schema)
-    except (ValidationError, ValueError, FileNotFoundError) as error:
-        print(f"alignflow: invalid config: {error}", file=sys.stderr)
-        for hint in did_you_mean(error, schema) if isinstance(error, ValidationError) else []:
+    except ValidationError as error:
+        where = f"{args.config}: " if args.config else ""
+        for item in error.errors():
+            key = ".".join(map(str, item["loc"]))
+            message = item["msg"].removeprefix("Value error, ")
+            print(f"alignflow: invalid config: {where}{key + ': ' if key else ''}{message}", file=sys.stderr)
+        for hint in did_you_mean(error, schema):
             print(hint, file=sys.stderr)
+        raise SystemExit(2) from None
+    except (ValueError, FileNotFoundError) as error:
+        print(f"alignflow: invalid config: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     if args.print_config:
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
@@ -100,6 +187,7 @@ def run_command(args: argparse.Namespace) -> int:
     config = load_or_exit(ExperimentConfig, args)
     from flows.pipeline import experiment
 
+    quiet_prefect_tracebacks()
     return finished(experiment(config, return_state=True))
 
 
@@ -109,6 +197,7 @@ def evaluate_command(args: argparse.Namespace) -> int:
     request = load_or_exit(EvaluationRequest, args)
     from flows.evaluation import evaluation
 
+    quiet_prefect_tracebacks()
     return finished(evaluation(request, return_state=True))
 
 
@@ -131,9 +220,22 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done, 1 the run (or command) failed, 2 bad input (config, state folder)."""
+    global DEBUG
     args = build_parser().parse_args(argv)
-    configure_environment()
-    return COMMANDS[args.command](args)
+    DEBUG = args.debug
+    try:
+        configure_environment()
+    except StateFolderError as error:
+        print(f"alignflow: {error}", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[args.command](args)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except Exception as error:  # one line and a log file, not a traceback on the terminal
+        report_error(f"{type(error).__name__}: {error}", error)
+        return 1
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,8 +130,6 @@ def mlflow_server(options: ServerOptions, folder: Path) -> ServerSpec:
         options.host,
         "--port",
         str(options.mlflow_port),
-        "--backend-store-uri",
-        store,
         "--artifacts-destination",
         artifacts,
         "--workers",
@@ -149,8 +148,13 @@ def mlflow_server(options: ServerOptions, folder: Path) -> ServerSpec:
         url=url,
         health_url=f"http://{local_host(options.host)}:{options.mlflow_port}/health",
         command=command,
-        # MLflow's GenAI job runner (8 extra processes) serves nothing alignflow logs; set it to true to keep it.
-        env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")},
+        env={
+            # MLflow's GenAI job runner (8 extra processes) serves nothing alignflow logs; set it to true to keep it.
+            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false"),
+            # Through the environment (readable by this user only), not the command line (readable by every
+            # local user): the URL may hold the database password.
+            "MLFLOW_BACKEND_STORE_URI": store,
+        },
         exports={"MLFLOW_TRACKING_URI": url},
         database_url=store,
         postgres_url=options.mlflow_database_url,
@@ -228,6 +232,58 @@ def group_alive(pgid: int) -> bool:
         if int(fields[2]) == pgid and fields[0] != "Z":
             return True
     return False
+
+
+def port_in_use(url: str) -> str | None:
+    """Why the host and port of ``url`` cannot be bound (another process listens there), or None."""
+    parsed = urllib.parse.urlsplit(url)
+    family = socket.AF_INET6 if ":" in (parsed.hostname or "") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is no conflict
+        try:
+            probe.bind((parsed.hostname, parsed.port))
+        except OSError as error:
+            return f"port {parsed.port} on {parsed.hostname} is not free ({error.strerror})"
+    return None
+
+
+def listening_pids(port: int) -> set[int] | None:
+    """Processes with a socket listening on ``port`` (Linux ``/proc``); None when that cannot be told."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return None
+    pids = set()
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd) in inodes for fd in fd_dir.iterdir()):
+                pids.add(int(fd_dir.parent.name))
+        except OSError:
+            continue
+    return pids
+
+
+def answered_by_group(health_url: str, pgid: int) -> bool:
+    """False when the process listening on the health URL's port is known and outside process group
+    ``pgid`` (another program answers there); True when it is ours or cannot be told."""
+    pids = listening_pids(urllib.parse.urlsplit(health_url).port)
+    if not pids:
+        return True
+    groups = set()
+    for pid in pids:
+        try:
+            groups.add(os.getpgid(pid))
+        except OSError:
+            continue
+    return not groups or pgid in groups
 
 
 def is_healthy(health_url: str) -> bool:
@@ -323,16 +379,19 @@ def run_in_group(command: list[str], grace: float) -> int:
 
 
 def wait_healthy(specs: dict[str, ServerSpec], folders: dict[str, Path], timeout: float) -> list[str]:
-    """Wait until every server answers its health check; returns the names that did not."""
+    """Wait until every server answers its health check; returns the names that did not. A server
+    whose own process has died has failed even if something answers on its port (another process)."""
     pending = dict(specs)
     deadline = time.monotonic() + timeout
     while pending and time.monotonic() < deadline:
         for name, spec in list(pending.items()):
             pid = read_pid(folders[name])
-            if is_healthy(spec.health_url):
-                del pending[name]
-            elif pid is None or not is_alive(pid):
+            if pid is None or not is_alive(pid):
                 return [name, *[n for n in pending if n != name]]
+            if is_healthy(spec.health_url):
+                if not answered_by_group(spec.health_url, pid):
+                    return [name, *[n for n in pending if n != name]]  # another process answers on its port
+                del pending[name]
         time.sleep(0.5)
     return list(pending)
 

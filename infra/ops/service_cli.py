@@ -121,7 +121,7 @@ def servers_up(args: argparse.Namespace, folders: dict[str, Path]) -> int:
         args.mlflow_database_url,
         args.artifacts_destination,
     )
-    specs = {}
+    specs, conflicts = {}, []
     for name, folder in folders.items():
         status = servers.server_status(name, folder)
         if status.running:
@@ -130,8 +130,15 @@ def servers_up(args: argparse.Namespace, folders: dict[str, Path]) -> int:
                 f"{status.record.get('url')}; `alignflow servers down {name}` to restart it"
             )
             continue
-        specs[name] = servers.SERVERS[name](options, folder)
-        pid = servers.start(specs[name], folder)
+        spec = servers.SERVERS[name](options, folder)
+        if busy := servers.port_in_use(spec.health_url):
+            print(
+                f"alignflow: {name}: {busy}: another process uses it; stop it or choose another port", file=sys.stderr
+            )
+            conflicts.append(name)
+            continue
+        specs[name] = spec
+        pid = servers.start(spec, folder)
         print(f"{name}: started (pid {pid}), log {folder / 'server.log'}")
     failed = servers.wait_healthy(specs, folders, args.timeout)
     for name in failed:
@@ -144,7 +151,7 @@ def servers_up(args: argparse.Namespace, folders: dict[str, Path]) -> int:
     statuses = [servers.server_status(name, folder) for name, folder in folders.items()]
     report(statuses)
     print_exports(statuses)
-    return 1 if failed else 0
+    return 1 if failed or conflicts else 0
 
 
 def servers_down(args: argparse.Namespace, folders: dict[str, Path]) -> int:

@@ -1,0 +1,339 @@
+"""Bad input fails at load time, through the CLI, with one message that names the file, key or
+position, exit code 2, and nothing left behind in the state folder (no cache entry, no staging
+folder, no output, no MLflow run). Also: the security rules of issue 11 (reward import paths,
+safe names, redacted credentials, a 0700 state folder) and the short error output."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from infra.config import BUILTIN_MODEL_NAMES, load_config
+from infra.ops import cli
+from infra.settings import Settings, StateFolderError, configure_environment, prepare_state_folder, redact_url
+
+MINIMAL = "configs/minimal.yaml"
+
+BAD_REWARDS = """
+def no_columns(prompts, completions):
+    return [0.0 for _ in completions]
+
+
+def one_argument(completions, **columns):
+    return [0.0 for _ in completions]
+
+
+def good(prompts, completions, **columns):
+    return [1.0 for _ in completions]
+
+
+NOT_CALLABLE = 3
+"""
+
+
+@pytest.fixture
+def files(tmp_path, monkeypatch):
+    """Bad files of every kind, and an allowed plugin module of rewards with wrong signatures."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "alignflow_bad_rewards.py").write_text(BAD_REWARDS)
+    (tmp_path / "broken.yaml").write_text("name: x\ndpo: {beta: 0.2\nsft: 1\n")
+    (tmp_path / "tab.yaml").write_text("name: x\n\tdpo: 1\n")
+    (tmp_path / "list.yaml").write_text("- name\n- stages\n")
+    (tmp_path / "latin1.yaml").write_bytes("name: caf\xe9\n".encode("latin-1"))
+    (tmp_path / "weights.safetensors").write_bytes(b"\0")
+    yield tmp_path
+    sys.modules.pop("alignflow_bad_rewards", None)
+
+
+# case: (argv after `alignflow`, what the error line must name); {tmp} is the `files` folder.
+CASES = {
+    "malformed-yaml-file": (["run", "{tmp}/broken.yaml"], "{tmp}/broken.yaml: line 3, column 4:"),
+    "yaml-tab": (["run", "{tmp}/tab.yaml"], "{tmp}/tab.yaml: line 2, column 1:"),
+    "yaml-not-a-mapping": (["run", "{tmp}/list.yaml"], "{tmp}/list.yaml: the file must hold a mapping"),
+    "yaml-not-utf8": (["run", "{tmp}/latin1.yaml"], "{tmp}/latin1.yaml: not UTF-8 text"),
+    "missing-config-file": (["run", "{tmp}/nope.yaml"], "{tmp}/nope.yaml: no such file"),
+    "malformed-override": (["run", MINIMAL, "dpo.beta=[0.1"], "override 'dpo.beta=[0.1': line 1, column"),
+    "override-without-value": (["run", MINIMAL, "dpo.beta"], "override 'dpo.beta' is not of the form key.sub=value"),
+    "unknown-key": (["run", MINIMAL, "dpo.bta=0.1"], "unknown key dpo.bta: did you mean dpo.beta?"),
+    "bad-value": (["run", MINIMAL, "dpo.beta=-1"], f"{MINIMAL}: dpo.beta: Input should be greater than 0"),
+    "promotion-metric": (
+        ["run", MINIMAL, "promotion.metric=accuracy"],
+        "promotion.metric: 'accuracy' is not a metric the evaluation produces; known: greedy_accuracy",
+    ),
+    "promotion-metric-pass-k-not-sampled": (
+        ["run", MINIMAL, "promotion.metric=pass_at_4"],  # minimal.yaml draws 2 samples: pass@4 is skipped
+        "promotion.metric: 'pass_at_4' is not a metric",
+    ),
+    "promotion-metric-without-paired-test": (
+        ["run", MINIMAL, "promotion.registered_model=m", "promotion.metric=rewards/accuracies"],
+        "promotion.metric: 'rewards/accuracies' has no per-prompt values for the paired test",
+    ),
+    "pass-k-zero": (["run", MINIMAL, "evaluation.pass_k=[1, 0]"], "evaluation.pass_k.1: Input should be greater"),
+    "reward-import-not-in-plugins": (
+        ["run", MINIMAL, "grpo.reward_funcs=[this:x]"],
+        "grpo: reward function 'this:x': module 'this' is not listed in plugins",
+    ),
+    "reward-unknown": (["run", MINIMAL, "grpo.reward_funcs=[correctnes]"], "unknown reward function 'correctnes'"),
+    "reward-without-columns": (
+        ["run", MINIMAL, "plugins=[alignflow_bad_rewards]", "grpo.reward_funcs=[alignflow_bad_rewards:no_columns]"],
+        "'alignflow_bad_rewards:no_columns' has the signature (prompts, completions); it must accept",
+    ),
+    "reward-one-argument": (
+        ["run", MINIMAL, "plugins=[alignflow_bad_rewards]", "grpo.reward_funcs=[alignflow_bad_rewards:one_argument]"],
+        "'alignflow_bad_rewards:one_argument' has the signature",
+    ),
+    "reward-not-callable": (
+        ["run", MINIMAL, "plugins=[alignflow_bad_rewards]", "grpo.reward_funcs=[alignflow_bad_rewards:NOT_CALLABLE]"],
+        "'alignflow_bad_rewards:NOT_CALLABLE' is not callable",
+    ),
+    "plugin-missing": (["run", MINIMAL, "plugins=[no_such_plugin]"], "plugins: cannot import 'no_such_plugin'"),
+    "empty-experiment-name": (["run", MINIMAL, "tracking.experiment_name=''"], "tracking.experiment_name:"),
+    "blank-experiment-name": (["run", MINIMAL, "tracking.experiment_name='  '"], "tracking.experiment_name:"),
+    "empty-name": (["run", MINIMAL, "name=''"], "name: '' is not a safe name"),
+    "name-escapes-state-folder": (["run", MINIMAL, "name=../../x"], "name: '../../x' is not a safe name"),
+    "name-with-slash": (["run", MINIMAL, "name=a/b"], "name: 'a/b' is not a safe name"),
+    "name-hidden": (["run", MINIMAL, "name=.x"], "name: '.x' is not a safe name"),
+    "missing-data-file": (
+        ["run", MINIMAL, "data.preference.path={tmp}/pairs.jsonl"],
+        "data.preference.path: data file '{tmp}/pairs.jsonl' does not exist",
+    ),
+    "missing-csv-file": (
+        ["run", MINIMAL, "data.sft.path={tmp}/sft.csv"],
+        "data.sft.path: data file '{tmp}/sft.csv' does not exist",
+    ),
+    "unknown-builtin-model": (
+        ["run", MINIMAL, "model.source=builtin:huge-llama"],
+        "model.source: unknown built-in model 'builtin:huge-llama'; known: builtin:tiny-llama",
+    ),
+    "missing-model-folder": (
+        ["run", MINIMAL, "model.source={tmp}/checkpoints/sft"],
+        "model.source: model folder '{tmp}/checkpoints/sft' does not exist",
+    ),
+    "relative-model-folder": (["run", MINIMAL, "model.source=./no-model"], "model folder './no-model' does not exist"),
+    "model-source-is-a-file": (
+        ["run", MINIMAL, "model.source={tmp}/weights.safetensors"],
+        "model.source: model source '{tmp}/weights.safetensors' is a file",
+    ),
+    "prompt-longer-than-sequence": (
+        ["run", MINIMAL, "data.max_prompt_length=40"],
+        "data: max_prompt_length (40) must be less than max_length (32)",
+    ),
+    "no-stages": (["run", MINIMAL, "stages=[]"], "stages: List should have at least 1 item"),
+    "repeated-stage": (["run", MINIMAL, "stages=[sft, sft]"], "stages must not repeat"),
+    "unknown-stage": (["run", MINIMAL, "stages=[ppo]"], "stages.0:"),
+    "evaluate-unsafe-name": (
+        ["evaluate", "configs/evaluate.yaml", "name=../out"],
+        "configs/evaluate.yaml: name: '../out' is not a safe name",
+    ),
+    "evaluate-missing-model": (
+        ["evaluate", "configs/evaluate.yaml", "models={a: {tmp}/missing}"],
+        "models.a: model folder '{tmp}/missing' does not exist",
+    ),
+    "evaluate-unsafe-label": (
+        ["evaluate", "configs/evaluate.yaml", "models={../x: builtin:tiny-llama}"],
+        "models.../x.[key]: '../x' is not a safe name",
+    ),
+    "evaluate-no-models": (
+        ["evaluate", "configs/evaluate.yaml", "models={}"],
+        "models: Dictionary should have at least",
+    ),
+}
+
+
+def snapshot(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if "prefect" not in p.parts)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_fails_at_load_naming_the_place_and_leaves_nothing_behind(case, files, state_dir, capsys):
+    argv, expected = CASES[case]
+    argv = [arg.replace("{tmp}", str(files)) for arg in argv]
+    before = snapshot(state_dir)
+    with pytest.raises(SystemExit) as raised:
+        cli.main(argv)
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert expected.replace("{tmp}", str(files)) in err
+    assert all(line.startswith(("alignflow: ", "unknown key ")) for line in err.splitlines()), err  # no traceback
+    assert snapshot(state_dir) == before  # no cache entry, no staging folder, no output, no MLflow store
+
+
+def test_the_table_is_large_enough():
+    assert len(CASES) >= 25
+
+
+def test_naming_a_reward_by_import_path_imports_nothing_outside_plugins(files):
+    sys.modules.pop("this", None)
+    with pytest.raises(ValueError, match="module 'this' is not listed in plugins"):
+        load_config(MINIMAL, ["grpo.reward_funcs=[this:x]"])
+    assert "this" not in sys.modules
+    config = load_config(MINIMAL, ["plugins=[alignflow_bad_rewards]", "grpo.reward_funcs=[alignflow_bad_rewards:good]"])
+    assert config.grpo.reward_funcs == ["alignflow_bad_rewards:good"]
+
+
+def test_builtin_model_names_agree_with_the_builtin_models():
+    from trainers.builtin_model import BUILTIN_MODELS
+
+    assert set(BUILTIN_MODEL_NAMES) == set(BUILTIN_MODELS)
+
+
+def test_every_metric_the_evaluation_produces_is_a_valid_promotion_metric(tiny):
+    from trainers.evaluation import GenerationSpec, answer_metrics, score_prompts
+    from trainers.metrics import evaluation_metric_names
+
+    model, tokenizer = tiny
+    rows = [{"prompt_ids": tokenizer("1+1=")["input_ids"], "answer": "2"}]
+    results = score_prompts(model, tokenizer, rows, GenerationSpec(2, 2, 1.0, 8, 0))
+    produced = answer_metrics(results, [1, 2, 4], seed=0, resamples=10)
+    assert set(produced) <= set(evaluation_metric_names([1, 2, 4], 2))
+    for metric in produced:
+        load_config(MINIMAL, [f"promotion.metric={metric}", "evaluation.pass_k=[1, 2, 4]"])
+
+
+def test_the_state_folder_is_created_0700(tmp_path):
+    root = tmp_path / "state" / "nested"
+    old = os.umask(0o022)
+    try:
+        configure_environment(Settings(home=root))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    root.chmod(0o750)  # a folder shared on purpose keeps its mode
+    prepare_state_folder(root)
+    assert stat.S_IMODE(root.stat().st_mode) == 0o750
+
+
+def test_a_read_only_state_folder_fails_at_once_with_the_cause(tmp_path, monkeypatch, capsys):
+    root = tmp_path / "read-only"
+    root.mkdir()
+    root.chmod(0o500)
+    if os.access(root, os.W_OK):  # root ignores modes: make the probe's write fail as it would
+
+        def refuse(self, data):
+            raise PermissionError(13, "Permission denied")
+
+        monkeypatch.setattr(Path, "write_bytes", refuse)
+    with pytest.raises(StateFolderError, match=f"state folder {root}: not writable: Permission denied"):
+        prepare_state_folder(root)
+    monkeypatch.setenv("ALIGNFLOW_HOME", str(root))
+    assert cli.main(["run", MINIMAL]) == 2
+    assert f"alignflow: state folder {root}: not writable" in capsys.readouterr().err
+
+
+def test_credentials_are_redacted_in_urls():
+    assert redact_url("http://alice:s3cret@mlflow:5000/#/x") == "http://alice:***@mlflow:5000/#/x"
+    assert redact_url("https://token@host/") == "https://***@host/"
+    assert redact_url("sqlite:////a/b.db") == "sqlite:////a/b.db"
+    assert redact_url("http://mlflow:5000/#/experiments/1@2") == "http://mlflow:5000/#/experiments/1@2"
+
+
+def test_mlflow_links_stored_in_prefect_carry_no_password(monkeypatch):
+    from tasks.tracking import mlflow_run_url
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://alice:s3cret@mlflow:5000")
+    monkeypatch.delenv("ALIGNFLOW_TRACKING_URI", raising=False)
+    assert mlflow_run_url("1", "abc") == "http://alice:***@mlflow:5000/#/experiments/1/runs/abc"
+    monkeypatch.setenv("ALIGNFLOW_MLFLOW_UI_URL", "https://bob:pw@ui.example")
+    assert "pw" not in mlflow_run_url("1", "abc")
+
+
+def test_mlflow_does_not_print_a_tracking_uri_with_credentials(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", raising=False)
+    configure_environment(Settings(home=tmp_path, tracking_uri="http://alice:s3cret@mlflow:5000"))
+    assert os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] == "true"
+
+
+def test_a_failing_command_prints_one_line_and_where_the_traceback_is(monkeypatch, state_dir, capsys):
+    def broken(args):
+        raise RuntimeError("the disk is full\nsecond line")
+
+    monkeypatch.setitem(cli.COMMANDS, "compare", broken)
+    assert cli.main(["compare"]) == 1
+    first, second = capsys.readouterr().err.splitlines()
+    assert first == "alignflow: RuntimeError: the disk is full"
+    log = Path(second.removeprefix("full traceback: ").removesuffix(" (or run with --debug)"))
+    assert log.parent == state_dir / "logs" and "Traceback (most recent call last)" in log.read_text()
+
+    assert cli.main(["--debug", "compare"]) == 1
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+
+
+def test_local_model_folders_are_checked_at_resolve_naming_folder_and_file(tiny, tmp_path):
+    from infra.config import ModelConfig
+    from tasks.models import resolve_model
+
+    model, tokenizer = tiny
+    folder = tmp_path / "checkpoint"
+    model.save_pretrained(folder)
+    with pytest.raises(ValueError, match=f"model folder {folder}: no tokenizer"):
+        resolve_model.fn(ModelConfig(source=str(folder)))
+    tokenizer.save_pretrained(folder)
+    assert resolve_model.fn(ModelConfig(source=str(folder))).path == str(folder)
+    (folder / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match=f"model folder {folder}: model.safetensors is corrupt"):
+        resolve_model.fn(ModelConfig(source=str(folder)))
+    (folder / "config.json").unlink()
+    with pytest.raises(ValueError, match=f"model folder {folder}: config.json is missing"):
+        resolve_model.fn(ModelConfig(source=str(folder)))
+
+
+def test_servers_up_refuses_a_port_another_process_listens_on(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ALIGNFLOW_HOME", str(tmp_path))
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        assert cli.main(["servers", "up", "prefect", "--prefect-port", str(port), "--timeout", "5"]) == 1
+    captured = capsys.readouterr()
+    assert f"alignflow: prefect: port {port} on 127.0.0.1 is not free" in captured.err
+    assert "prefect: stopped" in captured.out and "healthy" not in captured.out
+    assert not (tmp_path / "servers" / "prefect" / "pid").exists()  # nothing was started
+
+
+def test_servers_report_a_dead_server_even_if_its_port_answers(tmp_path, monkeypatch):
+    """Its own server failed ("address already in use") while another process answers the health URL."""
+    from infra.ops import servers
+
+    spec = servers.ServerSpec("dies", "", "http://127.0.0.1:9/none", ["sh", "-c", "echo in use; exit 1"], {}, {}, "")
+    pid = servers.start(spec, tmp_path)
+    while servers.is_alive(pid):
+        time.sleep(0.05)
+    monkeypatch.setattr(servers, "is_healthy", lambda url: True)  # the other process answers
+    assert servers.wait_healthy({"dies": spec}, {"dies": tmp_path}, timeout=30) == ["dies"]
+    assert "in use" in servers.log_tail(tmp_path)
+
+
+def test_servers_up_does_not_take_another_process_answer_for_its_own_server(tmp_path, monkeypatch):
+    """Its own server runs (not yet listening) while another process listens and answers on its port."""
+    from infra.ops import servers
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        url = f"http://127.0.0.1:{other.getsockname()[1]}/health"
+        spec = servers.ServerSpec("ours", "", url, ["sh", "-c", "sleep 60"], {}, {}, "")
+        servers.start(spec, tmp_path)
+        try:
+            monkeypatch.setattr(servers, "is_healthy", lambda url: True)  # the other process answers
+            if servers.listening_pids(other.getsockname()[1]) is None:
+                pytest.skip("no /proc to tell who listens")
+            assert servers.wait_healthy({"ours": spec}, {"ours": tmp_path}, timeout=30) == ["ours"]
+        finally:
+            servers.stop(tmp_path, timeout=5)
+
+
+def test_log_records_with_credentials_are_redacted_and_lose_their_traceback_on_the_terminal():
+    record = logging.LogRecord("prefect", logging.ERROR, __file__, 1, "View at %s", ("http://u:pw@ui/runs/1",), None)
+    assert cli.RedactUrls().filter(record) and record.getMessage() == "View at http://u:***@ui/runs/1"
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        failed = logging.LogRecord("prefect", logging.ERROR, __file__, 1, "failed", (), sys.exc_info())
+    assert cli.ShortTracebacks().filter(failed) and failed.exc_info is None
