@@ -95,9 +95,11 @@ def _read_local_file(path: Path, suffix: str) -> list[dict]:
     try:
         if suffix == ".csv":
             # Every column is a string ("007" stays "007"); an empty cell is "", not a float NaN.
+            check_utf8(path)
             with path.open(newline="", encoding="utf-8") as handle:
-                header = next(csv.reader(handle), None)
-            if not header:
+                reader = csv.reader(handle)
+                header, first = next(reader, None), next(reader, None)
+            if not header or first is None:
                 raise DataValidationError(f"{path}: the dataset has no rows")
             features = datasets.Features({column: datasets.Value("string") for column in header})
             options = {"features": features, "keep_default_na": False}
@@ -109,6 +111,20 @@ def _read_local_file(path: Path, suffix: str) -> list[dict]:
     except Exception as error:  # pyarrow / pandas errors name neither the file nor the cause clearly
         raise DataValidationError(f"{path}: cannot read as {suffix[1:]}: {type(error).__name__}: {error}") from None
     return dataset.to_list()
+
+
+def check_utf8(path: Path) -> None:
+    """Raise :class:`DataValidationError` with the line and byte offset of the first non-UTF-8 byte."""
+    offset = 0
+    with path.open("rb") as handle:
+        for number, line in enumerate(handle, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise DataValidationError(
+                    f"{path}: line {number}: not UTF-8 text (byte {offset + error.start}: {error.reason})"
+                ) from None
+            offset += len(line)
 
 
 def read_json_rows(path: Path) -> list[dict]:
@@ -222,6 +238,8 @@ def validate_rows(rows: Iterable[dict], fields: tuple[str, ...], source: str) ->
                 raise DataValidationError(
                     f"{where} must be a string or a list of {{role, content}} messages, got {type(value).__name__}"
                 )
+            elif field in COMPLETION_FIELDS and not any(m["content"].strip() for m in value):
+                raise DataValidationError(f"{where} is an empty completion")
             if field in COMPLETION_FIELDS and isinstance(row.get("prompt"), str) and not isinstance(value, str):
                 raise DataValidationError(
                     f"{where} is conversational but 'prompt' is a string; "
