@@ -385,3 +385,30 @@ def test_chat_template_override_and_source_options_change_the_prepared_data(base
     assert manifest["sources"] == {
         "preference": [{"source": str(pairs), "rows_read": 1, "dropped": 0, "truncated_prompts": 0, "rows_used": 1}]
     }
+
+
+def test_data_config_takes_one_source_or_a_list_with_mixing_options():
+    from pydantic import ValidationError
+
+    from infra.config import load_config
+
+    single = load_config(None, ["data.builtin=null", "stages=[sft]", "data.sft={path: a.jsonl}"])
+    assert single.data.sft == DatasetSource(path="a.jsonl")
+    mixed = load_config(
+        None,
+        [
+            "data.builtin=null",
+            "stages=[sft]",
+            "data.sft=[{path: a.jsonl, weight: 0.5}, {path: b.csv, num_samples: 10, columns: {prompt: question}}]",
+            "data.truncation_mode=drop",
+        ],
+    )
+    assert [s.path for s in mixed.data.sft] == ["a.jsonl", "b.csv"] and mixed.data.sft[1].columns == {
+        "prompt": "question"
+    }
+    with pytest.raises(ValidationError, match="give weight or num_samples, not both"):
+        DatasetSource(path="a.jsonl", weight=1.0, num_samples=3)
+    with pytest.raises(ValidationError, match="an empty list of sources"):
+        DataConfig(sft=[])
+    with pytest.raises(ValidationError, match="greater than 0"):
+        DatasetSource(path="a.jsonl", weight=0)
