@@ -287,6 +287,8 @@ def section_at(schema: type[BaseModel], path: tuple) -> type[BaseModel] | None:
     """The section model reached by following field names ``path`` from ``schema``."""
     model = schema
     for name in path:
+        if isinstance(name, int):  # an item of a list of sections, e.g. data.sft.1
+            continue
         field = model.model_fields.get(name) if isinstance(name, str) else None
         if field is None:
             return None
@@ -303,13 +305,15 @@ def did_you_mean(error: ValidationError, schema: type[BaseModel]) -> list[str]:
     for item in error.errors():
         if item["type"] != "extra_forbidden":
             continue
-        *parents, key = item["loc"]
+        # without the union members' tags, e.g. data.sft.list[DatasetSource].1.wieght -> data.sft.1.wieght
+        loc = [part for part in item["loc"] if isinstance(part, int) or part.isidentifier()]
+        *parents, key = loc
         section = section_at(schema, tuple(parents))
         matches = difflib.get_close_matches(str(key), list(section.model_fields) if section else [], n=3)
         if matches:
             where = ".".join(map(str, parents))
             known = ", ".join(f"{where}.{m}" if where else m for m in matches)
-            hints.append(f"unknown key {'.'.join(map(str, item['loc']))}: did you mean {known}?")
+            hints.append(f"unknown key {'.'.join(map(str, loc))}: did you mean {known}?")
     return hints
 
 

@@ -120,6 +120,8 @@ def prepare_split(parts, split: str, tokenizer, truncation: Truncation, seed: in
                 "rows_used": len(used),
             }
         )
+    if not rows:
+        raise ValueError(f"split {split!r}: the sources' weight / num_samples select no rows")
     return rows, report
 
 

@@ -390,7 +390,7 @@ def test_chat_template_override_and_source_options_change_the_prepared_data(base
 def test_data_config_takes_one_source_or_a_list_with_mixing_options():
     from pydantic import ValidationError
 
-    from infra.config import load_config
+    from infra.config import ExperimentConfig, did_you_mean, load_config
 
     single = load_config(None, ["data.builtin=null", "stages=[sft]", "data.sft={path: a.jsonl}"])
     assert single.data.sft == DatasetSource(path="a.jsonl")
@@ -412,3 +412,15 @@ def test_data_config_takes_one_source_or_a_list_with_mixing_options():
         DataConfig(sft=[])
     with pytest.raises(ValidationError, match="greater than 0"):
         DatasetSource(path="a.jsonl", weight=0)
+    with pytest.raises(ValidationError) as error:
+        load_config(None, ["data.sft=[{path: a.jsonl}, {path: b.jsonl, wieght: 2}]"])
+    assert did_you_mean(error.value, ExperimentConfig) == [
+        "unknown key data.sft.1.wieght: did you mean data.sft.1.weight?"
+    ]
+
+
+def test_a_mix_that_selects_no_rows_is_an_error(tiny, tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "1+1=", "completion": "2"}] * 3)
+    parts = [(str(path), load_rows(str(path)), DatasetSource(path=str(path), weight=0.1))]
+    with pytest.raises(ValueError, match="select no rows"):
+        prepare_split(parts, "sft", tiny[1], Truncation(32, 16), seed=0)
