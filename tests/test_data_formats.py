@@ -211,6 +211,8 @@ def test_csv_columns_are_strings_exact_ids(tiny, tmp_path):
     path.write_text("prompt,completion\n007+1=,008\n")
     rows = load_rows(str(path))
     assert rows == [{"prompt": "007+1=", "completion": "008"}]
+    path.write_bytes(b"\xef\xbb\xbfprompt,completion\r\n007+1=,008\r\n")  # as spreadsheets save it
+    assert load_rows(str(path)) == rows
     (row,) = prepare(rows, "sft", tokenizer, str(path), Truncation(32, 16)).rows
     ids = tokenizer.convert_tokens_to_ids
     assert row == {"prompt_ids": ids(list("007+1=")), "completion_ids": ids(list("008")) + [tokenizer.eos_token_id]}

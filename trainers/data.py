@@ -96,13 +96,13 @@ def _read_local_file(path: Path, suffix: str) -> list[dict]:
         if suffix == ".csv":
             # Every column is a string ("007" stays "007"); an empty cell is "", not a float NaN.
             check_utf8(path)
-            with path.open(newline="", encoding="utf-8") as handle:
+            with path.open(newline="", encoding="utf-8-sig") as handle:  # a spreadsheet's byte order mark
                 reader = csv.reader(handle)
                 header, first = next(reader, None), next(reader, None)
             if not header or first is None:
                 raise DataValidationError(f"{path}: the dataset has no rows")
             features = datasets.Features({column: datasets.Value("string") for column in header})
-            options = {"features": features, "keep_default_na": False}
+            options = {"features": features, "keep_default_na": False, "encoding": "utf-8-sig"}
         dataset = datasets.load_dataset(LOCAL_BUILDERS[suffix], data_files=str(path), split="train", **options)
     except UnicodeDecodeError as error:
         raise DataValidationError(f"{path}: not UTF-8 text (byte {error.start}: {error.reason})") from None
