@@ -426,3 +426,25 @@ def test_a_mix_that_selects_no_rows_is_an_error(tiny, tmp_path):
     parts = [(str(path), load_rows(str(path)), DatasetSource(path=str(path), weight=0.1))]
     with pytest.raises(ValueError, match="select no rows"):
         prepare_split(parts, "sft", tiny[1], Truncation(32, 16), seed=0)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv", ".parquet", ".arrow", "/"])
+def test_a_malformed_row_names_file_row_and_field_in_every_file_format(tmp_path, suffix):
+    rows = [{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2=", "completion": " "}]
+    dataset = datasets.Dataset.from_list(rows)
+    path = tmp_path / f"sft{suffix}".rstrip("/")
+    if suffix == ".jsonl":
+        write_jsonl(path, rows)
+    elif suffix == ".json":
+        path.write_text(json.dumps(rows))
+    elif suffix == ".csv":
+        dataset.to_csv(path, index=False)
+    elif suffix == ".parquet":
+        dataset.to_parquet(path)
+    else:
+        dataset.save_to_disk(str(path))
+        if suffix == ".arrow":
+            (path,) = path.glob("*.arrow")
+    with pytest.raises(DataValidationError) as error:
+        validate_rows(load_rows(str(path)), SPLIT_FIELDS["sft"], str(path))
+    assert str(error.value) == f"{path}: row 1: field 'completion' is an empty completion"
