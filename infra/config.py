@@ -83,10 +83,32 @@ class AdditionTaskConfig(Section):
 
 
 class DatasetSource(Section):
-    path: str = Field(description="Local .json/.jsonl/.parquet/.csv file, or a `datasets.load_dataset` name.")
+    path: str = Field(
+        description="Local .json/.jsonl/.parquet/.csv/.arrow file, a `save_to_disk` folder, "
+        "or a `datasets.load_dataset` name."
+    )
     name: str | None = Field(None, description="Dataset configuration name (hub datasets).")
-    split: str = Field("train", description="Split to read (hub datasets).")
+    split: str = Field("train", description="Split to read (hub datasets and `save_to_disk` dataset dicts).")
     revision: str | None = Field(None, description="Hub revision of the dataset.")
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="Field -> column of this source, e.g. `{prompt: question, chosen: answer_good}`.",
+    )
+    weight: float | None = Field(
+        None, gt=0, description="Mixing: use round(weight × rows) rows of this source (sampled, seeded by data.seed)."
+    )
+    num_samples: int | None = Field(
+        None, ge=1, description="Mixing: use exactly this many rows of this source (sampled, seeded by data.seed)."
+    )
+
+    @model_validator(mode="after")
+    def _one_mixing_amount(self) -> DatasetSource:
+        if self.weight is not None and self.num_samples is not None:
+            raise ValueError(f"data source {self.path}: give weight or num_samples, not both")
+        return self
+
+
+Sources = DatasetSource | list[DatasetSource] | None
 
     @field_validator("path")
     @classmethod
@@ -101,11 +123,15 @@ class DataConfig(Section):
         default_factory=AdditionTaskConfig,
         description="The built-in addition task; it fills every split not given below.",
     )
-    sft: DatasetSource | None = Field(None, title="SFT", description="`prompt`/`completion` rows for SFT.")
-    preference: DatasetSource | None = Field(None, description="`prompt`/`chosen`/`rejected` rows for DPO.")
-    preference_eval: DatasetSource | None = Field(None, description="Held-out preference pairs for reward accuracy.")
-    eval_prompts: DatasetSource | None = Field(None, description="`prompt`/`answer` rows for accuracy.")
-    grpo_prompts: DatasetSource | None = Field(
+    sft: Sources = Field(
+        None, title="SFT", description="`prompt`/`completion` or `messages` rows for SFT (one source or a list)."
+    )
+    preference: Sources = Field(
+        None, description="`prompt`/`chosen`/`rejected` rows, or `chosen`/`rejected` conversations, for DPO."
+    )
+    preference_eval: Sources = Field(None, description="Held-out preference pairs for reward accuracy.")
+    eval_prompts: Sources = Field(None, description="`prompt`/`answer` rows for accuracy.")
+    grpo_prompts: Sources = Field(
         None,
         description=(
             "`prompt` rows (and `answer`, passed to reward functions) "
@@ -114,9 +140,22 @@ class DataConfig(Section):
     )
     max_length: int = Field(32, ge=2, description="Maximum prompt + completion tokens.")
     max_prompt_length: int = Field(16, ge=1, description="Maximum prompt tokens.")
-    truncation_mode: Literal["keep_end", "keep_start"] = Field(
-        "keep_end", description="Which end of a too-long prompt to keep; completions keep their start."
+    truncation_mode: Literal["keep_end", "keep_start", "drop"] = Field(
+        "keep_end",
+        description="Which end of a too-long prompt to keep (completions keep their start); "
+        "`drop` drops every row that does not fit instead of cutting it.",
     )
+    chat_template: str | None = Field(
+        None, description="Chat template for conversational rows (a Jinja string or a file), over the tokenizer's."
+    )
+    seed: int = Field(0, description="Seed of source mixing (`weight` / `num_samples`).")
+
+    @model_validator(mode="after")
+    def _no_empty_source_lists(self) -> DataConfig:
+        for split in ("sft", "preference", "preference_eval", "eval_prompts", "grpo_prompts"):
+            if getattr(self, split) == []:
+                raise ValueError(f"data.{split}: an empty list of sources (use null for none)")
+        return self
 
     @model_validator(mode="after")
     def _prompt_fits(self) -> DataConfig:
@@ -377,6 +416,8 @@ def section_at(schema: type[BaseModel], path: tuple) -> type[BaseModel] | None:
     """The section model reached by following field names ``path`` from ``schema``."""
     model = schema
     for name in path:
+        if isinstance(name, int):  # an item of a list of sections, e.g. data.sft.1
+            continue
         field = model.model_fields.get(name) if isinstance(name, str) else None
         if field is None:
             return None
@@ -393,13 +434,15 @@ def did_you_mean(error: ValidationError, schema: type[BaseModel]) -> list[str]:
     for item in error.errors():
         if item["type"] != "extra_forbidden":
             continue
-        *parents, key = item["loc"]
+        # without the union members' tags, e.g. data.sft.list[DatasetSource].1.wieght -> data.sft.1.wieght
+        loc = [part for part in item["loc"] if isinstance(part, int) or part.isidentifier()]
+        *parents, key = loc
         section = section_at(schema, tuple(parents))
         matches = difflib.get_close_matches(str(key), list(section.model_fields) if section else [], n=3)
         if matches:
             where = ".".join(map(str, parents))
             known = ", ".join(f"{where}.{m}" if where else m for m in matches)
-            hints.append(f"unknown key {'.'.join(map(str, item['loc']))}: did you mean {known}?")
+            hints.append(f"unknown key {'.'.join(map(str, loc))}: did you mean {known}?")
     return hints
 
 

@@ -30,9 +30,10 @@ class PreparedData(Handle):
     path: str
     fingerprint: str
     rows: dict[str, int]
-    dropped: dict[str, int]
+    dropped: dict[str, int]  # split -> rows dropped by truncation
     token_fingerprints: dict[str, str]  # split -> digest of its token ids
     truncation: dict[str, Any]  # max_length, max_prompt_length, mode
+    truncated_prompts: dict[str, int] = {}  # split -> kept rows whose prompt was cut
 
 
 class ReferenceLogps(Handle):

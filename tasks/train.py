@@ -75,6 +75,8 @@ def train(
         log_params(run_id, {f"{stage}.{name}": value for name, value in section.model_dump().items()})
         log_params(run_id, {"policy.init": inputs.policy.path, "data.fingerprint": inputs.data.fingerprint})
         log_params(run_id, {f"data.dropped.{split}": count for split, count in inputs.data.dropped.items()})
+        truncated = inputs.data.truncated_prompts
+        log_params(run_id, {f"data.truncated_prompts.{split}": count for split, count in truncated.items()})
         if inputs.reference_logps is not None:
             client().set_tag(run_id, "alignflow.reference_cache_key", inputs.reference_logps.key)
         tracker = MlflowTrainerCallback(run_id, log_checkpoints=log_checkpoints == "all")

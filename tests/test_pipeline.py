@@ -163,6 +163,8 @@ def test_grpo_stage_logs_reward_metrics_and_a_completions_table(first_run):
     grpo = children["grpo"]
     assert grpo.data.params["grpo.num_generations"] == "4"
     assert grpo.data.params["policy.init"].endswith("/dpo/model")  # the chain continues from DPO's model
+    assert grpo.data.params["data.truncated_prompts.grpo_prompts"] == "0"  # prompts cut, per split
+    assert grpo.data.params["data.dropped.grpo_prompts"] == "0"
     for name in (
         "reward",
         "rewards/correctness/mean",

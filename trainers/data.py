@@ -1,13 +1,24 @@
-"""Validation and tokenization of prompt/completion, preference and evaluation data.
+"""Reading, normalizing, validating and tokenizing prompt/completion, preference and evaluation data.
 
 Rows are either *standard* (strings) or *conversational* (lists of ``{"role", "content"}``
-messages). Conversational prompts are rendered with the tokenizer's chat template and the
-generation prompt; a completion is the assistant text followed by EOS.
+messages). Accepted shapes, after a source's ``columns`` mapping renames its columns:
+
+* SFT: ``prompt``/``completion``, or ``messages`` (the prompt is every message before the last
+  assistant turn, the completion is that turn and anything after it);
+* preference: ``prompt``/``chosen``/``rejected``, or conversational ``chosen``/``rejected`` only
+  (*implicit prompt*: their longest common message prefix is the prompt).
+
+A conversational prompt is rendered with the chat template and the generation prompt. A
+conversational completion is rendered by the template as the continuation of its prompt: the
+whole conversation is rendered once and the completion is what follows the prompt's render (so
+it ends with the template's end-of-turn marker). A string completion is its text followed by EOS.
 """
 
 from __future__ import annotations
 
+import csv
 import json
+import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Literal
@@ -23,8 +34,9 @@ SPLIT_FIELDS: dict[str, tuple[str, ...]] = {
     "grpo_prompts": ("prompt",),  # an `answer` column, when present, reaches the reward functions
 }
 COMPLETION_FIELDS = {"completion", "chosen", "rejected"}
-LOCAL_BUILDERS = {".parquet": "parquet", ".csv": "csv"}
+LOCAL_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 JSON_SUFFIXES = {".json", ".jsonl"}
+SAVED_DATASET_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 
 class DataValidationError(ValueError):
@@ -34,35 +46,104 @@ class DataValidationError(ValueError):
 @dataclass(frozen=True)
 class Truncation:
     """``max_prompt_length`` cuts the prompt (``keep_end``: keep its last tokens, ``keep_start``:
-    its first); the completion is then cut to fit ``max_length``, keeping its start."""
+    its first); the completion is then cut to fit ``max_length``, keeping its start. ``drop``
+    cuts nothing: a row that does not fit (prompt or prompt + completion) is dropped."""
 
     max_length: int
     max_prompt_length: int
-    mode: Literal["keep_end", "keep_start"] = "keep_end"
+    mode: Literal["keep_end", "keep_start", "drop"] = "keep_end"
 
 
-def load_rows(path: str, name: str | None = None, split: str = "train", revision: str | None = None) -> list[dict]:
-    """Rows of a local json/jsonl/parquet/csv file or of any ``datasets.load_dataset`` source."""
-    suffix = Path(path).suffix.lower()
-    if (suffix in JSON_SUFFIXES or suffix in LOCAL_BUILDERS) and not Path(path).is_file():
+# --- reading -------------------------------------------------------------------------------------
+
+
+def load_rows(
+    path: str,
+    name: str | None = None,
+    split: str = "train",
+    revision: str | None = None,
+    columns: dict[str, str] | None = None,
+) -> list[dict]:
+    """Rows of a local .json/.jsonl/.parquet/.csv/.arrow file, of a ``save_to_disk`` folder or of
+    any ``datasets.load_dataset`` source; ``columns`` (field -> column) renames columns to fields.
+    A file that cannot be read, or that holds no rows, raises :class:`DataValidationError` naming it."""
+    local = Path(path)
+    suffix = local.suffix.lower()
+    if (suffix in JSON_SUFFIXES or suffix in LOCAL_BUILDERS) and not local.is_file():
         raise FileNotFoundError(f"dataset file not found: {path}")
     if suffix in JSON_SUFFIXES:
         # Read JSON ourselves: Arrow would coerce mixed types per column and hide bad rows.
-        return read_json_rows(Path(path))
-    if suffix in LOCAL_BUILDERS:
-        dataset = datasets.load_dataset(LOCAL_BUILDERS[suffix], data_files=str(path), split="train")
+        rows = read_json_rows(local)
+    elif local.is_file() and suffix in LOCAL_BUILDERS:
+        rows = _read_local_file(local, suffix)
+    elif local.is_dir() and any((local / f).is_file() for f in SAVED_DATASET_FILES):
+        saved = datasets.load_from_disk(str(local))
+        if isinstance(saved, datasets.DatasetDict):
+            if split not in saved:
+                raise DataValidationError(f"{path}: no split {split!r} (has {sorted(saved)})")
+            saved = saved[split]
+        rows = saved.to_list()
     else:
-        dataset = datasets.load_dataset(path, name, split=split, revision=revision)
+        rows = datasets.load_dataset(path, name, split=split, revision=revision).to_list()
+    if not rows:
+        raise DataValidationError(f"{path}: the dataset has no rows")
+    return rename_columns(rows, columns or {}, path)
+
+
+def _read_local_file(path: Path, suffix: str) -> list[dict]:
+    options: dict[str, Any] = {}
+    try:
+        if suffix == ".csv":
+            # Every column is a string ("007" stays "007"); an empty cell is "", not a float NaN.
+            check_utf8(path)
+            with path.open(newline="", encoding="utf-8-sig") as handle:  # a spreadsheet's byte order mark
+                reader = csv.reader(handle)
+                header, first = next(reader, None), next(reader, None)
+            if not header or first is None:
+                raise DataValidationError(f"{path}: the dataset has no rows")
+            features = datasets.Features({column: datasets.Value("string") for column in header})
+            options = {"features": features, "keep_default_na": False, "encoding": "utf-8-sig"}
+        dataset = datasets.load_dataset(LOCAL_BUILDERS[suffix], data_files=str(path), split="train", **options)
+    except UnicodeDecodeError as error:
+        raise DataValidationError(f"{path}: not UTF-8 text (byte {error.start}: {error.reason})") from None
+    except DataValidationError:
+        raise
+    except Exception as error:  # pyarrow / pandas errors name neither the file nor the cause clearly
+        raise DataValidationError(f"{path}: cannot read as {suffix[1:]}: {type(error).__name__}: {error}") from None
     return dataset.to_list()
+
+
+def check_utf8(path: Path) -> None:
+    """Raise :class:`DataValidationError` with the line and byte offset of the first non-UTF-8 byte."""
+    offset = 0
+    with path.open("rb") as handle:
+        for number, line in enumerate(handle, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise DataValidationError(
+                    f"{path}: line {number}: not UTF-8 text (byte {offset + error.start}: {error.reason})"
+                ) from None
+            offset += len(line)
 
 
 def read_json_rows(path: Path) -> list[dict]:
     """A ``.jsonl`` file (one object per line) or a ``.json`` file holding a list of objects."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        line = path.read_bytes()[: error.start].count(b"\n") + 1
+        raise DataValidationError(f"{path}: line {line}: not UTF-8 text (byte {error.start}: {error.reason})") from None
     if path.suffix.lower() == ".json":
-        rows = json.loads(path.read_text())
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise DataValidationError(
+                f"{path}: line {error.lineno} column {error.colno}: invalid JSON ({error.msg})"
+            ) from None
     else:
         rows = []
-        for number, line in enumerate(path.read_text().splitlines()):
+        for number, line in enumerate(text.splitlines()):
             if line.strip():
                 try:
                     rows.append(json.loads(line))
@@ -73,6 +154,25 @@ def read_json_rows(path: Path) -> list[dict]:
     return rows
 
 
+def rename_columns(rows: list[dict], columns: dict[str, str], source: str) -> list[dict]:
+    """Each row with column ``columns[field]`` renamed to ``field``; a missing column is reported
+    as the missing field (with the column it was mapped from)."""
+    if not columns:
+        return rows
+    renamed = []
+    for index, row in enumerate(rows):
+        out = {k: v for k, v in row.items() if k not in columns.values()}
+        for field, column in columns.items():
+            if row.get(column) is None:
+                raise DataValidationError(f"{source}: row {index}: field '{field}' (column '{column}') is missing")
+            out[field] = row[column]
+        renamed.append(out)
+    return renamed
+
+
+# --- normalizing and validating ------------------------------------------------------------------
+
+
 def _is_conversation(value: Any) -> bool:
     return (
         isinstance(value, list)
@@ -81,6 +181,46 @@ def _is_conversation(value: Any) -> bool:
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
         )
     )
+
+
+def _message_key(message: dict) -> tuple[str, str]:
+    return message["role"], message["content"]
+
+
+def normalize_rows(rows: list[dict], split: str, source: str) -> list[dict]:
+    """Rows in the split's ``prompt``/``completion``/``chosen``/``rejected`` fields: SFT
+    ``messages`` are split before the last assistant turn; preference pairs without ``prompt``
+    take the longest common message prefix of ``chosen`` and ``rejected`` as the prompt."""
+    out = []
+    for index, row in enumerate(rows):
+        where = f"{source}: row {index}"
+        if split == "sft" and "prompt" not in row and "completion" not in row and "messages" in row:
+            messages = row["messages"]
+            if not _is_conversation(messages):
+                raise DataValidationError(f"{where}: field 'messages' must be a list of {{role, content}} messages")
+            last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+            if last is None:
+                raise DataValidationError(f"{where}: field 'messages' has no assistant message")
+            if last == 0:
+                raise DataValidationError(f"{where}: field 'messages' has no message before the assistant turn")
+            row = {k: v for k, v in row.items() if k != "messages"}
+            row.update(prompt=messages[:last], completion=messages[last:])
+        elif split in ("preference", "preference_eval") and "prompt" not in row:
+            chosen, rejected = row.get("chosen"), row.get("rejected")
+            if _is_conversation(chosen) and _is_conversation(rejected):
+                common = 0
+                while common < min(len(chosen), len(rejected)) - 1 and _message_key(chosen[common]) == _message_key(
+                    rejected[common]
+                ):
+                    common += 1
+                if common == 0:
+                    raise DataValidationError(
+                        f"{where}: field 'prompt' is missing and 'chosen' and 'rejected' share no leading message "
+                        "(implicit prompt)"
+                    )
+                row = {**row, "prompt": chosen[:common], "chosen": chosen[common:], "rejected": rejected[common:]}
+        out.append(row)
+    return out
 
 
 def validate_rows(rows: Iterable[dict], fields: tuple[str, ...], source: str) -> None:
@@ -98,6 +238,20 @@ def validate_rows(rows: Iterable[dict], fields: tuple[str, ...], source: str) ->
                 raise DataValidationError(
                     f"{where} must be a string or a list of {{role, content}} messages, got {type(value).__name__}"
                 )
+            elif field in COMPLETION_FIELDS and not any(m["content"].strip() for m in value):
+                raise DataValidationError(f"{where} is an empty completion")
+            if field in COMPLETION_FIELDS and isinstance(row.get("prompt"), str) and not isinstance(value, str):
+                raise DataValidationError(
+                    f"{where} is conversational but 'prompt' is a string; "
+                    "a conversational completion continues a conversational prompt"
+                )
+
+
+# --- rendering -----------------------------------------------------------------------------------
+
+
+class TemplateError(ValueError):
+    """The chat template cannot render a completion as the continuation of its prompt."""
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict]) -> list[int]:
@@ -107,35 +261,115 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict]) 
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
-def render_completion(tokenizer: PreTrainedTokenizerBase, completion: str | list[dict]) -> list[int]:
-    text = completion if isinstance(completion, str) else "".join(m["content"] for m in completion)
-    return tokenizer(text, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+def completion_text(tokenizer: PreTrainedTokenizerBase, prompt: list[dict], completion: list[dict]) -> str:
+    """The template's render of ``prompt + completion`` after the render of ``prompt`` with the
+    generation prompt, which must be its prefix. Whitespace the template puts after a final
+    special token (ChatML's newline after ``<|im_end|>``) is not part of it: generation stops at
+    the end-of-turn token, so the end-of-turn token is the completion's last token."""
+    prompt_text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    full_text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+    if not full_text.startswith(prompt_text):
+        raise TemplateError(
+            "the chat template is not prefix-stable: the conversation's render does not start with the "
+            f"prompt's render with the generation prompt (it ends {prompt_text[-40:]!r})"
+        )
+    text = full_text[len(prompt_text) :]
+    stripped = text.rstrip()
+    if stripped != text and any(
+        stripped.endswith(token) for token in [*tokenizer.all_special_tokens, *tokenizer.get_added_vocab()]
+    ):
+        return stripped
+    return text
+
+
+def render_completion(
+    tokenizer: PreTrainedTokenizerBase, completion: str | list[dict], prompt: str | list[dict] | None = None
+) -> list[int]:
+    """A string completion: its tokens then EOS. A conversational one: the template's
+    continuation of the conversational ``prompt`` (:func:`completion_text`)."""
+    if isinstance(completion, str):
+        return tokenizer(completion, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    if not isinstance(prompt, list):
+        raise TemplateError("a conversational completion needs a conversational prompt")
+    return tokenizer(completion_text(tokenizer, prompt, completion), add_special_tokens=False).input_ids
+
+
+# --- truncation and tokenization -----------------------------------------------------------------
 
 
 def truncate_prompt(prompt_ids: list[int], truncation: Truncation) -> list[int]:
     limit = truncation.max_prompt_length
-    if len(prompt_ids) <= limit:
+    if len(prompt_ids) <= limit or truncation.mode == "drop":
         return prompt_ids
     return prompt_ids[-limit:] if truncation.mode == "keep_end" else prompt_ids[:limit]
+
+
+@dataclass
+class TokenizedSplit:
+    """The rows kept; how many were dropped (truncation left a completion with no tokens, or
+    ``drop`` mode and the row did not fit); how many kept rows had their prompt cut."""
+
+    rows: list[dict]
+    dropped: int
+    truncated_prompts: int
+
+
+def tokenize_rows(
+    rows: list[dict], split: str, tokenizer: PreTrainedTokenizerBase, truncation: Truncation, source: str = "data"
+) -> TokenizedSplit:
+    """Tokenize one split's (normalized, validated) rows; a row the chat template cannot render
+    raises :class:`DataValidationError` naming ``source`` and the row."""
+    completion_fields = [f for f in SPLIT_FIELDS[split] if f in COMPLETION_FIELDS]
+    kept, dropped, truncated = [], 0, 0
+    for index, row in enumerate(rows):
+        try:
+            full_prompt = render_prompt(tokenizer, row["prompt"])
+            completions = {f: render_completion(tokenizer, row[f], row["prompt"]) for f in completion_fields}
+        except Exception as error:  # jinja errors, TemplateError
+            raise DataValidationError(f"{source}: row {index}: {type(error).__name__}: {error}") from None
+        if truncation.mode == "drop" and (
+            len(full_prompt) > truncation.max_prompt_length
+            or any(len(full_prompt) + len(c) > truncation.max_length for c in completions.values())
+        ):
+            dropped += 1
+            continue
+        prompt_ids = truncate_prompt(full_prompt, truncation)
+        budget = max(truncation.max_length - len(prompt_ids), 0)
+        out = {"prompt_ids": prompt_ids}
+        for field in completion_fields:
+            out[f"{field}_ids"] = completions[field][:budget]
+        if any(len(out[f"{field}_ids"]) == 0 for field in completion_fields):
+            dropped += 1
+            continue
+        truncated += len(prompt_ids) < len(full_prompt)
+        if "answer" in row:
+            out["answer"] = str(row["answer"])
+        kept.append(out)
+    return TokenizedSplit(kept, dropped, truncated)
 
 
 def tokenize_split(
     rows: list[dict], split: str, tokenizer: PreTrainedTokenizerBase, truncation: Truncation
 ) -> tuple[list[dict], int]:
-    """Tokenize one split; returns the rows kept and how many were dropped because truncation
-    left a completion with no tokens."""
-    completion_fields = [f for f in SPLIT_FIELDS[split] if f in COMPLETION_FIELDS]
-    kept, dropped = [], 0
-    for row in rows:
-        prompt_ids = truncate_prompt(render_prompt(tokenizer, row["prompt"]), truncation)
-        budget = truncation.max_length - len(prompt_ids)
-        out = {"prompt_ids": prompt_ids}
-        for field in completion_fields:
-            out[f"{field}_ids"] = render_completion(tokenizer, row[field])[: max(budget, 0)]
-        if any(len(out[f"{field}_ids"]) == 0 for field in completion_fields):
-            dropped += 1
-            continue
-        if "answer" in row:
-            out["answer"] = str(row["answer"])
-        kept.append(out)
-    return kept, dropped
+    """Tokenize one split; returns the rows kept and how many were dropped (see :func:`tokenize_rows`)."""
+    result = tokenize_rows(rows, split, tokenizer, truncation)
+    return result.rows, result.dropped
+
+
+# --- mixing --------------------------------------------------------------------------------------
+
+
+def select_rows(rows: list[dict], weight: float | None, num_samples: int | None, rng: random.Random) -> list[dict]:
+    """All ``rows`` (neither given), ``num_samples`` of them or ``round(weight * len(rows))``: every
+    row as many whole times as fit, then a sample without replacement for the rest (kept in order)."""
+    if weight is None and num_samples is None:
+        return rows
+    target = num_samples if num_samples is not None else round(weight * len(rows))
+    whole, rest = divmod(target, len(rows)) if rows else (0, 0)
+    picked = list(range(len(rows))) * whole + sorted(rng.sample(range(len(rows)), rest))
+    return [rows[i] for i in picked]
+
+
+def mixing_rng(seed: int, split: str, source_index: int) -> random.Random:
+    """The sampler of one source of one split: the same for the same seed on every machine."""
+    return random.Random(f"alignflow-mix/{seed}/{split}/{source_index}")
