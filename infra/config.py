@@ -26,7 +26,7 @@ from trainers.stages import STAGES, StageName
 # Kept in step with trainers.builtin_model.BUILTIN_MODELS (which imports torch; tests check both agree).
 BUILTIN_MODEL_NAMES = ("tiny-llama",)
 # Suffixes that trainers.data reads as local files (anything else is a `datasets.load_dataset` name).
-LOCAL_DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
+LOCAL_DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -107,15 +107,15 @@ class DatasetSource(Section):
             raise ValueError(f"data source {self.path}: give weight or num_samples, not both")
         return self
 
-
-Sources = DatasetSource | list[DatasetSource] | None
-
     @field_validator("path")
     @classmethod
     def _local_file_exists(cls, path: str) -> str:
         if path.lower().endswith(LOCAL_DATA_SUFFIXES) and not Path(path).is_file():  # as trainers.data reads it
             raise ValueError(f"data file {path!r} does not exist")
         return path
+
+
+Sources = DatasetSource | list[DatasetSource] | None
 
 
 class DataConfig(Section):
@@ -127,12 +127,17 @@ class DataConfig(Section):
         None, title="SFT", description="`prompt`/`completion` or `messages` rows for SFT (one source or a list)."
     )
     preference: Sources = Field(
-        None, description="`prompt`/`chosen`/`rejected` rows, or `chosen`/`rejected` conversations, for DPO."
+        None,
+        title="Preference",
+        description="`prompt`/`chosen`/`rejected` rows, or `chosen`/`rejected` conversations, for DPO.",
     )
-    preference_eval: Sources = Field(None, description="Held-out preference pairs for reward accuracy.")
-    eval_prompts: Sources = Field(None, description="`prompt`/`answer` rows for accuracy.")
+    preference_eval: Sources = Field(
+        None, title="Preference eval", description="Held-out preference pairs for reward accuracy."
+    )
+    eval_prompts: Sources = Field(None, title="Eval prompts", description="`prompt`/`answer` rows for accuracy.")
     grpo_prompts: Sources = Field(
         None,
+        title="GRPO prompts",
         description=(
             "`prompt` rows (and `answer`, passed to reward functions) "
             "for GRPO; held-out prompts must not be among them."
@@ -428,14 +433,38 @@ def section_at(schema: type[BaseModel], path: tuple) -> type[BaseModel] | None:
     return model
 
 
+UNION_MEMBER_TAG = re.compile(r"[\w-]+\[.*\]")  # `list[DatasetSource]`, `function-after[…, DatasetSource]`
+
+
+def error_key(loc: tuple) -> list[str | int]:
+    """A pydantic error location without the union members' tags:
+    ``data.sft.list[DatasetSource].1.wieght`` → ``data.sft.1.wieght``."""
+    return [part for part in loc if isinstance(part, int) or not UNION_MEMBER_TAG.fullmatch(part)]
+
+
+def config_errors(error: ValidationError) -> list[tuple[str, str]]:
+    """``(key, message)`` per problem. A field that takes several shapes (one source or a list of
+    them) reports a type mismatch for each shape the input did not take: those are left out when
+    the shape it took has its own error at or below the same key."""
+    items = [
+        (".".join(map(str, error_key(i["loc"]))), i["msg"].removeprefix("Value error, "), i["type"])
+        for i in error.errors()
+    ]
+    specific = [key for key, _, kind in items if not kind.endswith("_type")]
+
+    def shadowed(key: str) -> bool:
+        return any(other == key or other.startswith(f"{key}.") for other in specific)
+
+    return [(key, message) for key, message, kind in items if not (kind.endswith("_type") and shadowed(key))]
+
+
 def did_you_mean(error: ValidationError, schema: type[BaseModel]) -> list[str]:
     """For each unknown key in ``error``, the known keys of its section that look like it."""
     hints = []
     for item in error.errors():
         if item["type"] != "extra_forbidden":
             continue
-        # without the union members' tags, e.g. data.sft.list[DatasetSource].1.wieght -> data.sft.1.wieght
-        loc = [part for part in item["loc"] if isinstance(part, int) or part.isidentifier()]
+        loc = error_key(item["loc"])
         *parents, key = loc
         section = section_at(schema, tuple(parents))
         matches = difflib.get_close_matches(str(key), list(section.model_fields) if section else [], n=3)

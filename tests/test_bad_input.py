@@ -239,7 +239,9 @@ def test_mlflow_links_stored_in_prefect_carry_no_password(monkeypatch):
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://alice:s3cret@mlflow:5000")
     monkeypatch.delenv("ALIGNFLOW_TRACKING_URI", raising=False)
-    assert mlflow_run_url("1", "abc") == "http://alice:***@mlflow:5000/#/experiments/1/runs/abc"
+    assert mlflow_run_url("1", "abc") == (
+        "http://alice:***@mlflow:5000/#/experiments/1/runs/abc?workflowType=machine_learning"
+    )
     monkeypatch.setenv("ALIGNFLOW_MLFLOW_UI_URL", "https://bob:pw@ui.example")
     assert "pw" not in mlflow_run_url("1", "abc")
 

@@ -389,10 +389,14 @@ def test_chat_template_override_and_source_options_change_the_prepared_data(base
     }
 
 
-def test_data_config_takes_one_source_or_a_list_with_mixing_options():
+def test_data_config_takes_one_source_or_a_list_with_mixing_options(tmp_path, monkeypatch):
     from pydantic import ValidationError
 
     from infra.config import ExperimentConfig, did_you_mean, load_config
+
+    monkeypatch.chdir(tmp_path)  # the config checks that local data files exist
+    (tmp_path / "a.jsonl").write_text('{"prompt": "1+1=", "completion": "2"}\n')
+    (tmp_path / "b.csv").write_text("question,completion\n1+1=,2\n")
 
     single = load_config(None, ["data.builtin=null", "stages=[sft]", "data.sft={path: a.jsonl}"])
     assert single.data.sft == DatasetSource(path="a.jsonl")

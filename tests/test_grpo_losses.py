@@ -27,7 +27,7 @@ from trainers.grpo_losses import (
     token_log_ratio,
     weighted_rewards,
 )
-from trainers.rewards import REWARD_FUNCTIONS, get_reward, score_completions
+from trainers.rewards import REWARD_FUNCTIONS, allow_module, get_reward, score_completions
 
 F64 = torch.float64
 REWARDS = [1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0, 0.0, 0.0, 0.0, 3.0]  # 3 prompts x G = 4
@@ -127,6 +127,7 @@ def test_builtin_rewards_none_rows_and_weighted_sum():
 
 def test_reward_names_resolve_by_registry_or_import_path():
     assert get_reward("format") is REWARD_FUNCTIONS["format"]
+    allow_module("trainers.rewards")  # as a config listing it in `plugins` does
     assert get_reward("trainers.rewards:length_penalty") is REWARD_FUNCTIONS["length_penalty"]
     assert get_reward("trainers.rewards.correctness") is REWARD_FUNCTIONS["correctness"]
     with pytest.raises(ValueError, match="unknown reward function 'nope'"):

@@ -157,15 +157,13 @@ def load_or_exit(schema, args: argparse.Namespace):
     import yaml
     from pydantic import ValidationError
 
-    from infra.config import did_you_mean, load_config
+    from infra.config import config_errors, did_you_mean, load_config
 
     try:
         config = load_config(args.config, args.overrides, schema)
     except ValidationError as error:
         where = f"{args.config}: " if args.config else ""
-        for item in error.errors():
-            key = ".".join(map(str, item["loc"]))
-            message = item["msg"].removeprefix("Value error, ")
+        for key, message in config_errors(error):
             print(f"alignflow: invalid config: {where}{key + ': ' if key else ''}{message}", file=sys.stderr)
         for hint in did_you_mean(error, schema):
             print(hint, file=sys.stderr)
