@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from trainers.collators import PreferenceCollator, prompt_completion_batch
-from trainers.logprobs import TargetLogProbs, completion_logps
+from trainers.grpo_losses import token_entropy
+from trainers.logprobs import TargetLogProbs, completion_logps, next_token_logps, plan_chunks
 
 
 def naive_token_logps(logits, targets):
@@ -24,13 +25,13 @@ def test_target_logprobs_equal_log_softmax_gather_values_and_gradients(dtype):
     rows, cols = mask.nonzero(as_tuple=True)
     weights = torch.randn(rows.numel())
 
-    got, means = TargetLogProbs.apply(logits, rows, cols, targets[rows, cols], 5)  # chunks of 5 positions
+    got, means, entropy = TargetLogProbs.apply(logits, rows, cols, targets[rows, cols], 5)  # chunks of 5
     (got * weights).sum().backward()
     got_grad, logits.grad = logits.grad, None
     want = naive_token_logps(logits, targets)[rows, cols]
     (want * weights).sum().backward()
 
-    assert got.dtype == torch.float32
+    assert got.dtype == torch.float32 and entropy is None
     assert torch.allclose(got, want, atol=1e-5, rtol=0)
     assert torch.allclose(means, logits.float().mean(-1)[rows, cols], atol=1e-5)
     assert got_grad.dtype == dtype
@@ -43,6 +44,81 @@ def test_target_logprobs_backward_passes_gradcheck_in_float64():
     logits = torch.randn(2, 5, 7, dtype=torch.float64, requires_grad=True)
     rows, cols, targets = torch.tensor([0, 0, 1]), torch.tensor([1, 3, 4]), torch.tensor([2, 6, 0])
     assert torch.autograd.gradcheck(lambda x: TargetLogProbs.apply(x, rows, cols, targets, 2)[0], (logits,))
+
+
+# How the scored positions are covered: one dense span (gaps computed through), a span per run of
+# scored positions (every gap skipped), and logits that are a slice of longer rows (not viewable as
+# [B·K, V]: spans stay within a row).
+PLANS = {"dense": 1 << 30, "skip_gaps": 0, "sliced": 1 << 30}
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_entropy_and_logprobs_equal_the_full_vocabulary_forms_for_every_chunk_plan(plan, dtype):
+    """Entropy from the chunked pass equals ``token_entropy`` (GRPO's old full-vocabulary form) to
+    1e-6, log-probs equal log_softmax + gather; the gradients of both outputs match the naive ones."""
+    torch.manual_seed(0)
+    if plan == "sliced":
+        full = (4 * torch.randn(3, 11, 301)).to(dtype).requires_grad_()
+        logits = full[:, 2:]
+    else:
+        full = logits = (4 * torch.randn(3, 9, 301)).to(dtype).requires_grad_()
+    targets = torch.randint(0, 301, (3, 9))
+    mask = torch.zeros(3, 9, dtype=torch.bool)
+    mask[0, 2:5] = mask[1, 0:9] = mask[2, 6:8] = True  # runs with gaps, a whole row, and row ends
+    rows, cols = mask.nonzero(as_tuple=True)
+    weights, entropy_weights = torch.randn(rows.numel()), torch.randn(rows.numel())
+
+    with patch("trainers.logprobs.MERGE_ELEMENTS", PLANS[plan]):
+        spans = plan_chunks(logits, rows, cols, 4).spans
+        got, means, entropy = TargetLogProbs.apply(logits, rows, cols, targets[rows, cols], 4, True)
+    assert len(spans) == {"dense": 6, "skip_gaps": 5, "sliced": 5}[plan]
+    (got * weights + entropy * entropy_weights).sum().backward()
+    got_grad = full.grad
+    # The naive forms on a float32 copy: on bf16 logits autograd would round each branch's gradient
+    # to bf16 before adding them; ours adds in float32 and rounds once.
+    reference = logits.detach().float().requires_grad_()
+    want = naive_token_logps(reference, targets)[rows, cols]
+    want_entropy = token_entropy(reference)[rows, cols]
+    (want * weights + want_entropy * entropy_weights).sum().backward()
+
+    assert entropy.dtype == torch.float32
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)
+    assert (entropy - want_entropy).abs().max() <= 1e-6
+    assert torch.allclose(means, logits.float().mean(-1)[rows, cols], atol=1e-5)
+    assert got_grad.dtype == dtype
+    scored_grad = got_grad[:, -9:].float()
+    assert torch.allclose(
+        scored_grad, reference.grad.to(dtype).float(), atol=1e-6, rtol=0 if dtype == torch.float32 else 2**-7
+    )
+    unscored = torch.ones_like(full[..., 0], dtype=torch.bool)
+    unscored[:, -9:][mask] = False
+    assert got_grad[unscored].abs().max() == 0  # unscored positions get exactly zero gradient
+
+
+@pytest.mark.parametrize("merge", [0, 1 << 30])
+def test_logprobs_and_entropy_pass_gradcheck_in_float64(merge):
+    torch.manual_seed(1)
+    logits = torch.randn(2, 6, 7, dtype=torch.float64, requires_grad=True)
+    rows, cols = torch.tensor([0, 0, 0, 1, 1]), torch.tensor([1, 3, 4, 0, 5])
+    targets = torch.tensor([2, 6, 0, 3, 1])
+    with patch("trainers.logprobs.MERGE_ELEMENTS", merge):
+        assert torch.autograd.gradcheck(lambda x: TargetLogProbs.apply(x, rows, cols, targets, 2, True)[::2], (logits,))
+        assert torch.autograd.gradcheck(lambda x: TargetLogProbs.apply(x, rows, cols, targets, 2, True)[2], (logits,))
+
+
+def test_chunk_plan_spans_small_gaps_and_skips_large_ones():
+    logits = torch.empty(2, 10, 100)
+    rows, cols = torch.tensor([0, 0, 0, 1, 1]), torch.tensor([1, 2, 4, 7, 8])
+    with patch("trainers.logprobs.MERGE_ELEMENTS", 100):  # a gap of one position (100 logits) is spanned
+        plan = plan_chunks(logits, rows, cols, 3)
+    assert plan.spans == [(1, 4), (4, 5), (17, 19)]
+    assert plan.size == 6 and plan.where.tolist() == [0, 1, 3, 4, 5]
+    with patch("trainers.logprobs.MERGE_ELEMENTS", 10**9):  # one span across the row boundary
+        assert plan_chunks(logits, rows, cols, 100).spans == [(1, 19)]
+        assert plan_chunks(torch.empty(2, 12, 100)[:, 2:], rows, cols, 100).spans == [(1, 5), (17, 19)]
+    with pytest.raises(ValueError, match="row-major"):
+        plan_chunks(logits, rows.flip(0), cols.flip(0), 3)
 
 
 class LogitsToKeepSpy(torch.nn.Module):
@@ -95,6 +171,46 @@ def test_completion_logps_equals_naive_sum_over_completion_tokens(tiny):
             assert abs(got.logps[row].item() - expected.item()) <= 1e-5
             assert abs(fallback.logps[row].item() - expected.item()) <= 1e-5
             assert abs(got.logit_sums[row].item() - mean_logits.item()) <= 1e-5
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_next_token_logps_scores_completion_positions_only_with_the_old_values_and_gradients(tiny, temperature):
+    """GRPO's per-token log-probs and entropies: at completion positions equal to the old form (full
+    projection of every position, log_softmax + gather, ``token_entropy``), 0 elsewhere; the model is
+    asked for ``logits_to_keep``, and a model without it gives the same values. Gradients of
+    ``Σ w·logp + Σ u·H`` equal the old form's."""
+    model, tokenizer = tiny
+    batch = prompt_completion_batch(
+        [[10, 11, 12, 14], [13, 15], [16, 17, 18]], [[20, 21], [22, 23, 24, 25, 2], []], tokenizer.pad_token_id
+    )
+    ids, attention, mask = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+    scored = mask[:, 1:].bool()
+    torch.manual_seed(0)
+    weights, entropy_weights = torch.randn(scored.shape), torch.randn(scored.shape)
+
+    def gradients(fn):
+        model.zero_grad()
+        logps, entropy = fn()
+        ((logps * weights + entropy * entropy_weights) * scored).sum().backward()
+        return (logps.detach(), entropy.detach()), [p.grad.clone() for p in model.parameters()]
+
+    def old_form():
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1] / temperature
+        return naive_token_logps(logits, ids[:, 1:]), token_entropy(logits)
+
+    spy = LogitsToKeepSpy(model)
+    (logps, entropy), ours = gradients(lambda: next_token_logps(spy, ids, attention, mask, temperature, entropy=True))
+    assert spy.requested == [6]  # the first completion token is at index 2: positions 1..6
+    (want_logps, want_entropy), reference = gradients(old_form)
+    assert logps.shape == entropy.shape == scored.shape
+    assert torch.allclose(logps[scored], want_logps[scored], atol=1e-5, rtol=0)
+    assert (entropy[scored] - want_entropy[scored]).abs().max() <= 1e-6
+    assert logps[~scored].abs().max() == 0 and entropy[~scored].abs().max() == 0
+    for got, want in zip(ours, reference):
+        assert torch.allclose(got, want, atol=1e-5)
+    fallback = next_token_logps(FullLogitsOnly(model), ids, attention, mask, temperature)
+    assert fallback.entropy is None and torch.allclose(fallback.logps, logps, atol=1e-6, rtol=0)
+    model.zero_grad()
 
 
 def test_completion_logps_options_weight_tokens_and_give_wpo_terms_and_are_off_by_default(tiny):
