@@ -298,12 +298,14 @@ def test_preference_collator_stacks_chosen_then_rejected(tiny):
     assert batch["ref_rejected_logps"].tolist() == [-2.0, -4.0]
 
 
-# Peak memory: each form runs in a fresh interpreter. After the logits exist, the kernel's
+# Peak memory: each test's forms run one after the other in a fresh interpreter (one import of
+# torch and transformers per test, the slow part). After the logits exist, the kernel's
 # peak-RSS mark is reset to the current RSS (/proc/self/clear_refs); the figure is the peak
 # (VmHWM) reached during the log-prob computation, forward and backward, minus that RSS.
 # (ru_maxrss would not do: a child starts with its parent's peak.) glibc's mmap threshold is
 # pinned at 128 KiB so that every freed tensor buffer goes back to the OS; by default the
-# threshold grows after frees and freed chunks stay resident, inflating RSS.
+# threshold grows after frees and freed chunks stay resident, inflating RSS (and the next form's
+# baseline).
 PEAK_SCRIPT = textwrap.dedent(
     """
     import re, sys, torch
@@ -312,39 +314,66 @@ PEAK_SCRIPT = textwrap.dedent(
     def kib(field):
         return int(re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
 
-    torch.manual_seed(0)
-    rows, positions, vocab = 4, 128, 32768
-    logits = torch.randn(rows, positions, vocab, dtype=torch.bfloat16).requires_grad_()
-    targets = torch.randint(0, vocab, (rows, positions))
-    r, c = torch.ones(rows, positions, dtype=torch.bool).nonzero(as_tuple=True)
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
-    before = kib("VmRSS")
-    if sys.argv[1] == "naive":
-        logps = torch.log_softmax(logits.float(), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1).sum()
-    else:
-        logps = TargetLogProbs.apply(logits, r, c, targets[r, c], CHUNK_ELEMENTS // vocab)[0].sum()
-    logps.backward()
-    print(kib("VmHWM") - before)
+    def peak_growth(form):
+        torch.manual_seed(0)
+        rows, positions, vocab = (2 if form.startswith("grpo") else 4), 128, 32768
+        logits = torch.randn(rows, positions, vocab, dtype=torch.bfloat16).requires_grad_()
+        targets = torch.randint(0, vocab, (rows, positions))
+        r, c = torch.ones(rows, positions, dtype=torch.bool).nonzero(as_tuple=True)
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        before = kib("VmRSS")
+        chunk = CHUNK_ELEMENTS // vocab
+        if form == "naive":
+            logps = torch.log_softmax(logits.float(), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1).sum()
+        elif form == "grpo_old":  # GRPO's former step: the log-probs, then the entropy metric from
+            logps = TargetLogProbs.apply(logits, r, c, targets[r, c], chunk)[0].sum()  # full-vocabulary
+            with torch.no_grad():  # softmax and log_softmax
+                entropy = -(torch.softmax(logits.float(), -1) * torch.log_softmax(logits.float(), -1)).sum(-1)
+        elif form == "grpo_ours":  # the entropy from the log-probs' own chunked pass
+            logps, _, entropy = TargetLogProbs.apply(logits, r, c, targets[r, c], chunk, True)
+            logps = logps.sum()
+        else:
+            logps = TargetLogProbs.apply(logits, r, c, targets[r, c], chunk)[0].sum()
+        logps.backward()
+        return kib("VmHWM") - before
+
+    for form in sys.argv[1:]:
+        print(peak_growth(form))  # everything it allocated is freed (and unmapped) on return
     """
 )
 
 
-def peak_growth_mib(form: str) -> float:
+def peak_growth_mib(*forms: str) -> list[float]:
+    """Peak RSS growth of each form, measured one after the other in one fresh interpreter."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        [sys.executable, "-c", PEAK_SCRIPT, form], capture_output=True, text=True, check=True, timeout=300, env=env
+        [sys.executable, "-c", PEAK_SCRIPT, *forms], capture_output=True, text=True, check=True, timeout=300, env=env
     )
-    return int(result.stdout.strip()) / 1024
+    return [int(line) / 1024 for line in result.stdout.split()]
 
 
 def test_peak_memory_is_below_the_naive_form_on_a_large_vocabulary():
     """bf16 logits of 4 × 128 × 32768 (32 MiB; a float32 copy is 64 MiB), forward and backward.
 
     Measured here: naive ≈ 196 MiB (float32 copy + float32 log_softmax + their gradients), ours ≈
-    95 MiB (the bf16 gradient of the logits, needed by both, plus float32 chunk temporaries).
+    64 MiB (the bf16 gradient of the logits, needed by both, plus float32 chunk temporaries; 80 MiB
+    before the chunks became views of the logits, with a zero-filled gradient).
     """
-    naive, ours = peak_growth_mib("naive"), peak_growth_mib("ours")
+    naive, ours = peak_growth_mib("naive", "ours")
     float32_copy = 4 * 128 * 32768 * 4 / 2**20
     assert naive > 2 * float32_copy, naive
     assert naive - ours > float32_copy, (naive, ours)  # at least one full float32 logits copy less
+
+
+def test_grpo_entropy_from_the_chunked_pass_saves_the_full_vocabulary_copies():
+    """GRPO: log-probs with backward plus the entropy metric, on bf16 logits of 2 × 128 × 32768
+    (16 MiB; a float32 copy is 32 MiB). The former metric (softmax and log_softmax of float32 copies,
+    and their product) held several float32 copies at once; the chunked pass holds none.
+
+    Measured here: former ≈ 104 MiB, ours ≈ 56 MiB (the bf16 gradient, needed by both, plus float32
+    chunk temporaries).
+    """
+    former, ours = peak_growth_mib("grpo_old", "grpo_ours")
+    float32_copy = 2 * 128 * 32768 * 4 / 2**20
+    assert former - ours > float32_copy, (former, ours)  # at least one full float32 logits copy less

@@ -144,12 +144,14 @@ class TargetLogProbs(torch.autograd.Function):
         for start, stop in plan.spans:
             part = slice(offset, offset + stop - start)
             offset = part.stop
-            block = read_span(logits, start, stop).to(dtype)
+            source = read_span(logits, start, stop)
+            block = source.to(dtype)  # a float32 copy of bf16 logits; float32 logits: the view itself
             normalisers[part] = block.logsumexp(-1)
             logps[part] = block.gather(-1, span_targets[part, None]).squeeze(-1) - normalisers[part]
             means[part] = block.mean(-1)
             if entropy:  # −Σ p log p from log p = z − logsumexp(z), as precise as log_softmax
-                log_probs = block - normalisers[part, None]
+                shift = normalisers[part, None]
+                log_probs = block.sub_(shift) if block is not source else block - shift
                 entropies[part] = log_probs.exp().mul_(log_probs).sum(-1).neg_()
         ctx.save_for_backward(logits, span_targets, normalisers, entropies)
         ctx.plan = plan
@@ -174,17 +176,22 @@ class TargetLogProbs(torch.autograd.Function):
             previous = stop
             part = slice(offset, offset + stop - start)
             offset = part.stop
-            block = read_span(logits, start, stop).to(normalisers.dtype)
+            source = read_span(logits, start, stop)
+            block = source.to(normalisers.dtype)
             out = flat_grad[start:stop]
-            work = out if out.dtype == normalisers.dtype else torch.empty_like(block)
-            torch.sub(block, normalisers[part, None], out=work).exp_()  # p_v
-            if entropy_scale is None:
-                work.mul_(-scale[part, None])
-            else:  # −p_v (g + g_H (z_v − logsumexp + H))
+            factor = None
+            if entropy_scale is not None:  # g + g_H (z_v − logsumexp + H)
                 factor = block - (normalisers[part] - entropies[part])[:, None]
                 factor.mul_(entropy_scale[part, None])
                 if scale is not None:
                     factor.add_(scale[part, None])
+            if block is not source:  # our own float32 copy: p_v in place, converted into out at the end
+                work = block.sub_(normalisers[part, None]).exp_()
+            else:  # the logits themselves: p_v straight into the gradient
+                work = torch.sub(block, normalisers[part, None], out=out).exp_()
+            if factor is None:
+                work.mul_(-scale[part, None])
+            else:
                 work.mul_(factor).neg_()
             if scale is not None:
                 work.scatter_add_(-1, span_targets[part, None], scale[part, None])
