@@ -357,8 +357,8 @@ def test_peak_memory_is_below_the_naive_form_on_a_large_vocabulary():
     """bf16 logits of 4 × 128 × 32768 (32 MiB; a float32 copy is 64 MiB), forward and backward.
 
     Measured here: naive ≈ 196 MiB (float32 copy + float32 log_softmax + their gradients), ours ≈
-    64 MiB (the bf16 gradient of the logits, needed by both, plus float32 chunk temporaries; 80 MiB
-    before the chunks became views of the logits, with a zero-filled gradient).
+    64 MiB (the bf16 gradient of the logits, needed by both, plus float32 chunk temporaries; 95 MiB
+    before the chunks became views of the logits and the gradient lost its zero fill).
     """
     naive, ours = peak_growth_mib("naive", "ours")
     float32_copy = 4 * 128 * 32768 * 4 / 2**20

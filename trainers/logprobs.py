@@ -1,16 +1,22 @@
-"""Sequence log-probabilities of completion tokens.
+"""Log-probabilities of completion tokens: per sequence (:func:`completion_logps`) and per token
+(:func:`next_token_logps`, GRPO's, optionally with each position's entropy).
 
-The one implementation used by the DPO trainer, by reference caching and by evaluation, so
-cached and live reference values can never disagree.
+The one implementation used by the DPO trainer, by reference caching, by evaluation and by the GRPO
+trainer, so cached and live reference values can never disagree.
 
-Two savings over ``log_softmax(logits).gather(...)``:
+Savings over ``log_softmax(logits).gather(...)``:
 
 * the model projects onto the vocabulary only from the first position that predicts a
   completion token (``logits_to_keep``, when its ``forward`` accepts it), so a long prompt
   costs no ``lm_head`` work and no logits memory;
 * the target token's log-prob is ``z[target] − logsumexp(z)``, computed in float32 over chunks
-  of scored positions; the backward pass recomputes the softmax chunk by chunk. Neither pass
-  holds a full-vocabulary float32 copy of the logits, only ``chunk × vocab`` temporaries.
+  of positions; the backward pass recomputes the softmax chunk by chunk. Neither pass holds a
+  full-vocabulary float32 copy of the logits, only ``chunk × vocab`` temporaries;
+* each chunk is a view of a contiguous span of positions (gaps of unscored positions are computed
+  through when short, skipped when long: :func:`plan_chunks`), so nothing is copied out of the
+  logits by index, and the gradient is written span by span into an uninitialised tensor;
+* the entropy (GRPO's metric, bonus and token selection) comes from the same chunks and their
+  logsumexp, with its own backward, instead of a second full-vocabulary pass.
 """
 
 from __future__ import annotations
