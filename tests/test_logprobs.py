@@ -96,15 +96,23 @@ def test_entropy_and_logprobs_equal_the_full_vocabulary_forms_for_every_chunk_pl
     assert got_grad[unscored].abs().max() == 0  # unscored positions get exactly zero gradient
 
 
-@pytest.mark.parametrize("merge", [0, 1 << 30])
-def test_logprobs_and_entropy_pass_gradcheck_in_float64(merge):
+@pytest.mark.parametrize("merge, temperature", [(0, 1.0), (1 << 30, 1.0), (1 << 30, 0.7)])
+def test_logprobs_and_entropy_pass_gradcheck_in_float64(merge, temperature):
     torch.manual_seed(1)
     logits = torch.randn(2, 6, 7, dtype=torch.float64, requires_grad=True)
     rows, cols = torch.tensor([0, 0, 0, 1, 1]), torch.tensor([1, 3, 4, 0, 5])
     targets = torch.tensor([2, 6, 0, 3, 1])
+
+    def outputs(x):
+        return TargetLogProbs.apply(x, rows, cols, targets, 2, True, temperature)
+
     with patch("trainers.logprobs.MERGE_ELEMENTS", merge):
-        assert torch.autograd.gradcheck(lambda x: TargetLogProbs.apply(x, rows, cols, targets, 2, True)[::2], (logits,))
-        assert torch.autograd.gradcheck(lambda x: TargetLogProbs.apply(x, rows, cols, targets, 2, True)[2], (logits,))
+        assert torch.autograd.gradcheck(lambda x: outputs(x)[::2], (logits,))  # log-probs and entropy
+        assert torch.autograd.gradcheck(lambda x: outputs(x)[2], (logits,))  # the entropy alone
+        logps, _, entropy = outputs(logits)
+    scaled = logits[rows, cols] / temperature
+    assert torch.allclose(logps, torch.log_softmax(scaled, -1).gather(-1, targets[:, None]).squeeze(-1), atol=1e-12)
+    assert torch.allclose(entropy, token_entropy(scaled), atol=1e-12)
 
 
 def test_chunk_plan_spans_small_gaps_and_skips_large_ones():

@@ -108,7 +108,7 @@ def can_flatten(logits: torch.Tensor) -> bool:
 def read_span(logits: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """Flat positions ``start:stop`` of ``logits`` ``[B, K, V]`` as a ``[stop − start, V]`` view."""
     if can_flatten(logits):
-        return logits.reshape(-1, logits.shape[-1])[start:stop]
+        return logits.view(-1, logits.shape[-1])[start:stop]
     row, col = divmod(start, logits.shape[1])
     return logits[row, col : col + stop - start]
 
@@ -129,6 +129,7 @@ class TargetLogProbs(torch.autograd.Function):
     and, with ``entropy=True``, the entropy ``H = −Σ_v p_v log p_v`` there (``log p = z − logsumexp(z)``,
     the chunk's own logsumexp; else None), in float32 (float64 for float64 logits), ``chunk``
     positions at a time. ``rows, cols`` are row-major without repeats (as ``nonzero`` gives them).
+    With ``temperature``, all of these are of ``z = logits / temperature``, divided per chunk.
 
     Each chunk is a view of a contiguous span of positions (:func:`plan_chunks`), converted to
     float32 once; nothing indexes a copy out of the logits. Backward:
@@ -139,7 +140,7 @@ class TargetLogProbs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, rows, cols, targets, chunk, entropy=False):
+    def forward(ctx, logits, rows, cols, targets, chunk, entropy=False, temperature=1.0):
         plan = plan_chunks(logits, rows, cols, chunk)
         dtype = compute_dtype(logits)
         span_targets = to_span_space(targets, plan)
@@ -152,6 +153,8 @@ class TargetLogProbs(torch.autograd.Function):
             offset = part.stop
             source = read_span(logits, start, stop)
             block = source.to(dtype)  # a float32 copy of bf16 logits; float32 logits: the view itself
+            if temperature != 1.0:
+                block = block.div_(temperature) if block is not source else block / temperature
             normalisers[part] = block.logsumexp(-1)
             logps[part] = block.gather(-1, span_targets[part, None]).squeeze(-1) - normalisers[part]
             means[part] = block.mean(-1)
@@ -160,7 +163,7 @@ class TargetLogProbs(torch.autograd.Function):
                 log_probs = block.sub_(shift) if block is not source else block - shift
                 entropies[part] = log_probs.exp().mul_(log_probs).sum(-1).neg_()
         ctx.save_for_backward(logits, span_targets, normalisers, entropies)
-        ctx.plan = plan
+        ctx.plan, ctx.temperature = plan, temperature
         ctx.set_materialize_grads(False)
         means = from_span_space(means, plan)
         ctx.mark_non_differentiable(means)
@@ -169,7 +172,7 @@ class TargetLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logps, grad_means, grad_entropy):
         if grad_logps is None and grad_entropy is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         logits, span_targets, normalisers, entropies = ctx.saved_tensors
         plan: ChunkPlan = ctx.plan
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
@@ -184,6 +187,8 @@ class TargetLogProbs(torch.autograd.Function):
             offset = part.stop
             source = read_span(logits, start, stop)
             block = source.to(normalisers.dtype)
+            if ctx.temperature != 1.0:
+                block = block.div_(ctx.temperature) if block is not source else block / ctx.temperature
             out = flat_grad[start:stop]
             factor = None
             if entropy_scale is not None:  # g + g_H (z_v − logsumexp + H)
@@ -201,10 +206,12 @@ class TargetLogProbs(torch.autograd.Function):
                 work.mul_(factor).neg_()
             if scale is not None:
                 work.scatter_add_(-1, span_targets[part, None], scale[part, None])
+            if ctx.temperature != 1.0:  # ∂/∂logits = ∂/∂z / temperature
+                work.div_(ctx.temperature)
             if work is not out:
                 out.copy_(work)
         flat_grad[previous:].zero_()
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def compute_dtype(logits: torch.Tensor) -> torch.dtype:
@@ -301,13 +308,12 @@ def next_token_logps(
     extra = {"logits_to_keep": kept} if accepts_logits_to_keep(type(unwrap_model(model))) else {}
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
     logits = logits[:, -kept:]  # a view; already this shape when logits_to_keep was honoured
-    if temperature != 1.0:
-        logits = logits / temperature
 
     rows, cols = scored[:, first:].nonzero(as_tuple=True)
     targets = input_ids[:, first + 1 :][rows, cols]
     chunk = max(1, CHUNK_ELEMENTS // logits.shape[-1])
-    token_logps, _, token_entropy = TargetLogProbs.apply(logits, rows, cols, targets, chunk, entropy)
+    # softmax(logits / temperature): the chunks are scaled as they are read, no scaled copy of the logits
+    token_logps, _, token_entropy = TargetLogProbs.apply(logits, rows, cols, targets, chunk, entropy, temperature)
 
     def per_token(values: torch.Tensor) -> torch.Tensor:
         return values.new_zeros(scored.shape).index_put((rows, cols + first), values)
