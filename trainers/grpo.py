@@ -34,7 +34,6 @@ from trainers.grpo_losses import (
     high_entropy_mask,
     k3_kl,
     masked_mean,
-    token_entropy,
     weighted_rewards,
 )
 from trainers.layout import GenerationLayout, resolve_layout
@@ -311,9 +310,13 @@ class GRPOTrainer(Trainer):
             source.eval()
             for part in slices:
                 device = self.accelerator.device
-                logps, _ = next_token_logps(
-                    source, part["input_ids"].to(device), part["attention_mask"].to(device), self.args.temperature
-                )
+                logps = next_token_logps(
+                    source,
+                    part["input_ids"].to(device),
+                    part["attention_mask"].to(device),
+                    part["completion_mask"].to(device),
+                    self.args.temperature,
+                ).logps
                 part[name] = logps.cpu()
             source.train(was_training)
 
@@ -322,23 +325,28 @@ class GRPOTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Per token: the objective of the importance ratio, minus ``entropy_coef``·H (when
         non-zero), times the high-entropy mask (when ``top_entropy_quantile`` < 1), plus β·KL; then
-        the ``loss_type`` aggregation. Entropy with gradient is computed only for the bonus."""
+        the ``loss_type`` aggregation. Only completion positions are projected and scored; the
+        entropy comes from the same pass and is backpropagated only for the bonus."""
         args: GRPOConfig = self.args
-        logps, logits = next_token_logps(model, inputs["input_ids"], inputs["attention_mask"], args.temperature)
+        # One chunked pass over the completion positions gives the log-probs and the entropy (for the
+        # metric, and for the options): no second full-vocabulary tensor, no prompt positions.
+        logps, entropy = next_token_logps(
+            model,
+            inputs["input_ids"],
+            inputs["attention_mask"],
+            inputs["completion_mask"],
+            args.temperature,
+            entropy=True,
+        )
         mask = inputs["completion_mask"][:, 1:].to(logps.dtype)
         old_logps = inputs["old_logps"] if "old_logps" in inputs else logps.detach()
         advantages = inputs["advantages"]
         log_ratio = self.log_ratio(logps, old_logps, mask)
         per_token = self.objective(log_ratio, logps, advantages, self.objective_params)
-        entropy = None
         if args.entropy_coef:
-            entropy = token_entropy(logits)
-            per_token = per_token - args.entropy_coef * entropy
+            per_token = per_token - args.entropy_coef * entropy  # the one use of the entropy's gradient
         metrics = {}
         if args.top_entropy_quantile < 1.0:
-            if entropy is None:
-                with torch.no_grad():
-                    entropy = token_entropy(logits)
             selected = high_entropy_mask(entropy.detach(), mask, args.top_entropy_quantile)
             per_token = per_token * selected
             metrics["entropy_mask/kept_fraction"] = masked_mean(selected, mask)
@@ -359,8 +367,6 @@ class GRPOTrainer(Trainer):
         with torch.no_grad():
             if self.objective.metrics is not None:
                 metrics |= self.objective.metrics(torch.exp(log_ratio), advantages, mask, self.objective_params)
-            if entropy is None:
-                entropy = -(torch.softmax(logits.float(), -1) * torch.log_softmax(logits.float(), -1)).sum(-1)
         metrics["entropy"] = masked_mean(entropy.detach(), mask)
         self.record_step(metrics)
         return (loss, {"logps": logps}) if return_outputs else loss

@@ -1,16 +1,22 @@
-"""Sequence log-probabilities of completion tokens.
+"""Log-probabilities of completion tokens: per sequence (:func:`completion_logps`) and per token
+(:func:`next_token_logps`, GRPO's, optionally with each position's entropy).
 
-The one implementation used by the DPO trainer, by reference caching and by evaluation, so
-cached and live reference values can never disagree.
+The one implementation used by the DPO trainer, by reference caching, by evaluation and by the GRPO
+trainer, so cached and live reference values can never disagree.
 
-Two savings over ``log_softmax(logits).gather(...)``:
+Savings over ``log_softmax(logits).gather(...)``:
 
 * the model projects onto the vocabulary only from the first position that predicts a
   completion token (``logits_to_keep``, when its ``forward`` accepts it), so a long prompt
   costs no ``lm_head`` work and no logits memory;
 * the target token's log-prob is ``z[target] − logsumexp(z)``, computed in float32 over chunks
-  of scored positions; the backward pass recomputes the softmax chunk by chunk. Neither pass
-  holds a full-vocabulary float32 copy of the logits, only ``chunk × vocab`` temporaries.
+  of positions; the backward pass recomputes the softmax chunk by chunk. Neither pass holds a
+  full-vocabulary float32 copy of the logits, only ``chunk × vocab`` temporaries;
+* each chunk is a view of a contiguous span of positions (gaps of unscored positions are computed
+  through when short, skipped when long: :func:`plan_chunks`), so nothing is copied out of the
+  logits by index, and the gradient is written span by span into an uninitialised tensor;
+* the entropy (GRPO's metric, bonus and token selection) comes from the same chunks and their
+  logsumexp, with its own backward, instead of a second full-vocabulary pass.
 """
 
 from __future__ import annotations
@@ -24,6 +30,11 @@ from transformers.modeling_utils import unwrap_model
 
 # Float32 elements of one chunk of (scored positions × vocabulary): 16 MiB.
 CHUNK_ELEMENTS = 1 << 22
+# Unscored positions between two scored ones are computed through (and their results dropped) when
+# that costs at most this many logits; a longer gap starts a new chunk. A chunk costs a fixed ~15
+# tensor operations, worth about this many elements: a small vocabulary gets one dense pass, a large
+# one skips each prompt.
+MERGE_ELEMENTS = 1 << 16
 
 
 class CompletionLogps(NamedTuple):
@@ -38,43 +49,169 @@ class CompletionLogps(NamedTuple):
     wpo_logweights: torch.Tensor | None = None
 
 
-class TargetLogProbs(torch.autograd.Function):
-    """``log_softmax(logits[rows, cols])[targets]`` and the vocabulary-mean logit at those
-    positions, in float32 (float64 for float64 logits), ``chunk`` positions at a time.
+class TokenLogps(NamedTuple):
+    """Per-token results of :func:`next_token_logps`, shape ``[B, T − 1]`` (position ``t`` predicts
+    token ``t + 1``), float32 (float64 for a float64 model). Only positions that predict a completion
+    token are computed; every other position holds 0."""
 
-    Backward: ``∂/∂z_v = g · (1[v = target] − softmax(z)_v)``, recomputed per chunk from the saved
-    logits (the original tensor, not a copy) and the saved per-position logsumexp.
+    logps: torch.Tensor  # log p(x_{t+1} | x_≤t); differentiable
+    entropy: torch.Tensor | None = None  # H_t = −Σ_v p_v log p_v (``entropy=True``); differentiable
+
+
+class ChunkPlan(NamedTuple):
+    """Where :class:`TargetLogProbs` reads: ``spans``, ascending ``(start, stop)`` ranges of flat
+    positions ``row · K + col``, each at most ``chunk`` long, within one row when the logits cannot
+    be viewed as ``[B·K, V]``. Their positions, concatenated, form the *span space*, of ``size``
+    positions; ``where[i]`` is scored position ``i``'s index in it (None when every spanned position
+    is scored, i.e. ``where`` would be ``arange``)."""
+
+    spans: list[tuple[int, int]]
+    size: int
+    where: torch.Tensor | None
+
+
+def plan_chunks(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, chunk: int) -> ChunkPlan:
+    """Cover the scored positions (row-major, no repeats) with contiguous spans of positions, so
+    that every chunk is a view of the logits: no indexed copy. A gap of unscored positions is
+    spanned when it costs at most ``MERGE_ELEMENTS`` logits; its results are computed and dropped."""
+    count = rows.numel()
+    if count == 0:
+        return ChunkPlan([], 0, None)
+    width, vocab = logits.shape[1], logits.shape[2]
+    flat = rows * width + cols
+    steps = flat[1:] - flat[:-1]
+    if count > 1 and bool((steps <= 0).any()):
+        raise ValueError("TargetLogProbs: positions must be in row-major order without repeats")
+    cut = (steps - 1) * vocab > MERGE_ELEMENTS
+    if not can_flatten(logits):
+        cut |= rows[1:] != rows[:-1]
+    starts = torch.cat([cut.new_ones(1), cut]).nonzero().squeeze(-1)
+    stops = torch.cat([starts[1:], starts.new_tensor([count])]) - 1
+    firsts, lasts = flat[starts].tolist(), (flat[stops] + 1).tolist()
+    spans = [(a, min(a + chunk, last)) for first, last in zip(firsts, lasts) for a in range(first, last, chunk)]
+    lengths = torch.tensor([last - first for first, last in zip(firsts, lasts)], device=flat.device)
+    size = int(sum(last - first for first, last in zip(firsts, lasts)))
+    if size == count:
+        return ChunkPlan(spans, size, None)
+    offsets = lengths.cumsum(0) - lengths  # where each group of spans begins in span space
+    group = torch.cat([cut.new_zeros(1, dtype=torch.long), cut.long().cumsum(0)])
+    return ChunkPlan(spans, size, flat - flat[starts][group] + offsets[group])
+
+
+def can_flatten(logits: torch.Tensor) -> bool:
+    """Whether ``logits`` ``[B, K, V]`` is viewable as ``[B·K, V]`` (a ``logits_to_keep`` output is;
+    a slice ``logits[:, -K:]`` of longer rows is not)."""
+    b, k, v = logits.shape
+    return logits.stride(2) == 1 and (b == 1 or logits.stride(0) == k * logits.stride(1)) and logits.stride(1) >= v
+
+
+def read_span(logits: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Flat positions ``start:stop`` of ``logits`` ``[B, K, V]`` as a ``[stop − start, V]`` view."""
+    if can_flatten(logits):
+        return logits.view(-1, logits.shape[-1])[start:stop]
+    row, col = divmod(start, logits.shape[1])
+    return logits[row, col : col + stop - start]
+
+
+def to_span_space(values: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+    """Per-scored-position ``values`` spread over span space (0 at spanned, unscored positions)."""
+    if plan.where is None:
+        return values
+    return values.new_zeros(plan.size).index_copy_(0, plan.where, values)
+
+
+def from_span_space(values: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
+    return values if plan.where is None else values[plan.where]
+
+
+class TargetLogProbs(torch.autograd.Function):
+    """``log_softmax(logits[rows, cols])[targets]``, the vocabulary-mean logit at those positions
+    and, with ``entropy=True``, the entropy ``H = −Σ_v p_v log p_v`` there (``log p = z − logsumexp(z)``,
+    the chunk's own logsumexp; else None), in float32 (float64 for float64 logits), ``chunk``
+    positions at a time. ``rows, cols`` are row-major without repeats (as ``nonzero`` gives them).
+    With ``temperature``, all of these are of ``z = logits / temperature``, divided per chunk.
+
+    Each chunk is a view of a contiguous span of positions (:func:`plan_chunks`), converted to
+    float32 once; nothing indexes a copy out of the logits. Backward:
+    ``∂/∂z_v = g · (1[v = target] − p_v) − g_H · p_v (z_v − logsumexp(z) + H)``, recomputed per chunk
+    from the saved logits (the original tensor, not a copy) and the saved per-position logsumexp,
+    written chunk by chunk into an uninitialised gradient; only positions outside every span are
+    zero-filled.
     """
 
     @staticmethod
-    def forward(ctx, logits, rows, cols, targets, chunk):
-        count = rows.numel()
-        logps = torch.empty(count, dtype=compute_dtype(logits), device=logits.device)
-        means = torch.empty_like(logps)
-        normalisers = torch.empty_like(logps)
-        for start in range(0, count, chunk):
-            part = slice(start, start + chunk)
-            block = logits[rows[part], cols[part]].to(logps.dtype)
+    def forward(ctx, logits, rows, cols, targets, chunk, entropy=False, temperature=1.0):
+        plan = plan_chunks(logits, rows, cols, chunk)
+        dtype = compute_dtype(logits)
+        span_targets = to_span_space(targets, plan)
+        normalisers = torch.empty(plan.size, dtype=dtype, device=logits.device)
+        logps, means = torch.empty_like(normalisers), torch.empty_like(normalisers)
+        entropies = torch.empty_like(normalisers) if entropy else None
+        offset = 0
+        for start, stop in plan.spans:
+            part = slice(offset, offset + stop - start)
+            offset = part.stop
+            source = read_span(logits, start, stop)
+            block = source.to(dtype)  # a float32 copy of bf16 logits; float32 logits: the view itself
+            if temperature != 1.0:
+                block = block.div_(temperature) if block is not source else block / temperature
             normalisers[part] = block.logsumexp(-1)
-            logps[part] = block.gather(-1, targets[part, None]).squeeze(-1) - normalisers[part]
+            logps[part] = block.gather(-1, span_targets[part, None]).squeeze(-1) - normalisers[part]
             means[part] = block.mean(-1)
-        ctx.save_for_backward(logits, rows, cols, targets, normalisers)
-        ctx.chunk = chunk
+            if entropy:  # −Σ p log p from log p = z − logsumexp(z), as precise as log_softmax
+                shift = normalisers[part, None]
+                log_probs = block.sub_(shift) if block is not source else block - shift
+                entropies[part] = log_probs.exp().mul_(log_probs).sum(-1).neg_()
+        ctx.save_for_backward(logits, span_targets, normalisers, entropies)
+        ctx.plan, ctx.temperature = plan, temperature
+        ctx.set_materialize_grads(False)
+        means = from_span_space(means, plan)
         ctx.mark_non_differentiable(means)
-        return logps, means
+        return from_span_space(logps, plan), means, None if entropies is None else from_span_space(entropies, plan)
 
     @staticmethod
-    def backward(ctx, grad_logps, grad_means):
-        logits, rows, cols, targets, normalisers = ctx.saved_tensors
-        grad = torch.zeros_like(logits)
-        for start in range(0, rows.numel(), ctx.chunk):
-            part = slice(start, start + ctx.chunk)
-            scale = grad_logps[part, None]
-            block = logits[rows[part], cols[part]].to(normalisers.dtype)
-            block_grad = (block - normalisers[part, None]).exp_().mul_(-scale)
-            block_grad.scatter_add_(-1, targets[part, None], scale)
-            grad[rows[part], cols[part]] = block_grad.to(grad.dtype)
-        return grad, None, None, None, None
+    def backward(ctx, grad_logps, grad_means, grad_entropy):
+        if grad_logps is None and grad_entropy is None:
+            return None, None, None, None, None, None, None
+        logits, span_targets, normalisers, entropies = ctx.saved_tensors
+        plan: ChunkPlan = ctx.plan
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        flat_grad = grad.view(-1, logits.shape[-1])
+        scale = to_span_space(grad_logps, plan) if grad_logps is not None else None
+        entropy_scale = to_span_space(grad_entropy, plan) if grad_entropy is not None else None
+        previous, offset = 0, 0
+        for start, stop in plan.spans:
+            flat_grad[previous:start].zero_()
+            previous = stop
+            part = slice(offset, offset + stop - start)
+            offset = part.stop
+            source = read_span(logits, start, stop)
+            block = source.to(normalisers.dtype)
+            if ctx.temperature != 1.0:
+                block = block.div_(ctx.temperature) if block is not source else block / ctx.temperature
+            out = flat_grad[start:stop]
+            factor = None
+            if entropy_scale is not None:  # g + g_H (z_v − logsumexp + H)
+                factor = block - (normalisers[part] - entropies[part])[:, None]
+                factor.mul_(entropy_scale[part, None])
+                if scale is not None:
+                    factor.add_(scale[part, None])
+            if block is not source:  # our own float32 copy: p_v in place, converted into out at the end
+                work = block.sub_(normalisers[part, None]).exp_()
+            else:  # the logits themselves: p_v straight into the gradient
+                work = torch.sub(block, normalisers[part, None], out=out).exp_()
+            if factor is None:
+                work.mul_(-scale[part, None])
+            else:
+                work.mul_(factor).neg_()
+            if scale is not None:
+                work.scatter_add_(-1, span_targets[part, None], scale[part, None])
+            if ctx.temperature != 1.0:  # ∂/∂logits = ∂/∂z / temperature
+                work.div_(ctx.temperature)
+            if work is not out:
+                out.copy_(work)
+        flat_grad[previous:].zero_()
+        return grad, None, None, None, None, None, None
 
 
 def compute_dtype(logits: torch.Tensor) -> torch.dtype:
@@ -129,7 +266,7 @@ def completion_logps(
     rows, cols = scored[:, first:].nonzero(as_tuple=True)
     targets = input_ids[:, first + 1 :][rows, cols]
     chunk = max(1, CHUNK_ELEMENTS // logits.shape[-1])
-    token_logps, token_means = TargetLogProbs.apply(logits, rows, cols, targets, chunk)
+    token_logps, token_means, _ = TargetLogProbs.apply(logits, rows, cols, targets, chunk)
 
     def per_row(values: torch.Tensor) -> torch.Tensor:
         return torch.zeros(input_ids.shape[0], dtype=values.dtype, device=values.device).index_add(0, rows, values)
@@ -150,15 +287,35 @@ def completion_logps(
 
 
 def next_token_logps(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs ``log p(x_{t+1} | x_≤t)``, shape ``[B, T − 1]``, of the distribution
-    ``softmax(logits / temperature)``, and those scaled logits (for entropies). GRPO's per-token
-    counterpart of :func:`completion_logps`, on the same chunked :class:`TargetLogProbs`."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, :-1]
-    if temperature != 1.0:
-        logits = logits / temperature
-    rows, cols = torch.ones(logits.shape[:2], dtype=torch.bool, device=logits.device).nonzero(as_tuple=True)
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    entropy: bool = False,
+) -> TokenLogps:
+    """Per-token log-probs ``log p(x_{t+1} | x_≤t)`` of the completion tokens, shape ``[B, T − 1]``
+    (0 at positions that predict no completion token), of ``softmax(logits / temperature)``, and
+    with ``entropy=True`` that distribution's entropy at the same positions, from the same chunked
+    pass (:class:`TargetLogProbs`; its gradient flows only if the caller backpropagates through it).
+    GRPO's per-token counterpart of :func:`completion_logps`: the same ``logits_to_keep`` and chunks,
+    so prompt positions cost no vocabulary projection and no scoring."""
+    scored = completion_mask[:, 1:].bool()  # scored[:, t]: position t predicts a completion token
+    has_scored = scored.any(0)
+    first = int(has_scored.float().argmax()) if bool(has_scored.any()) else scored.shape[1] - 1
+    kept = input_ids.shape[1] - first  # positions first .. last, the last predicting nothing
+    extra = {"logits_to_keep": kept} if accepts_logits_to_keep(type(unwrap_model(model))) else {}
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
+    logits = logits[:, -kept:]  # a view; already this shape when logits_to_keep was honoured
+
+    rows, cols = scored[:, first:].nonzero(as_tuple=True)
+    targets = input_ids[:, first + 1 :][rows, cols]
     chunk = max(1, CHUNK_ELEMENTS // logits.shape[-1])
-    logps, _ = TargetLogProbs.apply(logits, rows, cols, input_ids[:, 1:][rows, cols], chunk)
-    return logps.view(logits.shape[:2]), logits
+    # softmax(logits / temperature): the chunks are scaled as they are read, no scaled copy of the logits
+    token_logps, _, token_entropy = TargetLogProbs.apply(logits, rows, cols, targets, chunk, entropy, temperature)
+
+    def per_token(values: torch.Tensor) -> torch.Tensor:
+        return values.new_zeros(scored.shape).index_put((rows, cols + first), values)
+
+    return TokenLogps(per_token(token_logps), None if token_entropy is None else per_token(token_entropy))
