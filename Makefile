@@ -33,8 +33,9 @@ lint: $(INSTALLED)
 test: lint
 	bash infra/ops/with-test-services.sh $(PY) -m pytest $(PYTEST_ARGS)
 
+# Two pytest workers, one torch thread each: the unit tier in about half the time on 2 cores.
 test-fast: lint
-	$(PY) -m pytest -m unit $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m unit -n 2 $(PYTEST_ARGS)
 
 clean:
 	rm -rf .alignflow
