@@ -236,6 +236,36 @@ def collision_logps(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor
     return out
 
 
+class ScoredForward(NamedTuple):
+    """The model's logits from the first position that predicts a completion token, and where the
+    completion tokens are among them."""
+
+    scored: torch.Tensor  # [B, T − 1] bool: position t predicts a completion token
+    logits: torch.Tensor  # [B, T − first, V], a view
+    first: int  # the first position kept
+    rows: torch.Tensor  # the scored positions, row-major, as indices into ``logits``
+    cols: torch.Tensor
+    targets: torch.Tensor  # the completion token each scored position predicts
+    chunk: int  # positions per chunk of :class:`TargetLogProbs`
+
+
+def forward_scored_positions(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor
+) -> ScoredForward:
+    """One forward, projecting onto the vocabulary only from the first position that predicts a
+    completion token (``logits_to_keep`` when the model takes it; a view of the logits otherwise)."""
+    scored = completion_mask[:, 1:].bool()
+    has_scored = scored.any(0)
+    first = int(has_scored.float().argmax()) if bool(has_scored.any()) else scored.shape[1] - 1
+    kept = input_ids.shape[1] - first  # positions first .. last, the last predicting nothing
+    extra = {"logits_to_keep": kept} if accepts_logits_to_keep(type(unwrap_model(model))) else {}
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
+    logits = logits[:, -kept:]  # a view; already this shape when logits_to_keep was honoured
+    rows, cols = scored[:, first:].nonzero(as_tuple=True)
+    targets = input_ids[:, first + 1 :][rows, cols]
+    return ScoredForward(scored, logits, first, rows, cols, targets, max(1, CHUNK_ELEMENTS // logits.shape[-1]))
+
+
 def completion_logps(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -255,17 +285,9 @@ def completion_logps(
     ``sum_t m_t w_t log p(x_t | x_<t)`` (LD-DPO); ``wpo_terms`` fills ``wpo_logweights``, one more
     pass over the vocabulary of the scored positions, without gradient (WPO).
     """
-    scored = completion_mask[:, 1:].bool()  # scored[:, t]: position t predicts a completion token
-    has_scored = scored.any(0)
-    first = int(has_scored.float().argmax()) if bool(has_scored.any()) else scored.shape[1] - 1
-    kept = input_ids.shape[1] - first  # positions first .. last, the last predicting nothing
-    extra = {"logits_to_keep": kept} if accepts_logits_to_keep(type(unwrap_model(model))) else {}
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
-    logits = logits[:, -kept:]  # a view; already this shape when logits_to_keep was honoured
-
-    rows, cols = scored[:, first:].nonzero(as_tuple=True)
-    targets = input_ids[:, first + 1 :][rows, cols]
-    chunk = max(1, CHUNK_ELEMENTS // logits.shape[-1])
+    scored, logits, first, rows, cols, targets, chunk = forward_scored_positions(
+        model, input_ids, attention_mask, completion_mask
+    )
     token_logps, token_means, _ = TargetLogProbs.apply(logits, rows, cols, targets, chunk)
 
     def per_row(values: torch.Tensor) -> torch.Tensor:
@@ -301,17 +323,9 @@ def next_token_logps(
     pass (:class:`TargetLogProbs`; its gradient flows only if the caller backpropagates through it).
     GRPO's per-token counterpart of :func:`completion_logps`: the same ``logits_to_keep`` and chunks,
     so prompt positions cost no vocabulary projection and no scoring."""
-    scored = completion_mask[:, 1:].bool()  # scored[:, t]: position t predicts a completion token
-    has_scored = scored.any(0)
-    first = int(has_scored.float().argmax()) if bool(has_scored.any()) else scored.shape[1] - 1
-    kept = input_ids.shape[1] - first  # positions first .. last, the last predicting nothing
-    extra = {"logits_to_keep": kept} if accepts_logits_to_keep(type(unwrap_model(model))) else {}
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
-    logits = logits[:, -kept:]  # a view; already this shape when logits_to_keep was honoured
-
-    rows, cols = scored[:, first:].nonzero(as_tuple=True)
-    targets = input_ids[:, first + 1 :][rows, cols]
-    chunk = max(1, CHUNK_ELEMENTS // logits.shape[-1])
+    scored, logits, first, rows, cols, targets, chunk = forward_scored_positions(
+        model, input_ids, attention_mask, completion_mask
+    )
     # softmax(logits / temperature): the chunks are scaled as they are read, no scaled copy of the logits
     token_logps, _, token_entropy = TargetLogProbs.apply(logits, rows, cols, targets, chunk, entropy, temperature)
 
