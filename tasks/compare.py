@@ -143,7 +143,7 @@ def compare_runs(
         client().log_artifacts(run_id, str(folder))
     create_markdown_artifact(
         key="comparison",
-        markdown=f"## {experiment}: {len(runs)} runs, baseline {base.label}\n\n{table}\n"
+        markdown=f"## {experiment}: {len(runs)} run{'s' * (len(runs) != 1)}, baseline {base.label}\n\n{table}\n"
         f"Plots `training_curves.png` and `eval_metrics.png`: the artifacts of the MLflow run "
         f"[comparison]({mlflow_run_url(run.info.experiment_id, run_id)}); local copies in `{folder}`.\n",
         description="alignflow comparison",

@@ -21,7 +21,13 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, DeploymentFilter, DeploymentFilterId
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    ArtifactFilterKey,
+    DeploymentFilter,
+    DeploymentFilterId,
+)
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from infra.config import load_config
@@ -487,6 +493,19 @@ def test_browser_shows_the_run_form_and_the_mlflow_metrics(stack, smoke_run):
             page.get_by_text("minimal").first.wait_for(timeout=60_000)
             assert "Run Name" in page.inner_text("body")  # the runs table
             page.screenshot(path=SCREENSHOTS / "mlflow-experiment.png")
+
+            # A comparison of the smoke experiment's runs, as its Prefect artifact shows it.
+            compared = stack.alignflow("compare", "--experiment", "alignflow-smoke")
+            assert compared.returncode == 0, compared.stdout + compared.stderr
+            with stack.prefect() as client:
+                (comparison,) = client.read_artifacts(
+                    artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["comparison"]))
+                )
+            page.goto(f"{stack.prefect_url}/artifacts/artifact/{comparison.id}")
+            page.get_by_text("alignflow-smoke:").first.wait_for(timeout=60_000)
+            body = page.inner_text("body")
+            assert "baseline" in body and "comparison" in body
+            page.screenshot(path=SCREENSHOTS / "prefect-comparison.png")
         finally:
             browser.close()
     shots = (
@@ -495,5 +514,6 @@ def test_browser_shows_the_run_form_and_the_mlflow_metrics(stack, smoke_run):
         "prefect-run-form-dpo.png",
         "mlflow-run.png",
         "mlflow-experiment.png",
+        "prefect-comparison.png",
     )
     assert all((SCREENSHOTS / name).stat().st_size > 10_000 for name in shots)
