@@ -74,10 +74,6 @@ def data_fingerprint(config: DataConfig, tokenizer: ModelHandle) -> str:
     )
 
 
-def data_cache_key(context, parameters) -> str:
-    return "prepare-" + data_fingerprint(parameters["config"], parameters["tokenizer"])
-
-
 def raw_splits(config: DataConfig) -> dict[str, list[tuple[str, list[dict], DatasetSource | None]]]:
     """``split -> [(source name, rows, source)]``: explicit sources win over the built-in task."""
     splits: dict[str, list[tuple[str, list[dict], DatasetSource | None]]] = {}
@@ -125,9 +121,12 @@ def prepare_split(parts, split: str, tokenizer, truncation: Truncation, seed: in
     return rows, report
 
 
+# The content-addressed folder is the cache, checked on every run, rather than a Prefect cached
+# result: a cached result would hand out its path even after the folder was deleted (a cleared
+# `cache/`), and reading an existing manifest costs milliseconds.
 # dill (used by datasets to fingerprint functions) captures stdout around dis.dis; Prefect's
 # print capture would bypass that and log the bytecode listing.
-@task(name="prepare-dataset", cache_key_fn=data_cache_key, persist_result=True, log_prints=False)
+@task(name="prepare-dataset", log_prints=False)
 def prepare_dataset(config: DataConfig, tokenizer: ModelHandle) -> PreparedData:
     fingerprint = data_fingerprint(config, tokenizer)
     target = get_settings().data_cache / fingerprint

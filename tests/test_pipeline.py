@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -132,14 +133,16 @@ def test_dpo_run_lists_the_reference_cache_entry_as_an_input_with_its_digest(fir
 
 
 def test_second_run_hits_the_caches_and_never_runs_the_reference(first_run, monkeypatch):
+    import tasks.data
     import tasks.reference
 
-    calls = []
+    calls, preparations = [], []
     monkeypatch.setattr(tasks.reference, "reference_logps", lambda *a, **k: calls.append(1) or ([], []))
+    monkeypatch.setattr(tasks.data, "prepare_split", lambda *a, **k: preparations.append(1))
     flow_run_id, report = run_flow(load_config(MINIMAL, UNIQUE))
     states = task_states(flow_run_id)
     assert states["train-sft"] == "Cached"
-    assert [s for name, s in states.items() if name.startswith("prepare-dataset")] == ["Cached"]
+    assert preparations == []  # the prepared folder exists: read, not prepared again
     assert [s for name, s in states.items() if name.startswith("cache-reference-logps")] == ["Cached"]
     assert states["train-dpo"] == "Completed" and states["train-grpo"] == "Completed"
     assert calls == []
@@ -155,6 +158,17 @@ def test_second_run_hits_the_caches_and_never_runs_the_reference(first_run, monk
     assert (
         reference_input(second_dpo)[0].digest == reference_input(first_dpo)[0].digest
     )  # one entry shared by both runs
+
+
+def test_a_cleared_cache_folder_is_rebuilt_and_never_handed_out_as_a_dead_path(first_run, state_dir):
+    """Removing `cache/` (prepared data, built-in models, reference log-probs) costs recomputation,
+    never a failed run: the data folder and the reference entry are rebuilt where they were."""
+    shutil.rmtree(state_dir / "cache")
+    flow_run_id, report = run_flow(load_config(MINIMAL, UNIQUE))
+    states = task_states(flow_run_id)
+    assert states["train-sft"] == "Cached" and states["train-dpo"] == "Completed"  # SFT's model is in outputs/
+    assert any((state_dir / "cache" / "data").iterdir()) and any((state_dir / "cache" / "reference").iterdir())
+    assert report.rows["sft"] == first_run[1].rows["sft"]
 
 
 def test_grpo_stage_logs_reward_metrics_and_a_completions_table(first_run):
