@@ -157,7 +157,7 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _no_empty_source_lists(self) -> DataConfig:
-        for split in ("sft", "preference", "preference_eval", "eval_prompts", "grpo_prompts"):
+        for split in (name for name, field in type(self).model_fields.items() if field.annotation == Sources):
             if getattr(self, split) == []:
                 raise ValueError(f"data.{split}: an empty list of sources (use null for none)")
         return self
