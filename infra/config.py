@@ -217,7 +217,12 @@ class TrackingConfig(Section):
     log_checkpoints: Literal["all", "final", "none"] = Field(
         "all",
         description="What each training stage stores in MLflow besides its metrics: every saved checkpoint and the "
-        "final model (`all`), the final model only (`final`), or no model (`none`; checkpoints stay in outputs/).",
+        "final model (`all`), the final model only (`final`), or no model (`none`; the final model stays in outputs/).",
+    )
+    keep_checkpoints: bool = Field(
+        False,
+        description="Keep a finished stage's intermediate checkpoints (weights and optimizer state) in outputs/; "
+        "by default only its final model stays there (checkpoints serve to resume an unfinished stage).",
     )
 
 

@@ -9,10 +9,12 @@ import datasets
 from prefect import task
 from transformers.trainer_callback import PrinterCallback
 
+from infra.config import TrackingConfig
 from tasks.fingerprints import code_fingerprint, hash_value
 from tasks.handles import ModelHandle, PreparedData, ReferenceLogps
 from tasks.models import checkpoint_handle
 from tasks.reference import log_reference_input, with_reference_columns
+from tasks.storage import prune_checkpoints
 from tasks.tracking import client, log_params, stage_output_dir, stage_run_id, tracked_run
 from tasks.trainer_callback import MlflowTrainerCallback
 from trainers.callbacks import ProgressLineCallback
@@ -64,10 +66,11 @@ def train(
     inputs: TrainInputs,
     parent_run_id: str,
     config_name: str,
-    log_checkpoints: str = "all",
+    tracking: TrackingConfig = TrackingConfig(),  # noqa: B008 (frozen)
 ) -> ModelHandle:
-    """Train the stage; ``log_checkpoints`` (``tracking.log_checkpoints``) says which models go to
-    MLflow: ``all`` saved checkpoints and the final model, the ``final`` one, or ``none``."""
+    """Train the stage; ``tracking.log_checkpoints`` says which models go to MLflow (``all`` saved
+    checkpoints and the final model, the ``final`` one, or ``none``) and ``tracking.keep_checkpoints``
+    whether the intermediate checkpoints stay in outputs/ once the final model is saved."""
     spec = STAGES[stage]
     output_dir = stage_output_dir(config_name, stage)
     run_id = stage_run_id(parent_run_id, stage, output_dir)
@@ -79,7 +82,7 @@ def train(
         log_params(run_id, {f"data.truncated_prompts.{split}": count for split, count in truncated.items()})
         if inputs.reference_logps is not None:
             client().set_tag(run_id, "alignflow.reference_cache_key", inputs.reference_logps.key)
-        tracker = MlflowTrainerCallback(run_id, log_checkpoints=log_checkpoints == "all")
+        tracker = MlflowTrainerCallback(run_id, log_checkpoints=tracking.log_checkpoints == "all")
         built = stage_inputs(stage, inputs, str(output_dir), [tracker])
         trainer = spec.build(section, built)
         trainer.remove_callback(PrinterCallback)  # a dict per log; the progress line replaces it
@@ -89,6 +92,8 @@ def train(
         trainer.train()
         model_dir = output_dir / "model"
         trainer.save_model(str(model_dir))
-        if log_checkpoints != "none":
+        if tracking.log_checkpoints != "none":
             client().log_artifacts(run_id, str(model_dir), "model")
+        if not tracking.keep_checkpoints:
+            prune_checkpoints(output_dir)
     return checkpoint_handle(model_dir, stage, mlflow_run_id=run_id)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from infra.ops import service_cli
 from infra.ops.cache_cli import add_cache_parser, cache_command
+from infra.ops.gc_cli import add_gc_parser, gc_command
 from infra.settings import StateFolderError, configure_environment, redact_url
 
 
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--stage", help="stage whose training curves are plotted (default: the first whose settings differ)"
     )
     add_cache_parser(commands)
+    add_gc_parser(commands)
     service_cli.add_parsers(commands)
     return parser
 
@@ -213,6 +215,7 @@ COMMANDS = {
     "evaluate": evaluate_command,
     "compare": compare_command,
     "cache": cache_command,
+    "gc": gc_command,
     **service_cli.COMMANDS,
 }
 

@@ -1,0 +1,95 @@
+"""``alignflow gc [--older-than AGE] [--keep-last N] [--mlflow-checkpoints] [--dry-run]``: free the space
+that no live run and no registry version needs (rules in :mod:`tasks.storage`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from infra.settings import get_settings
+
+
+def add_gc_parser(commands) -> None:
+    gc = commands.add_parser(
+        "gc",
+        help="remove superseded stage outputs and checkpoints",
+        description=__doc__,
+        epilog="example: alignflow gc --older-than 7d --keep-last 1 --dry-run",
+    )
+    gc.add_argument(
+        "--older-than", default="7d", metavar="AGE", help="only folders untouched this long (default 7d; 0s: any)"
+    )
+    gc.add_argument(
+        "--keep-last", type=int, default=1, metavar="N", help="newest stage folders kept per config and stage (1)"
+    )
+    gc.add_argument(
+        "--mlflow-checkpoints",
+        action="store_true",
+        help="also delete the checkpoints/ artifacts of finished stage runs in MLflow (model/ stays)",
+    )
+    gc.add_argument("--dry-run", action="store_true", help="only print what would be removed")
+
+
+def human_size(size: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def finished_stage_runs_with_checkpoints(client) -> list:
+    """Finished stage runs, in every experiment, whose MLflow artifacts still hold ``checkpoints/``."""
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    query = "attributes.status = 'FINISHED' and tags.`alignflow.stage` LIKE '%'"
+    found, token = [], None
+    while True:
+        page = client.search_runs(experiments, query, page_token=token)
+        found += [run for run in page if any(a.path == "checkpoints" for a in client.list_artifacts(run.info.run_id))]
+        if not (token := page.token):
+            return found
+
+
+def gc_command(args: argparse.Namespace) -> int:
+    from mlflow.exceptions import MlflowException
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    from tasks.refcache import parse_duration
+    from tasks.storage import LIVE_STATUSES, folder_size, plan_removals, remove, stage_folders
+    from tasks.tracking import client
+
+    try:
+        older_than = parse_duration(args.older_than)
+    except ValueError as error:
+        print(f"alignflow gc: {error}", file=sys.stderr)
+        return 2
+    if args.keep_last < 0:
+        print("alignflow gc: --keep-last must be 0 or more", file=sys.stderr)
+        return 2
+
+    def describe_run(run_id: str) -> tuple[str, str | None]:
+        try:
+            run = client().get_run(run_id)
+        except MlflowException:  # deleted, or the folder belongs to another store
+            return "MISSING", None
+        return run.info.status, run.data.tags.get("alignflow.stage")
+
+    folders = stage_folders(get_settings().outputs, describe_run)
+    removals = plan_removals(folders, older_than, args.keep_last)
+    verb = "would remove" if args.dry_run else "removed"
+    freed = 0
+    for removal in removals:
+        size = folder_size(removal.path)
+        freed += size
+        print(f"{verb} {removal.path} ({human_size(size)}): {removal.reason}")
+    if not args.dry_run:
+        remove(removals)
+    if args.mlflow_checkpoints:
+        for run in finished_stage_runs_with_checkpoints(client()):
+            print(f"{verb} MLflow checkpoints/ of stage run {run.info.run_id} ({run.info.run_name})")
+            if not args.dry_run:
+                get_artifact_repository(run.info.artifact_uri).delete_artifacts("checkpoints")
+    kept = len(folders) - sum(r.whole_stage for r in removals)
+    live = sum(f.status in LIVE_STATUSES for f in folders)
+    print(f"{verb} {human_size(freed)} from outputs/; kept {kept} stage folders ({live} live)")
+    return 0

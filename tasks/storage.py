@@ -1,0 +1,109 @@
+"""Storage retention: what a finished stage keeps in ``outputs/``, and what ``alignflow gc`` may remove.
+
+Rules (plain code, no Prefect):
+- A finished stage keeps its final model; its intermediate checkpoints (weights plus optimizer
+  state, only useful to resume an unfinished stage) are pruned unless ``tracking.keep_checkpoints``.
+- ``alignflow gc`` removes stage folders that no live run and no registry version needs: a folder
+  whose MLflow run is RUNNING is kept, and so are the newest ``keep_last`` folders of each
+  (config name, stage); the rest go once older than the age limit. Registered model versions are
+  stored in MLflow's artifact store, never in ``outputs/``, so removing outputs cannot break them;
+  a removed stage is retrained (or its cache entry rebuilt) when a run needs it again.
+- Optionally the ``checkpoints/`` artifacts of finished stage runs in MLflow; ``model/`` always stays.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Callable, Iterable
+
+CHECKPOINT_GLOB = "checkpoint-*"
+RUN_ID_FILE = "mlflow_run_id"  # written by tasks.tracking.stage_run_id in each stage folder
+LIVE_STATUSES = ("RUNNING", "SCHEDULED")
+
+
+def prune_checkpoints(output_dir: Path) -> list[Path]:
+    """Remove a finished stage's ``checkpoint-*`` folders; returns what was removed."""
+    removed = sorted(p for p in output_dir.glob(CHECKPOINT_GLOB) if p.is_dir())
+    for checkpoint in removed:
+        shutil.rmtree(checkpoint)
+    return removed
+
+
+def folder_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+@dataclass(frozen=True)
+class StageFolder:
+    """A stage's output folder, its MLflow run and what decides whether it is still needed."""
+
+    path: Path
+    run_id: str
+    config_name: str
+    stage: str
+    status: str  # the MLflow run's status; "MISSING" when the store no longer knows the run
+    modified: datetime
+
+    @property
+    def group(self) -> tuple[str, str]:
+        return self.config_name, self.stage
+
+
+@dataclass(frozen=True)
+class Removal:
+    path: Path
+    reason: str
+    whole_stage: bool  # the stage folder itself, not one of its checkpoints
+
+
+def stage_folders(outputs: Path, describe_run: Callable[[str], tuple[str, str | None]]) -> list[StageFolder]:
+    """Every folder under ``outputs`` that holds a stage's run-id file. ``describe_run(run_id)`` reads
+    the MLflow run: its status and its stage tag (None: the folder's name is used)."""
+    found = []
+    for id_file in sorted(outputs.rglob(RUN_ID_FILE)) if outputs.is_dir() else []:
+        folder, run_id = id_file.parent, id_file.read_text().strip()
+        status, stage = describe_run(run_id)
+        newest = max((f.stat().st_mtime for f in folder.rglob("*")), default=folder.stat().st_mtime)
+        found.append(
+            StageFolder(
+                path=folder,
+                run_id=run_id,
+                config_name=folder.relative_to(outputs).parts[0],
+                stage=stage or folder.name,
+                status=status,
+                modified=datetime.fromtimestamp(newest, timezone.utc),
+            )
+        )
+    return found
+
+
+def plan_removals(
+    folders: Iterable[StageFolder], older_than: timedelta, keep_last: int, now: datetime | None = None
+) -> list[Removal]:
+    """Which stage folders go: not live, not among the newest ``keep_last`` of their (config, stage),
+    and last modified before ``now - older_than``. Finished folders that stay lose their checkpoints."""
+    cutoff = (now or datetime.now(timezone.utc)) - older_than
+    by_group: dict[tuple[str, str], list[StageFolder]] = {}
+    for folder in folders:
+        by_group.setdefault(folder.group, []).append(folder)
+    removals = []
+    for group in sorted(by_group):
+        # live folders are kept whatever their age and do not count towards keep_last
+        settled = [f for f in by_group[group] if f.status not in LIVE_STATUSES]
+        for rank, folder in enumerate(sorted(settled, key=lambda f: f.modified, reverse=True)):
+            if rank >= keep_last and folder.modified < cutoff:
+                reason = f"{folder.status.lower()} run {folder.run_id}, superseded"
+                removals.append(Removal(folder.path, reason, whole_stage=True))
+            elif folder.status == "FINISHED":
+                checkpoints = sorted(folder.path.glob(CHECKPOINT_GLOB))
+                removals += [Removal(c, "checkpoint of a finished stage", whole_stage=False) for c in checkpoints]
+    return removals
+
+
+def remove(removals: Iterable[Removal]) -> None:
+    for removal in removals:
+        if removal.path.is_dir():
+            shutil.rmtree(removal.path)
