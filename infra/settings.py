@@ -129,6 +129,7 @@ def configure_environment(settings: Settings | None = None) -> Settings:
         # Per-file progress bars become one Prefect log line per refresh; stages log progress themselves.
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
         "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false",  # e.g. GRPO's completions table, read back to append
     }
     if redact_url(settings.mlflow_tracking_uri) != settings.mlflow_tracking_uri:
         # MLflow prints "View run … at: <tracking URI>…" when a run ends: not with credentials in it.

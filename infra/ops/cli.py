@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib.metadata
 import logging
 import os
@@ -78,6 +79,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 DEBUG = False  # --debug: tracebacks on the terminal too
+STANDALONE = False  # this process is the `alignflow` command (cli()), not a caller of main()
+EXIT_CODE = 0
+
+
+def end_without_teardown() -> None:
+    """The last exit hook of a flow command: once Prefect, MLflow and the temporary server have run
+    their exit hooks, tearing down an interpreter that imported torch, transformers, Prefect and
+    MLflow only frees memory, and took 4-7 s on the 2-core machine; end the process instead."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_CODE)
 
 
 def write_traceback(error: BaseException) -> Path:
@@ -179,35 +192,45 @@ def load_or_exit(schema, args: argparse.Namespace):
     return config
 
 
+def run_flow(module: str, name: str, *args, **kwargs) -> int:
+    """Import and run a flow: 0 when it completed, else 1. As the ``alignflow`` process (not when
+    :func:`main` is called in-process), the Prefect API is chosen before the import, so that a
+    temporary server boots meanwhile (:mod:`infra.ops.prefect_api`), and the process ends without
+    interpreter teardown (:func:`end_without_teardown`)."""
+    import importlib
+
+    from infra.ops.prefect_api import choose_prefect_api
+
+    temporary_server = None
+    if STANDALONE:
+        atexit.register(end_without_teardown)  # first registered: runs after every other exit hook
+        temporary_server = choose_prefect_api()
+    flow = getattr(importlib.import_module(module), name)
+    quiet_prefect_tracebacks()
+    if temporary_server is not None:
+        temporary_server.wait_ready()
+    return finished(flow(*args, **kwargs, return_state=True))
+
+
 # The config is validated before anything heavy is imported (torch, Prefect, the flows), so a bad
 # file fails at once; flows are imported after configure_environment: Prefect reads it at import.
 def run_command(args: argparse.Namespace) -> int:
     from infra.config import ExperimentConfig
 
-    config = load_or_exit(ExperimentConfig, args)
-    from flows.pipeline import experiment
-
-    quiet_prefect_tracebacks()
-    return finished(experiment(config, return_state=True))
+    return run_flow("flows.pipeline", "experiment", load_or_exit(ExperimentConfig, args))
 
 
 def evaluate_command(args: argparse.Namespace) -> int:
     from infra.config import EvaluationRequest
 
-    request = load_or_exit(EvaluationRequest, args)
-    from flows.evaluation import evaluation
-
-    quiet_prefect_tracebacks()
-    return finished(evaluation(request, return_state=True))
+    return run_flow("flows.evaluation", "evaluation", load_or_exit(EvaluationRequest, args))
 
 
 def compare_command(args: argparse.Namespace) -> int:
-    from flows.compare import compare
-
     chosen = {"metrics": args.metrics, "curves": args.curves, "stage": args.stage}
     chosen |= {"filter": args.filter, "runs": args.runs, "last": args.last}
     options = {k: v for k, v in chosen.items() if v}
-    return finished(compare(experiment=args.experiment, baseline=args.baseline, **options, return_state=True))
+    return run_flow("flows.compare", "compare", experiment=args.experiment, baseline=args.baseline, **options)
 
 
 COMMANDS = {
@@ -222,6 +245,19 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done, 1 the run (or command) failed, 2 bad input (config, state folder)."""
+    global EXIT_CODE
+    try:
+        EXIT_CODE = run_command_line(argv)
+    except SystemExit as stop:
+        EXIT_CODE = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+        raise
+    except KeyboardInterrupt:
+        EXIT_CODE = 130
+        raise
+    return EXIT_CODE
+
+
+def run_command_line(argv: list[str] | None) -> int:
     global DEBUG
     args = build_parser().parse_args(argv)
     DEBUG = args.debug
@@ -239,5 +275,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``alignflow`` command."""
+    global STANDALONE
+    STANDALONE = True
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

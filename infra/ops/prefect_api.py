@@ -1,0 +1,121 @@
+"""Which Prefect API a command talks to, decided before Prefect is imported.
+
+In order: ``PREFECT_API_URL`` when set; else the Prefect server that ``alignflow servers up``
+runs for this state folder, when it answers; else a temporary local server, as Prefect would
+start by itself, but launched at once so that it boots on the other core while this process
+imports torch, transformers and the flows (Prefect starts its own only at the first API call,
+after those imports, and then waits for it). It is stopped when the process exits, after
+Prefect's own exit hooks have sent their last logs and events.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from infra.settings import get_settings
+
+STARTUP_TIMEOUT_S = 90.0  # PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, unless set
+STOP_GRACE_S = 1.0
+PORT_IN_USE_EXIT = 3  # uvicorn's exit code when its port was taken meanwhile
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def answers(health_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(health_url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+@dataclass
+class TemporaryServer:
+    """Prefect's temporary API server (the command Prefect's ``SubprocessASGIServer`` runs: the API
+    app on SQLite under ``PREFECT_HOME``, no UI), started in its own process group."""
+
+    port: int
+    log: Path
+    process: subprocess.Popen | None = None
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    def launch(self) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app"]
+        command += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"]
+        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+        env.pop("PREFECT_API_URL", None)
+        with self.log.open("ab") as log:
+            self.process = subprocess.Popen(
+                command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the API answers; a port taken meanwhile is retried on another one."""
+        deadline = time.monotonic() + (
+            timeout or float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", STARTUP_TIMEOUT_S))
+        )
+        while time.monotonic() < deadline:
+            if answers(f"{self.api_url}/health"):
+                return
+            if self.process.poll() == PORT_IN_USE_EXIT:
+                self.port = free_port()
+                os.environ["PREFECT_API_URL"] = self.api_url
+                self.launch()
+            elif self.process.poll() is not None:
+                break
+            time.sleep(0.05)
+        tail = self.log.read_text(errors="replace").splitlines()[-15:] if self.log.exists() else []
+        raise RuntimeError(
+            f"the temporary Prefect API server did not start (exit code {self.process.poll()}); "
+            f"its log, {self.log}:\n" + "\n".join(tail)
+        )
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=STOP_GRACE_S)  # nothing to finish: every state was written already
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, 9)
+            self.process.wait()
+
+
+def servers_up_api_url() -> str | None:
+    """The API of the Prefect server ``alignflow servers up`` runs for this state folder, if it answers."""
+    from infra.ops.servers import server_status, servers_dir
+
+    status = server_status("prefect", servers_dir(get_settings()) / "prefect")
+    return status.record.get("exports", {}).get("PREFECT_API_URL") if status.healthy else None
+
+
+def choose_prefect_api() -> TemporaryServer | None:
+    """Point ``PREFECT_API_URL`` at the API to use; returns the temporary server when one was launched
+    (call :meth:`TemporaryServer.wait_ready` before the first API call). Call before importing prefect."""
+    if os.environ.get("PREFECT_API_URL"):
+        return None
+    if url := servers_up_api_url():
+        os.environ["PREFECT_API_URL"] = url
+        return None
+    server = TemporaryServer(free_port(), get_settings().root / "logs" / "temporary-prefect-server.log")
+    server.launch()
+    os.environ["PREFECT_API_URL"] = server.api_url
+    os.environ.setdefault("PREFECT_UI_URL", "")  # it serves no UI: no links to it in MLflow or the logs
+    atexit.register(server.stop)  # registered before Prefect's hooks, so it runs after them
+    return server

@@ -1,0 +1,104 @@
+"""Which Prefect API the CLI uses, and the temporary server it starts early (a real one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from infra.ops import prefect_api
+from infra.ops.prefect_api import TemporaryServer, choose_prefect_api, free_port
+
+PROJECT = Path(__file__).parents[1]
+
+
+def test_a_configured_api_url_is_used_as_it_is(monkeypatch):
+    monkeypatch.setenv("PREFECT_API_URL", "http://prefect.example:4200/api")
+    assert choose_prefect_api() is None
+    assert os.environ["PREFECT_API_URL"] == "http://prefect.example:4200/api"
+
+
+def test_the_servers_up_prefect_server_is_used_when_it_answers(monkeypatch):
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setattr(prefect_api, "servers_up_api_url", lambda: "http://127.0.0.1:4200/api")
+    assert choose_prefect_api() is None
+    assert os.environ["PREFECT_API_URL"] == "http://127.0.0.1:4200/api"
+
+
+def test_servers_up_api_url_reads_a_healthy_record_only(tmp_path, monkeypatch, state_dir):
+    folder = state_dir / "servers" / "prefect"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "pid").write_text(str(os.getpid()))  # a live process
+    record = {"health_url": "http://127.0.0.1:9/api/health", "exports": {"PREFECT_API_URL": "http://h:1/api"}}
+    (folder / "server.json").write_text(json.dumps(record))
+    try:
+        assert prefect_api.servers_up_api_url() is None  # alive, but nothing answers its health URL
+    finally:
+        for name in ("pid", "server.json"):
+            (folder / name).unlink()
+
+
+def test_a_temporary_server_answers_the_api_and_leaves_nothing_when_stopped(tmp_path, state_dir):
+    server = TemporaryServer(free_port(), tmp_path / "server.log")
+    server.launch()
+    try:
+        server.wait_ready(timeout=120)
+        with urllib.request.urlopen(f"{server.api_url}/health", timeout=5) as response:
+            assert json.load(response) is True
+    finally:
+        server.stop()
+    assert server.process.poll() is not None
+    with pytest.raises(ProcessLookupError):
+        os.killpg(server.process.pid, 0)  # its process group is gone
+
+
+def test_a_server_that_cannot_start_is_reported_at_once_with_its_log(tmp_path, monkeypatch):
+    fake = tmp_path / "fake" / "uvicorn"  # a uvicorn that fails at start, first on the path
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "__main__.py").write_text("import sys\nprint('cannot bind: permission denied')\nsys.exit(1)\n")
+    monkeypatch.setenv("PYTHONPATH", str(fake.parent))
+    server = TemporaryServer(free_port(), tmp_path / "server.log")
+    server.launch()
+    with pytest.raises(RuntimeError, match=r"did not start \(exit code 1\); its log, .*server\.log:\ncannot bind"):
+        server.wait_ready(timeout=60)
+
+
+def test_the_command_exits_with_the_flow_code_after_a_failed_run_and_leaves_no_server(tmp_path):
+    """`alignflow run` on the embedded default: its own temporary server, the run's exit code
+    through the teardown-free exit, and no server process afterwards."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env["ALIGNFLOW_HOME"] = str(tmp_path)
+    bad = tmp_path / "pairs.jsonl"
+    bad.write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n{"prompt": "2+2=", "chosen": "4"}\n')
+    result = subprocess.run(
+        [sys.executable, "-m", "infra.ops.cli", "run", "configs/minimal.yaml", f"data.preference.path={bad}"],
+        cwd=PROJECT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert f"{bad}: row 1: field 'rejected' is missing" in result.stderr
+    assert (tmp_path / "logs" / "temporary-prefect-server.log").is_file()
+    assert temporary_servers_of(tmp_path) == []
+
+
+def temporary_servers_of(home: Path) -> list[int]:
+    """Processes running Prefect's API app with this state folder in their environment."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            command = (proc / "cmdline").read_bytes()
+            environment = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"prefect.server.api.server:create_app" in command and f"ALIGNFLOW_HOME={home}".encode() in environment:
+            found.append(int(proc.name))
+    return found
