@@ -125,6 +125,26 @@ def test_builtin_rewards_none_rows_and_weighted_sum():
     assert total.tolist() == pytest.approx([1.3, 1.1, 0.3, -0.3, -0.3], abs=1e-6)
 
 
+def test_unscored_completions_are_missing_from_the_group_statistics():
+    nan = math.nan
+    rewards = torch.tensor([1.0, nan, 0.0, 1.0, nan, nan, nan, nan, 2.0, 2.0, nan, 5.0])
+    scored = [[1.0, 0.0, 1.0], [], [2.0, 2.0, 5.0]]
+    eps = 1e-4
+    first = [(r - 2 / 3) / (statistics.stdev(scored[0]) + eps) for r in (1.0, 0.0, 1.0)]
+    third = [(r - 3.0) / (statistics.stdev(scored[2]) + eps) for r in (2.0, 2.0, 5.0)]
+    expected = [first[0], 0.0, first[1], first[2], 0.0, 0.0, 0.0, 0.0, third[0], third[1], 0.0, third[2]]
+    assert group_advantages(rewards, 4, "group").tolist() == pytest.approx(expected, abs=1e-5)
+    batch_spread = statistics.stdev(scored[0] + scored[2]) + eps
+    assert group_advantages(rewards, 4, "batch")[[0, 1, 11]].tolist() == pytest.approx(
+        [(1.0 - 2 / 3) / batch_spread, 0.0, 2.0 / batch_spread], abs=1e-5
+    )
+    assert group_advantages(rewards, 4, "none")[[2, 5, 8]].tolist() == pytest.approx([-2 / 3, 0.0, -1.0], abs=1e-6)
+    # a row that no function scored is NaN (missing), one that some function scored is their sum
+    scores = torch.tensor([[1.0, nan, nan], [0.5, 2.0, nan]])
+    total = weighted_rewards(scores, torch.tensor([1.0, 2.0]))
+    assert total[:2].tolist() == [2.0, 4.0] and math.isnan(total[2])
+
+
 def test_reward_names_resolve_by_registry_or_import_path():
     assert get_reward("format") is REWARD_FUNCTIONS["format"]
     allow_module("trainers.rewards")  # as a config listing it in `plugins` does

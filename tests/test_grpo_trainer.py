@@ -3,6 +3,7 @@ masking, resume, metrics. Rewards come from real reward functions; nothing is mo
 
 import copy
 import math
+import statistics
 
 import datasets
 import pytest
@@ -266,6 +267,37 @@ def test_metrics_kl_reference_and_sample_table(tiny, prompts, tmp_path):
     assert table["reward"] == pytest.approx(
         [a + 2 * b for a, b in zip(table[f"rewards/{name}"], table["rewards/format"])]
     )
+
+
+def test_completions_no_reward_scored_are_left_out_of_the_group_baseline(tiny, prompts, tmp_path):
+    """A ``None`` reward (e.g. ``correctness`` on a row without an answer) is missing: the group's
+    mean and standard deviation come from the scored completions, and its advantage is 0."""
+    returned = []
+
+    def every_fourth_unscored(prompts, completions, **columns):
+        values = [None if i % 4 == 1 else float(sum(map(ord, c)) % 7) for i, c in enumerate(completions)]
+        returned.extend(values)
+        return values
+
+    model, tokenizer = tiny
+    trainer = GRPOTrainer(
+        model=copy.deepcopy(model),
+        args=grpo_args(tmp_path, per_device_train_batch_size=8, num_generations=4, max_completion_length=4),
+        train_dataset=datasets.Dataset.from_list(prompts),
+        processing_class=tokenizer,
+        reward_funcs=[every_fourth_unscored],
+    )
+    rows = [prompts[0]] * 4 + [prompts[1]] * 4
+    (batch,) = trainer.generate_and_score(trainer.model, rows)
+    expected = []
+    for group in (returned[:4], returned[4:]):
+        scored = [r for r in group if r is not None]
+        mean, spread = statistics.mean(scored), statistics.stdev(scored) + 1e-4
+        expected += [0.0 if r is None else (r - mean) / spread for r in group]
+    assert batch["advantages"].tolist() == pytest.approx(expected, abs=1e-5)
+    assert batch["advantages"][[1, 5]].tolist() == [0.0, 0.0]
+    assert trainer.window["frac_reward_missing"] == [0.25]
+    assert trainer.window["reward"] == [pytest.approx(statistics.mean(r for r in returned if r is not None))]
 
 
 def test_config_errors_are_clear(tmp_path):

@@ -34,6 +34,7 @@ from trainers.grpo_losses import (
     high_entropy_mask,
     k3_kl,
     masked_mean,
+    nan_std,
     weighted_rewards,
 )
 from trainers.layout import GenerationLayout, resolve_layout
@@ -387,13 +388,14 @@ class GRPOTrainer(Trainer):
         self, rewards: torch.Tensor, per_function: torch.Tensor, completions: list[list[int]], truncated: list[bool]
     ) -> None:
         """Reward and completion statistics of one generation batch (all processes)."""
-        grouped_std = rewards.view(-1, self.args.num_generations).std(dim=1)
+        grouped_std = nan_std(rewards.view(-1, self.args.num_generations), dim=1)
         lengths = self.gather(torch.tensor([len(c) for c in completions], dtype=torch.float32))
         clipped = self.gather(torch.tensor(truncated, dtype=torch.float32))
         values = {
-            "reward": rewards.mean().item(),
+            "reward": rewards.nanmean().item(),  # over the scored completions
             "reward_std": grouped_std.mean().item(),
             "frac_reward_zero_std": (grouped_std < 1e-6).float().mean().item(),
+            "frac_reward_missing": rewards.isnan().float().mean().item(),
             "completions/mean_length": lengths.mean().item(),
             "completions/clipped_ratio": clipped.mean().item(),
         }

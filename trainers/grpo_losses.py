@@ -13,6 +13,7 @@ sequence-level ratio has shape ``[B, 1]`` and broadcasts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol, Sequence
 
@@ -29,11 +30,22 @@ ADVANTAGE_EPS = 1e-4
 
 # ---- advantages -------------------------------------------------------------------------------
 
-# grouped rewards [num_prompts, G] -> the divisor of each centred reward, broadcastable
+
+def nan_std(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Unbiased standard deviation of the non-``NaN`` entries, √(Σ (x − x̄)² / (n − 1)) over the
+    ``n`` present values (0 where ``n`` < 2); along ``dim`` with the dimension kept, or over all."""
+    if dim is None:
+        values, dim = values.flatten(), 0
+    centred = values - values.nanmean(dim=dim, keepdim=True)
+    present = (~values.isnan()).sum(dim=dim, keepdim=True)
+    return (centred.square().nansum(dim=dim, keepdim=True) / (present - 1).clamp(min=1)).sqrt()
+
+
+# grouped rewards [num_prompts, G] (NaN: unscored) -> the divisor of each centred reward, broadcastable
 RewardScale = Callable[["torch.Tensor"], "torch.Tensor"]
 REWARD_SCALES: Registry[RewardScale] = Registry("reward scale", "scale_rewards")
-REWARD_SCALES.add("group", lambda grouped: grouped.std(dim=1, keepdim=True) + ADVANTAGE_EPS)
-REWARD_SCALES.add("batch", lambda grouped: grouped.std() + ADVANTAGE_EPS)
+REWARD_SCALES.add("group", lambda grouped: nan_std(grouped, dim=1) + ADVANTAGE_EPS)
+REWARD_SCALES.add("batch", lambda grouped: nan_std(grouped) + ADVANTAGE_EPS)
 REWARD_SCALES.add("none", lambda grouped: torch.ones((), dtype=grouped.dtype))
 
 
@@ -46,16 +58,21 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str = "
     standard deviation (``group``) or that of the whole generation batch (``batch``); ``none``
     divides by 1 (no ε; Dr. GRPO, Liu et al., 2025, arXiv:2503.20783). Standard deviations are
     unbiased (n − 1).
+
+    A completion no reward function scored (``NaN``) is missing, not worth 0: the means and
+    standard deviations are over the scored completions only, and its own advantage is 0.
     """
     divisor = REWARD_SCALES.lookup(scale)
     grouped = rewards.view(-1, num_generations)
-    return ((grouped - grouped.mean(dim=1, keepdim=True)) / divisor(grouped)).flatten()
+    advantages = (grouped - grouped.nanmean(dim=1, keepdim=True)) / divisor(grouped)
+    return advantages.nan_to_num(nan=0.0).flatten()
 
 
 def weighted_rewards(scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``r_j = Σ_f w_f · s_{f,j}`` over the functions that scored row ``j`` (``NaN`` = ``None`` is
-    skipped; a row no function scored gets 0)."""
-    return torch.nansum(scores * weights.unsqueeze(1), dim=0)
+    skipped); ``NaN`` for a row that no function scored."""
+    total = torch.nansum(scores * weights.unsqueeze(1), dim=0)
+    return total.masked_fill(scores.isnan().all(dim=0), math.nan)
 
 
 # ---- per-token terms --------------------------------------------------------------------------
