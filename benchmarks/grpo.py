@@ -7,6 +7,7 @@ changes, so generation calls must fall exactly by the ``steps_per_generation`` f
 
     .venv/bin/python benchmarks/grpo.py                      # built-in tiny model, fresh weights
     .venv/bin/python benchmarks/grpo.py --model PATH         # any causal LM checkpoint folder
+    .venv/bin/python benchmarks/grpo.py --vocab-size 32000   # the tiny model with a real LLM's vocabulary
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ from trainers.synthetic import AdditionTask, generate_addition
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="builtin:tiny-llama", help="builtin:tiny-llama or a checkpoint folder")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        help="resize the model's (tied) embeddings to this many tokens, e.g. 32000 as in real LLMs: the "
+        "output projection and log-softmax then cost what they cost there (the tokenizer is unchanged)",
+    )
     parser.add_argument("--steps-per-generation", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--optimizer-steps", type=int, default=6)
     parser.add_argument("--batch-size", type=int, default=16, help="per-device completions per micro-batch")
@@ -39,12 +46,17 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def load(source: str):
-    return build_builtin_model(source, seed=0) if source.startswith("builtin:") else load_causal_lm(source)
+def load(options: argparse.Namespace):
+    source = options.model
+    model, tokenizer = build_builtin_model(source, seed=0) if source.startswith("builtin:") else load_causal_lm(source)
+    if options.vocab_size:
+        torch.manual_seed(0)  # the new rows are random: the same in every run
+        model.resize_token_embeddings(options.vocab_size, mean_resizing=False)
+    return model, tokenizer
 
 
 def run(options: argparse.Namespace, steps_per_generation: int, prompts: datasets.Dataset, output_dir: str) -> dict:
-    model, tokenizer = load(options.model)
+    model, tokenizer = load(options)
     args = GRPOConfig(
         output_dir=output_dir,
         report_to=[],
@@ -81,7 +93,7 @@ def run(options: argparse.Namespace, steps_per_generation: int, prompts: dataset
 def main() -> None:
     options = parse_args()
     torch.set_num_threads(options.threads)
-    _, tokenizer = load(options.model)
+    _, tokenizer = load(options)
     rows = generate_addition(AdditionTask())["grpo_prompts"]
     prompts = datasets.Dataset.from_list(tokenize_split(rows, "grpo_prompts", tokenizer, Truncation(32, 16))[0])
     with tempfile.TemporaryDirectory() as output_dir:
@@ -94,7 +106,8 @@ def main() -> None:
             )
             results.append(runs[len(runs) // 2])
     print(
-        f"model {options.model}, {options.threads} threads, per-device batch {options.batch_size} × accumulation "
+        f"model {options.model} (vocabulary {options.vocab_size or len(tokenizer)}), {options.threads} threads, "
+        f"per-device batch {options.batch_size} × accumulation "
         f"{options.accumulation}, G = {options.num_generations}, max {options.max_completion_length} new tokens, "
         f"{options.optimizer_steps} optimizer steps, median of {options.repeats} runs\n"
     )
