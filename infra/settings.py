@@ -40,6 +40,10 @@ class Settings(BaseSettings):
         return self.root / "cache" / "data"
 
     @property
+    def eval_cache(self) -> Path:
+        return self.root / "cache" / "eval"
+
+    @property
     def model_cache(self) -> Path:
         return self.root / "cache" / "models"
 

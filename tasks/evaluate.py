@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import shutil
 from dataclasses import dataclass
 
 import datasets
@@ -11,6 +14,8 @@ from prefect.artifacts import create_table_artifact
 from pydantic import BaseModel
 
 from infra.config import EvaluationConfig
+from infra.settings import get_settings
+from tasks.fingerprints import atomic_directory, code_fingerprint, hash_value
 from tasks.handles import ModelHandle, PreparedData, ReferenceLogps
 from tasks.reference import with_reference_columns
 from tasks.tracking import client, log_metrics, stage_output_dir, stage_run_id, tracked_run
@@ -119,6 +124,51 @@ def score_model(
     return scores
 
 
+SCORES_FILE = "scores.json"
+
+
+def scores_key(
+    handle: ModelHandle, data: PreparedData, pairs_from: ReferenceLogps | None, config: EvaluationConfig, beta
+) -> str:
+    """What a model's scores are a function of: its weights and tokenizer, the prepared held-out
+    prompts (and pairs with their reference log-probs), the evaluation settings and the code."""
+    return hash_value(
+        {
+            # weights and tokenizer, not the run-specific files beside them (training_args.bin)
+            "model": [handle.weights_fingerprint or handle.fingerprint, handle.tokenizer_fingerprint],
+            "data": data.fingerprint,
+            "pairs": None if pairs_from is None else {"reference_logps": pairs_from.key, "beta": beta},
+            "evaluation": config.model_dump(mode="json"),
+            "code": code_fingerprint(__name__),
+        }
+    )
+
+
+def cached_score_model(
+    handle: ModelHandle,
+    prompts: list[dict],
+    pairs: list[dict] | None,
+    config: EvaluationConfig,
+    beta: float | None,
+    key: str,
+) -> ModelScores:
+    """:func:`score_model`, computed once per content key under the evaluation cache (a model
+    evaluated again, e.g. the champion or an unchanged stage, is neither loaded nor run)."""
+    folder = get_settings().eval_cache / key
+    try:
+        stored = json.loads((folder / SCORES_FILE).read_text())
+        return ModelScores(stored["metrics"], stored["samples"], stored["per_prompt"])
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError) as problem:
+        get_run_logger().warning("evaluation cache entry %s is unreadable (%s): scoring again", folder, problem)
+        shutil.rmtree(folder, ignore_errors=True)
+    scores = score_model(handle, prompts, pairs, config, beta)
+    with atomic_directory(folder) as staging:
+        (staging / SCORES_FILE).write_text(json.dumps(dataclasses.asdict(scores)))
+    return scores
+
+
 @task(name="evaluate")
 def evaluate(
     models: dict[str, ModelHandle],
@@ -147,7 +197,9 @@ def evaluate(
         for label, model in models.items():
             # the reference's implicit reward is 0 by definition: no reward metrics for it
             model_pairs = None if model.fingerprint == reference_fingerprint else pairs
-            scores = score_model(model, prompts, model_pairs, config, beta)
+            pairs_from = held_out_rewards.reference_logps if model_pairs else None
+            key = scores_key(model, data, pairs_from, config, beta)
+            scores = cached_score_model(model, prompts, model_pairs, config, beta, key)
             rows[label], per_prompt[label] = scores.metrics, scores.per_prompt
             log_metrics(run_id, {f"{label}/{name}": value for name, value in rows[label].items()})
             log_metrics(parent_run_id, {f"eval/{label}/{name}": value for name, value in rows[label].items()})

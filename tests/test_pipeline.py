@@ -134,12 +134,17 @@ def test_dpo_run_lists_the_reference_cache_entry_as_an_input_with_its_digest(fir
 
 def test_second_run_hits_the_caches_and_never_runs_the_reference(first_run, monkeypatch):
     import tasks.data
+    import tasks.evaluate
     import tasks.reference
 
-    calls, preparations = [], []
+    calls, preparations, scored = [], [], []
+    score_model = tasks.evaluate.score_model
     monkeypatch.setattr(tasks.reference, "reference_logps", lambda *a, **k: calls.append(1) or ([], []))
     monkeypatch.setattr(tasks.data, "prepare_split", lambda *a, **k: preparations.append(1))
+    record = lambda handle, *rest: scored.append(handle.stage) or score_model(handle, *rest)
+    monkeypatch.setattr(tasks.evaluate, "score_model", record)
     flow_run_id, report = run_flow(load_config(MINIMAL, UNIQUE))
+    assert "base" not in scored and "sft" not in scored  # the same models: their scores come from the cache
     states = task_states(flow_run_id)
     assert states["train-sft"] == "Cached"
     assert preparations == []  # the prepared folder exists: read, not prepared again
@@ -151,6 +156,7 @@ def test_second_run_hits_the_caches_and_never_runs_the_reference(first_run, monk
     _, first_parent, first_children = parent_and_children(first_run[0])
     assert parent.data.tags["alignflow.sft_run_id"] == first_children["sft"].info.run_id
     assert report.rows["sft"] == first_run[1].rows["sft"]  # same model, same prompts, same seed
+    assert report.per_prompt["base"] == first_run[1].per_prompt["base"]
     first_dpo, second_dpo = (
         MlflowClient(get_settings().mlflow_tracking_uri).get_run(parent_and_children(run)[2]["dpo"].info.run_id)
         for run in (first_run[0], flow_run_id)
