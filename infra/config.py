@@ -25,7 +25,7 @@ from trainers.sections import Section, TrainingConfig
 from trainers.stages import STAGES, StageName
 
 # Kept in step with trainers.builtin_model.BUILTIN_MODELS (which imports torch; tests check both agree).
-BUILTIN_MODEL_NAMES = ("tiny-llama",)
+BUILTIN_MODEL_NAMES = ("tiny-llama", "llama-0.5b")
 # Suffixes that trainers.data reads as local files (anything else is a `datasets.load_dataset` name).
 LOCAL_DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")

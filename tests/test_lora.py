@@ -291,3 +291,30 @@ def test_the_default_chain_trains_lora_adapters_in_every_stage_and_evaluates_the
     scored = evaluation(request)
     merged, adapter = scored.rows["merged"], scored.rows["adapter"]
     assert merged["greedy_accuracy"] == adapter["greedy_accuracy"] == report.rows["grpo"]["greedy_accuracy"]
+
+
+def test_a_bare_yaml_no_turns_evaluation_off():
+    assert load_config(None, ["dpo.eval_strategy=no"]).dpo.eval_strategy == "no"
+
+
+def test_the_0_5b_example_has_qwen_0_5b_s_parameter_count_and_trains_lora_with_the_memory_knobs():
+    """Counted on the meta device (no memory, no init): the shape's parameters by hand, and its
+    LoRA parameters; the config turns on LoRA, checkpointing and bf16 (auto) in every stage."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainers.builtin_model import LLAMA_0_5B
+
+    config = load_config("configs/llama-0.5b-lora.yaml")
+    assert config.model.source == "builtin:llama-0.5b"
+    for stage in config.stages:
+        assert config.peft.for_stage(stage) == LoraSettings(r=16, alpha=32.0, dropout=0.05)
+        assert config.stage(stage).gradient_checkpointing and config.stage(stage).bf16 == "auto"
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA_0_5B))
+    hidden, kv, mlp, layers, vocab = 896, 128, 4864, 24, 151_936
+    per_layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * mlp + 2 * hidden  # + 2 RMSNorms
+    count = sum(p.numel() for p in model.parameters())
+    # Qwen2.5-0.5B's 494,032,768 less its q/k/v biases (24 · (896 + 128 + 128) = 27,648), which a Llama has not
+    assert count == vocab * hidden + layers * per_layer + hidden == 494_032_768 - 27_648
+    wrapped = add_adapters(model, config.peft.for_stage("sft"))
+    assert trainable_parameters(wrapped) == lora_count(layers, hidden, mlp, 16, kv_hidden=kv) == 8_798_208

@@ -92,6 +92,12 @@ class TrainingConfig(Section):
         description="More Trainer integrations (`tensorboard`, `wandb`, …); MLflow is always on through the pipeline.",
     )
 
+    @field_validator("eval_strategy", mode="before")
+    @classmethod
+    def _yaml_no(cls, value: Any) -> Any:
+        """YAML reads a bare ``no`` as false: ``eval_strategy: no`` means ``"no"``."""
+        return "no" if value is False else value
+
     @field_validator("report_to")
     @classmethod
     def _mlflow_is_the_pipelines(cls, report_to: list[str]) -> list[str]:
