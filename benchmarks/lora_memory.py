@@ -34,9 +34,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dpo import PAD, build_model, peak_rss_kib, random_pairs  # noqa: E402  (benchmarks/dpo.py)
+from dpo import EOS, MODEL, PAD, peak_rss_kib, random_pairs  # noqa: E402  (benchmarks/dpo.py)
 
 MODES = ("full", "lora")
+# `dpo`: benchmarks/dpo.py's 35.7M Llama; `small`: an 11.6M one (the same vocabulary) for a quick check
+ARCHITECTURES = {
+    "dpo": MODEL,
+    "small": dict(
+        MODEL, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4
+    ),
+}
 
 
 def rss_kib() -> int:
@@ -44,13 +51,18 @@ def rss_kib() -> int:
 
 
 def save_checkpoint(model_name: str, folder: Path) -> int:
-    """``dpo`` (benchmarks/dpo.py's model, with the built-in tokenizer: ids 0-2 are pad, bos, eos,
-    as the model's) or a ``builtin:`` model with a vocabulary of at least 32,000 rows (the random
+    """One of ``ARCHITECTURES`` (with the built-in tokenizer: ids 0-2 are pad, bos, eos, as the
+    model's) or a ``builtin:`` model with a vocabulary of at least 32,000 rows (the random
     pairs' token ids), saved as a checkpoint folder; returns its parameter count."""
     from trainers.builtin_model import build_builtin_model, build_char_tokenizer
 
-    if model_name == "dpo":
-        model, tokenizer = build_model(), build_char_tokenizer()
+    if model_name in ARCHITECTURES:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        config = LlamaConfig(pad_token_id=PAD, eos_token_id=EOS, bos_token_id=1, **ARCHITECTURES[model_name])
+        model, tokenizer = LlamaForCausalLM(config), build_char_tokenizer()
     else:
         model, tokenizer = build_builtin_model(model_name, seed=0)
         if model.config.vocab_size < 32000:
@@ -105,7 +117,9 @@ def run_mode(mode: str, options: argparse.Namespace) -> dict:
 
 
 def run_worker(mode: str, options: argparse.Namespace) -> dict:
-    flags = [f"--{name.replace('_', '-')}={value}" for name, value in vars(options).items() if name != "worker"]
+    flags = [
+        f"--{name.replace('_', '-')}={value}" for name, value in vars(options).items() if name not in ("worker", "json")
+    ]
     # Pin glibc's mmap threshold so freed tensor buffers leave the RSS (as benchmarks/dpo.py does).
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
     output = subprocess.run(
@@ -123,7 +137,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank r (alpha = 2r)")
     parser.add_argument("--gradient-checkpointing", type=lambda v: v == "True", default=False, help="True/False")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 avoids oversubscribing a shared CPU)")
-    parser.add_argument("--model", default="dpo", help="`dpo` (benchmarks/dpo.py's 36M Llama) or `builtin:llama-0.5b`")
+    parser.add_argument("--model", default="dpo", help="`dpo` (36M Llama), `small` (12M) or `builtin:llama-0.5b`")
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON line, not a table")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: full, lora")
     parser.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
@@ -136,6 +151,9 @@ def main() -> None:
         options.checkpoint = Path(scratch) / "model"
         parameters = save_checkpoint(options.model, options.checkpoint)
         results = [run_worker(mode, options) for mode in options.modes.split(",")]
+    if options.json:
+        print(json.dumps({"parameters": parameters, "results": results}))
+        return
     weights_mib = parameters * 4 / 2**20
     print(
         f"model: {options.model} Llama {parameters / 1e6:.1f}M parameters ({weights_mib:.0f} MiB float32); "

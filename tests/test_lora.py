@@ -170,6 +170,10 @@ def test_the_saved_adapter_and_the_merged_copy_give_the_trained_policys_logits(h
             logits = loaded.eval()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         assert torch.allclose(logits, expected, atol=1e-5, rtol=0), folder.name
     assert not any("lora" in name for name, _ in load_causal_lm(str(tmp_path / "model"))[0].named_parameters())
+    config = adapter_dir / "adapter_config.json"
+    config.write_text(config.read_text().replace(str(handles[0].path), str(tmp_path / "gone")))
+    with pytest.raises(ValueError, match=f"adapter folder {adapter_dir}: its base model folder .*gone does not exist"):
+        check_model_folder(adapter_dir)
 
 
 def test_sft_logs_its_eval_loss_on_the_held_out_split_at_eval_steps(tiny, handles, tmp_path):
@@ -318,3 +322,25 @@ def test_the_0_5b_example_has_qwen_0_5b_s_parameter_count_and_trains_lora_with_t
     assert count == vocab * hidden + layers * per_layer + hidden == 494_032_768 - 27_648
     wrapped = add_adapters(model, config.peft.for_stage("sft"))
     assert trainable_parameters(wrapped) == lora_count(layers, hidden, mlp, 16, kv_hidden=kv) == 8_798_208
+
+
+def test_lora_with_a_live_reference_peaks_below_full_fine_tuning_by_the_reference_gradients_and_moments():
+    """Peak RSS of DPO with ``reference: live`` in fresh processes (benchmarks/lora_memory.py, a
+    12M Llama): full fine-tuning holds a reference copy, gradients and two AdamW moments (4× the
+    weights) that LoRA, whose reference is the policy itself, does not. Allowing 1× for allocator
+    noise and LoRA's own state, full must peak at least 3× the weights above LoRA."""
+    import json
+    import subprocess
+    import sys
+
+    command = [sys.executable, "benchmarks/lora_memory.py", "--model=small", "--json", "--steps=1"]
+    command += ["--batch-size=2", "--prompt-length=16", "--completion-length=8"]
+    output = subprocess.run(command, check=True, capture_output=True, text=True, timeout=600).stdout
+    measured = json.loads(output.strip().splitlines()[-1])
+    full, lora = measured["results"]
+    weights_mib = measured["parameters"] * 4 / 2**20
+    print(
+        f"weights {weights_mib:.0f} MiB; peak RSS full {full['peak_rss_mib']:.0f}, lora {lora['peak_rss_mib']:.0f} MiB"
+    )
+    assert (full["second_model"], lora["second_model"]) == (True, False)
+    assert full["peak_rss_mib"] - lora["peak_rss_mib"] >= 3 * weights_mib
