@@ -22,14 +22,10 @@ from trainers.stages import STAGES
 
 
 @pytest.fixture(scope="module")
-def handles(tiny, tmp_path_factory):
+def handles(tiny_checkpoint, tmp_path_factory):
     """The tiny model as a checkpoint folder and a real prepared dataset with an SFT eval split."""
-    model, tokenizer = tiny
-    root = tmp_path_factory.mktemp("lora")
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    policy = checkpoint_handle(root / "model", "base")
-    sft_eval = root / "sft_eval.jsonl"
+    policy = tiny_checkpoint
+    sft_eval = tmp_path_factory.mktemp("lora") / "sft_eval.jsonl"
     sft_eval.write_text("".join(f'{{"prompt": "{a}+{a}=", "completion": "{2 * a}"}}\n' for a in range(6)))
     config = DataConfig(
         builtin=AdditionTaskConfig(max_operand=5, num_eval_problems=6), sft_eval=DatasetSource(path=str(sft_eval))

@@ -7,7 +7,6 @@ from prefect.logging import disable_run_logger
 
 from infra.config import AdditionTaskConfig, DataConfig, DatasetSource, ReferenceConfig, load_config
 from tasks.data import prepare_dataset
-from tasks.models import checkpoint_handle
 from tasks.reference import cache_ref_logps
 from tasks.train import TrainInputs, stage_inputs
 from trainers.callbacks import SyncReferenceCallback
@@ -18,15 +17,11 @@ ARGUMENT_NAMES = {"warmup_ratio": "warmup_steps"}
 
 
 @pytest.fixture(scope="module")
-def handles(tiny, tmp_path_factory):
+def handles(tiny_checkpoint, tmp_path_factory):
     """A real prepared dataset, with a held-out split for every stage that evaluates, and a real
     reference-cache entry for it (the tiny model is the reference)."""
-    model, tokenizer = tiny
-    root = tmp_path_factory.mktemp("stages")
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    policy = checkpoint_handle(root / "model", "sft")
-    sft_eval = root / "sft_eval.jsonl"
+    policy = tiny_checkpoint
+    sft_eval = tmp_path_factory.mktemp("stages") / "sft_eval.jsonl"
     sft_eval.write_text('{"prompt": "1+2=", "completion": "3"}\n{"prompt": "2+2=", "completion": "4"}\n')
     config = DataConfig(
         builtin=AdditionTaskConfig(max_operand=3, num_eval_problems=4), sft_eval=DatasetSource(path=str(sft_eval))
