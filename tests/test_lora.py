@@ -340,3 +340,33 @@ def test_lora_with_a_live_reference_peaks_below_full_fine_tuning_by_the_referenc
     )
     assert (full["second_model"], lora["second_model"]) == (True, False)
     assert full["peak_rss_mib"] - lora["peak_rss_mib"] >= 3 * weights_mib
+
+
+# One step with a gradient on every adapter: no warm-up (its first step has learning rate 0), and
+# GRPO's entropy bonus (the random model's equal rewards give zero advantages).
+STAGE_STEPS = {
+    "sft": ["sft.max_steps=1", "sft.per_device_train_batch_size=8", "sft.warmup_ratio=0"],
+    "dpo": ["dpo.max_steps=1", "dpo.per_device_train_batch_size=4", "dpo.reference=live"],
+    "grpo": [
+        "grpo.max_steps=1",
+        "grpo.per_device_train_batch_size=4",
+        "grpo.num_generations=2",
+        "grpo.beta=0.1",
+        "grpo.entropy_coef=0.1",
+    ],
+}
+
+
+@pytest.mark.parametrize("stage", list(STAGE_STEPS))
+def test_every_stage_trains_its_adapters_with_gradient_checkpointing_and_bf16(stage, handles, tmp_path):
+    """One step with LoRA, checkpointing and bf16 autocast (on CPU here): every B matrix, zero at
+    the start, has moved, and nothing but the adapters has."""
+    knobs = [f"{stage}.gradient_checkpointing=true", f"{stage}.bf16=true", f"{stage}.learning_rate=0.01"]
+    trainer = build(stage, STAGE_STEPS[stage] + knobs, handles, tmp_path)
+    assert trainer.args.activation_checkpointing and trainer.args.bf16
+    frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    trainer.train()
+    assert trainer.state.global_step == 1
+    lora_b = [p for n, p in trainer.model.named_parameters() if "lora_B" in n]
+    assert len(lora_b) == 3 * 7 and all(p.abs().max() > 0 for p in lora_b)
+    assert all(torch.equal(p, frozen[n]) for n, p in trainer.model.named_parameters() if n in frozen)

@@ -118,13 +118,16 @@ class TrainingConfig(Section):
         turns step saving off), ``gradient_checkpointing`` (``activation_checkpointing``, its
         current name), ``bf16: auto`` (resolved for this machine) and ``eval_strategy``, which
         applies when the trainer ``evaluates`` (has a held-out split) and is ``no`` otherwise.
-        ``runtime`` holds what is not configuration (``output_dir``, …)."""
+        ``bf16: true`` on a machine without a GPU is CPU autocast. ``runtime`` holds what is not
+        configuration (``output_dir``, …)."""
         values = self.model_dump()
         values["warmup_steps"] = values.pop("warmup_ratio")
         values["save_strategy"] = "steps" if self.save_steps else "no"
         values["per_device_eval_batch_size"] = self.per_device_train_batch_size
         values["activation_checkpointing"] = values.pop("gradient_checkpointing")
         values["bf16"] = bf16_available() if self.bf16 == "auto" else self.bf16
+        if values["bf16"] and not accelerator_available():
+            values["use_cpu"] = True  # bf16 autocast on the CPU; transformers refuses it otherwise
         if not evaluates:
             values["eval_strategy"] = "no"
         return arguments_class(**values, **runtime)
@@ -135,6 +138,12 @@ def bf16_available() -> bool:
     import torch
 
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def accelerator_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available() or torch.backends.mps.is_available()
 
 
 def section_fields(section: type[TrainingConfig]):
