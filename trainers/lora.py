@@ -61,8 +61,8 @@ def has_adapters(model: torch.nn.Module) -> bool:
 @contextmanager
 def live_reference(ref_model: torch.nn.Module | None, policy: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """The model that computes live reference log-probs: ``ref_model``, or else the LoRA
-    ``policy`` (unwrapped from any distributed wrapper) with its adapters disabled, in eval mode
-    for the duration (its training mode is restored after)."""
+    ``policy`` (the trainer's unwrapped ``model``) with its adapters disabled, in eval mode for
+    the duration (its training mode is restored after)."""
     if ref_model is not None:
         yield ref_model
         return
