@@ -45,7 +45,7 @@ def experiment(config: ExperimentConfig = ExperimentConfig()) -> EvalReport:  # 
             if spec.needs_reference_logps(section):
                 reference_logps = cache_ref_logps(data, policy, config.reference, parent_run_id)
                 held_out_rewards = HeldOutRewards(reference_logps=reference_logps, beta=section.beta)
-            inputs = TrainInputs(policy, data, reference_logps)
+            inputs = TrainInputs(policy, data, reference_logps, lora=config.peft.for_stage(stage))
             policy = train(stage, section, inputs, parent_run_id, config.name, config.tracking)
             link_stage(parent_run_id, stage, policy.mlflow_run_id)
             models[stage] = policy

@@ -18,13 +18,14 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import AfterValidator, BaseModel, Field, ValidationError, create_model, field_validator, model_validator
 
+from trainers.lora import LoraSettings
 from trainers.metrics import evaluation_metric_names, per_prompt_metric_names
 from trainers.rewards import allow_module
 from trainers.sections import Section, TrainingConfig
 from trainers.stages import STAGES, StageName
 
 # Kept in step with trainers.builtin_model.BUILTIN_MODELS (which imports torch; tests check both agree).
-BUILTIN_MODEL_NAMES = ("tiny-llama",)
+BUILTIN_MODEL_NAMES = ("tiny-llama", "llama-0.5b")
 # Suffixes that trainers.data reads as local files (anything else is a `datasets.load_dataset` name).
 LOCAL_DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -126,6 +127,9 @@ class DataConfig(Section):
     sft: Sources = Field(
         None, title="SFT", description="`prompt`/`completion` or `messages` rows for SFT (one source or a list)."
     )
+    sft_eval: Sources = Field(
+        None, title="SFT eval", description="Held-out SFT rows (same formats as `sft`): SFT's eval_loss."
+    )
     preference: Sources = Field(
         None,
         title="Preference",
@@ -170,6 +174,22 @@ class DataConfig(Section):
                 "no token would be left for the completion"
             )
         return self
+
+
+class PeftConfig(LoraSettings):
+    """LoRA for the training stages: one section, since the target modules are a property of the
+    model's architecture, not of a stage; ``stages`` picks the stages that use it."""
+
+    enabled: bool = Field(False, description="Train LoRA adapters instead of every weight.")
+    stages: list[StageName] | None = Field(
+        None, description="The stages trained with LoRA (default: every stage in `stages`); the others train fully."
+    )
+
+    def for_stage(self, stage: str) -> LoraSettings | None:
+        """The adapter settings of ``stage``, or None when it trains every weight."""
+        if not self.enabled or (self.stages is not None and stage not in self.stages):
+            return None
+        return LoraSettings(**self.model_dump(include=set(LoraSettings.model_fields)))
 
 
 class ReferenceConfig(Section):
@@ -266,6 +286,22 @@ class ExperimentBase(Section):
         return self
 
     @model_validator(mode="after")
+    def _check_peft_stages(self) -> ExperimentBase:
+        if not self.peft.enabled:
+            return self
+        unknown = sorted(set(self.peft.stages or []) - set(self.stages))
+        if unknown:
+            raise ValueError(f"peft.stages: {unknown} not among the stages {self.stages}")
+        for stage in self.stages:
+            if self.peft.for_stage(stage) and getattr(self.stage(stage), "sync_ref_model", False):
+                raise ValueError(
+                    f"{stage}.sync_ref_model mixes the policy into a separate reference model; with LoRA the "
+                    f"reference is the policy with its adapters disabled: turn one of them off (or leave {stage} "
+                    "out of peft.stages)"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _check_data_for_stages(self) -> ExperimentBase:
         if len(set(self.stages)) != len(self.stages):
             raise ValueError(f"stages must not repeat: {self.stages}")
@@ -311,6 +347,7 @@ ExperimentConfig = create_model(
     __module__=__name__,
     __doc__="An experiment: its name, stages and plugins, then one section per concern and per stage.",
     model=section(ModelConfig),
+    peft=section(PeftConfig, title="PEFT (LoRA)"),
     data=section(DataConfig),
     **{spec.name: section(spec.section, title=spec.title, description=spec.description) for spec in STAGES.values()},
     reference=section(ReferenceConfig),

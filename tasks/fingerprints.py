@@ -58,7 +58,7 @@ def hash_token_ids(dataset: datasets.Dataset) -> str:
 # cached content. tasks/, flows/ and infra/ orchestrate; a module of theirs counts only as a root.
 CONTENT_PACKAGE = "trainers"
 # Libraries whose version changes numerics or file formats of cached content.
-LIBRARIES = ("torch", "transformers", "tokenizers", "datasets")
+LIBRARIES = ("torch", "transformers", "tokenizers", "datasets", "peft")
 
 
 def module_source(name: str) -> Path | None:

@@ -18,9 +18,16 @@ from tasks.fingerprints import atomic_directory, code_fingerprint, hash_paths, h
 from tasks.handles import ModelHandle
 from tasks.tracking import client
 from trainers.builtin_model import builtin_spec, is_builtin, save_builtin_model
+from trainers.lora import ADAPTER_CONFIG, is_adapter_folder
 
 # What determines a model's outputs (not training_args.bin or generation_config.json, which name runs and folders).
-WEIGHT_PATTERNS = ("config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin")
+WEIGHT_PATTERNS = (
+    "config.json",
+    "adapter_config.json",
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "pytorch_model*.bin",
+)
 TOKENIZER_FILES = [
     "tokenizer.json",
     "tokenizer_config.json",
@@ -37,7 +44,12 @@ def weight_files(path: Path) -> list[str]:
 
 def check_model_folder(path: Path) -> None:
     """A local checkpoint folder has a config, weights and a tokenizer, and its safetensors headers
-    parse; errors name the folder and the file (not "Repo id must be in the form…" minutes later)."""
+    parse; errors name the folder and the file (not "Repo id must be in the form…" minutes later).
+    A LoRA adapter folder (``adapter_config.json``) is checked for its tokenizer and weights, and
+    its base model (``base_model_name_or_path``) must be a model folder or a hub id."""
+    if is_adapter_folder(path):
+        check_adapter_folder(path)
+        return
     if not (path / "config.json").is_file():
         raise ValueError(f"model folder {path}: config.json is missing (not a Hugging Face checkpoint folder?)")
     weights = [name for name in weight_files(path) if name != "config.json"]
@@ -48,6 +60,21 @@ def check_model_folder(path: Path) -> None:
     for name in weights:
         if name.endswith(".safetensors"):
             check_safetensors(path / name)
+
+
+def check_adapter_folder(path: Path) -> None:
+    if not (path / "adapter_model.safetensors").is_file():
+        raise ValueError(f"adapter folder {path}: adapter_model.safetensors is missing")
+    if not (path / "tokenizer.json").is_file():
+        raise ValueError(f"adapter folder {path}: no tokenizer (tokenizer.json); save the tokenizer beside the adapter")
+    check_safetensors(path / "adapter_model.safetensors")
+    base = json.loads((path / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"adapter folder {path}: {ADAPTER_CONFIG} names no base_model_name_or_path")
+    if Path(base).is_absolute() or Path(base).exists():
+        if not Path(base).is_dir():
+            raise ValueError(f"adapter folder {path}: its base model folder {base} does not exist")
+        check_model_folder(Path(base))
 
 
 def check_safetensors(file: Path) -> None:

@@ -18,6 +18,7 @@ from tasks.storage import prune_checkpoints
 from tasks.tracking import client, log_params, stage_output_dir, stage_run_id, tracked_run
 from tasks.trainer_callback import MlflowTrainerCallback
 from trainers.callbacks import ProgressLineCallback
+from trainers.lora import LoraSettings, save_stage_model, trainable_parameters
 from trainers.sections import TrainingConfig
 from trainers.stages import STAGES, ModelSource, StageInputs
 
@@ -30,6 +31,7 @@ class TrainInputs:
     policy: ModelHandle
     data: PreparedData
     reference_logps: ReferenceLogps | None = None
+    lora: LoraSettings | None = None  # train LoRA adapters (``peft.for_stage``) instead of every weight
 
 
 def stage_inputs(stage: str, inputs: TrainInputs, output_dir: str, callbacks: list) -> StageInputs:
@@ -40,7 +42,9 @@ def stage_inputs(stage: str, inputs: TrainInputs, output_dir: str, callbacks: li
     else:
         splits = datasets.load_from_disk(inputs.data.path)
     start = ModelSource(inputs.policy.path, inputs.policy.revision)
-    return StageInputs(policy=start, reference=start, splits=splits, output_dir=output_dir, callbacks=callbacks)
+    return StageInputs(
+        policy=start, reference=start, splits=splits, output_dir=output_dir, callbacks=callbacks, lora=inputs.lora
+    )
 
 
 def train_cache_key(context, parameters) -> str | None:
@@ -54,6 +58,7 @@ def train_cache_key(context, parameters) -> str | None:
         "section": parameters["section"].model_dump(mode="json"),
         "policy": inputs.policy.fingerprint,
         "data": inputs.data.fingerprint,
+        "lora": inputs.lora.model_dump(mode="json") if inputs.lora else None,
         "code": code_fingerprint(spec.build.__module__),
     }
     return f"train-{spec.name}-" + hash_value(key_inputs)
@@ -85,15 +90,20 @@ def train(
         tracker = MlflowTrainerCallback(run_id, log_checkpoints=tracking.log_checkpoints == "all")
         built = stage_inputs(stage, inputs, str(output_dir), [tracker])
         trainer = spec.build(section, built)
+        log_params(run_id, {"model.trainable_parameters": trainable_parameters(trainer.model)})
+        if inputs.lora is not None:
+            log_params(run_id, {f"peft.{name}": value for name, value in inputs.lora.flat().items()})
         trainer.remove_callback(PrinterCallback)  # a dict per log; the progress line replaces it
         trainer.add_callback(ProgressLineCallback(stage))
         if inputs.reference_logps is not None:
             log_reference_input(run_id, inputs.reference_logps)  # after building: a corrupt entry is rebuilt by then
         trainer.train()
-        model_dir = output_dir / "model"
-        trainer.save_model(str(model_dir))
+        model_dir = output_dir / "model"  # with LoRA: the merged copy, and the adapter in output_dir/adapter
+        adapter_dir = save_stage_model(trainer, model_dir, output_dir / "adapter")
         if tracking.log_checkpoints != "none":
             client().log_artifacts(run_id, str(model_dir), "model")
+            if adapter_dir is not None:
+                client().log_artifacts(run_id, str(adapter_dir), "adapter")
         if not tracking.keep_checkpoints:
             prune_checkpoints(output_dir)
     return checkpoint_handle(model_dir, stage, mlflow_run_id=run_id)

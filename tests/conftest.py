@@ -52,6 +52,18 @@ def tiny():
     return build_builtin_model("builtin:tiny-llama", seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny, tmp_path_factory):
+    """The built-in model saved as a checkpoint folder, as its handle."""
+    from tasks.models import checkpoint_handle
+
+    model, tokenizer = tiny
+    folder = tmp_path_factory.mktemp("tiny-checkpoint") / "model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return checkpoint_handle(folder, "base")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("services") is None:

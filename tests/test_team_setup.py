@@ -328,6 +328,7 @@ def test_deploy_registers_prefect_yaml_with_config_defaults_on_a_process_pool(st
         "stages",
         "plugins",
         "model",
+        "peft",
         "data",
         "sft",
         "dpo",

@@ -5,9 +5,8 @@ from enum import Enum
 import pytest
 from prefect.logging import disable_run_logger
 
-from infra.config import AdditionTaskConfig, DataConfig, ReferenceConfig, load_config
+from infra.config import AdditionTaskConfig, DataConfig, DatasetSource, ReferenceConfig, load_config
 from tasks.data import prepare_dataset
-from tasks.models import checkpoint_handle
 from tasks.reference import cache_ref_logps
 from tasks.train import TrainInputs, stage_inputs
 from trainers.callbacks import SyncReferenceCallback
@@ -18,15 +17,17 @@ ARGUMENT_NAMES = {"warmup_ratio": "warmup_steps"}
 
 
 @pytest.fixture(scope="module")
-def handles(tiny, tmp_path_factory):
-    """A real prepared dataset and a real reference-cache entry for it (the tiny model is the reference)."""
-    model, tokenizer = tiny
-    root = tmp_path_factory.mktemp("stages")
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    policy = checkpoint_handle(root / "model", "sft")
+def handles(tiny_checkpoint, tmp_path_factory):
+    """A real prepared dataset, with a held-out split for every stage that evaluates, and a real
+    reference-cache entry for it (the tiny model is the reference)."""
+    policy = tiny_checkpoint
+    sft_eval = tmp_path_factory.mktemp("stages") / "sft_eval.jsonl"
+    sft_eval.write_text('{"prompt": "1+2=", "completion": "3"}\n{"prompt": "2+2=", "completion": "4"}\n')
+    config = DataConfig(
+        builtin=AdditionTaskConfig(max_operand=3, num_eval_problems=4), sft_eval=DatasetSource(path=str(sft_eval))
+    )
     with disable_run_logger():
-        data = prepare_dataset.fn(DataConfig(builtin=AdditionTaskConfig(max_operand=3, num_eval_problems=4)), policy)
+        data = prepare_dataset.fn(config, policy)
         reference_logps = cache_ref_logps.fn(data, policy, ReferenceConfig(batch_size=16))
     return policy, data, reference_logps
 

@@ -34,7 +34,21 @@ TINY_LLAMA = dict(
     max_position_embeddings=128,
     tie_word_embeddings=True,
 )
-BUILTIN_MODELS = {"tiny-llama": TINY_LLAMA}
+# Qwen2.5-0.5B's shape as a Llama (no q/k/v biases): 24 layers, hidden 896, 14 query and 2 KV heads,
+# MLP 4,864, tied embeddings, and its padded vocabulary of 151,936 rows (the tokenizer uses the first
+# few; the rest decode to nothing), which sizes the logits as in the real model: 494M parameters.
+LLAMA_0_5B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    rope_theta=1_000_000.0,
+    tie_word_embeddings=True,
+    vocab_size=151_936,
+)
+BUILTIN_MODELS = {"tiny-llama": TINY_LLAMA, "llama-0.5b": LLAMA_0_5B}
 
 
 def is_builtin(source: str) -> bool:
@@ -71,11 +85,10 @@ def build_builtin_model(source: str, seed: int) -> tuple[LlamaForCausalLM, PreTr
     architecture = builtin_spec(source, seed)["architecture"]
     tokenizer = build_char_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        **architecture,
+        **{"vocab_size": len(tokenizer), **architecture},  # an architecture may pad the vocabulary
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)

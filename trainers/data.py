@@ -28,6 +28,7 @@ from transformers import PreTrainedTokenizerBase
 
 SPLIT_FIELDS: dict[str, tuple[str, ...]] = {
     "sft": ("prompt", "completion"),
+    "sft_eval": ("prompt", "completion"),  # held-out demonstrations: SFT's eval loss
     "preference": ("prompt", "chosen", "rejected"),
     "preference_eval": ("prompt", "chosen", "rejected"),
     "eval_prompts": ("prompt", "answer"),
@@ -194,7 +195,7 @@ def normalize_rows(rows: list[dict], split: str, source: str) -> list[dict]:
     out = []
     for index, row in enumerate(rows):
         where = f"{source}: row {index}"
-        if split == "sft" and "prompt" not in row and "completion" not in row and "messages" in row:
+        if split in ("sft", "sft_eval") and "prompt" not in row and "completion" not in row and "messages" in row:
             messages = row["messages"]
             if not _is_conversation(messages):
                 raise DataValidationError(f"{where}: field 'messages' must be a list of {{role, content}} messages")

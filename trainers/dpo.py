@@ -1,7 +1,8 @@
 """``DPOTrainer``: a ``transformers.Trainer`` whose ``compute_loss`` is a preference loss.
 
 Per step: one forward of the policy over the concatenated ``[chosen; rejected]`` batch, summed
-completion log-probs, reference log-probs from a live frozen reference model, cached columns
+completion log-probs, reference log-probs from a live frozen reference model (for a LoRA policy:
+itself with its adapters disabled), cached columns
 (default in the pipeline), or zeros (reference-free: ``reference='none'``, or an objective whose
 losses all declare ``needs_reference=False``, which then runs no reference at all), then the
 registered loss(es) chosen by ``loss_type``, weighted by ``loss_weights``.
@@ -22,6 +23,7 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 from trainers.callbacks import SyncReferenceCallback
 from trainers.collators import REF_COLUMNS
 from trainers.logprobs import CompletionLogps, completion_logps
+from trainers.lora import has_adapters, live_reference
 from trainers.losses import LossParams, PairLogps, PreferenceHyperparameters, resolve_losses, reward_metrics
 from trainers.sections import section_fields
 from trainers.stages.dpo import DPOStageConfig, reference_source
@@ -94,8 +96,15 @@ class DPOTrainer(Trainer):
         self.objective = resolve_losses(self.args.loss_type, self.args.loss_weights, self.loss_params)
         # "none" for a reference-free objective: no reference forward, no cached columns read
         self.reference_mode = reference_source(self.args.reference, self.objective)
-        if (ref_model is not None) != (self.reference_mode == "live"):
-            raise ValueError(f"reference={self.args.reference!r}: pass a ref_model exactly when reference='live'")
+        # With LoRA, the live reference is the policy with its adapters disabled: no ref_model.
+        needs_ref_model = self.reference_mode == "live" and not has_adapters(self.model)
+        if ref_model is not None and self.reference_mode != "live" or ref_model is None and needs_ref_model:
+            raise ValueError(
+                f"reference={self.args.reference!r}: pass a ref_model exactly when reference='live' "
+                "(optional for a LoRA policy, whose reference is itself with its adapters disabled)"
+            )
+        if self.args.sync_ref_model and ref_model is None:
+            raise ValueError("sync_ref_model needs a separate ref_model to mix the policy into (not with LoRA)")
         self.ref_model = None
         if ref_model is not None:
             ref_model.requires_grad_(False).eval()
@@ -114,9 +123,9 @@ class DPOTrainer(Trainer):
             zeros = torch.zeros(batch_size, device=inputs["input_ids"].device)
             return zeros, zeros
         if self.reference_mode == "live":
-            with torch.no_grad():
+            with torch.no_grad(), live_reference(self.ref_model, self.model) as reference:
                 ref = completion_logps(
-                    self.ref_model, inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"]
+                    reference, inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"]
                 ).logps
             return ref[:batch_size], ref[batch_size:]
         if not all(column in inputs for column in REF_COLUMNS):

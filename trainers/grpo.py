@@ -7,7 +7,8 @@ the batch is reused off-policy, record the sampling policy's log-probs. The batc
 as ``steps_per_generation`` slices, each once per iteration (``num_iterations``), to the loss:
 the per-token objective (``policy_loss``) of the importance ratio (``importance_sampling_level``),
 plus the options that ask for it (entropy bonus, high-entropy token mask, ``β``·k3 KL to a frozen
-reference when ``β > 0``), aggregated by ``loss_type``.
+reference when ``β > 0``: a copy of the initial policy, or a LoRA policy with its adapters
+disabled), aggregated by ``loss_type``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from trainers.grpo_losses import (
 )
 from trainers.layout import GenerationLayout, resolve_layout
 from trainers.logprobs import next_token_logps
+from trainers.lora import has_adapters, live_reference
 from trainers.rewards import RewardFunction, resolve_rewards, score_completions
 from trainers.samplers import generation_dataloader
 from trainers.sections import section_fields
@@ -177,8 +179,8 @@ class GRPOTrainer(Trainer):
             reward_funcs if reward_funcs is not None else args.reward_funcs, args.reward_weights
         )
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
-        self.ref_model = None
-        if args.beta > 0:
+        self.ref_model = None  # with β > 0 and a LoRA policy, the anchor is the policy with its adapters disabled
+        if args.beta > 0 and (ref_model is not None or not has_adapters(self.model)):
             reference = ref_model if ref_model is not None else copy.deepcopy(self.model)
             reference.requires_grad_(False).eval()
             self.ref_model = self.accelerator.prepare_model(reference, evaluation_mode=True)
@@ -303,23 +305,27 @@ class GRPOTrainer(Trainer):
     def add_sampling_logps(self, model, slices: list[dict[str, torch.Tensor]]) -> None:
         """``old_logps`` (the sampling policy) when the batch is reused off-policy, and
         ``ref_logps`` when β > 0; computed once per generation batch."""
-        sources = {"ref_logps": self.ref_model} if self.ref_model is not None else {}
+        if self.args.beta > 0:
+            with live_reference(self.ref_model, self.model) as reference:
+                self.add_token_logps(reference, slices, "ref_logps")
         if self.args.reuses_generations:
-            sources["old_logps"] = self.accelerator.unwrap_model(model)
-        for name, source in sources.items():
-            was_training = source.training
-            source.eval()
-            for part in slices:
-                device = self.accelerator.device
-                logps = next_token_logps(
-                    source,
-                    part["input_ids"].to(device),
-                    part["attention_mask"].to(device),
-                    part["completion_mask"].to(device),
-                    self.args.temperature,
-                ).logps
-                part[name] = logps.cpu()
-            source.train(was_training)
+            self.add_token_logps(self.accelerator.unwrap_model(model), slices, "old_logps")
+
+    def add_token_logps(self, source: torch.nn.Module, slices: list[dict[str, torch.Tensor]], name: str) -> None:
+        """``slice[name]``: ``source``'s per-token log-probs of each slice's completions (in eval mode)."""
+        was_training = source.training
+        source.eval()
+        device = self.accelerator.device
+        for part in slices:
+            logps = next_token_logps(
+                source,
+                part["input_ids"].to(device),
+                part["attention_mask"].to(device),
+                part["completion_mask"].to(device),
+                self.args.temperature,
+            ).logps
+            part[name] = logps.cpu()
+        source.train(was_training)
 
     # ---- loss ------------------------------------------------------------------------------
 

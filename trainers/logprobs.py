@@ -219,6 +219,13 @@ def compute_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.promote_types(logits.dtype, torch.float32)
 
 
+def innermost_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model whose ``forward`` finally runs: unwrapped from distributed wrappers, and from a
+    peft wrapper (which passes its keyword arguments through to it)."""
+    model = unwrap_model(model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 @functools.cache
 def accepts_logits_to_keep(model_class: type) -> bool:
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters
@@ -258,7 +265,7 @@ def forward_scored_positions(
     has_scored = scored.any(0)
     first = int(has_scored.float().argmax()) if bool(has_scored.any()) else scored.shape[1] - 1
     kept = input_ids.shape[1] - first  # positions first .. last, the last predicting nothing
-    extra = {"logits_to_keep": kept} if accepts_logits_to_keep(type(unwrap_model(model))) else {}
+    extra = {"logits_to_keep": kept} if accepts_logits_to_keep(type(innermost_model(model))) else {}
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
     logits = logits[:, -kept:]  # a view; already this shape when logits_to_keep was honoured
     rows, cols = scored[:, first:].nonzero(as_tuple=True)

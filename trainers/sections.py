@@ -13,7 +13,7 @@ import hashlib
 import json
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 if TYPE_CHECKING:
     from transformers import TrainingArguments
@@ -50,6 +50,7 @@ class Section(BaseModel):
 
 
 SchedulerName = Literal["linear", "cosine", "constant", "constant_with_warmup"]
+EvalStrategy = Literal["no", "steps", "epoch"]
 
 
 class TrainingConfig(Section):
@@ -70,17 +71,79 @@ class TrainingConfig(Section):
         0, ge=0, description="Save (and log to MLflow) a checkpoint every N steps; 0 = only at the end."
     )
     seed: int = 0
+    eval_strategy: EvalStrategy = Field(
+        "epoch",
+        description="When to evaluate on the stage's held-out split (`data.sft_eval`, `data.preference_eval`): "
+        "every `epoch`, every `eval_steps` (`steps`) or `no`; a stage without a held-out split never evaluates.",
+    )
+    eval_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Optimizer steps between evaluations with eval_strategy: steps (default: logging_steps).",
+    )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass (non-reentrant): less memory, ~30% more compute."
+    )
+    bf16: bool | Literal["auto"] = Field(
+        False, description="bfloat16 mixed precision; `auto`: on where a CUDA device supports bfloat16."
+    )
+    report_to: list[str] = Field(
+        default_factory=list,
+        description="More Trainer integrations (`tensorboard`, `wandb`, …); MLflow is always on through the pipeline.",
+    )
 
-    def training_arguments(self, arguments_class: type[TrainingArguments], **runtime: Any) -> TrainingArguments:
+    @field_validator("eval_strategy", mode="before")
+    @classmethod
+    def _yaml_no(cls, value: Any) -> Any:
+        """YAML reads a bare ``no`` as false: ``eval_strategy: no`` means ``"no"``."""
+        return "no" if value is False else value
+
+    @field_validator("report_to")
+    @classmethod
+    def _mlflow_is_the_pipelines(cls, report_to: list[str]) -> list[str]:
+        doubled = sorted({"mlflow", "all"} & set(report_to))
+        if doubled:
+            raise ValueError(
+                f"report_to: {doubled} would start transformers' own MLflow logging in a second run; MLflow is "
+                "always on through the pipeline's callback: list only other integrations"
+            )
+        return report_to
+
+    def training_arguments(
+        self, arguments_class: type[TrainingArguments], evaluates: bool = False, **runtime: Any
+    ) -> TrainingArguments:
         """The one mapping from a section to its trainer's arguments: every field by name (the
         class has them: ``TrainingArguments``' own, or added by :func:`section_fields`), except
-        ``warmup_ratio`` (``warmup_steps`` below 1 is a fraction of the steps) and ``save_steps`` (0
-        turns step saving off). ``runtime`` holds what is not configuration (``output_dir``, …)."""
+        ``warmup_ratio`` (``warmup_steps`` below 1 is a fraction of the steps), ``save_steps`` (0
+        turns step saving off), ``gradient_checkpointing`` (``activation_checkpointing``, its
+        current name), ``bf16: auto`` (resolved for this machine) and ``eval_strategy``, which
+        applies when the trainer ``evaluates`` (has a held-out split) and is ``no`` otherwise.
+        ``bf16: true`` on a machine without a GPU is CPU autocast. ``runtime`` holds what is not
+        configuration (``output_dir``, …)."""
         values = self.model_dump()
         values["warmup_steps"] = values.pop("warmup_ratio")
         values["save_strategy"] = "steps" if self.save_steps else "no"
         values["per_device_eval_batch_size"] = self.per_device_train_batch_size
+        values["activation_checkpointing"] = values.pop("gradient_checkpointing")
+        values["bf16"] = bf16_available() if self.bf16 == "auto" else self.bf16
+        if values["bf16"] and not accelerator_available():
+            values["use_cpu"] = True  # bf16 autocast on the CPU; transformers refuses it otherwise
+        if not evaluates:
+            values["eval_strategy"] = "no"
         return arguments_class(**values, **runtime)
+
+
+def bf16_available() -> bool:
+    """Whether this machine trains in bfloat16: a CUDA device that supports it."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def accelerator_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available() or torch.backends.mps.is_available()
 
 
 def section_fields(section: type[TrainingConfig]):

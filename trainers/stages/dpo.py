@@ -84,21 +84,14 @@ class DPOStageConfig(PreferenceHyperparameters, TrainingConfig):
 def build_dpo(section: DPOStageConfig, inputs: StageInputs):
     from trainers.collators import PreferenceCollator
     from trainers.dpo import DPOConfig, DPOTrainer
-    from trainers.modeling import load_causal_lm
 
-    model, tokenizer = load_causal_lm(inputs.policy.path, inputs.policy.revision)
-    ref_model = (
-        load_causal_lm(inputs.reference.path, inputs.reference.revision)[0]
-        if section.reference_source() == "live"
-        else None
-    )
+    model, tokenizer = inputs.load_policy()
+    ref_model = inputs.load_reference() if section.reference_source() == "live" else None
     eval_split = inputs.splits.get("preference_eval")
     return DPOTrainer(
         model=model,
         ref_model=ref_model,
-        args=section.training_arguments(
-            DPOConfig, **inputs.runtime_arguments(), eval_strategy="no" if eval_split is None else "epoch"
-        ),
+        args=section.training_arguments(DPOConfig, evaluates=eval_split is not None, **inputs.runtime_arguments()),
         train_dataset=inputs.splits["preference"],
         eval_dataset=eval_split,
         data_collator=PreferenceCollator(tokenizer.pad_token_id),

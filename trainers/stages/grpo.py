@@ -16,7 +16,7 @@ from trainers.grpo_losses import (
 )
 from trainers.layout import resolve_layout
 from trainers.rewards import resolve_rewards
-from trainers.sections import TrainingConfig
+from trainers.sections import EvalStrategy, TrainingConfig
 from trainers.stages.registry import StageInputs, StageSpec, register_stage
 
 COMPLETIONS_LOG_KEY = "completions"  # a table (column -> values) in the trainer's logs; trackers render it
@@ -31,6 +31,9 @@ class GRPOStageConfig(TrainingConfig):
     )
     learning_rate: float = Field(1.5e-4, gt=0)
     logging_steps: int = Field(20, ge=1)
+    eval_strategy: EvalStrategy = Field(
+        "no", description="GRPO does not evaluate during training (the evaluation step scores its model): `no`."
+    )
     num_generations: int = Field(8, ge=2, description="Completions per prompt (G).")
     steps_per_generation: int | None = Field(
         None, ge=1, description="Training steps served by one generation batch; default: `gradient_accumulation_steps`."
@@ -118,6 +121,15 @@ class GRPOStageConfig(TrainingConfig):
         return self
 
     @model_validator(mode="after")
+    def _no_evaluation_during_training(self) -> GRPOStageConfig:
+        if self.eval_strategy != "no" or self.eval_steps is not None:
+            raise ValueError(
+                "GRPO does not evaluate during training (the pipeline's evaluation step scores its model): "
+                "leave eval_strategy: no and eval_steps unset"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_policy_options(self) -> GRPOStageConfig:
         check_policy_options(self)
         return self
@@ -159,11 +171,11 @@ def check_policy_options(options: Any) -> None:
 
 def build_grpo(section: GRPOStageConfig, inputs: StageInputs):
     from trainers.grpo import GRPOConfig, GRPOTrainer
-    from trainers.modeling import load_causal_lm
 
-    model, tokenizer = load_causal_lm(inputs.policy.path, inputs.policy.revision)
-    # The KL anchor is the policy GRPO starts from; with β = 0 no reference is loaded at all.
-    ref_model = load_causal_lm(inputs.reference.path, inputs.reference.revision)[0] if section.beta > 0 else None
+    model, tokenizer = inputs.load_policy()
+    # The KL anchor is the policy GRPO starts from (with LoRA: the policy, adapters disabled);
+    # with β = 0 no reference is loaded at all.
+    ref_model = inputs.load_reference() if section.beta > 0 else None
     return GRPOTrainer(
         model=model,
         ref_model=ref_model,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from trainers.lora import LoraSettings
 from trainers.registry import Registry
 from trainers.sections import TrainingConfig
 
@@ -37,6 +38,22 @@ class StageInputs:
     splits: Mapping[str, Dataset]  # prepared splits; with ``ref_*`` columns when the stage reads reference log-probs
     output_dir: str
     callbacks: list = field(default_factory=list)
+    lora: LoraSettings | None = None  # train LoRA adapters on the frozen policy instead of all its weights
+
+    def load_policy(self):
+        """The policy and its tokenizer; with ``lora``, wrapped with fresh trainable adapters."""
+        from trainers.lora import add_adapters
+        from trainers.modeling import load_causal_lm
+
+        model, tokenizer = load_causal_lm(self.policy.path, self.policy.revision)
+        return (model if self.lora is None else add_adapters(model, self.lora)), tokenizer
+
+    def load_reference(self):
+        """A frozen reference model in memory, or None with ``lora``: the policy with its adapters
+        disabled is the reference then (:func:`trainers.lora.live_reference`), with no second copy."""
+        from trainers.modeling import load_causal_lm
+
+        return None if self.lora is not None else load_causal_lm(self.reference.path, self.reference.revision)[0]
 
     def runtime_arguments(self) -> dict[str, Any]:
         """Trainer arguments that are not configuration: where to write, and the pipeline's own logging."""
@@ -45,7 +62,6 @@ class StageInputs:
         return dict(
             output_dir=self.output_dir,
             save_total_limit=2,
-            report_to=[],  # MLflow logging is the pipeline's callback
             disable_tqdm=True,
             dataloader_pin_memory=torch.cuda.is_available(),
         )

@@ -22,14 +22,20 @@ def build_sft(section: SFTConfig, inputs: StageInputs):
     from transformers import Trainer, TrainingArguments
 
     from trainers.collators import CompletionOnlyCollator
-    from trainers.modeling import load_causal_lm
 
-    model, tokenizer = load_causal_lm(inputs.policy.path, inputs.policy.revision)
+    model, tokenizer = inputs.load_policy()
+    eval_split = inputs.splits.get("sft_eval")
     return Trainer(
         model=model,
         # the collator reads prompt_ids / completion_ids, which the model's forward does not take
-        args=section.training_arguments(TrainingArguments, **inputs.runtime_arguments(), remove_unused_columns=False),
+        args=section.training_arguments(
+            TrainingArguments,
+            evaluates=eval_split is not None,
+            **inputs.runtime_arguments(),
+            remove_unused_columns=False,
+        ),
         train_dataset=inputs.splits["sft"],
+        eval_dataset=eval_split,
         data_collator=CompletionOnlyCollator(tokenizer.pad_token_id),
         processing_class=tokenizer,
         callbacks=inputs.callbacks,

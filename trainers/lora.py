@@ -1,0 +1,103 @@
+"""LoRA adapters (the ``peft`` library): the settings, wrapping a policy, the adapter-disabled
+reference, and saving a trained stage as its adapter plus a merged copy.
+
+A LoRA policy is ``W + (α/r)·B·A`` on each target linear layer, ``W`` frozen, ``A``
+(``r × in``, random) and ``B`` (``out × r``, zero) trained: a layer of shape ``out × in``
+trains ``r·(in + out)`` parameters. With the adapters disabled the policy *is* its starting
+model, which is why it serves as DPO's live reference and GRPO's KL anchor without a second copy.
+
+The settings are pydantic only (the experiment config imports them); the functions import torch
+and peft when they run.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator, Literal
+
+from pydantic import Field
+
+from trainers.sections import Section
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, Trainer
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+class LoraSettings(Section):
+    r: int = Field(16, ge=1, description="Rank of each adapter (B·A).")
+    alpha: float = Field(32.0, gt=0, description="Scale α: the update is (α/r)·B·A.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input.")
+    target_modules: Literal["all-linear"] | list[str] = Field(
+        "all-linear",
+        description="`all-linear` (every linear layer but the output head) or module names, e.g. `[q_proj, v_proj]`.",
+    )
+
+
+def add_adapters(model: PreTrainedModel, settings: LoraSettings) -> PreTrainedModel:
+    """``model`` frozen, with fresh LoRA adapters on ``settings.target_modules`` (the only
+    trainable parameters)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=settings.r,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=settings.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+def has_adapters(model: torch.nn.Module) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+@contextmanager
+def live_reference(ref_model: torch.nn.Module | None, policy: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """The model that computes live reference log-probs: ``ref_model``, or else the LoRA
+    ``policy`` (the trainer's unwrapped ``model``) with its adapters disabled, in eval mode for
+    the duration (its training mode is restored after)."""
+    if ref_model is not None:
+        yield ref_model
+        return
+    if not has_adapters(policy):
+        raise ValueError("a live reference needs a ref_model, or a LoRA policy whose adapters can be disabled")
+    was_training = policy.training
+    policy.eval()
+    try:
+        with policy.disable_adapter():
+            yield policy
+    finally:
+        policy.train(was_training)
+
+
+def trainable_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def save_stage_model(trainer: Trainer, model_dir: Path, adapter_dir: Path) -> Path | None:
+    """Save a trained stage. Full fine-tuning: the model in ``model_dir``; returns None. LoRA: the
+    adapter (``adapter_config.json``, ``adapter_model.safetensors``, and the tokenizer, so
+    ``from_pretrained(adapter_dir)`` loads base + adapter) in ``adapter_dir``, then a merged copy
+    (``W + (α/r)·B·A``, a plain checkpoint) in ``model_dir``; returns ``adapter_dir``. The merge
+    is done in place on the trainer's model, so this is the last thing a stage does with it."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if not has_adapters(model):
+        trainer.save_model(str(model_dir))
+        return None
+    trainer.save_model(str(adapter_dir))  # the adapter, and the tokenizer (processing_class)
+    merged = model.merge_and_unload()
+    if trainer.args.should_save:  # the main process, as for save_model
+        merged.save_pretrained(str(model_dir))
+        trainer.processing_class.save_pretrained(str(model_dir))
+    return adapter_dir
+
+
+def is_adapter_folder(path: Path) -> bool:
+    return (path / ADAPTER_CONFIG).is_file()
