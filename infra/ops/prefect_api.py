@@ -16,10 +16,10 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from infra.ops.servers import is_healthy, server_status, servers_dir
 from infra.settings import get_settings
 
 STARTUP_TIMEOUT_S = 90.0  # PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, unless set
@@ -31,14 +31,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def answers(health_url: str) -> bool:
-    try:
-        with urllib.request.urlopen(health_url, timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
 
 
 @dataclass
@@ -71,7 +63,7 @@ class TemporaryServer:
             timeout or float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", STARTUP_TIMEOUT_S))
         )
         while time.monotonic() < deadline:
-            if answers(f"{self.api_url}/health"):
+            if is_healthy(f"{self.api_url}/health"):
                 return
             if self.process.poll() == PORT_IN_USE_EXIT:
                 self.port = free_port()
@@ -99,8 +91,6 @@ class TemporaryServer:
 
 def servers_up_api_url() -> str | None:
     """The API of the Prefect server ``alignflow servers up`` runs for this state folder, if it answers."""
-    from infra.ops.servers import server_status, servers_dir
-
     status = server_status("prefect", servers_dir(get_settings()) / "prefect")
     return status.record.get("exports", {}).get("PREFECT_API_URL") if status.healthy else None
 
