@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -55,6 +56,33 @@ def test_a_temporary_server_answers_the_api_and_leaves_nothing_when_stopped(tmp_
     assert server.process.poll() is not None
     with pytest.raises(ProcessLookupError):
         os.killpg(server.process.pid, 0)  # its process group is gone
+
+
+def test_a_temporary_server_stops_when_the_process_that_started_it_is_killed(tmp_path, state_dir):
+    """kill -9 of a run leaves no server: it gets SIGTERM when its parent dies."""
+    starter = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from infra.ops.prefect_api import TemporaryServer, free_port\n"
+            f"server = TemporaryServer(free_port(), __import__('pathlib').Path({str(tmp_path / 'server.log')!r}))\n"
+            "server.launch(); server.wait_ready(120); print(server.process.pid, flush=True); time.sleep(600)\n",
+        ],
+        cwd=PROJECT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    server_pid = int(starter.stdout.readline())
+    os.kill(starter.pid, 9)
+    starter.wait()
+    for _ in range(100):
+        if not Path(f"/proc/{server_pid}").exists() or "zombie" in Path(f"/proc/{server_pid}/status").read_text():
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(server_pid, 9)
+        raise AssertionError("the temporary server outlived the process that started it")
 
 
 def test_a_server_that_cannot_start_is_reported_at_once_with_its_log(tmp_path, monkeypatch):

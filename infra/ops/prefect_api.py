@@ -11,7 +11,9 @@ Prefect's own exit hooks have sent their last logs and events.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -25,12 +27,20 @@ from infra.settings import get_settings
 STARTUP_TIMEOUT_S = 90.0  # PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, unless set
 STOP_GRACE_S = 1.0
 PORT_IN_USE_EXIT = 3  # uvicorn's exit code when its port was taken meanwhile
+PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def stop_with_parent() -> None:
+    """In the server's process before it starts: Linux sends it SIGTERM when the process that
+    started it dies, even by SIGKILL, so a killed run leaves no server behind."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -54,7 +64,13 @@ class TemporaryServer:
         env.pop("PREFECT_API_URL", None)
         with self.log.open("ab") as log:
             self.process = subprocess.Popen(
-                command, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+                command,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # a Ctrl-C reaches the run, which still reports to the server
+                preexec_fn=stop_with_parent,
             )
 
     def wait_ready(self, timeout: float | None = None) -> None:
