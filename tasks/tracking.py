@@ -13,16 +13,19 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+from uuid import UUID
 
 import yaml
 from mlflow import MlflowClient
-from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus, RunTag
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 from prefect import get_run_logger
 from prefect.artifacts import create_link_artifact
+from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_UI_URL
 
+from infra.processes import process_record
 from infra.settings import get_settings, redact_url
 from trainers.sections import Section
 
@@ -107,6 +110,7 @@ def start_parent_run(config: Section, kind: str = "experiment") -> str:
         "mlflow.source.git.commit": git_commit(),
         "prefect.flow_run_id": str(flow_run.get_id() or ""),
         "prefect.flow_run_name": str(flow_run.get_name() or ""),
+        **process_record().tags(),
     }
     if url := flow_run_url():
         tags["prefect.flow_run_url"] = url
@@ -126,9 +130,20 @@ def start_parent_run(config: Section, kind: str = "experiment") -> str:
     return run.info.run_id
 
 
+def record_process(run_id: str) -> None:
+    """Tag ``run_id`` (and label the current Prefect flow run) with this process's record, so that
+    ``alignflow runs cleanup`` can tell a run whose process is gone from a live one."""
+    tags = process_record().tags()
+    client().log_batch(run_id, tags=[RunTag(key, value) for key, value in tags.items()])
+    if flow_run_id := flow_run.get_id():
+        with get_client(sync_client=True) as prefect:
+            prefect.update_flow_run_labels(UUID(flow_run_id), tags)
+
+
 @contextmanager
 def tracked_run(run_id: str) -> Iterator[str]:
-    """Mark ``run_id`` FINISHED when the block completes, FAILED when it raises."""
+    """Mark ``run_id`` as run by this process, FINISHED when the block completes, FAILED when it raises."""
+    record_process(run_id)
     try:
         yield run_id
     except BaseException:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from infra.ops import service_cli
 from infra.ops.cache_cli import add_cache_parser, cache_command
+from infra.ops.databases import prepare_databases
+from infra.ops.runs import add_runs_parser, cleanup, runs_command
 from infra.settings import StateFolderError, configure_environment, redact_url
 
 
@@ -71,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--stage", help="stage whose training curves are plotted (default: the first whose settings differ)"
     )
     add_cache_parser(commands)
+    add_runs_parser(commands)
     service_cli.add_parsers(commands)
     return parser
 
@@ -177,6 +180,15 @@ def load_or_exit(schema, args: argparse.Namespace):
     return config
 
 
+def clean_up_dead_runs() -> None:
+    """Before a run: runs of this host left RUNNING by a process that is gone are marked failed
+    (``alignflow runs cleanup``); a problem there is a warning, not a reason to not run."""
+    try:
+        cleanup(say=lambda line: print(f"alignflow: {line}", file=sys.stderr), quiet=True)
+    except Exception as error:
+        print(f"alignflow: warning: runs cleanup failed ({type(error).__name__}: {error})", file=sys.stderr)
+
+
 # The config is validated before anything heavy is imported (torch, Prefect, the flows), so a bad
 # file fails at once; flows are imported after configure_environment: Prefect reads it at import.
 def run_command(args: argparse.Namespace) -> int:
@@ -186,6 +198,8 @@ def run_command(args: argparse.Namespace) -> int:
     from flows.pipeline import experiment
 
     quiet_prefect_tracebacks()
+    prepare_databases()
+    clean_up_dead_runs()
     return finished(experiment(config, return_state=True))
 
 
@@ -196,11 +210,14 @@ def evaluate_command(args: argparse.Namespace) -> int:
     from flows.evaluation import evaluation
 
     quiet_prefect_tracebacks()
+    prepare_databases()
     return finished(evaluation(request, return_state=True))
 
 
 def compare_command(args: argparse.Namespace) -> int:
     from flows.compare import compare
+
+    prepare_databases()
 
     chosen = {"metrics": args.metrics, "curves": args.curves, "stage": args.stage}
     chosen |= {"filter": args.filter, "runs": args.runs, "last": args.last}
@@ -213,6 +230,7 @@ COMMANDS = {
     "evaluate": evaluate_command,
     "compare": compare_command,
     "cache": cache_command,
+    "runs": runs_command,
     **service_cli.COMMANDS,
 }
 
