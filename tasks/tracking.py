@@ -18,6 +18,7 @@ from uuid import UUID
 import yaml
 from mlflow import MlflowClient
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus, RunTag
+from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 from prefect import get_run_logger
 from prefect.artifacts import create_link_artifact
@@ -38,11 +39,17 @@ def client() -> MlflowClient:
 
 
 def experiment_id(name: str) -> str:
+    """The experiment's id, created if missing (by this process or, at the same moment, another)."""
     found = client().get_experiment_by_name(name)
     if found is not None:
         return found.experiment_id
     root = get_settings().mlflow_artifact_location
-    return client().create_experiment(name, artifact_location=f"{root}/{name}" if root else None)
+    try:
+        return client().create_experiment(name, artifact_location=f"{root}/{name}" if root else None)
+    except MlflowException as error:
+        if error.error_code != "RESOURCE_ALREADY_EXISTS" or (found := client().get_experiment_by_name(name)) is None:
+            raise
+        return found.experiment_id
 
 
 def git_commit() -> str:

@@ -1,12 +1,15 @@
 """Honest run states: a real `alignflow run` killed with SIGKILL leaves RUNNING runs behind; `alignflow
 runs cleanup` (and the next `alignflow run`) marks them FAILED in MLflow and CRASHED in Prefect with
-the reason, and leaves live runs and runs of other hosts alone.
+the reason, and leaves live runs and runs of other hosts alone. And two runs started at once on a
+fresh state folder both finish (the first-time database set-up is serialised).
 
-The subprocesses use the session's Prefect server (so this test can read its states) and their own
-state folder (their own MLflow SQLite store)."""
+The kill tests' subprocesses use the session's Prefect server (so this test can read its states)
+and their own state folder (their own MLflow SQLite store)."""
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
 import os
 import socket
 import subprocess
@@ -23,8 +26,12 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.states import Running
 
+from infra.ops import databases
+from infra.ops.databases import READY_FILE
 from infra.ops.runs import REASON_TAG, gone_reason, verdict
 from infra.processes import ProcessRecord, is_alive, process_record, stat_fields
+from infra.settings import Settings
+from tasks.locks import LocalFileLock, LockTimeout
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 ALIGNFLOW = [sys.executable, "-m", "infra.ops.cli"]
@@ -32,13 +39,17 @@ SHORT_RUN = ["configs/minimal.yaml", "stages=[sft]", "sft.max_steps=2", "evaluat
 START_TIMEOUT_S = 240
 
 
+def fresh_state_env(home: Path) -> dict[str, str]:
+    """Environment of an `alignflow` subprocess with its own state folder ``home`` (and nothing of
+    this session's: its Prefect home, API URL and tracking URI)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_HOME", "PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
+    return env | {"ALIGNFLOW_HOME": str(home), "OMP_NUM_THREADS": "1"}
+
+
 @pytest.fixture
 def home(tmp_path, prefect_api_url):
-    """Environment of a subprocess: its own state folder, the session's Prefect server."""
-    env = {**os.environ, "ALIGNFLOW_HOME": str(tmp_path / "home"), "PREFECT_API_URL": prefect_api_url}
-    env["OMP_NUM_THREADS"] = "1"
-    env.pop("MLFLOW_TRACKING_URI", None)
-    return env
+    """A subprocess environment: its own state folder, the session's Prefect server."""
+    return fresh_state_env(tmp_path / "home") | {"PREFECT_API_URL": prefect_api_url}
 
 
 def alignflow(env: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -229,3 +240,43 @@ def test_runs_are_judged_by_their_record_and_only_on_their_host():
     assert ProcessRecord.from_tags({**me.tags(), "alignflow.process.pid": "x"}) is None
     assert (verdict(me), verdict(None), verdict(dead_process_record())) == ("alive", "unrecorded", "gone")
     assert verdict(replace(me, host="elsewhere", pid=1)) == "other-host"  # pid 1 lives here, which says nothing
+
+
+RACE_SYMPTOMS = ("duplicate column name", "already exists", "Traceback")
+
+
+@pytest.mark.flow  # two temporary Prefect servers (in the subprocesses), not the session's
+def test_two_runs_started_at_once_on_a_fresh_state_folder_both_finish(tmp_path):
+    env = fresh_state_env(tmp_path / "home")
+    runners = [
+        subprocess.Popen(
+            [*ALIGNFLOW, "run", *SHORT_RUN], cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        for _ in range(2)
+    ]
+    outputs = [runner.communicate(timeout=600)[0].decode() for runner in runners]
+    for runner, output in zip(runners, outputs):
+        assert runner.returncode == 0, output[-3000:]
+        assert not [symptom for symptom in RACE_SYMPTOMS if symptom in output], output[-3000:]
+    client = mlflow_client(env)
+    runs = client.search_runs([client.get_experiment_by_name("alignflow").experiment_id])
+    parents = [run.info.run_name for run in runs if "mlflow.parentRunId" not in run.data.tags]
+    assert parents == ["minimal", "minimal"] and {run.info.status for run in runs} == {"FINISHED"}
+    ready = json.loads((tmp_path / "home" / READY_FILE).read_text())
+    assert ready == {"mlflow": importlib.metadata.version("mlflow"), "prefect": importlib.metadata.version("prefect")}
+
+
+def test_a_ready_state_folder_skips_the_set_up_lock_and_a_fresh_one_waits_for_it(tmp_path, monkeypatch):
+    settings = Settings(home=tmp_path / "home")
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # a Prefect server: no local Prefect database
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")  # the state folder's own SQLite store
+    monkeypatch.setattr(databases, "LOCK_TIMEOUT_S", 0.5)
+    with LocalFileLock(settings.root / databases.LOCK_FILE, timeout=1):  # another process setting up
+        with pytest.raises(LockTimeout, match="databases.lock: still locked after 0 s"):
+            databases.prepare_databases(settings)
+        assert not (settings.root / "mlflow.db").exists()
+    databases.prepare_databases(settings)
+    assert (settings.root / "mlflow.db").exists()
+    assert json.loads((settings.root / READY_FILE).read_text()) == {"mlflow": importlib.metadata.version("mlflow")}
+    with LocalFileLock(settings.root / databases.LOCK_FILE, timeout=1):
+        databases.prepare_databases(settings)  # ready: returns without waiting for the lock
