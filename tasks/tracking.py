@@ -67,11 +67,17 @@ def log_params(run_id: str, params: dict) -> None:
         client().log_batch(run_id, params=items[start : start + MAX_BATCH])
 
 
-def log_metrics(run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+def metric_values(metrics: dict, step: int) -> list[Metric]:
+    """The finite numbers of ``metrics`` as MLflow metrics at ``step``, stamped now; other values
+    (text, tables, NaN, infinities) are left out."""
     now = int(time.time() * 1000)
-    items = [
+    return [
         Metric(k, float(v), now, step) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)
     ]
+
+
+def log_metrics(run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+    items = metric_values(metrics, step)
     for start in range(0, len(items), MAX_BATCH):
         client().log_batch(run_id, metrics=items[start : start + MAX_BATCH])
 
@@ -137,24 +143,41 @@ def start_parent_run(config: Section, kind: str = "experiment") -> str:
     return run.info.run_id
 
 
+LABELLED_FLOW_RUNS: set[str] = set()  # flow runs this process has labelled already
+
+
 def record_process(run_id: str) -> None:
-    """Tag ``run_id`` (and label the current Prefect flow run) with this process's record, so that
-    ``alignflow runs cleanup`` can tell a run whose process is gone from a live one."""
+    """Tag ``run_id`` (and label the current Prefect flow run, once) with this process's record, so
+    that ``alignflow runs cleanup`` can tell a run whose process is gone from a live one. The label
+    is best effort: an unreachable Prefect server must not fail the work (its flow run then has no
+    record, and cleanup leaves it alone)."""
     tags = process_record().tags()
     client().log_batch(run_id, tags=[RunTag(key, value) for key, value in tags.items()])
-    if flow_run_id := flow_run.get_id():
+    flow_run_id = flow_run.get_id()
+    if flow_run_id is None or flow_run_id in LABELLED_FLOW_RUNS:
+        return
+    try:
         with get_client(sync_client=True) as prefect:
             prefect.update_flow_run_labels(UUID(flow_run_id), tags)
+        LABELLED_FLOW_RUNS.add(flow_run_id)
+    except Exception as error:  # httpx / Prefect API errors: the server is down or refuses
+        get_run_logger().warning("could not label flow run %s with its process: %s", flow_run_id, error)
 
 
 @contextmanager
 def tracked_run(run_id: str) -> Iterator[str]:
     """Mark ``run_id`` as run by this process, FINISHED when the block completes, FAILED when it raises."""
-    record_process(run_id)
     try:
+        record_process(run_id)
         yield run_id
-    except BaseException:
-        client().set_terminated(run_id, RunStatus.to_string(RunStatus.FAILED))
+    except BaseException as error:
+        try:
+            client().set_terminated(run_id, RunStatus.to_string(RunStatus.FAILED))
+        except MlflowException as unreachable:  # the block's error is the one to report
+            error.add_note(
+                f"The MLflow run {run_id} could not be marked FAILED ({unreachable}); it stays RUNNING until "
+                "`alignflow runs cleanup` (or the next `alignflow run`) finds its process gone."
+            )
         raise
     client().set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
 
