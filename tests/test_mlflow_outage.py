@@ -16,12 +16,12 @@ import pytest
 from mlflow import MlflowClient
 from prefect.logging import disable_run_logger
 
-from infra.config import AdditionTaskConfig, DataConfig, load_config
+from infra.config import AdditionTaskConfig, DataConfig, ModelConfig, load_config
 from infra.ops import servers
 from tasks import train as train_module
 from tasks.data import prepare_dataset
 from tasks.metric_sender import MetricSender, MetricsNotDelivered, backoff_seconds, store_sender
-from tasks.models import checkpoint_handle
+from tasks.models import resolve_model
 from tasks.tracking import metric_values
 from tasks.train import TrainInputs, train
 from tasks.trainer_callback import MlflowTrainerCallback
@@ -90,13 +90,10 @@ class OutageCallback(MlflowTrainerCallback):
 
 
 @pytest.fixture(scope="module")
-def inputs(tiny, tmp_path_factory):
-    model, tokenizer = tiny
-    root = tmp_path_factory.mktemp("outage")
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    policy = checkpoint_handle(root / "model", "base")
+def inputs():
+    """The built-in model and a small prepared addition dataset, as the flow's first two tasks make them."""
     with disable_run_logger():
+        policy = resolve_model.fn(ModelConfig())
         data = prepare_dataset.fn(DataConfig(builtin=AdditionTaskConfig(max_operand=3, num_eval_problems=4)), policy)
     return TrainInputs(policy, data)
 
