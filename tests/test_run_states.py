@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from prefect.states import Running
 
 from infra.ops import databases
 from infra.ops.databases import READY_FILE
-from infra.ops.runs import REASON_TAG, gone_reason, verdict
+from infra.ops.runs import REASON_TAG, gone_reason, orphaned_temporary_servers, verdict
 from infra.processes import ProcessRecord, is_alive, process_record, stat_fields
 from infra.settings import Settings
 from tasks.locks import LocalFileLock, LockTimeout
@@ -280,3 +281,40 @@ def test_a_ready_state_folder_skips_the_set_up_lock_and_a_fresh_one_waits_for_it
     assert json.loads((settings.root / READY_FILE).read_text()) == {"mlflow": importlib.metadata.version("mlflow")}
     with LocalFileLock(settings.root / databases.LOCK_FILE, timeout=1):
         databases.prepare_databases(settings)  # ready: returns without waiting for the lock
+
+
+@pytest.mark.flow  # temporary Prefect servers (in the subprocesses), not the session's
+def test_cleanup_on_the_temporary_server_also_stops_the_server_a_killed_run_left_behind(tmp_path):
+    env = fresh_state_env(tmp_path / "home")
+    prefect_home = str((tmp_path / "home").resolve() / "prefect")
+    log = tmp_path / "run.log"
+    with log.open("w") as out:
+        runner = subprocess.Popen(
+            [*ALIGNFLOW, "run", "configs/minimal.yaml", "stages=[sft]", "sft.max_steps=100000"],
+            cwd=PROJECT_ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        try:
+            wait_for_line(log, "sft 2/100000", runner)
+            killed = process_record(runner.pid)
+        finally:
+            runner.kill()
+            runner.wait()
+        (orphan,) = orphaned_temporary_servers(prefect_home)  # its parent was killed: init adopted it
+        done = alignflow(env, "runs", "cleanup")
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.splitlines()
+        assert f"stopped the temporary Prefect server of a killed run: pid {orphan}" in lines
+        assert sum(line.startswith("marked FAILED: MLflow run ") and line.endswith(str(killed)) for line in lines) == 2
+        (crashed,) = [line for line in lines if line.startswith("marked CRASHED: Prefect flow run ")]
+        assert crashed.endswith(f"with 1 running task run(s): {killed}")
+        deadline = time.monotonic() + 30
+        while stat_fields(orphan) is not None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert orphaned_temporary_servers(prefect_home) == []
+    finally:
+        for pid in orphaned_temporary_servers(prefect_home):
+            os.kill(pid, signal.SIGKILL)

@@ -4,16 +4,20 @@ machine rebooted) are marked FAILED in MLflow and CRASHED in Prefect, with the r
 Every run carries the record of the process that runs it (:mod:`infra.processes`): MLflow runs as
 ``alignflow.process.*`` tags (a stage run without one is judged by its parent's), Prefect flow runs
 as labels of the same names. Only runs of this host are judged; runs of other hosts are left alone
-(their processes can only be checked there). ``alignflow run`` does the same at its start.
+(their processes can only be checked there). The temporary Prefect server of a killed run (left
+running, re-parented to init) is stopped. ``alignflow run`` does the same at its start.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator
 
-from infra.processes import ProcessRecord, is_alive, is_this_host
+from infra.processes import ProcessRecord, is_alive, is_this_host, stat_fields
 
 REASON_TAG = "alignflow.failure_reason"
 PAGE = 200
@@ -128,6 +132,35 @@ def crash_flow_run(prefect, finding: Finding) -> int:
     return len(task_runs)
 
 
+TEMPORARY_SERVER_APP = b"prefect.server.api.server:create_app"
+
+
+def orphaned_temporary_servers(prefect_home: str) -> list[int]:
+    """Temporary Prefect servers of this state folder whose ``alignflow`` process is gone: processes
+    running Prefect's server app with ``PREFECT__SERVER_EPHEMERAL=1`` and this ``PREFECT_HOME`` in their
+    environment, re-parented to init (a killed run never stops its temporary server)."""
+    wanted = {b"PREFECT__SERVER_EPHEMERAL=1", f"PREFECT_HOME={prefect_home}".encode()}
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if TEMPORARY_SERVER_APP not in (proc / "cmdline").read_bytes().split(b"\0"):
+                continue
+            environment = set((proc / "environ").read_bytes().split(b"\0"))
+        except OSError:  # gone meanwhile, or another user's
+            continue
+        fields = stat_fields(int(proc.name))
+        if wanted <= environment and fields is not None and fields[1] == "1":
+            found.append(int(proc.name))
+    return sorted(found)
+
+
+def stop_orphaned_servers(dry_run: bool, say: Callable[[str], None]) -> None:
+    for pid in orphaned_temporary_servers(os.environ.get("PREFECT_HOME", "")):
+        if not dry_run:
+            os.kill(pid, signal.SIGTERM)
+        say(f"{'would stop' if dry_run else 'stopped'} the temporary Prefect server of a killed run: pid {pid}")
+
+
 def cleanup(dry_run: bool = False, say: Callable[[str], None] = print, quiet: bool = False) -> list[Finding]:
     """Judge every RUNNING MLflow run and Prefect flow run; mark those whose process is gone (unless
     ``dry_run``). ``say`` gets a line per run marked (with ``quiet``: nothing else), per run left
@@ -152,6 +185,7 @@ def cleanup(dry_run: bool = False, say: Callable[[str], None] = print, quiet: bo
                 say(f"{'would mark' if dry_run else 'marked'} {state}: {finding.describe()}{extra}: {finding.record}")
             elif not quiet and finding.verdict in LEFT_ALONE:
                 say(f"left alone: {finding.describe()}: {LEFT_ALONE[finding.verdict](finding.record)}")
+    stop_orphaned_servers(dry_run, say)
     if not quiet:
         counts = {v: sum(f.verdict == v for f in findings) for v in ("gone", "alive", "other-host", "unrecorded")}
         say(
