@@ -6,11 +6,15 @@ a stage whose metrics cannot be delivered fails, it is never reported as a succe
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
@@ -26,6 +30,7 @@ from tasks.tracking import metric_values
 from tasks.train import TrainInputs, train
 from tasks.trainer_callback import MlflowTrainerCallback
 
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
 MAX_STEPS = 30
 STOP_AT, RESTART_AT = 4, 12
 STARTUP_TIMEOUT_S = 180
@@ -196,3 +201,33 @@ def test_metrics_the_store_rejects_are_reported_at_close():
     sender.submit(metric_values({"loss": 1.0}, 7))
     with pytest.raises(MetricsNotDelivered, match=rf"^MLflow run {run_id}: 1 metric values \(step 7\) rejected: "):
         sender.close(timeout=30)
+
+
+def test_alignflow_run_fails_with_one_clear_line_when_mlflow_dies_for_good(server, tmp_path, prefect_api_url):
+    keep = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "ALIGNFLOW_"))}
+    env = keep | {
+        "ALIGNFLOW_HOME": str(tmp_path / "home"),
+        "PREFECT_API_URL": prefect_api_url,
+        "MLFLOW_TRACKING_URI": server.spec.url,
+        "ALIGNFLOW_METRICS_FLUSH_TIMEOUT": "3",
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",  # the flow's own last calls (marking runs FAILED) fail fast
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [sys.executable, "-m", "infra.ops.cli", "run", "configs/minimal.yaml", "stages=[sft]"]
+    command += ["sft.max_steps=200", "sft.logging_steps=1", "tracking.log_checkpoints=none"]
+    log = tmp_path / "run.log"
+    with log.open("w") as out:
+        runner = subprocess.Popen(command, cwd=PROJECT_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=out)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while "sft 4/200" not in log.read_text() and runner.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        server.kill()
+        assert runner.wait(timeout=300) == 1, log.read_text()[-3000:]
+    errors = [line for line in log.read_text().splitlines() if line.startswith("alignflow: ")]
+    assert len(errors) == 1, log.read_text()[-3000:]
+    assert re.match(
+        rf"alignflow: run [\w-]+: MetricsNotDelivered: MLflow run \w+: \d+ metric values \(steps \d+–200\) "
+        rf"not delivered to {re.escape(server.spec.url)} within 3 s",
+        errors[0],
+    ), errors[0]
