@@ -116,6 +116,25 @@ def wait_for_line(log: Path, needle: str, runner: subprocess.Popen) -> None:
         time.sleep(0.5)
 
 
+def kill_while_training(env: dict, log: Path, step: int) -> tuple[subprocess.Popen, ProcessRecord]:
+    """Start a long SFT run, SIGKILL it once it has trained ``step`` steps (no handler, no atexit, no
+    ``finally`` of the run gets to run); returns the reaped process and its record from before."""
+    with log.open("w") as out:
+        runner = subprocess.Popen(
+            [*ALIGNFLOW, "run", "configs/minimal.yaml", "stages=[sft]", "sft.max_steps=100000"],
+            cwd=PROJECT_ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_for_line(log, f"sft {step}/100000", runner)
+        return runner, process_record(runner.pid)
+    finally:
+        runner.kill()
+        runner.wait()
+
+
 def task_name(name: str) -> str:
     """``resolve-model-4bd`` → ``resolve-model`` (Prefect appends a short key); ``train-sft`` as it is."""
     return name if name.startswith("train-") else name.rsplit("-", 1)[0]
@@ -127,21 +146,7 @@ def status(client: MlflowClient, run_id: str) -> tuple[str, str | None]:
 
 
 def test_a_killed_run_is_marked_failed_and_crashed_and_live_runs_are_left_alone(home, tmp_path):
-    log = tmp_path / "run.log"
-    with log.open("w") as out:
-        runner = subprocess.Popen(
-            [*ALIGNFLOW, "run", "configs/minimal.yaml", "stages=[sft]", "sft.max_steps=100000"],
-            cwd=PROJECT_ROOT,
-            env=home,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        wait_for_line(log, "sft 4/100000", runner)  # training, with metrics logged
-        killed = process_record(runner.pid)
-    finally:
-        runner.kill()  # SIGKILL: no handler, no atexit, no finally of the run
-        runner.wait()
+    runner, killed = kill_while_training(home, tmp_path / "run.log", step=4)  # metrics logged by then
     client = mlflow_client(home)
     killed_runs = runs_by_name(client)
     parent, stage = killed_runs["minimal"], killed_runs["sft"]
@@ -287,22 +292,8 @@ def test_a_ready_state_folder_skips_the_set_up_lock_and_a_fresh_one_waits_for_it
 def test_cleanup_on_the_temporary_server_also_stops_the_server_a_killed_run_left_behind(tmp_path):
     env = fresh_state_env(tmp_path / "home")
     prefect_home = str((tmp_path / "home").resolve() / "prefect")
-    log = tmp_path / "run.log"
-    with log.open("w") as out:
-        runner = subprocess.Popen(
-            [*ALIGNFLOW, "run", "configs/minimal.yaml", "stages=[sft]", "sft.max_steps=100000"],
-            cwd=PROJECT_ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
     try:
-        try:
-            wait_for_line(log, "sft 2/100000", runner)
-            killed = process_record(runner.pid)
-        finally:
-            runner.kill()
-            runner.wait()
+        _, killed = kill_while_training(env, tmp_path / "run.log", step=2)
         (orphan,) = orphaned_temporary_servers(prefect_home)  # its parent was killed: init adopted it
         done = alignflow(env, "runs", "cleanup")
         assert done.returncode == 0, done.stderr
