@@ -26,6 +26,7 @@ class Settings(BaseSettings):
     reference_cache: str | None = None  # local folder or fsspec URL; default $home/cache/reference
     reference_lock_timeout: float = 6 * 3600  # seconds a flow waits for another to compute an entry
     mlflow_ui_url: str | None = None
+    metrics_flush_timeout: float = 300.0  # seconds a stage's end waits for metrics buffered during an MLflow outage
 
     @cached_property
     def root(self) -> Path:

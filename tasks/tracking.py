@@ -13,16 +13,20 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+from uuid import UUID
 
 import yaml
 from mlflow import MlflowClient
-from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus, RunTag
+from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 from prefect import get_run_logger
 from prefect.artifacts import create_link_artifact
+from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_UI_URL
 
+from infra.processes import process_record
 from infra.settings import get_settings, redact_url
 from trainers.sections import Section
 
@@ -35,11 +39,17 @@ def client() -> MlflowClient:
 
 
 def experiment_id(name: str) -> str:
+    """The experiment's id, created if missing (by this process or, at the same moment, another)."""
     found = client().get_experiment_by_name(name)
     if found is not None:
         return found.experiment_id
     root = get_settings().mlflow_artifact_location
-    return client().create_experiment(name, artifact_location=f"{root}/{name}" if root else None)
+    try:
+        return client().create_experiment(name, artifact_location=f"{root}/{name}" if root else None)
+    except MlflowException as error:
+        if error.error_code != "RESOURCE_ALREADY_EXISTS" or (found := client().get_experiment_by_name(name)) is None:
+            raise
+        return found.experiment_id
 
 
 def git_commit() -> str:
@@ -57,11 +67,17 @@ def log_params(run_id: str, params: dict) -> None:
         client().log_batch(run_id, params=items[start : start + MAX_BATCH])
 
 
-def log_metrics(run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+def metric_values(metrics: dict, step: int) -> list[Metric]:
+    """The finite numbers of ``metrics`` as MLflow metrics at ``step``, stamped now; other values
+    (text, tables, NaN, infinities) are left out."""
     now = int(time.time() * 1000)
-    items = [
+    return [
         Metric(k, float(v), now, step) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)
     ]
+
+
+def log_metrics(run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+    items = metric_values(metrics, step)
     for start in range(0, len(items), MAX_BATCH):
         client().log_batch(run_id, metrics=items[start : start + MAX_BATCH])
 
@@ -107,6 +123,7 @@ def start_parent_run(config: Section, kind: str = "experiment") -> str:
         "mlflow.source.git.commit": git_commit(),
         "prefect.flow_run_id": str(flow_run.get_id() or ""),
         "prefect.flow_run_name": str(flow_run.get_name() or ""),
+        **process_record().tags(),
     }
     if url := flow_run_url():
         tags["prefect.flow_run_url"] = url
@@ -126,13 +143,41 @@ def start_parent_run(config: Section, kind: str = "experiment") -> str:
     return run.info.run_id
 
 
+LABELLED_FLOW_RUNS: set[str] = set()  # flow runs this process has labelled already
+
+
+def record_process(run_id: str) -> None:
+    """Tag ``run_id`` (and label the current Prefect flow run, once) with this process's record, so
+    that ``alignflow runs cleanup`` can tell a run whose process is gone from a live one. The label
+    is best effort: an unreachable Prefect server must not fail the work (its flow run then has no
+    record, and cleanup leaves it alone)."""
+    tags = process_record().tags()
+    client().log_batch(run_id, tags=[RunTag(key, value) for key, value in tags.items()])
+    flow_run_id = flow_run.get_id()
+    if flow_run_id is None or flow_run_id in LABELLED_FLOW_RUNS:
+        return
+    try:
+        with get_client(sync_client=True) as prefect:
+            prefect.update_flow_run_labels(UUID(flow_run_id), tags)
+        LABELLED_FLOW_RUNS.add(flow_run_id)
+    except Exception as error:  # httpx / Prefect API errors: the server is down or refuses
+        get_run_logger().warning("could not label flow run %s with its process: %s", flow_run_id, error)
+
+
 @contextmanager
 def tracked_run(run_id: str) -> Iterator[str]:
-    """Mark ``run_id`` FINISHED when the block completes, FAILED when it raises."""
+    """Mark ``run_id`` as run by this process, FINISHED when the block completes, FAILED when it raises."""
     try:
+        record_process(run_id)
         yield run_id
-    except BaseException:
-        client().set_terminated(run_id, RunStatus.to_string(RunStatus.FAILED))
+    except BaseException as error:
+        try:
+            client().set_terminated(run_id, RunStatus.to_string(RunStatus.FAILED))
+        except MlflowException as unreachable:  # the block's error is the one to report
+            error.add_note(
+                f"The MLflow run {run_id} could not be marked FAILED ({unreachable}); it stays RUNNING until "
+                "`alignflow runs cleanup` (or the next `alignflow run`) finds its process gone."
+            )
         raise
     client().set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
 

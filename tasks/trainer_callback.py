@@ -6,7 +6,9 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from tasks.tracking import client, log_metrics
+from infra.settings import get_settings
+from tasks.metric_sender import MetricSender
+from tasks.tracking import client, metric_values
 from trainers.stages.grpo import COMPLETIONS_LOG_KEY
 
 COMPLETIONS_TABLE = "completions.json"
@@ -15,17 +17,25 @@ COMPLETIONS_TABLE = "completions.json"
 class MlflowTrainerCallback(TrainerCallback):
     """Logs every Trainer log as metrics, tables of sample completions (GRPO's ``completions`` log,
     one table with a ``step`` column) and, with ``log_checkpoints``, every saved checkpoint as
-    artifacts (rank 0 only)."""
+    artifacts (rank 0 only).
 
-    def __init__(self, run_id: str, log_checkpoints: bool = True):
+    Metrics go through a :class:`~tasks.metric_sender.MetricSender`: training never waits for MLflow;
+    the end of training waits (``ALIGNFLOW_METRICS_FLUSH_TIMEOUT`` seconds at most) until they are
+    delivered and fails the stage if they cannot be."""
+
+    def __init__(self, run_id: str, log_checkpoints: bool = True, metrics: MetricSender | None = None):
         self.run_id = run_id
         self.log_checkpoints = log_checkpoints
+        self.metrics = metrics or MetricSender.for_run(run_id, get_settings().mlflow_tracking_uri)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
-            log_metrics(self.run_id, logs, step=state.global_step)
+            self.metrics.submit(metric_values(logs, step=state.global_step))
             if COMPLETIONS_LOG_KEY in logs:
                 client().log_table(self.run_id, data=logs[COMPLETIONS_LOG_KEY], artifact_file=COMPLETIONS_TABLE)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.metrics.close(get_settings().metrics_flush_timeout)
 
     def on_save(self, args, state, control, **kwargs):
         if state.is_world_process_zero and self.log_checkpoints:

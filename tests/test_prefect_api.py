@@ -13,22 +13,19 @@ from pathlib import Path
 import pytest
 
 from infra.ops import prefect_api
-from infra.ops.prefect_api import TemporaryServer, choose_prefect_api, free_port
+from infra.ops.prefect_api import TemporaryServer, configured_prefect_api, free_port
 
 PROJECT = Path(__file__).parents[1]
 
 
-def test_a_configured_api_url_is_used_as_it_is(monkeypatch):
-    monkeypatch.setenv("PREFECT_API_URL", "http://prefect.example:4200/api")
-    assert choose_prefect_api() is None
-    assert os.environ["PREFECT_API_URL"] == "http://prefect.example:4200/api"
-
-
-def test_the_servers_up_prefect_server_is_used_when_it_answers(monkeypatch):
-    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+def test_a_configured_api_url_comes_first_then_a_servers_up_server(monkeypatch):
     monkeypatch.setattr(prefect_api, "servers_up_api_url", lambda: "http://127.0.0.1:4200/api")
-    assert choose_prefect_api() is None
-    assert os.environ["PREFECT_API_URL"] == "http://127.0.0.1:4200/api"
+    monkeypatch.setenv("PREFECT_API_URL", "http://prefect.example:4200/api")
+    assert configured_prefect_api() == "http://prefect.example:4200/api"
+    monkeypatch.delenv("PREFECT_API_URL")
+    assert configured_prefect_api() == "http://127.0.0.1:4200/api"
+    monkeypatch.setattr(prefect_api, "servers_up_api_url", lambda: None)
+    assert configured_prefect_api() is None  # a temporary server is needed
 
 
 def test_servers_up_api_url_reads_a_healthy_record_only(tmp_path, monkeypatch, state_dir):

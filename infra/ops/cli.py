@@ -15,7 +15,9 @@ from pathlib import Path
 
 from infra.ops import service_cli
 from infra.ops.cache_cli import add_cache_parser, cache_command
+from infra.ops.databases import first_time_setup, prepare_databases
 from infra.ops.gc_cli import add_gc_parser, gc_command
+from infra.ops.runs import add_runs_parser, cleanup, runs_command
 from infra.settings import StateFolderError, configure_environment, redact_url
 
 
@@ -74,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_cache_parser(commands)
     add_gc_parser(commands)
+    add_runs_parser(commands)
     service_cli.add_parsers(commands)
     return parser
 
@@ -192,23 +195,41 @@ def load_or_exit(schema, args: argparse.Namespace):
     return config
 
 
-def run_flow(module: str, name: str, *args, **kwargs) -> int:
-    """Import and run a flow: 0 when it completed, else 1. As the ``alignflow`` process (not when
-    :func:`main` is called in-process), the Prefect API is chosen before the import, so that a
-    temporary server boots meanwhile (:mod:`infra.ops.prefect_api`), and the process ends without
+def clean_up_dead_runs() -> None:
+    """Before a run: runs of this host left RUNNING by a process that is gone are marked failed
+    (``alignflow runs cleanup``); a problem there is a warning, not a reason to not run."""
+    try:
+        cleanup(say=lambda line: print(f"alignflow: {line}", file=sys.stderr), quiet=True)
+    except Exception as error:
+        print(f"alignflow: warning: runs cleanup failed ({type(error).__name__}: {error})", file=sys.stderr)
+
+
+def run_flow(module: str, name: str, *args, before_run=None, **kwargs) -> int:
+    """Import and run a flow (after ``before_run()``): 0 when it completed, else 1. As the
+    ``alignflow`` process (not when :func:`main` is called in-process), the Prefect API is chosen
+    before the import, so that a temporary server boots meanwhile (:mod:`infra.ops.prefect_api`;
+    on a fresh state folder under the first-time set-up lock), and the process ends without
     interpreter teardown (:func:`end_without_teardown`)."""
     import importlib
 
-    from infra.ops.prefect_api import choose_prefect_api
+    from infra.ops.prefect_api import configured_prefect_api, start_temporary_server
 
-    temporary_server = None
-    if STANDALONE:
+    if not STANDALONE:
+        prepare_databases()
+        flow = getattr(importlib.import_module(module), name)
+    else:
         atexit.register(end_without_teardown)  # first registered: runs after every other exit hook
-        temporary_server = choose_prefect_api()
-    flow = getattr(importlib.import_module(module), name)
+        api_url = configured_prefect_api()
+        with first_time_setup(temporary_prefect=api_url is None):
+            if api_url is not None:
+                os.environ["PREFECT_API_URL"] = api_url
+            temporary_server = start_temporary_server() if api_url is None else None
+            flow = getattr(importlib.import_module(module), name)
+            if temporary_server is not None:
+                temporary_server.wait_ready()
     quiet_prefect_tracebacks()
-    if temporary_server is not None:
-        temporary_server.wait_ready()
+    if before_run is not None:
+        before_run()
     return finished(flow(*args, **kwargs, return_state=True))
 
 
@@ -217,7 +238,8 @@ def run_flow(module: str, name: str, *args, **kwargs) -> int:
 def run_command(args: argparse.Namespace) -> int:
     from infra.config import ExperimentConfig
 
-    return run_flow("flows.pipeline", "experiment", load_or_exit(ExperimentConfig, args))
+    config = load_or_exit(ExperimentConfig, args)
+    return run_flow("flows.pipeline", "experiment", config, before_run=clean_up_dead_runs)
 
 
 def evaluate_command(args: argparse.Namespace) -> int:
@@ -239,6 +261,7 @@ COMMANDS = {
     "compare": compare_command,
     "cache": cache_command,
     "gc": gc_command,
+    "runs": runs_command,
     **service_cli.COMMANDS,
 }
 

@@ -1,4 +1,4 @@
-"""Which Prefect API a command talks to, decided before Prefect is imported.
+"""Which Prefect API a command talks to, decided before Prefect is imported (``infra.ops.cli.run_flow``).
 
 In order: ``PREFECT_API_URL`` when set; else the Prefect server that ``alignflow servers up``
 runs for this state folder, when it answers; else a temporary local server, as Prefect would
@@ -111,14 +111,15 @@ def servers_up_api_url() -> str | None:
     return status.record.get("exports", {}).get("PREFECT_API_URL") if status.healthy else None
 
 
-def choose_prefect_api() -> TemporaryServer | None:
-    """Point ``PREFECT_API_URL`` at the API to use; returns the temporary server when one was launched
-    (call :meth:`TemporaryServer.wait_ready` before the first API call). Call before importing prefect."""
-    if os.environ.get("PREFECT_API_URL"):
-        return None
-    if url := servers_up_api_url():
-        os.environ["PREFECT_API_URL"] = url
-        return None
+def configured_prefect_api() -> str | None:
+    """``PREFECT_API_URL``, else the API of this state folder's ``alignflow servers up`` server when
+    it answers; None: a temporary server is needed."""
+    return os.environ.get("PREFECT_API_URL") or servers_up_api_url()
+
+
+def start_temporary_server() -> TemporaryServer:
+    """Launch a temporary server and point ``PREFECT_API_URL`` at it (call before importing prefect;
+    :meth:`TemporaryServer.wait_ready` before the first API call). It stops at exit."""
     server = TemporaryServer(free_port(), get_settings().root / "logs" / "temporary-prefect-server.log")
     server.launch()
     os.environ["PREFECT_API_URL"] = server.api_url
