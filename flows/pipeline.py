@@ -28,12 +28,16 @@ def deployment_default_config() -> dict | None:
 
 
 @flow(name="alignflow-experiment", log_prints=True)
-def experiment(config: ExperimentConfig = ExperimentConfig()) -> EvalReport:  # noqa: B008 (the UI form's defaults)
+def experiment(
+    config: ExperimentConfig = ExperimentConfig(),  # noqa: B008 (the UI form's defaults)
+    nest_under: str | None = None,
+) -> EvalReport:
     """Train a policy with the configured stages and compare every stage's model. In a run of a
-    deployment, a partial ``config`` is merged onto the deployment's default config."""
+    deployment, a partial ``config`` is merged onto the deployment's default config. The MLflow run
+    nests under the MLflow run ``nest_under`` when given (a sweep's trial under the sweep's run)."""
     if defaults := deployment_default_config():
         config = merge_onto(config, defaults)
-    with tracked_run(start_parent_run(config)) as parent_run_id:
+    with tracked_run(start_parent_run(config, parent_run_id=nest_under)) as parent_run_id:
         base = resolve_model(config.model)
         data = prepare_dataset(config.data, base)
         models = {"base": base}
