@@ -10,6 +10,7 @@ from prefect.runtime import deployment
 from infra.config import ExperimentConfig, merge_onto
 from tasks.data import prepare_dataset
 from tasks.evaluate import EvalReport, HeldOutRewards, evaluate
+from tasks.handles import ModelHandle, PreparedData
 from tasks.models import resolve_model
 from tasks.promote import find_champion, promote
 from tasks.reference import cache_ref_logps
@@ -53,13 +54,26 @@ def experiment(
             policy = train(stage, section, inputs, parent_run_id, config.name, config.tracking.log_checkpoints)
             link_stage(parent_run_id, stage, policy.mlflow_run_id)
             models[stage] = policy
-        champion = find_champion(config.promotion, policy, data) if config.promotion.registered_model else None
-        if champion is not None:
-            models |= champion.models()
-        final = config.stages[-1]
-        report = evaluate(models, data, held_out_rewards, config.evaluation, parent_run_id, config.name, final)
-        print(report.summary())
-        if config.promotion.registered_model:
-            decision = promote(report, policy, final, config.promotion, champion, data, parent_run_id)
-            print(f"Promotion: {'accepted' if decision.promoted else 'rejected'} ({decision.reason})")
-        return report
+        return evaluate_and_gate(config, models, policy, data, held_out_rewards, parent_run_id)
+
+
+def evaluate_and_gate(
+    config: ExperimentConfig,
+    models: dict[str, ModelHandle],
+    policy: ModelHandle,
+    data: PreparedData,
+    held_out_rewards: HeldOutRewards | None,
+    parent_run_id: str,
+) -> EvalReport:
+    """Evaluate ``models`` (and, with the promotion gate on, the current champion beside them, on
+    the same prompts and seeds), then pass ``policy``, the final stage's model, to the gate."""
+    champion = find_champion(config.promotion, policy, data) if config.promotion.registered_model else None
+    if champion is not None:
+        models = models | champion.models()
+    final = config.stages[-1]
+    report = evaluate(models, data, held_out_rewards, config.evaluation, parent_run_id, config.name, final)
+    print(report.summary())
+    if config.promotion.registered_model:
+        decision = promote(report, policy, final, config.promotion, champion, data, parent_run_id)
+        print(f"Promotion: {'accepted' if decision.promoted else 'rejected'} ({decision.reason})")
+    return report

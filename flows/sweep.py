@@ -6,20 +6,25 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from prefect import flow, get_run_logger, task
+from prefect import State, flow, get_run_logger, task
 from prefect.concurrency.sync import concurrency
+from prefect.deployments import run_deployment
 from prefect.futures import as_completed
 from prefect.runtime import flow_run
+from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 from prefect_dask import DaskTaskRunner
 from pydantic import BaseModel
 
-from flows.pipeline import experiment
+from flows.pipeline import evaluate_and_gate, experiment
 from infra.config import ExperimentConfig
 from infra.sweep import SweepConfig
 from tasks.compare import ComparisonReport, RunSelection, compare_runs
+from tasks.data import prepare_dataset
+from tasks.evaluate import EvalReport
+from tasks.models import checkpoint_handle, resolve_model
 from tasks.search import PlannedTrial, Search, plan, sweep_errors
 from tasks.sweep import TrialResult, final_metrics, log_sweep, trial_run_id, trial_slots
-from tasks.tracking import client, start_parent_run, tracked_run
+from tasks.tracking import client, stage_output_dir, start_parent_run, tracked_run
 
 
 class SweepReport(BaseModel):
@@ -31,20 +36,44 @@ class SweepReport(BaseModel):
     comparison: ComparisonReport | None = None
 
 
-def trial(number: int, params: dict[str, Any], config: ExperimentConfig, sweep_run_id: str, slots: str):
+def launch_experiment(config: ExperimentConfig, sweep_run_id: str, deployment: str | None) -> State:
+    """The trial's experiment flow run, to its end: here (on the Dask worker running the trial), or
+    as a run of ``deployment`` on its work pool's workers, with the whole config as its parameter
+    (so no field falls back to the deployment's defaults)."""
+    if deployment is None:
+        return experiment(config, nest_under=sweep_run_id, return_state=True)
+    parameters = {"config": config.model_dump(mode="json"), "nest_under": sweep_run_id}
+    return run_deployment(deployment, parameters=parameters, timeout=None).state
+
+
+def failure(state: State) -> str:
+    """What failed the run: its exception when the result is at hand, else the state's message."""
+    try:
+        error = state.result(raise_on_failure=False)
+    except Exception:  # a remote run's result may not be retrievable here
+        error = None
+    return f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(state.message)
+
+
+def trial(
+    number: int,
+    params: dict[str, Any],
+    config: ExperimentConfig,
+    sweep_run_id: str,
+    slots: str,
+    deployment: str | None = None,
+) -> TrialResult:
     """One trial: an experiment flow run nested under the sweep's MLflow run, holding one of the
     sweep's concurrency slots while it runs. A failing experiment is a failed trial, not a failed task."""
     with concurrency(slots, occupy=1, strict=True):
-        state = experiment(config, nest_under=sweep_run_id, return_state=True)
+        state = launch_experiment(config, sweep_run_id, deployment)
     flow_run_id = str(state.state_details.flow_run_id)
     run_id = trial_run_id(config.tracking.experiment_name, sweep_run_id, flow_run_id)
     if run_id is not None:
         client().set_tag(run_id, "alignflow.trial", str(number))
     result = TrialResult(number=number, params=params, status="failed", mlflow_run_id=run_id, flow_run_id=flow_run_id)
     if not state.is_completed():
-        error = state.result(raise_on_failure=False)
-        message = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(state.message)
-        return result.model_copy(update={"error": message})
+        return result.model_copy(update={"error": failure(state)})
     return result.model_copy(update={"status": "completed", "metrics": final_metrics(run_id)})
 
 
@@ -53,8 +82,11 @@ def trial(number: int, params: dict[str, Any], config: ExperimentConfig, sweep_r
 run_trial = task(trial, name="trial", task_run_name="trial-{number}")
 
 
-def task_runner(spec: SweepConfig) -> DaskTaskRunner:
-    """A temporary LocalCluster of ``workers`` single-trial processes, or the scheduler at ``address``."""
+def task_runner(spec: SweepConfig) -> TaskRunner:
+    """A temporary LocalCluster of ``workers`` single-trial processes, or the scheduler at ``address``;
+    with ``deployment``, threads that wait on the work pool's flow runs."""
+    if spec.deployment:
+        return ThreadPoolTaskRunner(max_workers=spec.max_concurrent)
     if spec.address:
         return DaskTaskRunner(address=spec.address)
     return DaskTaskRunner(
@@ -95,7 +127,8 @@ def run_trials(spec: SweepConfig, search: Search, planned: list[PlannedTrial], s
                     continue
                 config = spec.trial_config(trial.params, trial.number)
                 parameters = {"number": trial.number, "params": trial.params, "config": config}
-                future = runner.submit(run_trial, parameters | {"sweep_run_id": sweep_run_id, "slots": slots})
+                parameters |= {"sweep_run_id": sweep_run_id, "slots": slots, "deployment": spec.deployment}
+                future = runner.submit(run_trial, parameters)
                 in_flight[future] = trial
             if not in_flight:
                 return results
@@ -107,6 +140,18 @@ def run_trials(spec: SweepConfig, search: Search, planned: list[PlannedTrial], s
             search.tell(trial.number, outcome.objective(spec.objective.metric))
             logger.info("trial %d (%s): %s", trial.number, trial.label, outcome.error or outcome.status)
             results.append(outcome)
+
+
+def promote_best(spec: SweepConfig, best: TrialResult, sweep_run_id: str) -> EvalReport:
+    """The best trial's final model through the base config's promotion gate: scored beside the
+    current champion (same prompts, same seeds) in an evaluation logged under the sweep's run."""
+    config = spec.trial_config(best.params, best.number, gate=True)
+    data = prepare_dataset(config.data, resolve_model(config.model))
+    final = config.stages[-1]
+    trained_by = client().get_run(best.mlflow_run_id).data.tags[f"alignflow.{final}_run_id"]
+    model = stage_output_dir(config.name, final, best.flow_run_id) / "model"
+    policy = checkpoint_handle(model, final, mlflow_run_id=trained_by)
+    return evaluate_and_gate(config, {final: policy}, policy, data, None, sweep_run_id)
 
 
 @flow(name="alignflow-sweep", log_prints=True)
@@ -130,6 +175,8 @@ def sweep(spec: SweepConfig) -> SweepReport:
             comparison = compare_runs(spec.tracking.experiment_name, params=list(spec.space), selection=selection)
             client().log_artifacts(sweep_run_id, comparison.folder, "comparison")
         print(f"{table}\nOver seeds (mean ± sd):\n{seed_table}")
+        if spec.promote and best is not None:
+            promote_best(spec, best, sweep_run_id)
         return SweepReport(
             sweep_run_id=sweep_run_id,
             trials=trials,

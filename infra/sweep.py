@@ -82,6 +82,11 @@ class SweepConfig(Section):
     workers: int = Field(2, ge=1, description="Dask worker processes of the local cluster (one trial each).")
     threads_per_worker: int = Field(1, ge=1, description="Torch threads per worker (OMP_NUM_THREADS).")
     address: str | None = Field(None, description="Address of an existing Dask scheduler instead of a local cluster.")
+    deployment: str | None = Field(
+        None,
+        description="Run each trial as a flow run of this experiment deployment (`alignflow-experiment/<name>`) on "
+        "its work pool's workers instead of on Dask.",
+    )
     promote: bool = Field(
         False, description="Pass the best trial to the promotion gate (the base config's `promotion` settings)."
     )
@@ -102,6 +107,8 @@ class SweepConfig(Section):
             raise ValueError(f"num_trials: {self.num_trials} is more than the grid's {self.grid_size} combinations")
         if self.strategy != "grid" and self.num_trials is None:
             raise ValueError(f"num_trials: strategy {self.strategy!r} needs a number of trials")
+        if self.address and self.deployment:
+            raise ValueError("address and deployment: give one (a Dask scheduler, or a deployment's work pool)")
         empty = [key for key, values in self.space.items() if values == []]
         if empty:
             raise ValueError(f"space.{empty[0]}: no values")
@@ -127,19 +134,20 @@ class SweepConfig(Section):
     def tracking(self) -> TrackingConfig:
         return ExperimentConfig.model_validate(self.base).tracking
 
-    def trial_tree(self, params: dict[str, Any], number: int) -> dict[str, Any]:
+    def trial_tree(self, params: dict[str, Any], number: int, gate: bool = False) -> dict[str, Any]:
         """The experiment config of a trial, as a mapping: the base with ``params`` written over it,
-        the run named ``<sweep>-<number>``, and the promotion gate off (trials never promote; the
-        sweep's ``promote`` passes its best trial to the gate)."""
+        the run named ``<sweep>-<number>``, and the promotion gate off unless ``gate`` (trials never
+        promote; the sweep's ``promote`` passes its best trial to the gate)."""
         tree = dict(self.base)
         for key, value in params.items():
             set_path(tree, key, value)
         set_path(tree, "tracking.run_name", f"{self.name}-{number}")
-        set_path(tree, "promotion.registered_model", None)
+        if not gate:
+            set_path(tree, "promotion.registered_model", None)
         return tree
 
-    def trial_config(self, params: dict[str, Any], number: int) -> Section:
-        return ExperimentConfig.model_validate(self.trial_tree(params, number))
+    def trial_config(self, params: dict[str, Any], number: int, gate: bool = False) -> Section:
+        return ExperimentConfig.model_validate(self.trial_tree(params, number, gate))
 
 
 def dotted_axes(space: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -187,13 +195,17 @@ def axis_errors(spec: SweepConfig) -> list[str]:
 
 
 def objective_errors(spec: SweepConfig) -> list[str]:
-    """The objective must be a metric the base experiment's evaluation produces."""
+    """The objective must be a metric the base experiment's evaluation produces, and ``promote``
+    needs the base's promotion gate."""
     try:
-        evaluation = ExperimentConfig.model_validate(spec.base).evaluation
+        base = ExperimentConfig.model_validate(spec.base)
     except (ValidationError, ValueError):
         return []  # the base's own problems are reported with each axis value
-    known = evaluation_metric_names(evaluation.pass_k, evaluation.num_samples)
-    if spec.objective.metric in known:
-        return []
-    problem = f"{spec.objective.metric!r} is not a metric the evaluation produces; known: {', '.join(known)}"
-    return [f"objective.metric: {problem}"]
+    errors = []
+    known = evaluation_metric_names(base.evaluation.pass_k, base.evaluation.num_samples)
+    if spec.objective.metric not in known:
+        problem = f"{spec.objective.metric!r} is not a metric the evaluation produces; known: {', '.join(known)}"
+        errors.append(f"objective.metric: {problem}")
+    if spec.promote and not base.promotion.registered_model:
+        errors.append("promote: the base config's promotion.registered_model is not set")
+    return errors

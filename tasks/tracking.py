@@ -140,9 +140,10 @@ def tracked_run(run_id: str) -> Iterator[str]:
     client().set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
 
 
-def stage_output_dir(config_name: str, stage: str) -> Path:
-    """``outputs/<config name>/<flow run id>/<stage>``: checkpoints, final model, run id."""
-    return get_settings().outputs / config_name / str(flow_run.get_id() or "local") / stage
+def stage_output_dir(config_name: str, stage: str, flow_run_id: str | None = None) -> Path:
+    """``outputs/<config name>/<flow run id>/<stage>``: checkpoints, final model, run id (of this
+    flow run unless ``flow_run_id`` names another)."""
+    return get_settings().outputs / config_name / str(flow_run_id or flow_run.get_id() or "local") / stage
 
 
 def stage_run_id(parent_run_id: str, stage: str, output_dir: Path) -> str:
