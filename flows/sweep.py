@@ -96,7 +96,7 @@ def task_runner(spec: SweepConfig) -> TaskRunner:
             "processes": True,
             "dashboard_address": ":0",  # any free port: 8787 may be taken
             "silence_logs": logging.WARNING,
-            "env": {"OMP_NUM_THREADS": str(spec.threads_per_worker)},
+            "env": {"OMP_NUM_THREADS": str(spec.torch_threads)},
         }
     )
 

@@ -80,7 +80,7 @@ class SweepConfig(Section):
     objective: Objective = Field(default_factory=Objective)
     max_concurrent: int = Field(2, ge=1, description="Trials running at once (a Prefect concurrency limit).")
     workers: int = Field(2, ge=1, description="Dask worker processes of the local cluster (one trial each).")
-    threads_per_worker: int = Field(1, ge=1, description="Torch threads per worker (OMP_NUM_THREADS).")
+    torch_threads: int = Field(1, ge=1, description="Torch threads of each local worker (OMP_NUM_THREADS).")
     address: str | None = Field(None, description="Address of an existing Dask scheduler instead of a local cluster.")
     deployment: str | None = Field(
         None,
