@@ -19,8 +19,10 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from infra.config import load_config
+from infra.ops.cli import main
 from infra.settings import get_settings
 from infra.sweep import SweepConfig, read_sweep_tree
+from tasks.sweep import TrialResult
 
 # The minimal experiment cut to seconds: SFT and DPO only, few prompts, one sample each. An SFT seed
 # of its own keeps this module's first SFT a cache miss whatever ran before.
@@ -188,10 +190,13 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
-def test_a_sweep_on_an_external_scheduler_where_one_trial_fails_alone(prefect_api_url, state_dir, tmp_path):
-    """Two trials, one at a time (max_concurrent 1 over 2 workers): one reads a preference file with a
-    row missing 'chosen' and fails at run time, naming the row and field; the other finishes, and
-    the sweep run says which failed. Nothing of the cluster is left running afterwards."""
+def test_a_sweep_on_an_external_scheduler_where_one_trial_fails_alone(
+    prefect_api_url, state_dir, tmp_path, monkeypatch, capsys
+):
+    """`alignflow sweep` with two trials, one at a time (max_concurrent 1 over 2 workers): one reads a
+    preference file with a row missing 'chosen' and fails at run time, naming the row and field; the
+    other finishes, the sweep run says which failed, and the command exits 1 naming it. Nothing of
+    the cluster is left running afterwards."""
     good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
     pairs = [
         {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)} for a in range(8) for b in range(5)
@@ -199,29 +204,30 @@ def test_a_sweep_on_an_external_scheduler_where_one_trial_fails_alone(prefect_ap
     good.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
     bad.write_text(json.dumps(pairs[0]) + "\n" + json.dumps({"prompt": "1+1=", "rejected": "3"}) + "\n")
     env = {**os.environ, "ALIGNFLOW_HOME": str(state_dir), "PREFECT_API_URL": prefect_api_url, "OMP_NUM_THREADS": "1"}
+    monkeypatch.setenv("PREFECT_API_URL", prefect_api_url)  # the command's own check for a shared API
     with dask_cluster(env) as (address, processes):
-        spec = sweep_spec(
-            "configs/sweep.yaml",
-            f"address={address}",
-            "max_concurrent=1",
-            "base.tracking.experiment_name=sweep-external",
-            "space={data.preference.path: [" + f"{good}, {bad}" + "]}",
-        )
-        _, report = run_sweep(spec)
+        overrides = [f"address={address}", "max_concurrent=1", "base.tracking.experiment_name=sweep-external"]
+        space = "space={data.preference.path: [" + f"{good}, {bad}" + "]}"
+        assert main(["sweep", "configs/sweep.yaml", *TINY, *overrides, space]) == 1  # a trial failed
     assert [process.poll() is not None for process in processes] == [True] * 3  # nothing left running
     assert not any(group_alive(process.pid) for process in processes)  # nor the workers' own processes
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # closed connections may linger in TIME_WAIT
         probe.bind(("127.0.0.1", int(address.rsplit(":", 1)[1])))  # the scheduler's port is free again
-    by_path = {t.params["data.preference.path"]: t for t in report.trials}
+    (error_line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("alignflow: trial")]
+    assert error_line.endswith(f"(failed): DataValidationError: {bad}: row 1: field 'chosen' is missing")
+    client = mlflow()
+    experiment = client.get_experiment_by_name("sweep-external")
+    (sweep_run,) = client.search_runs([experiment.experiment_id], "tags.`alignflow.kind` = 'sweep'")
+    trials = json.loads(Path(client.download_artifacts(sweep_run.info.run_id, "trials.json")).read_text())
+    by_path = {t.params["data.preference.path"]: t for t in map(TrialResult.model_validate, trials)}
     assert by_path[str(good)].status == "completed"
     failed = by_path[str(bad)]
     assert failed.status == "failed" and f"{bad}: row 1: field 'chosen' is missing" in failed.error
-    client = mlflow()
     assert client.get_run(failed.mlflow_run_id).info.status == "FAILED"
-    sweep_run = client.get_run(report.sweep_run_id)
+    assert client.get_run(by_path[str(good)].mlflow_run_id).info.status == "FINISHED"
     assert sweep_run.info.status == "FINISHED" and sweep_run.data.tags["alignflow.sweep.failed"] == str(failed.number)
-    assert report.best.number == by_path[str(good)].number
+    assert sweep_run.data.tags["alignflow.best_trial"] == str(by_path[str(good)].number)
 
     with get_client(sync_client=True) as prefect:  # the concurrency limit of 1: the trials never overlapped
         runs = prefect.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[failed.flow_run_id])))
