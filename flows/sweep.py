@@ -23,7 +23,7 @@ from tasks.data import prepare_dataset
 from tasks.evaluate import EvalReport
 from tasks.models import checkpoint_handle, resolve_model
 from tasks.search import PlannedTrial, Search, plan, sweep_errors
-from tasks.sweep import TrialResult, final_metrics, log_sweep, trial_run_id, trial_slots
+from tasks.sweep import TrialResult, check_deployment, final_metrics, log_sweep, trial_run_id, trial_slots
 from tasks.tracking import client, stage_output_dir, start_parent_run, tracked_run
 
 
@@ -136,7 +136,8 @@ def run_trials(spec: SweepConfig, search: Search, planned: list[PlannedTrial], s
             trial = in_flight.pop(done)
             outcome = done.result(raise_on_failure=False)
             if not isinstance(outcome, TrialResult):  # the task itself failed (e.g. its worker died)
-                outcome = TrialResult(number=trial.number, params=trial.params, status="failed", error=str(outcome))
+                error = f"{type(outcome).__name__}: {outcome}"
+                outcome = TrialResult(number=trial.number, params=trial.params, status="failed", error=error)
             search.tell(trial.number, outcome.objective(spec.objective.metric))
             logger.info("trial %d (%s): %s", trial.number, trial.label, outcome.error or outcome.status)
             results.append(outcome)
@@ -163,6 +164,8 @@ def sweep(spec: SweepConfig) -> SweepReport:
     search, planned = plan(spec)
     if errors := sweep_errors(spec, planned):
         raise ValueError("invalid sweep: " + "; ".join(errors))
+    if spec.deployment:
+        check_deployment(spec.deployment)
     # The sweep run creates the MLflow store and experiment before any trial runs: processes that
     # create a fresh SQLite store at once race on its schema.
     with tracked_run(start_parent_run(spec, kind="sweep")) as sweep_run_id:

@@ -12,6 +12,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.exceptions import ObjectNotFound
 from pydantic import BaseModel
 
 from infra.sweep import SweepConfig
@@ -44,6 +45,17 @@ def trial_slots(name: str, limit: int) -> Iterator[str]:
     finally:
         with get_client(sync_client=True) as prefect:
             prefect.delete_global_concurrency_limit_by_name(name)
+
+
+def check_deployment(name: str) -> None:
+    """The deployment trials would run as exists on the Prefect server (before any trial starts)."""
+    with get_client(sync_client=True) as prefect:
+        try:
+            prefect.read_deployment_by_name(name)
+        except ObjectNotFound:
+            raise ValueError(
+                f"deployment: {name!r} is not on the Prefect server; `alignflow deploy` registers it"
+            ) from None
 
 
 def trial_run_id(experiment: str, sweep_run_id: str, flow_run_id: str) -> str | None:

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -173,13 +174,17 @@ def dask_cluster(env: dict[str, str]) -> Iterator[tuple[str, list[subprocess.Pop
         yield address, processes
     finally:
         for process in reversed(processes):
-            os.killpg(process.pid, signal.SIGTERM)
-        for process in processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+            stop_group(process)
+
+
+def stop_group(process: subprocess.Popen) -> None:
+    """SIGTERM to the process's group, SIGKILL after 30 s."""
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def group_alive(pgid: int) -> bool:
@@ -237,3 +242,68 @@ def test_a_sweep_on_an_external_scheduler_where_one_trial_fails_alone(
         first, second = sorted(runs, key=lambda run: run.start_time)
         assert first.end_time <= second.start_time
         assert prefect.read_global_concurrency_limits() == []  # the sweep's limit is removed
+
+
+def wait_for_deployment(name: str, server: subprocess.Popen, timeout: float = 180) -> None:
+    from prefect.exceptions import ObjectNotFound
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as prefect:
+        while True:
+            try:
+                prefect.read_deployment_by_name(name)
+                return
+            except ObjectNotFound:
+                assert server.poll() is None and time.monotonic() < deadline, f"{name} was not served"
+                time.sleep(1)
+
+
+def test_a_deployment_not_on_the_server_fails_the_sweep_before_any_trial(prefect_api_url):
+    spec = sweep_spec("configs/sweep.yaml", "deployment=alignflow-experiment/nowhere")
+    from flows.sweep import sweep
+
+    state = sweep(spec, return_state=True)
+    assert (
+        state.is_failed() and "deployment: 'alignflow-experiment/nowhere' is not on the Prefect server" in state.message
+    )
+
+
+def test_trials_as_runs_of_a_served_deployment(prefect_api_url, state_dir):
+    """``deployment:``: each trial is started with run_deployment as a run of the experiment
+    deployment `smoke`, here served by `alignflow serve` (a work pool's workers take the same
+    runs), with the trial's whole config: its experiment, stages and values, not the deployment's."""
+    env = {**os.environ, "ALIGNFLOW_HOME": str(state_dir), "PREFECT_API_URL": prefect_api_url, "OMP_NUM_THREADS": "1"}
+    env["PREFECT_RUNNER_POLL_FREQUENCY"] = "1"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "infra.ops.cli", "serve", "--name", "smoke"],
+        env=env,
+        start_new_session=True,
+        stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_deployment("alignflow-experiment/smoke", server)
+        spec = sweep_spec(
+            "configs/sweep.yaml",
+            "deployment=alignflow-experiment/smoke",
+            "base.tracking.experiment_name=sweep-deployment",
+            "space={dpo.beta: [0.1, 0.5]}",
+        )
+        _, report = run_sweep(spec)
+    finally:
+        stop_group(server)
+    assert [t.status for t in report.trials] == ["completed", "completed"]
+    with get_client(sync_client=True) as prefect:
+        runs = prefect.read_flow_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[t.flow_run_id for t in report.trials]))
+        )
+        smoke = prefect.read_deployment_by_name("alignflow-experiment/smoke")
+    assert [run.deployment_id for run in runs] == [smoke.id, smoke.id]
+    client = mlflow()
+    for trial in report.trials:
+        run = client.get_run(trial.mlflow_run_id)
+        assert run.data.tags["mlflow.parentRunId"] == report.sweep_run_id
+        assert (
+            run.data.params["dpo.beta"] == str(trial.params["dpo.beta"])
+            and run.data.params["stages"] == "['sft', 'dpo']"
+        )
