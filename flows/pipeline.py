@@ -10,6 +10,7 @@ from prefect.runtime import deployment
 from infra.config import ExperimentConfig, merge_onto
 from tasks.data import prepare_dataset
 from tasks.evaluate import EvalReport, HeldOutRewards, evaluate
+from tasks.handles import ModelHandle, PreparedData
 from tasks.models import resolve_model
 from tasks.promote import find_champion, promote
 from tasks.reference import cache_ref_logps
@@ -28,12 +29,16 @@ def deployment_default_config() -> dict | None:
 
 
 @flow(name="alignflow-experiment", log_prints=True)
-def experiment(config: ExperimentConfig = ExperimentConfig()) -> EvalReport:  # noqa: B008 (the UI form's defaults)
+def experiment(
+    config: ExperimentConfig = ExperimentConfig(),  # noqa: B008 (the UI form's defaults)
+    nest_under: str | None = None,
+) -> EvalReport:
     """Train a policy with the configured stages and compare every stage's model. In a run of a
-    deployment, a partial ``config`` is merged onto the deployment's default config."""
+    deployment, a partial ``config`` is merged onto the deployment's default config. The MLflow run
+    nests under the MLflow run ``nest_under`` when given (a sweep's trial under the sweep's run)."""
     if defaults := deployment_default_config():
         config = merge_onto(config, defaults)
-    with tracked_run(start_parent_run(config)) as parent_run_id:
+    with tracked_run(start_parent_run(config, parent_run_id=nest_under)) as parent_run_id:
         base = resolve_model(config.model)
         data = prepare_dataset(config.data, base)
         models = {"base": base}
@@ -49,13 +54,26 @@ def experiment(config: ExperimentConfig = ExperimentConfig()) -> EvalReport:  # 
             policy = train(stage, section, inputs, parent_run_id, config.name, config.tracking)
             link_stage(parent_run_id, stage, policy.mlflow_run_id)
             models[stage] = policy
-        champion = find_champion(config.promotion, policy, data) if config.promotion.registered_model else None
-        if champion is not None:
-            models |= champion.models()
-        final = config.stages[-1]
-        report = evaluate(models, data, held_out_rewards, config.evaluation, parent_run_id, config.name, final)
-        print(report.summary())
-        if config.promotion.registered_model:
-            decision = promote(report, policy, final, config.promotion, champion, data, parent_run_id)
-            print(f"Promotion: {'accepted' if decision.promoted else 'rejected'} ({decision.reason})")
-        return report
+        return evaluate_and_gate(config, models, policy, data, held_out_rewards, parent_run_id)
+
+
+def evaluate_and_gate(
+    config: ExperimentConfig,
+    models: dict[str, ModelHandle],
+    policy: ModelHandle,
+    data: PreparedData,
+    held_out_rewards: HeldOutRewards | None,
+    parent_run_id: str,
+) -> EvalReport:
+    """Evaluate ``models`` (and, with the promotion gate on, the current champion beside them, on
+    the same prompts and seeds), then pass ``policy``, the final stage's model, to the gate."""
+    champion = find_champion(config.promotion, policy, data) if config.promotion.registered_model else None
+    if champion is not None:
+        models = models | champion.models()
+    final = config.stages[-1]
+    report = evaluate(models, data, held_out_rewards, config.evaluation, parent_run_id, config.name, final)
+    print(report.summary())
+    if config.promotion.registered_model:
+        decision = promote(report, policy, final, config.promotion, champion, data, parent_run_id)
+        print(f"Promotion: {'accepted' if decision.promoted else 'rejected'} ({decision.reason})")
+    return report

@@ -13,7 +13,7 @@ import difflib
 import importlib
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Callable, Literal, get_args
 
 import yaml
 from pydantic import AfterValidator, BaseModel, Field, ValidationError, create_model, field_validator, model_validator
@@ -263,6 +263,27 @@ class ExperimentBase(Section):
         description="Modules imported before the rest of the config is validated; they may register losses, "
         "rewards and reward scales (e.g. `my_project.losses`).",
     )
+    seed: int | None = Field(
+        None,
+        description="One seed for all randomness of a run: sets model.seed (built-in model init), each stage's "
+        "seed (data order, dropout, GRPO sampling) and evaluation.seed (sampling, bootstrap); null leaves them.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_seed(cls, data: Any) -> Any:
+        """``seed: s`` writes ``s`` into every field of :func:`seeded_fields`; one of them set
+        explicitly to another value is an error (one source of truth per run)."""
+        if not isinstance(data, dict) or data.get("seed") is None:
+            return data
+        seed = data["seed"]
+        tree = {k: v.model_dump(exclude_unset=True) if isinstance(v, BaseModel) else v for k, v in data.items()}
+        for key in seeded_fields():
+            current = get_path(tree, key)
+            if current is not None and current != seed:
+                raise ValueError(f"seed: {seed} sets {key}, which is also set to {current}; set only one of them")
+            set_path(tree, key, seed)
+        return tree
 
     @model_validator(mode="before")
     @classmethod
@@ -383,21 +404,47 @@ class EvaluationRequest(Section):
         return self.tracking.run_name or self.name
 
 
+def seeded_fields() -> list[str]:
+    """The fields a top-level ``seed`` sets: the built-in model's init, every stage's training seed
+    and the evaluation's. Not ``data.builtin.seed`` nor ``data.seed``: they choose the task's
+    problems and the data mixture, which a comparison over seeds keeps fixed."""
+    return ["model.seed", *(f"{name}.seed" for name in STAGES), "evaluation.seed"]
+
+
+def get_path(tree: dict[str, Any], key: str) -> Any:
+    """The value at dotted ``key`` of a nested dict, None where any part is missing."""
+    node: Any = tree
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def set_path(tree: dict[str, Any], key: str, value: Any) -> None:
+    """Set dotted ``key`` (``a.b.c``) of a nested dict to ``value``, creating the sections on the way
+    (new dicts: sections shared with another tree are not changed)."""
+    *parents, leaf = key.split(".")
+    node = tree
+    for part in parents:
+        child = node.get(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"{key}: {part!r} is not a section")
+        node[part] = node = dict(child)
+    node[leaf] = value
+
+
 def apply_override(tree: dict[str, Any], override: str) -> None:
     """Set ``a.b.c=value`` in a nested dict; the value is parsed as YAML (numbers, lists, null)."""
     key, sep, raw = override.partition("=")
     if not sep or not key:
         raise ValueError(f"override {override!r} is not of the form key.sub=value")
-    *parents, leaf = key.split(".")
-    node = tree
-    for part in parents:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ValueError(f"override {override!r}: {part!r} is not a section")
     try:
-        node[leaf] = yaml.safe_load(raw)
+        value = yaml.safe_load(raw)
     except yaml.YAMLError as error:
         raise ValueError(f"override {override!r}: {yaml_problem(error)}") from None
+    try:
+        set_path(tree, key, value)
+    except ValueError as error:
+        raise ValueError(f"override {override!r}: {str(error).split(': ', 1)[1]}") from None
 
 
 def yaml_problem(error: yaml.YAMLError) -> str:
@@ -431,12 +478,16 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def load_config(
-    path: str | Path | None = None, overrides: list[str] = (), schema: type[Section] | None = None
+    path: str | Path | None = None,
+    overrides: list[str] = (),
+    schema: type[Section] | None = None,
+    reader: Callable[[str | Path], dict[str, Any]] = read_yaml,
 ) -> Section:
-    """Validate YAML plus ``key.sub=value`` overrides against ``schema`` (default ExperimentConfig)."""
+    """Validate YAML (read by ``reader``) plus ``key.sub=value`` overrides against ``schema`` (default
+    ExperimentConfig)."""
     tree: dict[str, Any] = {}
     if path is not None:
-        tree = read_yaml(path)
+        tree = reader(path)
     for override in overrides:
         apply_override(tree, override)
     return (schema or ExperimentConfig).model_validate(tree)

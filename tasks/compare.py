@@ -48,12 +48,11 @@ class RunSelection:
 
 
 def experiment_runs(experiment: str, selection: RunSelection = RunSelection()) -> list[Run]:
-    """The selected finished experiment-flow parent runs, oldest first."""
+    """The selected finished experiment-flow parent runs (a sweep's trials among them), oldest first."""
     query = "tags.`alignflow.kind` = 'experiment' and attributes.status = 'FINISHED'"
     if selection.filter:
         query += f" and {selection.filter}"
     runs = client().search_runs([experiment_id(experiment)], query, order_by=["attributes.start_time ASC"])
-    runs = [run for run in runs if "mlflow.parentRunId" not in run.data.tags]
     if selection.runs:
         runs = [run for run in runs if {run.info.run_id, run.info.run_name} & set(selection.runs)]
     return runs[-selection.last :] if selection.last else runs

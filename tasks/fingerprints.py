@@ -127,7 +127,12 @@ def atomic_directory(target: Path) -> Iterator[Path]:
         if target.exists():  # another writer finished first; theirs is equivalent
             shutil.rmtree(staging)
         else:
-            os.replace(staging, target)
+            try:
+                os.replace(staging, target)
+            except OSError:  # ... between the check and the rename (concurrent runs, e.g. a sweep's trials)
+                if not target.exists():
+                    raise
+                shutil.rmtree(staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

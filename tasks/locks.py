@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -122,3 +123,59 @@ class LeaseLock:
         holder = self.read_holder()
         if holder is not None and holder.get("token") == self.token:
             self.fs.rm_file(self.path)
+
+
+class TaskLockManager:
+    """Prefect's lock-manager protocol (``prefect.locking.protocol.LockManager``) on kernel file
+    locks: a cached task with ``isolation_level="SERIALIZABLE"`` holds its cache key's lock while
+    it computes, so a second run with the same key, in any process that shares the folder, waits
+    and then reads the cached result instead of computing it again. A holder that dies releases
+    its lock with its file descriptors (Prefect's file lock manager would leave a lock file that
+    blocks every later run). ``folder`` is a callable so that a pickled manager (a task sent to a
+    Dask worker) resolves it in the worker's settings."""
+
+    def __init__(self, folder):
+        self.folder = folder
+        self.held: dict[str, tuple[str, LocalFileLock]] = {}
+
+    def __getstate__(self) -> dict:
+        return {"folder": self.folder, "held": {}}  # locks belong to their process
+
+    def lock(self, key: str, timeout: float | None) -> LocalFileLock:
+        return LocalFileLock(Path(self.folder()) / f"{key}.lock", math.inf if timeout is None else timeout)
+
+    def acquire_lock(self, key: str, holder: str, acquire_timeout=None, hold_timeout=None) -> bool:
+        if self.is_lock_holder(key, holder):
+            return True
+        lock = self.lock(key, acquire_timeout)
+        try:
+            lock.__enter__()
+        except LockTimeout:
+            return False
+        self.held[key] = (holder, lock)
+        return True
+
+    def release_lock(self, key: str, holder: str) -> None:
+        if not self.is_lock_holder(key, holder):
+            raise ValueError(f"{holder} does not hold the lock of {key}")
+        _, lock = self.held.pop(key)
+        lock.__exit__(None, None, None)
+
+    def is_locked(self, key: str) -> bool:
+        return key in self.held or not self.wait_for_lock(key, 0)
+
+    def is_lock_holder(self, key: str, holder: str) -> bool:
+        return key in self.held and self.held[key][0] == holder
+
+    def wait_for_lock(self, key: str, timeout: float | None = None) -> bool:
+        try:
+            with self.lock(key, timeout):
+                return True
+        except LockTimeout:
+            return False
+
+    async def aacquire_lock(self, key: str, holder: str, acquire_timeout=None, hold_timeout=None) -> bool:
+        return self.acquire_lock(key, holder, acquire_timeout, hold_timeout)
+
+    async def await_for_lock(self, key: str, timeout: float | None = None) -> bool:
+        return self.wait_for_lock(key, timeout)

@@ -16,6 +16,7 @@ from prefect.runtime import flow_run, task_run
 
 from infra.config import ReferenceConfig
 from infra.settings import get_settings
+from tasks.caching import computed_once
 from tasks.fingerprints import code_fingerprint, hash_value
 from tasks.handles import ModelHandle, PreparedData, ReferenceLogps
 from tasks.refcache import CacheEntry, CacheIntegrityError, Columns, ReferenceCache
@@ -131,7 +132,7 @@ def log_reference_input(run_id: str, ref: ReferenceLogps) -> None:
     log_dataset_input(run_id, "reference-logps", entry.digest, entry.uri, MLFLOW_SCHEMA, profile, context="training")
 
 
-@task(name="cache-reference-logps", cache_key_fn=reference_cache_key, persist_result=True)
+@task(name="cache-reference-logps", cache_policy=computed_once(reference_cache_key), persist_result=True)
 def cache_ref_logps(
     data: PreparedData, reference: ModelHandle, config: ReferenceConfig, parent_run_id: str | None = None
 ) -> ReferenceLogps:

@@ -111,3 +111,50 @@ def plot_eval_bars(runs: list[RunSummary], metrics: list[str], path: Path) -> Pa
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
+
+
+def mean_and_sd(values: list[float]) -> tuple[float, float]:
+    """Mean ``x̄ = Σx / n`` and sample standard deviation ``sd = √(Σ(x − x̄)² / (n − 1))``
+    (NaN for a single value: one seed says nothing about the spread)."""
+    n = len(values)
+    mean = sum(values) / n
+    sd = math.sqrt(sum((x - mean) ** 2 for x in values) / (n - 1)) if n > 1 else math.nan
+    return mean, sd
+
+
+def is_interval_end(metric: str) -> bool:
+    return metric.endswith(("_ci_low", "_ci_high"))
+
+
+def seed_aggregates(
+    trials: list[tuple[dict[str, object], dict[str, float]]], seed_key: str = "seed"
+) -> list[dict[str, object]]:
+    """One row per distinct config, ``(params, metrics)`` of its trials grouped by their params
+    without ``seed_key``, in order of first appearance: the params, ``seeds`` (the number of
+    trials) and, for every metric any of them has (interval ends left out), ``(mean, sd)`` over the
+    trials that have it (:func:`mean_and_sd`)."""
+    groups: dict[tuple, list[tuple[dict, dict]]] = {}
+    for params, metrics in trials:
+        config = {key: value for key, value in params.items() if key != seed_key}
+        groups.setdefault(tuple(sorted((k, repr(v)) for k, v in config.items())), []).append((config, metrics))
+    names = sorted({m for _, metrics in trials for m in metrics if not is_interval_end(m)})
+    rows = []
+    for members in groups.values():
+        row: dict[str, object] = dict(members[0][0]) | {"seeds": len(members)}
+        for name in names:
+            values = [metrics[name] for _, metrics in members if name in metrics]
+            row[name] = mean_and_sd(values) if values else (math.nan, math.nan)
+        rows.append(row)
+    return rows
+
+
+def mean_sd_cell(value: object) -> object:
+    """``0.512 ± 0.031`` for a (mean, sd) pair; ``0.512 ± —`` for one seed; other values unchanged."""
+    if isinstance(value, tuple):
+        mean, sd = value
+        return f"{mean:.3f} ± {'—' if math.isnan(sd) else f'{sd:.3f}'}"
+    return value
+
+
+def seed_table_markdown(rows: list[dict[str, object]]) -> str:
+    return markdown_table([{key: mean_sd_cell(value) for key, value in row.items()} for row in rows])

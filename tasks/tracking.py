@@ -115,8 +115,9 @@ def mlflow_run_url(experiment: str, run_id: str) -> str:
     return redact_url(f"{get_settings().mlflow_ui}/#/experiments/{experiment}/runs/{run_id}{RUNS_VIEW}")
 
 
-def start_parent_run(config: Section, kind: str = "experiment") -> str:
-    """A parent run for a flow run of ``config`` (which has ``name``, ``run_name`` and ``tracking``)."""
+def start_parent_run(config: Section, kind: str = "experiment", parent_run_id: str | None = None) -> str:
+    """A parent run for a flow run of ``config`` (which has ``name``, ``run_name`` and ``tracking``),
+    nested under ``parent_run_id`` when given (a sweep's trial under the sweep's run)."""
     tags = {
         "alignflow.kind": kind,
         "alignflow.config_hash": config.content_hash(),
@@ -129,6 +130,8 @@ def start_parent_run(config: Section, kind: str = "experiment") -> str:
         tags["prefect.flow_run_url"] = url
         # the run's description (markdown) in the MLflow UI: a link that can be clicked, unlike a tag
         tags["mlflow.note.content"] = f"[Prefect flow run {flow_run.get_name()}]({url})"
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id
     run = client().create_run(experiment_id(config.tracking.experiment_name), run_name=config.run_name, tags=tags)
     log_params(run.info.run_id, config.flat())
     client().log_text(run.info.run_id, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), "config.yaml")
@@ -182,9 +185,10 @@ def tracked_run(run_id: str) -> Iterator[str]:
     client().set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
 
 
-def stage_output_dir(config_name: str, stage: str) -> Path:
-    """``outputs/<config name>/<flow run id>/<stage>``: checkpoints, final model, run id."""
-    return get_settings().outputs / config_name / str(flow_run.get_id() or "local") / stage
+def stage_output_dir(config_name: str, stage: str, flow_run_id: str | None = None) -> Path:
+    """``outputs/<config name>/<flow run id>/<stage>``: checkpoints, final model, run id (of this
+    flow run unless ``flow_run_id`` names another)."""
+    return get_settings().outputs / config_name / str(flow_run_id or flow_run.get_id() or "local") / stage
 
 
 def stage_run_id(parent_run_id: str, stage: str, output_dir: Path) -> str:

@@ -10,6 +10,7 @@ from prefect import task
 from transformers.trainer_callback import PrinterCallback
 
 from infra.config import TrackingConfig
+from tasks.caching import computed_once
 from tasks.fingerprints import code_fingerprint, hash_value
 from tasks.handles import ModelHandle, PreparedData, ReferenceLogps
 from tasks.models import checkpoint_handle
@@ -64,7 +65,7 @@ def train_cache_key(context, parameters) -> str | None:
     return f"train-{spec.name}-" + hash_value(key_inputs)
 
 
-@task(name="train", cache_key_fn=train_cache_key, persist_result=True, task_run_name="train-{stage}")
+@task(name="train", cache_policy=computed_once(train_cache_key), persist_result=True, task_run_name="train-{stage}")
 def train(
     stage: str,
     section: TrainingConfig,

@@ -57,6 +57,21 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("overrides", nargs="*", metavar="key.sub=value")
     evaluate.add_argument("--print-config", action="store_true", help="print the resolved request as YAML and exit")
 
+    sweep = commands.add_parser(
+        "sweep",
+        help="run a sweep: many experiments on a Dask cluster",
+        description="Run the trials of a sweep file (base config, search space, strategy, objective) on a Dask "
+        "cluster; each trial is an experiment flow run nested under the sweep's MLflow run.",
+        epilog="example: alignflow sweep configs/sweep.yaml max_concurrent=1 base.sft.max_steps=4 "
+        "'space.dpo.beta=[0.1, 0.5]'",
+    )
+    sweep.add_argument("config", help="sweep YAML (see configs/sweep.yaml)")
+    sweep.add_argument(
+        "overrides", nargs="*", metavar="key.sub=value", help="override sweep fields; base.<key> for the experiment"
+    )
+    sweep.add_argument("--print-config", action="store_true", help="print the resolved sweep as YAML and exit")
+    sweep.add_argument("--plan", action="store_true", help="validate and print the planned trials; run nothing")
+
     compare = commands.add_parser(
         "compare",
         help="compare an experiment's runs",
@@ -169,16 +184,16 @@ def quiet_prefect_tracebacks() -> None:
                     handler.addFilter(ShortTracebacks())
 
 
-def load_or_exit(schema, args: argparse.Namespace):
+def load_or_exit(schema, args: argparse.Namespace, reader=None):
     """The validated config, or exit 2 with the error (and near matches for unknown keys); with
     ``--print-config``, print the resolved config as YAML and exit 0."""
     import yaml
     from pydantic import ValidationError
 
-    from infra.config import config_errors, did_you_mean, load_config
+    from infra.config import config_errors, did_you_mean, load_config, read_yaml
 
     try:
-        config = load_config(args.config, args.overrides, schema)
+        config = load_config(args.config, args.overrides, schema, reader or read_yaml)
     except ValidationError as error:
         where = f"{args.config}: " if args.config else ""
         for key, message in config_errors(error):
@@ -248,6 +263,37 @@ def evaluate_command(args: argparse.Namespace) -> int:
     return run_flow("flows.evaluation", "evaluation", load_or_exit(EvaluationRequest, args))
 
 
+def sweep_command(args: argparse.Namespace) -> int:
+    """Exit 2 when a trial's config is invalid (nothing ran), 1 when the sweep or any trial failed."""
+    from infra.sweep import SweepConfig, read_sweep_tree
+
+    spec = load_or_exit(SweepConfig, args, read_sweep_tree)
+    from tasks.search import plan, sweep_errors
+
+    _, trials = plan(spec)
+    if errors := sweep_errors(spec, trials):
+        for error in errors:
+            print(f"alignflow: invalid sweep: {args.config}: {error}", file=sys.stderr)
+        return 2
+    if args.plan:
+        for trial in trials:
+            print(f"trial {trial.number}: {trial.label}")
+        print(f"{spec.trial_count} trials, {spec.strategy}" + (" (asked as results come in)" if not trials else ""))
+        return 0
+    from flows.sweep import sweep
+    from infra.ops.prefect_api import shared_prefect_api
+
+    quiet_prefect_tracebacks()
+    with shared_prefect_api():
+        state = sweep(spec, return_state=True)
+    if code := finished(state):
+        return code
+    failed = [t for t in state.result().trials if t.status != "completed"]
+    for trial in failed:
+        report_error(f"trial {trial.number} ({trial.status}): {trial.error}")
+    return 1 if failed else 0
+
+
 def compare_command(args: argparse.Namespace) -> int:
     chosen = {"metrics": args.metrics, "curves": args.curves, "stage": args.stage}
     chosen |= {"filter": args.filter, "runs": args.runs, "last": args.last}
@@ -259,6 +305,7 @@ COMMANDS = {
     "run": run_command,
     "evaluate": evaluate_command,
     "compare": compare_command,
+    "sweep": sweep_command,
     "cache": cache_command,
     "gc": gc_command,
     "runs": runs_command,

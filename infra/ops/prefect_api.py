@@ -18,8 +18,10 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from infra.ops.servers import is_healthy, server_status, servers_dir
 from infra.settings import get_settings
@@ -126,3 +128,28 @@ def start_temporary_server() -> TemporaryServer:
     os.environ.setdefault("PREFECT_UI_URL", "")  # it serves no UI: no links to it in MLflow or the logs
     atexit.register(server.stop)  # registered before Prefect's hooks, so it runs after them
     return server
+
+
+@contextmanager
+def shared_prefect_api() -> Iterator[None]:
+    """One Prefect API for this process and every process it starts (a sweep's Dask workers): each
+    would otherwise start its own temporary server on the same database. ``PREFECT_API_URL`` when
+    set, else a temporary server for the duration of the block."""
+    if os.environ.get("PREFECT_API_URL"):
+        yield
+        return
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from infra.ops.databases import first_time_setup
+
+    with first_time_setup(temporary_prefect=True):
+        server = TemporaryServer(free_port(), get_settings().root / "logs" / "temporary-prefect-server.log")
+        server.launch()
+        server.wait_ready()
+    os.environ["PREFECT_API_URL"] = server.api_url
+    try:
+        with temporary_settings({PREFECT_API_URL: server.api_url}):
+            yield
+    finally:
+        os.environ.pop("PREFECT_API_URL", None)
+        server.stop()

@@ -1,0 +1,128 @@
+"""A sweep's bookkeeping: its trials' results, the Prefect concurrency limit that bounds them, and
+the sweep's MLflow run (trials table, seed-aggregated table, best trial)."""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import contextmanager
+from typing import Any, Iterator, Literal
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.exceptions import ObjectNotFound
+from pydantic import BaseModel
+
+from infra.sweep import SweepConfig
+from tasks.compare import FINAL_PREFIX
+from tasks.reporting import markdown_table, seed_aggregates, seed_table_markdown
+from tasks.tracking import client, experiment_id, log_metrics, mlflow_run_url
+
+
+class TrialResult(BaseModel):
+    number: int
+    params: dict[str, Any]
+    status: Literal["completed", "failed", "invalid"]
+    mlflow_run_id: str | None = None
+    flow_run_id: str | None = None
+    metrics: dict[str, float] = {}  # the final stage's evaluation metrics (`final/<metric>` of its run)
+    error: str | None = None
+
+    def objective(self, metric: str) -> float | None:
+        value = self.metrics.get(metric) if self.status == "completed" else None
+        return value if value is not None and math.isfinite(value) else None
+
+
+@contextmanager
+def trial_slots(name: str, limit: int) -> Iterator[str]:
+    """A Prefect global concurrency limit of ``limit`` slots for the sweep's trials, removed afterwards."""
+    with get_client(sync_client=True) as prefect:
+        prefect.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=limit))
+    try:
+        yield name
+    finally:
+        with get_client(sync_client=True) as prefect:
+            prefect.delete_global_concurrency_limit_by_name(name)
+
+
+def check_deployment(name: str) -> None:
+    """The deployment trials would run as exists on the Prefect server (before any trial starts)."""
+    with get_client(sync_client=True) as prefect:
+        try:
+            prefect.read_deployment_by_name(name)
+        except ObjectNotFound:
+            raise ValueError(
+                f"deployment: {name!r} is not on the Prefect server; `alignflow deploy` registers it"
+            ) from None
+
+
+def trial_run_id(experiment: str, sweep_run_id: str, flow_run_id: str) -> str | None:
+    """The MLflow run of the trial's experiment flow run, nested under the sweep's run."""
+    runs = client().search_runs(
+        [experiment_id(experiment)],
+        f"tags.mlflow.parentRunId = '{sweep_run_id}' and tags.`prefect.flow_run_id` = '{flow_run_id}'",
+    )
+    return runs[0].info.run_id if runs else None
+
+
+def final_metrics(run_id: str) -> dict[str, float]:
+    metrics = client().get_run(run_id).data.metrics
+    return {k.removeprefix(FINAL_PREFIX): v for k, v in metrics.items() if k.startswith(FINAL_PREFIX)}
+
+
+def best_trial(trials: list[TrialResult], metric: str, direction: str) -> TrialResult | None:
+    """The completed trial with the best ``metric`` (the lowest number among equals)."""
+    scored = [t for t in trials if t.objective(metric) is not None]
+    if not scored:
+        return None
+    sign = 1 if direction == "maximize" else -1
+    return max(scored, key=lambda t: (sign * t.objective(metric), -t.number))
+
+
+def trial_rows(trials: list[TrialResult], metric: str) -> list[dict[str, object]]:
+    return [
+        {"trial": t.number, "status": t.status}
+        | {key: str(value) for key, value in t.params.items()}
+        | {metric: t.objective(metric) if t.objective(metric) is not None else math.nan}
+        | {"MLflow run": t.mlflow_run_id or "", "error": (t.error or "").splitlines()[0][:200] if t.error else ""}
+        for t in sorted(trials, key=lambda t: t.number)
+    ]
+
+
+@task(name="log-sweep")
+def log_sweep(spec: SweepConfig, trials: list[TrialResult], sweep_run_id: str) -> tuple[str, str, TrialResult | None]:
+    """On the sweep's MLflow run: each trial's objective as ``trial/<metric>`` (step = trial number),
+    the trials table, the seed-aggregated table over completed trials, the best trial (tags and
+    ``best/<metric>``) and which trials failed; the same tables as the Prefect artifact ``sweep``."""
+    metric = spec.objective.metric
+    for t in trials:
+        if (value := t.objective(metric)) is not None:
+            log_metrics(sweep_run_id, {f"trial/{metric}": value}, step=t.number)
+    table = markdown_table(trial_rows(trials, metric))
+    completed = [(t.params, t.metrics) for t in sorted(trials, key=lambda t: t.number) if t.status == "completed"]
+    aggregates = seed_aggregates(completed)
+    seed_table = seed_table_markdown(aggregates) if aggregates else "no completed trial\n"
+    client().log_text(sweep_run_id, table, "trials.md")
+    client().log_text(sweep_run_id, json.dumps([t.model_dump() for t in trials], indent=2), "trials.json")
+    client().log_text(sweep_run_id, seed_table, "seed_table.md")
+    client().log_text(sweep_run_id, json.dumps(aggregates, indent=2, default=str), "seed_table.json")
+    failed = sorted(t.number for t in trials if t.status != "completed")
+    tags = {"alignflow.sweep.trials": str(len(trials)), "alignflow.sweep.failed": ",".join(map(str, failed))}
+    best = best_trial(trials, metric, spec.objective.direction)
+    if best is not None:
+        tags |= {"alignflow.best_trial": str(best.number), "alignflow.best_run_id": best.mlflow_run_id or ""}
+        log_metrics(sweep_run_id, {f"best/{metric}": best.objective(metric)})
+    for key, value in tags.items():
+        client().set_tag(sweep_run_id, key, value)
+    run = client().get_run(sweep_run_id)
+    best_line = f"trial {best.number} ({metric} = {best.objective(metric):.3f})" if best else "none"
+    create_markdown_artifact(
+        key="sweep",
+        markdown=f"## Sweep {spec.name}: {len(trials)} trials, {len(failed)} failed, best {best_line}\n\n{table}\n"
+        f"### Over seeds (mean ± sd)\n\n{seed_table}\n"
+        f"MLflow: [sweep run]({mlflow_run_url(run.info.experiment_id, sweep_run_id)}).\n",
+        description="alignflow sweep",
+    )
+    return table, seed_table, best
