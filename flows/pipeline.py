@@ -46,7 +46,8 @@ def experiment(config: ExperimentConfig = ExperimentConfig()) -> EvalReport:  # 
                 reference_logps = cache_ref_logps(data, policy, config.reference, parent_run_id)
                 held_out_rewards = HeldOutRewards(reference_logps=reference_logps, beta=section.beta)
             inputs = TrainInputs(policy, data, reference_logps)
-            policy = train(stage, section, inputs, parent_run_id, config.name, config.tracking.log_checkpoints)
+            tracking = config.tracking
+            policy = train(stage, section, inputs, parent_run_id, config.name, tracking.log_checkpoints, config.plugins)
             link_stage(parent_run_id, stage, policy.mlflow_run_id)
             models[stage] = policy
         champion = find_champion(config.promotion, policy, data) if config.promotion.registered_model else None

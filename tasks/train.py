@@ -1,23 +1,46 @@
 """Training stages as one Prefect task: a stage's spec builds its trainer from its config section
-and its inputs; this task runs it, saves the model and tracks it in MLflow."""
+and its inputs; this task runs it, saves the model and tracks it in MLflow.
+
+A stage's output folder is a function of what its model is a function of (:func:`stage_key`), so
+an identical rerun, or a Prefect retry, finds what the attempt before it left: a finished model
+(``model/`` and ``model.json``) is reused as it is; otherwise training resumes from the latest
+complete checkpoint (``trainers/checkpoints.py``), in the same MLflow run.
+"""
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
 
 import datasets
-from prefect import task
+from prefect import get_run_logger, task
 from transformers.trainer_callback import PrinterCallback
 
-from tasks.fingerprints import code_fingerprint, hash_value
+from infra.settings import get_settings
+from tasks.fingerprints import atomic_directory, code_fingerprint, hash_paths, hash_value
 from tasks.handles import ModelHandle, PreparedData, ReferenceLogps
+from tasks.locks import LocalFileLock
 from tasks.models import checkpoint_handle
 from tasks.reference import log_reference_input, with_reference_columns
-from tasks.tracking import client, log_params, stage_output_dir, stage_run_id, tracked_run
+from tasks.results import RESULT_SERIALIZER, RESULTS, checked_cache_key
+from tasks.tracking import client, log_params, mark_resumed, stage_output_dir, stage_run_id, tracked_run
 from tasks.trainer_callback import MlflowTrainerCallback
 from trainers.callbacks import ProgressLineCallback
+from trainers.checkpoints import (
+    CheckpointCompletion,
+    discard_incomplete_checkpoints,
+    latest_complete_checkpoint,
+    restore_extra_state,
+    write_atomically,
+)
 from trainers.sections import TrainingConfig
 from trainers.stages import STAGES, ModelSource, StageInputs
+
+MODEL_DIR = "model"
+FINISHED = "model.json"  # the final model's handle; written last: the stage is finished
+LOCK_FILE = ".lock"
 
 
 @dataclass(frozen=True)
@@ -41,23 +64,70 @@ def stage_inputs(stage: str, inputs: TrainInputs, output_dir: str, callbacks: li
     return StageInputs(policy=start, reference=start, splits=splits, output_dir=output_dir, callbacks=callbacks)
 
 
+def stage_key_inputs(stage: str, section: TrainingConfig, inputs: TrainInputs, plugins: tuple[str, ...] = ()) -> dict:
+    """What a stage's model is a function of: its section, the weights and tokenizer it starts from
+    (not files that name runs and folders), the data, the reference cache entry it reads, and the
+    code that trains it (its stage module with the ``trainers`` code it imports, and the plugins,
+    which may define its losses and rewards)."""
+    policy = inputs.policy
+    return {
+        "section": section.model_dump(mode="json"),
+        "policy": [policy.weights_fingerprint or policy.fingerprint, policy.tokenizer_fingerprint],
+        "data": inputs.data.fingerprint,
+        "reference_logps": inputs.reference_logps.key if inputs.reference_logps is not None else None,
+        "code": code_fingerprint(STAGES[stage].build.__module__, *plugins),
+    }
+
+
+def stage_key(stage: str, section: TrainingConfig, inputs: TrainInputs, plugins: tuple[str, ...] = ()) -> str:
+    return hash_value(stage_key_inputs(stage, section, inputs, plugins))
+
+
 def train_cache_key(context, parameters) -> str | None:
-    """Only cacheable stages: their model is a function of the section, the input model, the data
-    and the code that trains it."""
+    """Only cacheable stages are cached by Prefect (across configs: the key has no config name);
+    every stage is reused from its output folder (:func:`finished_model`)."""
     spec = STAGES[parameters["stage"]]
     if not spec.cacheable:
         return None
-    inputs: TrainInputs = parameters["inputs"]
-    key_inputs = {
-        "section": parameters["section"].model_dump(mode="json"),
-        "policy": inputs.policy.fingerprint,
-        "data": inputs.data.fingerprint,
-        "code": code_fingerprint(spec.build.__module__),
-    }
-    return f"train-{spec.name}-" + hash_value(key_inputs)
+    plugins = tuple(parameters.get("plugins") or ())
+    return f"train-{spec.name}-" + stage_key(spec.name, parameters["section"], parameters["inputs"], plugins)
 
 
-@task(name="train", cache_key_fn=train_cache_key, persist_result=True, task_run_name="train-{stage}")
+def finished_model(output_dir: Path) -> ModelHandle | None:
+    """The stage's final model if an earlier attempt finished it and its files still match;
+    a damaged one is removed (with a warning), to be saved again from the last checkpoint."""
+    try:
+        handle = ModelHandle.model_validate_json((output_dir / FINISHED).read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError as error:
+        get_run_logger().warning("%s is unreadable (%s): the stage is finished again", output_dir / FINISHED, error)
+        handle = None
+    if handle is not None and Path(handle.path).is_dir() and hash_paths(Path(handle.path)) == handle.fingerprint:
+        return handle
+    get_run_logger().warning("the final model in %s is missing or changed: it is saved again", output_dir)
+    (output_dir / FINISHED).unlink(missing_ok=True)
+    shutil.rmtree(output_dir / MODEL_DIR, ignore_errors=True)
+    return None
+
+
+def save_final_model(trainer, output_dir: Path, stage: str, run_id: str) -> ModelHandle:
+    """``model/``, moved into place whole (one left by an attempt stopped after saving it is the
+    same model: it is kept)."""
+    with atomic_directory(output_dir / MODEL_DIR) as staging:
+        trainer.save_model(str(staging))
+    return checkpoint_handle(output_dir / MODEL_DIR, stage, mlflow_run_id=run_id)
+
+
+@task(
+    name="train",
+    cache_key_fn=checked_cache_key(train_cache_key),
+    persist_result=True,
+    result_serializer=RESULT_SERIALIZER,
+    result_storage=RESULTS,
+    retries=1,  # a retry resumes from the latest complete checkpoint
+    task_run_name="train-{stage}",
+)
 def train(
     stage: str,
     section: TrainingConfig,
@@ -65,11 +135,27 @@ def train(
     parent_run_id: str,
     config_name: str,
     log_checkpoints: str = "all",
+    plugins: Sequence[str] = (),
 ) -> ModelHandle:
-    """Train the stage; ``log_checkpoints`` (``tracking.log_checkpoints``) says which models go to
-    MLflow: ``all`` saved checkpoints and the final model, the ``final`` one, or ``none``."""
-    spec = STAGES[stage]
-    output_dir = stage_output_dir(config_name, stage)
+    """Train the stage, resume it, or reuse its finished model; ``log_checkpoints``
+    (``tracking.log_checkpoints``) says which models go to MLflow: ``all`` saved checkpoints and
+    the final model, the ``final`` one, or ``none``."""
+    output_dir = stage_output_dir(config_name, stage, stage_key(stage, section, inputs, tuple(plugins)))
+    # an identical run training the same stage now: wait for it, then reuse its model
+    with LocalFileLock(output_dir / LOCK_FILE, timeout=get_settings().stage_lock_timeout):
+        if (finished := finished_model(output_dir)) is not None:
+            reused = (stage, output_dir, finished.mlflow_run_id)
+            get_run_logger().info("%s: reusing the finished model in %s (MLflow run %s)", *reused)
+            return finished
+        return run_stage(stage, section, inputs, parent_run_id, output_dir, log_checkpoints)
+
+
+def run_stage(
+    stage: str, section: TrainingConfig, inputs: TrainInputs, parent_run_id: str, output_dir: Path, log_checkpoints: str
+) -> ModelHandle:
+    """Train in ``output_dir`` from its latest complete checkpoint (or from the start), tracked in
+    the stage's MLflow run (the one an earlier attempt created, if any)."""
+    resumed = (output_dir / "mlflow_run_id").exists()
     run_id = stage_run_id(parent_run_id, stage, output_dir)
     with tracked_run(run_id):
         log_params(run_id, {f"{stage}.{name}": value for name, value in section.model_dump().items()})
@@ -79,16 +165,28 @@ def train(
         log_params(run_id, {f"data.truncated_prompts.{split}": count for split, count in truncated.items()})
         if inputs.reference_logps is not None:
             client().set_tag(run_id, "alignflow.reference_cache_key", inputs.reference_logps.key)
-        tracker = MlflowTrainerCallback(run_id, log_checkpoints=log_checkpoints == "all")
-        built = stage_inputs(stage, inputs, str(output_dir), [tracker])
-        trainer = spec.build(section, built)
+        trainer = STAGES[stage].build(section, stage_inputs(stage, inputs, str(output_dir), []))
+        # completion marker first: the tracker then copies complete checkpoints to MLflow
+        trainer.add_callback(CheckpointCompletion(trainer))
+        trainer.add_callback(MlflowTrainerCallback(run_id, log_checkpoints=log_checkpoints == "all"))
         trainer.remove_callback(PrinterCallback)  # a dict per log; the progress line replaces it
         trainer.add_callback(ProgressLineCallback(stage))
         if inputs.reference_logps is not None:
             log_reference_input(run_id, inputs.reference_logps)  # after building: a corrupt entry is rebuilt by then
-        trainer.train()
-        model_dir = output_dir / "model"
-        trainer.save_model(str(model_dir))
+        discard_incomplete_checkpoints(output_dir)
+        checkpoint = latest_complete_checkpoint(output_dir)
+        if checkpoint is not None:
+            restore_extra_state(trainer, checkpoint)
+            get_run_logger().info("%s: resuming from %s", stage, checkpoint)
+        if resumed:
+            mark_resumed(run_id, parent_run_id, stage, trainer_step(checkpoint))
+        trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
+        handle = save_final_model(trainer, output_dir, stage, run_id)
         if log_checkpoints != "none":
-            client().log_artifacts(run_id, str(model_dir), "model")
-    return checkpoint_handle(model_dir, stage, mlflow_run_id=run_id)
+            client().log_artifacts(run_id, handle.path, "model")
+        write_atomically(output_dir / FINISHED, handle.model_dump_json(indent=2).encode())  # last: finished
+    return handle
+
+
+def trainer_step(checkpoint: Path | None) -> int:
+    return int(checkpoint.name.rsplit("-", 1)[1]) if checkpoint is not None else 0
