@@ -87,6 +87,18 @@ CASES = {
         ],
         3,
     ),
+    # TR-DPO mixes the policy into the live reference every step: the reference is trained state too
+    "dpo-tr-dpo": (
+        "dpo",
+        [
+            "dpo.reference=live",
+            "dpo.sync_ref_model=true",
+            "dpo.ref_model_sync_steps=1",
+            "dpo.max_steps=4",
+            "dpo.save_steps=2",
+        ],
+        2,
+    ),
     "sft": ("sft", ["sft.max_steps=4", "sft.save_steps=2", "sft.per_device_train_batch_size=8"], 2),
 }
 
@@ -102,7 +114,7 @@ def test_a_resumed_stage_ends_with_the_weights_of_an_uninterrupted_one(case, han
     assert max_difference(full.model, resumed.model) <= 1e-6
 
 
-@pytest.mark.parametrize("case", ["dpo-bco_pair", "grpo-mid-buffer"])
+@pytest.mark.parametrize("case", ["dpo-bco_pair", "dpo-tr-dpo", "grpo-mid-buffer"])
 def test_without_the_trainers_own_state_the_resumed_weights_differ(case, handles, tmp_path):
     """The test above can fail: the Trainer's checkpoint alone does not give the same weights."""
     stage, overrides, step = CASES[case]

@@ -115,13 +115,18 @@ class DPOTrainer(Trainer):
 
     def checkpoint_state(self) -> dict:
         """What a resumed run needs beyond the ``Trainer``'s checkpoint (trainers/checkpoints.py):
-        bco_pair's running mean δ and the metric windows."""
+        bco_pair's running mean δ, the metric windows and, with TR-DPO's sync, the reference weights."""
         windows = {mode: dict(window) for mode, window in self.window_metrics.items()}
-        return {"reward_mean": self.reward_mean.state_dict(), "window_metrics": windows}
+        state = {"reward_mean": self.reward_mean.state_dict(), "window_metrics": windows}
+        if self.args.sync_ref_model:
+            state["ref_model"] = self.accelerator.unwrap_model(self.ref_model).state_dict()
+        return state
 
     def load_checkpoint_state(self, state: dict) -> None:
         self.reward_mean.load_state_dict(state["reward_mean"])
         self.window_metrics = {mode: defaultdict(list, window) for mode, window in state["window_metrics"].items()}
+        if self.args.sync_ref_model:
+            self.accelerator.unwrap_model(self.ref_model).load_state_dict(state["ref_model"])
 
     def reference_logps(self, inputs: dict[str, torch.Tensor], batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The live reference model's (``reference='live'``), the cached ``ref_*`` columns
