@@ -23,6 +23,7 @@ from killing import (
     stage_snapshot,
     write_config,
 )
+from safetensors.torch import load_file
 from test_pipeline import task_states
 
 
@@ -67,3 +68,61 @@ def test_a_stage_killed_after_a_checkpoint_resumes_to_the_uninterrupted_result(
         assert "alignflow.resumed" not in stage_run_tags(home, name), name
     if earlier:
         assert task_states(latest_flow_run_id(home))["train-sft"] == "Cached"
+
+
+FLAKY_REWARD = '''
+import os
+from pathlib import Path
+
+CALLS = []
+
+
+def flaky(prompts, completions, **columns):
+    """Fails once, at its third call (GRPO's third generation batch), while FLAKY_REWARD_ONCE names a
+    file that does not exist yet; 0 for every completion otherwise."""
+    CALLS.append(1)
+    flag = Path(os.environ["FLAKY_REWARD_ONCE"])
+    if len(CALLS) == 3 and not flag.exists():
+        flag.touch()
+        raise RuntimeError("reward server unavailable")
+    return [0.0 for _ in completions]
+'''
+
+
+def test_a_prefect_retry_resumes_the_failed_stage_from_its_checkpoint(prefect_api_url, tmp_path, monkeypatch):
+    """The train task's retry (``retries=1``) after a failure at step 5 resumes from checkpoint-4, in the
+    same MLflow run, and ends with the weights of a run that never failed."""
+    from test_pipeline import MINIMAL, run_flow
+
+    from infra.config import load_config
+    from infra.settings import get_settings
+    from tasks.tracking import client
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "alignflow_flaky_reward.py").write_text(FLAKY_REWARD)
+    monkeypatch.setenv("FLAKY_REWARD_ONCE", str(tmp_path / "failed-once"))
+    grpo = [
+        "stages=[grpo]",
+        "plugins=[alignflow_flaky_reward]",
+        "grpo.reward_funcs=[alignflow_flaky_reward:flaky]",
+        "grpo.max_steps=8",
+        "grpo.save_steps=2",
+        "grpo.logging_steps=2",
+        "grpo.entropy_coef=0.1",
+        "evaluation.num_prompts=4",
+    ]
+    flow_run_id, _ = run_flow(load_config(MINIMAL, [*grpo, "name=retried"]))
+    assert (tmp_path / "failed-once").exists()  # it did fail once
+    assert task_states(flow_run_id)["train-grpo"] == "Completed"
+    (folder,) = (get_settings().outputs / "retried").glob("grpo-*")
+    tags = client().get_run((folder / "mlflow_run_id").read_text()).data.tags
+    assert tags["alignflow.resumed_from_step"] == "4" and tags["alignflow.resumed_by_flow_run_id"] == str(flow_run_id)
+    assert tags["prefect.flow_run_id"] == str(flow_run_id)  # the retry continues its own flow run's stage run
+    steps = [m.step for m in client().get_metric_history((folder / "mlflow_run_id").read_text(), "loss")]
+    assert steps == [2, 4, 6, 8]
+
+    run_flow(load_config(MINIMAL, [*grpo, "name=never-failed"]))  # the flag exists now: no failure
+    (reference,) = (get_settings().outputs / "never-failed").glob("grpo-*")
+    assert reference.name == folder.name  # the same content key: only the config name differs
+    first, second = (load_file(f / "model" / "model.safetensors") for f in (folder, reference))
+    assert max((first[k] - second[k]).abs().max().item() for k in first) <= 1e-6
