@@ -19,7 +19,7 @@ from infra.settings import get_settings
 from tasks.fingerprints import code_fingerprint, hash_value
 from tasks.handles import ModelHandle, PreparedData, ReferenceLogps
 from tasks.refcache import CacheEntry, CacheIntegrityError, Columns, ReferenceCache
-from tasks.results import RESULT_SERIALIZER, RESULTS, checked_cache_key
+from tasks.results import CACHED_RESULT, checked_cache_key
 from tasks.tracking import log_dataset_input, log_metrics
 from trainers.collators import REF_COLUMNS
 from trainers.modeling import load_causal_lm
@@ -135,9 +135,7 @@ def log_reference_input(run_id: str, ref: ReferenceLogps) -> None:
 @task(
     name="cache-reference-logps",
     cache_key_fn=checked_cache_key(reference_cache_key),
-    persist_result=True,
-    result_serializer=RESULT_SERIALIZER,
-    result_storage=RESULTS,
+    **CACHED_RESULT,
 )
 def cache_ref_logps(
     data: PreparedData, reference: ModelHandle, config: ReferenceConfig, parent_run_id: str | None = None

@@ -33,6 +33,8 @@ RESULTS = get_settings().prefect_results
 HANDLE_TYPES: dict[str, type[Handle]] = {
     f"{cls.__module__}.{cls.__qualname__}": cls for cls in (ModelHandle, PreparedData, ReferenceLogps)
 }
+# The result options of every cached task: ``@task(cache_key_fn=checked_cache_key(key_fn), **CACHED_RESULT)``.
+CACHED_RESULT = {"persist_result": True, "result_serializer": RESULT_SERIALIZER, "result_storage": RESULTS}
 ENCODED_TYPE_KEYS = ("__class__", "__exc_type__")  # what Prefect's JSON decoder imports by name
 
 

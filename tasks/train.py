@@ -24,7 +24,7 @@ from tasks.handles import ModelHandle, PreparedData, ReferenceLogps
 from tasks.locks import LocalFileLock
 from tasks.models import checkpoint_handle
 from tasks.reference import log_reference_input, with_reference_columns
-from tasks.results import RESULT_SERIALIZER, RESULTS, checked_cache_key
+from tasks.results import CACHED_RESULT, checked_cache_key
 from tasks.tracking import client, log_params, mark_resumed, stage_output_dir, stage_run_id, tracked_run
 from tasks.trainer_callback import MlflowTrainerCallback
 from trainers.callbacks import ProgressLineCallback
@@ -122,9 +122,7 @@ def save_final_model(trainer, output_dir: Path, stage: str, run_id: str) -> Mode
 @task(
     name="train",
     cache_key_fn=checked_cache_key(train_cache_key),
-    persist_result=True,
-    result_serializer=RESULT_SERIALIZER,
-    result_storage=RESULTS,
+    **CACHED_RESULT,
     retries=1,  # a retry resumes from the latest complete checkpoint
     task_run_name="train-{stage}",
 )

@@ -52,6 +52,28 @@ def tiny():
     return build_builtin_model("builtin:tiny-llama", seed=0)
 
 
+@pytest.fixture(scope="session")
+def handles(tiny, tmp_path_factory):
+    """A stage's inputs as handles: the tiny model saved as a checkpoint (the policy and the
+    reference), a real prepared dataset and a real reference-cache entry for them."""
+    from prefect.logging import disable_run_logger
+
+    from infra.config import AdditionTaskConfig, DataConfig, ReferenceConfig
+    from tasks.data import prepare_dataset
+    from tasks.models import checkpoint_handle
+    from tasks.reference import cache_ref_logps
+
+    model, tokenizer = tiny
+    root = tmp_path_factory.mktemp("stages")
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    policy = checkpoint_handle(root / "model", "sft")
+    with disable_run_logger():
+        data = prepare_dataset.fn(DataConfig(builtin=AdditionTaskConfig(max_operand=3, num_eval_problems=4)), policy)
+        reference_logps = cache_ref_logps.fn(data, policy, ReferenceConfig(batch_size=16))
+    return policy, data, reference_logps
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("services") is None:

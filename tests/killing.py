@@ -94,15 +94,15 @@ def complete_checkpoints(folder: Path | None) -> list[int]:
 @dataclass
 class Kill:
     stage: str
-    after_checkpoints: int  # complete checkpoints of the stage to wait for
+    after_step: int  # kill once the stage has a complete checkpoint of this step or a later one
     delay: float = 0.0  # seconds after that
     checkpoints_at_kill: list[int] = field(default_factory=list)
     seconds: float = 0.0  # from start to kill
 
 
 def run_and_kill(config: Path, home: Path, prefect_api_url: str | None, kill: Kill, timeout: float = 600) -> Kill:
-    """Start ``alignflow run``; once ``kill.stage`` has ``after_checkpoints`` complete checkpoints
-    (and ``delay`` more seconds), SIGKILL its process group. Fails if the stage finished first."""
+    """Start ``alignflow run``; once ``kill.stage`` has a complete checkpoint of step ``after_step``
+    or later (and ``delay`` seconds more), SIGKILL its process group. Fails if the stage finished first."""
     started = time.monotonic()
     process = subprocess.Popen(
         command(config),
@@ -113,7 +113,7 @@ def run_and_kill(config: Path, home: Path, prefect_api_url: str | None, kill: Ki
         start_new_session=True,
     )
     try:
-        while len(complete_checkpoints(stage_dir(home, kill.stage))) < kill.after_checkpoints:
+        while max(complete_checkpoints(stage_dir(home, kill.stage)), default=0) < kill.after_step:
             if process.poll() is not None:
                 raise AssertionError(f"alignflow run ended ({process.returncode}) before {kill.stage} checkpointed")
             if time.monotonic() - started > timeout:

@@ -42,7 +42,7 @@ def test_a_stage_killed_after_a_checkpoint_resumes_to_the_uninterrupted_result(
 ):
     config, reference = uninterrupted
     home = tmp_path / "home"
-    kill = run_and_kill(config, home, prefect_api_url, Kill(stage, after_checkpoints=1))
+    kill = run_and_kill(config, home, prefect_api_url, Kill(stage, after_step=3))
     earlier = STAGES[: STAGES.index(stage)]
     before = {name: stage_snapshot(home, name) for name in earlier}
     killed_run = stage_run_id(home, stage)

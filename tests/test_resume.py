@@ -10,12 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from prefect.logging import disable_run_logger
 
-from infra.config import AdditionTaskConfig, DataConfig, ReferenceConfig, load_config
-from tasks.data import prepare_dataset
-from tasks.models import checkpoint_handle
-from tasks.reference import cache_ref_logps
+from infra.config import load_config
 from tasks.train import TrainInputs, stage_inputs
 from trainers.checkpoints import (
     COMPLETE_MARKER,
@@ -26,19 +22,6 @@ from trainers.checkpoints import (
     restore_extra_state,
 )
 from trainers.stages import STAGES
-
-
-@pytest.fixture(scope="module")
-def handles(tiny, tmp_path_factory):
-    model, tokenizer = tiny
-    root = tmp_path_factory.mktemp("resume")
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    policy = checkpoint_handle(root / "model", "sft")
-    with disable_run_logger():
-        data = prepare_dataset.fn(DataConfig(builtin=AdditionTaskConfig(max_operand=3, num_eval_problems=4)), policy)
-        reference_logps = cache_ref_logps.fn(data, policy, ReferenceConfig(batch_size=16))
-    return policy, data, reference_logps
 
 
 def build(stage: str, overrides: list[str], handles, output_dir: Path):

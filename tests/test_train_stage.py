@@ -3,32 +3,14 @@
 from enum import Enum
 
 import pytest
-from prefect.logging import disable_run_logger
 
-from infra.config import AdditionTaskConfig, DataConfig, ReferenceConfig, load_config
-from tasks.data import prepare_dataset
-from tasks.models import checkpoint_handle
-from tasks.reference import cache_ref_logps
+from infra.config import load_config
 from tasks.train import TrainInputs, stage_inputs
 from trainers.callbacks import SyncReferenceCallback
 from trainers.stages import STAGES
 
 # Section fields whose TrainingArguments field has another name (the one mapping's translations).
 ARGUMENT_NAMES = {"warmup_ratio": "warmup_steps"}
-
-
-@pytest.fixture(scope="module")
-def handles(tiny, tmp_path_factory):
-    """A real prepared dataset and a real reference-cache entry for it (the tiny model is the reference)."""
-    model, tokenizer = tiny
-    root = tmp_path_factory.mktemp("stages")
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
-    policy = checkpoint_handle(root / "model", "sft")
-    with disable_run_logger():
-        data = prepare_dataset.fn(DataConfig(builtin=AdditionTaskConfig(max_operand=3, num_eval_problems=4)), policy)
-        reference_logps = cache_ref_logps.fn(data, policy, ReferenceConfig(batch_size=16))
-    return policy, data, reference_logps
 
 
 def build(stage, section, handles, tmp_path, with_reference_logps=False):
