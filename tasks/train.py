@@ -156,11 +156,10 @@ def run_stage(
     resumed = (output_dir / "mlflow_run_id").exists()
     run_id = stage_run_id(parent_run_id, stage, output_dir)
     with tracked_run(run_id):
-        log_params(run_id, {f"{stage}.{name}": value for name, value in section.model_dump().items()})
-        log_params(run_id, {"policy.init": inputs.policy.path, "data.fingerprint": inputs.data.fingerprint})
-        log_params(run_id, {f"data.dropped.{split}": count for split, count in inputs.data.dropped.items()})
-        truncated = inputs.data.truncated_prompts
-        log_params(run_id, {f"data.truncated_prompts.{split}": count for split, count in truncated.items()})
+        # MLflow params cannot change: a resumed run keeps those its first attempt logged (its
+        # ``policy.init`` may name another copy of the state folder)
+        logged = client().get_run(run_id).data.params if resumed else {}
+        log_params(run_id, {k: v for k, v in stage_params(stage, section, inputs).items() if k not in logged})
         if inputs.reference_logps is not None:
             client().set_tag(run_id, "alignflow.reference_cache_key", inputs.reference_logps.key)
         trainer = STAGES[stage].build(section, stage_inputs(stage, inputs, str(output_dir), []))
@@ -184,6 +183,18 @@ def run_stage(
             client().log_artifacts(run_id, handle.path, "model")
         write_atomically(output_dir / FINISHED, handle.model_dump_json(indent=2).encode())  # last: finished
     return handle
+
+
+def stage_params(stage: str, section: TrainingConfig, inputs: TrainInputs) -> dict:
+    """The stage run's MLflow params: its section, where it starts from, its data and what truncation dropped."""
+    truncated = inputs.data.truncated_prompts
+    return {
+        **{f"{stage}.{name}": value for name, value in section.model_dump().items()},
+        "policy.init": inputs.policy.path,
+        "data.fingerprint": inputs.data.fingerprint,
+        **{f"data.dropped.{split}": count for split, count in inputs.data.dropped.items()},
+        **{f"data.truncated_prompts.{split}": count for split, count in truncated.items()},
+    }
 
 
 def trainer_step(checkpoint: Path | None) -> int:

@@ -149,3 +149,33 @@ def test_the_marker_is_written_after_the_trainers_files_and_lists_them(handles, 
     assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"} <= listed
     on_disk = {p.name for p in (tmp_path / "checkpoint-4").iterdir()} - {COMPLETE_MARKER}
     assert listed == on_disk
+
+
+def test_a_resumed_stages_tracker_does_not_log_a_step_its_run_already_has():
+    """The killed attempt logged steps 1-3 and checkpointed at 2: the resumed attempt's steps 3 and
+    4 arrive again; step 3 is not logged twice, per metric, and neither is its completions table."""
+    from types import SimpleNamespace
+
+    from tasks.tracking import client, experiment_id
+    from tasks.trainer_callback import COMPLETIONS_TABLE, MlflowTrainerCallback
+    from trainers.stages.grpo import COMPLETIONS_LOG_KEY
+
+    experiment = experiment_id("resume-logging")
+    run_id = client().create_run(experiment).info.run_id
+
+    def log(callback, step, logs):
+        callback.on_log(None, SimpleNamespace(is_world_process_zero=True, global_step=step), None, logs=logs)
+
+    table = {"step": [3], "prompt": ["1+1="], "completion": ["2"]}
+    first = MlflowTrainerCallback(run_id)
+    for step in (1, 2, 3):
+        log(first, step, {"loss": float(step), "reward": 10.0 + step})
+    log(first, 3, {COMPLETIONS_LOG_KEY: table})
+    resumed = MlflowTrainerCallback(run_id)
+    log(resumed, 3, {"loss": 3.0, "reward": 13.0, COMPLETIONS_LOG_KEY: table})
+    log(resumed, 4, {"loss": 4.0, "eval_loss": 0.5})
+    assert [(m.step, m.value) for m in client().get_metric_history(run_id, "loss")] == [(1, 1), (2, 2), (3, 3), (4, 4)]
+    assert [m.step for m in client().get_metric_history(run_id, "reward")] == [1, 2, 3]
+    assert [m.step for m in client().get_metric_history(run_id, "eval_loss")] == [4]
+    rows = client().load_table(experiment, COMPLETIONS_TABLE, run_ids=[run_id])
+    assert rows["step"].tolist() == [3]
