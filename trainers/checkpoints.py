@@ -11,6 +11,7 @@ matches its files is resumed from (:func:`latest_complete_checkpoint`).
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -111,10 +112,9 @@ class CheckpointCompletion(TrainerCallback):
         if not checkpoint.is_dir():
             return
         if isinstance(self.trainer, ExtraCheckpointState):
-            target = extra_state_file(checkpoint, args.process_index)
-            staging = target.with_name(f".{target.name}.tmp")
-            torch.save(self.trainer.checkpoint_state(), staging)
-            os.replace(staging, target)
+            buffer = io.BytesIO()
+            torch.save(self.trainer.checkpoint_state(), buffer)
+            write_atomically(extra_state_file(checkpoint, args.process_index), buffer.getvalue())
         self.trainer.accelerator.wait_for_everyone()
         if state.is_world_process_zero:
             mark_complete(checkpoint, state.global_step)
