@@ -25,7 +25,7 @@ from tasks.locks import LocalFileLock
 from tasks.models import checkpoint_handle
 from tasks.reference import log_reference_input, with_reference_columns
 from tasks.results import CACHED_RESULT, checked_cache_key
-from tasks.tracking import client, log_params, mark_resumed, stage_output_dir, stage_run_id, tracked_run
+from tasks.tracking import RUN_ID_FILE, client, log_params, mark_resumed, stage_output_dir, stage_run_id, tracked_run
 from tasks.trainer_callback import MlflowTrainerCallback
 from trainers.callbacks import ProgressLineCallback
 from trainers.checkpoints import (
@@ -94,26 +94,27 @@ def train_cache_key(context, parameters) -> str | None:
 
 
 def finished_model(output_dir: Path) -> ModelHandle | None:
-    """The stage's final model if an earlier attempt finished it and its files still match;
-    a damaged one is removed (with a warning), to be saved again from the last checkpoint."""
+    """The stage's final model if an earlier attempt finished it and its files still match. Whatever
+    else is in ``model/`` (a changed model, or one saved by an attempt stopped before ``model.json``)
+    is removed, to be saved again from the last checkpoint."""
     try:
         handle = ModelHandle.model_validate_json((output_dir / FINISHED).read_text())
     except FileNotFoundError:
-        return None
-    except ValueError as error:
-        get_run_logger().warning("%s is unreadable (%s): the stage is finished again", output_dir / FINISHED, error)
         handle = None
-    if handle is not None and Path(handle.path).is_dir() and hash_paths(Path(handle.path)) == handle.fingerprint:
-        return handle
-    get_run_logger().warning("the final model in %s is missing or changed: it is saved again", output_dir)
+    except ValueError as error:
+        get_run_logger().warning("%s is unreadable (%s): the model is saved again", output_dir / FINISHED, error)
+        handle = None
+    if handle is not None:
+        if Path(handle.path).is_dir() and hash_paths(Path(handle.path)) == handle.fingerprint:
+            return handle
+        get_run_logger().warning("the final model in %s is missing or changed: it is saved again", output_dir)
     (output_dir / FINISHED).unlink(missing_ok=True)
     shutil.rmtree(output_dir / MODEL_DIR, ignore_errors=True)
     return None
 
 
 def save_final_model(trainer, output_dir: Path, stage: str, run_id: str) -> ModelHandle:
-    """``model/``, moved into place whole (one left by an attempt stopped after saving it is the
-    same model: it is kept)."""
+    """``model/``, moved into place whole."""
     with atomic_directory(output_dir / MODEL_DIR) as staging:
         trainer.save_model(str(staging))
     return checkpoint_handle(output_dir / MODEL_DIR, stage, mlflow_run_id=run_id)
@@ -153,7 +154,7 @@ def run_stage(
 ) -> ModelHandle:
     """Train in ``output_dir`` from its latest complete checkpoint (or from the start), tracked in
     the stage's MLflow run (the one an earlier attempt created, if any)."""
-    resumed = (output_dir / "mlflow_run_id").exists()
+    resumed = (output_dir / RUN_ID_FILE).exists()
     run_id = stage_run_id(parent_run_id, stage, output_dir)
     with tracked_run(run_id):
         # MLflow params cannot change: a resumed run keeps those its first attempt logged (its
