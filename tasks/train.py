@@ -33,6 +33,7 @@ from trainers.checkpoints import (
     discard_incomplete_checkpoints,
     latest_complete_checkpoint,
     restore_extra_state,
+    training_done,
     write_atomically,
 )
 from trainers.sections import TrainingConfig
@@ -53,15 +54,19 @@ class TrainInputs:
     reference_logps: ReferenceLogps | None = None
 
 
-def stage_inputs(stage: str, inputs: TrainInputs, output_dir: str, callbacks: list) -> StageInputs:
+def stage_inputs(
+    stage: str, inputs: TrainInputs, output_dir: str, callbacks: list, policy_from: Path | None = None
+) -> StageInputs:
     """Local paths and loaded splits: the prepared splits, with the cached ``ref_*`` columns
-    joined onto the preference splits when the stage reads reference log-probs."""
+    joined onto the preference splits when the stage reads reference log-probs. The policy is
+    loaded from ``policy_from`` (a checkpoint) when given; the reference is always the start model."""
     if inputs.reference_logps is not None:
         splits = with_reference_columns(inputs.reference_logps)
     else:
         splits = datasets.load_from_disk(inputs.data.path)
     start = ModelSource(inputs.policy.path, inputs.policy.revision)
-    return StageInputs(policy=start, reference=start, splits=splits, output_dir=output_dir, callbacks=callbacks)
+    policy = start if policy_from is None else ModelSource(str(policy_from))
+    return StageInputs(policy=policy, reference=start, splits=splits, output_dir=output_dir, callbacks=callbacks)
 
 
 def stage_key_inputs(stage: str, section: TrainingConfig, inputs: TrainInputs, plugins: tuple[str, ...] = ()) -> dict:
@@ -163,27 +168,47 @@ def run_stage(
         log_params(run_id, {k: v for k, v in stage_params(stage, section, inputs).items() if k not in logged})
         if inputs.reference_logps is not None:
             client().set_tag(run_id, "alignflow.reference_cache_key", inputs.reference_logps.key)
-        trainer = STAGES[stage].build(section, stage_inputs(stage, inputs, str(output_dir), []))
-        # completion marker first: the tracker then copies complete checkpoints to MLflow
-        trainer.add_callback(CheckpointCompletion(trainer))
-        trainer.add_callback(MlflowTrainerCallback(run_id, log_checkpoints=log_checkpoints == "all"))
-        trainer.remove_callback(PrinterCallback)  # a dict per log; the progress line replaces it
-        trainer.add_callback(ProgressLineCallback(stage))
-        if inputs.reference_logps is not None:
-            log_reference_input(run_id, inputs.reference_logps)  # after building: a corrupt entry is rebuilt by then
         discard_incomplete_checkpoints(output_dir)
         checkpoint = latest_complete_checkpoint(output_dir)
-        if checkpoint is not None:
-            restore_extra_state(trainer, checkpoint)
-            get_run_logger().info("%s: resuming from %s", stage, checkpoint)
+        # resumed from the last step's checkpoint, the Trainer would train one step more when that
+        # step ends inside an epoch: the model is loaded from the checkpoint instead
+        final = checkpoint if checkpoint is not None and training_done(checkpoint) else None
+        trainer = tracked_trainer(stage, section, inputs, output_dir, run_id, log_checkpoints, policy_from=final)
         if resumed:
             mark_resumed(run_id, parent_run_id, stage, trainer_step(checkpoint))
-        trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
+        if final is not None:
+            get_run_logger().info("%s: %s is the last step: saving its model", stage, final)
+        else:
+            if checkpoint is not None:
+                restore_extra_state(trainer, checkpoint)
+                get_run_logger().info("%s: resuming from %s", stage, checkpoint)
+            trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
         handle = save_final_model(trainer, output_dir, stage, run_id)
         if log_checkpoints != "none":
             client().log_artifacts(run_id, handle.path, "model")
         write_atomically(output_dir / FINISHED, handle.model_dump_json(indent=2).encode())  # last: finished
     return handle
+
+
+def tracked_trainer(
+    stage: str,
+    section: TrainingConfig,
+    inputs: TrainInputs,
+    output_dir: Path,
+    run_id: str,
+    log_checkpoints: str,
+    policy_from: Path | None = None,
+):
+    """The stage's trainer with the pipeline's callbacks: checkpoint completion, then the MLflow
+    tracker (which then copies complete checkpoints), and the progress line."""
+    trainer = STAGES[stage].build(section, stage_inputs(stage, inputs, str(output_dir), [], policy_from))
+    trainer.add_callback(CheckpointCompletion(trainer))
+    trainer.add_callback(MlflowTrainerCallback(run_id, log_checkpoints=log_checkpoints == "all"))
+    trainer.remove_callback(PrinterCallback)  # a dict per log; the progress line replaces it
+    trainer.add_callback(ProgressLineCallback(stage))
+    if inputs.reference_logps is not None:
+        log_reference_input(run_id, inputs.reference_logps)  # after building: a corrupt entry is rebuilt by then
+    return trainer
 
 
 def stage_params(stage: str, section: TrainingConfig, inputs: TrainInputs) -> dict:

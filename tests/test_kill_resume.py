@@ -6,6 +6,8 @@ the final weights equal an uninterrupted run's. Three random kills per stage:
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from killing import (
     STAGES,
@@ -126,3 +128,27 @@ def test_a_prefect_retry_resumes_the_failed_stage_from_its_checkpoint(prefect_ap
     assert reference.name == folder.name  # the same content key: only the config name differs
     first, second = (load_file(f / "model" / "model.safetensors") for f in (folder, reference))
     assert max((first[k] - second[k]).abs().max().item() for k in first) <= 1e-6
+
+
+def test_a_stage_stopped_between_saving_its_model_and_recording_it_saves_it_again(prefect_api_url):
+    """``model/`` without ``model.json`` is not trusted (here it was also changed since): the rerun
+    saves the model again from the final checkpoint, in the same run, without training a step."""
+    from test_pipeline import MINIMAL, run_flow
+
+    from infra.config import load_config
+    from infra.settings import get_settings
+    from tasks.tracking import client
+
+    config = load_config(MINIMAL, ["stages=[dpo]", "name=unrecorded", "evaluation.num_prompts=4"])
+    run_flow(config)
+    (folder,) = (get_settings().outputs / "unrecorded").glob("dpo-*")
+    recorded = json.loads((folder / "model.json").read_text())
+    (folder / "model.json").unlink()
+    (folder / "model" / "config.json").write_text("{}")
+    run_id = (folder / "mlflow_run_id").read_text()
+    steps = [m.step for m in client().get_metric_history(run_id, "loss")]
+
+    run_flow(config)
+    assert json.loads((folder / "model.json").read_text()) == recorded
+    assert client().get_run(run_id).data.tags["alignflow.resumed_from_step"] == "6"  # max_steps: nothing to train
+    assert [m.step for m in client().get_metric_history(run_id, "loss")] == steps

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback, TrainerState
+from transformers.trainer import TRAINER_STATE_NAME
 
 logger = logging.getLogger("alignflow.checkpoints")
 
@@ -87,6 +88,12 @@ def checkpoints(output_dir: Path) -> list[Path]:
 
 def latest_complete_checkpoint(output_dir: Path) -> Path | None:
     return next((c for c in checkpoints(output_dir) if is_complete(c)), None)
+
+
+def training_done(checkpoint: Path) -> bool:
+    """Whether the checkpoint is of the last step (its ``global_step`` reached ``max_steps``)."""
+    state = TrainerState.load_from_json(str(checkpoint / TRAINER_STATE_NAME))
+    return state.global_step >= state.max_steps
 
 
 def discard_incomplete_checkpoints(output_dir: Path) -> list[Path]:
