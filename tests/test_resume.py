@@ -20,6 +20,7 @@ from trainers.checkpoints import (
     is_complete,
     latest_complete_checkpoint,
     restore_extra_state,
+    training_done,
 )
 from trainers.stages import STAGES
 
@@ -179,3 +180,8 @@ def test_a_resumed_stages_tracker_does_not_log_a_step_its_run_already_has():
     assert [m.step for m in client().get_metric_history(run_id, "eval_loss")] == [4]
     rows = client().load_table(experiment, COMPLETIONS_TABLE, run_ids=[run_id])
     assert rows["step"].tolist() == [3]
+
+
+def test_a_checkpoint_of_the_last_step_is_recognised_as_the_end_of_training(handles, tmp_path):
+    train(*CASES["sft"][:2], handles, tmp_path)  # max_steps 4, a checkpoint every 2
+    assert training_done(tmp_path / "checkpoint-4") and not training_done(tmp_path / "checkpoint-2")
