@@ -1,6 +1,6 @@
 """kill -9 at random points, 3 times per stage, each followed by the identical rerun (issue 11's acceptance).
 
-    .venv/bin/python benchmarks/kill_resume.py [--kills 3] [--seed 0] [--stages sft dpo grpo]
+    .venv/bin/python benchmarks/kill_resume.py [--kills 3] [--seed 0] [--stages sft dpo grpo] [--keep]
 
 Each trial starts a real ``alignflow run`` of the kill-test config (``tests/killing.py``) in a
 fresh state folder, SIGKILLs its process group once the stage has a random number of complete
@@ -16,8 +16,10 @@ every run. Prints a Markdown table; exit 1 if a trial failed.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -25,7 +27,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-os.environ.setdefault("ALIGNFLOW_HOME", tempfile.mkdtemp(prefix="alignflow-bench-kill-"))
+# this process's own state folder (the Prefect test server's); every run gets one of its own below
+OWN_HOME = tempfile.mkdtemp(prefix="alignflow-bench-kill-")
+os.environ["ALIGNFLOW_HOME"] = OWN_HOME
 
 from infra.settings import configure_environment  # noqa: E402
 
@@ -90,6 +94,7 @@ def main() -> int:
     parser.add_argument("--kills", type=int, default=3, help="kills per stage")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES)
+    parser.add_argument("--keep", action="store_true", help="keep the state folders (printed) for inspection")
     args = parser.parse_args()
     rng = random.Random(args.seed)
 
@@ -97,6 +102,11 @@ def main() -> int:
     from prefect.testing.utilities import prefect_test_harness
 
     work = Path(tempfile.mkdtemp(prefix="alignflow-kill-"))
+    if args.keep:
+        print(f"state folders: {work}", flush=True)
+    else:
+        atexit.register(shutil.rmtree, work, ignore_errors=True)
+        atexit.register(shutil.rmtree, OWN_HOME, ignore_errors=True)
     config = write_config(work)
     rows = []
     with prefect_test_harness(server_startup_timeout=120):
