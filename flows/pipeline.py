@@ -51,7 +51,7 @@ def experiment(
                 reference_logps = cache_ref_logps(data, policy, config.reference, parent_run_id)
                 held_out_rewards = HeldOutRewards(reference_logps=reference_logps, beta=section.beta)
             inputs = TrainInputs(policy, data, reference_logps, lora=config.peft.for_stage(stage))
-            policy = train(stage, section, inputs, parent_run_id, config.name, config.tracking)
+            policy = train(stage, section, inputs, parent_run_id, config.name, config.tracking, config.plugins)
             link_stage(parent_run_id, stage, policy.mlflow_run_id)
             models[stage] = policy
         return evaluate_and_gate(config, models, policy, data, held_out_rewards, parent_run_id)

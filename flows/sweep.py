@@ -24,7 +24,7 @@ from tasks.evaluate import EvalReport
 from tasks.models import checkpoint_handle, resolve_model
 from tasks.search import PlannedTrial, Search, plan, sweep_errors
 from tasks.sweep import TrialResult, check_deployment, final_metrics, log_sweep, trial_run_id, trial_slots
-from tasks.tracking import client, stage_output_dir, start_parent_run, tracked_run
+from tasks.tracking import client, stage_folder_of_run, start_parent_run, tracked_run
 
 
 class SweepReport(BaseModel):
@@ -150,7 +150,7 @@ def promote_best(spec: SweepConfig, best: TrialResult, sweep_run_id: str) -> Eva
     data = prepare_dataset(config.data, resolve_model(config.model))
     final = config.stages[-1]
     trained_by = client().get_run(best.mlflow_run_id).data.tags[f"alignflow.{final}_run_id"]
-    model = stage_output_dir(config.name, final, best.flow_run_id) / "model"
+    model = stage_folder_of_run(config.name, final, trained_by) / "model"
     policy = checkpoint_handle(model, final, mlflow_run_id=trained_by)
     return evaluate_and_gate(config, {final: policy}, policy, data, None, sweep_run_id)
 

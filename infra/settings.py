@@ -25,6 +25,7 @@ class Settings(BaseSettings):
     artifact_location: str | None = None
     reference_cache: str | None = None  # local folder or fsspec URL; default $home/cache/reference
     reference_lock_timeout: float = 6 * 3600  # seconds a flow waits for another to compute an entry
+    stage_lock_timeout: float = 24 * 3600  # seconds a flow waits for an identical one to finish a stage
     mlflow_ui_url: str | None = None
     metrics_flush_timeout: float = 300.0  # seconds a stage's end waits for metrics buffered during an MLflow outage
 

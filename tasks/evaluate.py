@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import datasets
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
+from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from infra.config import EvaluationConfig
@@ -191,7 +192,9 @@ def evaluate(
 
     if not prompts and not pairs:
         get_run_logger().warning(NOTHING_EVALUATED)
-    run_id = stage_run_id(parent_run_id, "evaluate", stage_output_dir(config_name, "evaluate"))
+    # an evaluation is not resumed: one folder (and MLflow run) per flow run
+    output_dir = stage_output_dir(config_name, "evaluate", str(flow_run.get_id() or "local"))
+    run_id = stage_run_id(parent_run_id, "evaluate", output_dir)
     rows, per_prompt = {}, {}
     with tracked_run(run_id):
         for label, model in models.items():

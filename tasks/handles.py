@@ -1,11 +1,38 @@
 """Handles: the small, serializable values that pass between tasks, each a path or URI plus
-content fingerprints (never models or tensors)."""
+content fingerprints (never models or tensors).
+
+Paths below the state folder are stored relative to it (``$ALIGNFLOW_HOME/outputs/…`` in their
+JSON form: Prefect's cached results, ``model.json``) and resolved against the state folder of the
+process that reads them: a copied state folder uses its own models, never the original's. In
+memory a path is always the resolved one.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer
+
+from infra.settings import get_settings
+
+HOME = "$ALIGNFLOW_HOME"
+
+
+def resolve_home(value: str) -> str:
+    """``$ALIGNFLOW_HOME/x`` -> ``<state folder>/x``; anything else (other folders, hub ids, URLs) unchanged."""
+    if isinstance(value, str) and (value == HOME or value.startswith(HOME + "/")):
+        return str(get_settings().root) + value.removeprefix(HOME)
+    return value
+
+
+def relative_to_home(value: str) -> str:
+    """``<state folder>/x`` -> ``$ALIGNFLOW_HOME/x``; anything else unchanged."""
+    root = str(get_settings().root)
+    return HOME + value.removeprefix(root) if value == root or value.startswith(root + "/") else value
+
+
+# A location that is a state-folder path in memory and state-folder-relative when serialized to JSON.
+Location = Annotated[str, BeforeValidator(resolve_home), PlainSerializer(relative_to_home, when_used="json")]
 
 
 class Handle(BaseModel):
@@ -15,7 +42,7 @@ class Handle(BaseModel):
 class ModelHandle(Handle):
     """A model checkpoint folder (or hub id) and its fingerprints."""
 
-    path: str
+    path: Location
     fingerprint: str  # every file of the checkpoint
     tokenizer_fingerprint: str
     stage: str
@@ -27,7 +54,7 @@ class ModelHandle(Handle):
 class PreparedData(Handle):
     """The prepared (tokenized) splits of an experiment's data."""
 
-    path: str
+    path: Location
     fingerprint: str
     rows: dict[str, int]
     dropped: dict[str, int]  # split -> rows dropped by truncation
@@ -41,7 +68,7 @@ class ReferenceLogps(Handle):
     reference model), with what it takes to rebuild it."""
 
     key: str
-    root: str
+    root: Location
     data: PreparedData
     reference: ModelHandle
     batch_size: int

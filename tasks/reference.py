@@ -20,6 +20,7 @@ from tasks.caching import computed_once
 from tasks.fingerprints import code_fingerprint, hash_value
 from tasks.handles import ModelHandle, PreparedData, ReferenceLogps
 from tasks.refcache import CacheEntry, CacheIntegrityError, Columns, ReferenceCache
+from tasks.results import CACHED_RESULT, checked_cache_key
 from tasks.tracking import log_dataset_input, log_metrics
 from trainers.collators import REF_COLUMNS
 from trainers.modeling import load_causal_lm
@@ -132,7 +133,11 @@ def log_reference_input(run_id: str, ref: ReferenceLogps) -> None:
     log_dataset_input(run_id, "reference-logps", entry.digest, entry.uri, MLFLOW_SCHEMA, profile, context="training")
 
 
-@task(name="cache-reference-logps", cache_policy=computed_once(reference_cache_key), persist_result=True)
+@task(
+    name="cache-reference-logps",
+    cache_policy=computed_once(checked_cache_key(reference_cache_key)),  # concurrent identical runs: once
+    **CACHED_RESULT,
+)
 def cache_ref_logps(
     data: PreparedData, reference: ModelHandle, config: ReferenceConfig, parent_run_id: str | None = None
 ) -> ReferenceLogps:

@@ -19,6 +19,7 @@ import yaml
 from mlflow import MlflowClient
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 from prefect import get_run_logger
 from prefect.artifacts import create_link_artifact
@@ -185,20 +186,34 @@ def tracked_run(run_id: str) -> Iterator[str]:
     client().set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
 
 
-def stage_output_dir(config_name: str, stage: str, flow_run_id: str | None = None) -> Path:
-    """``outputs/<config name>/<flow run id>/<stage>``: checkpoints, final model, run id (of this
-    flow run unless ``flow_run_id`` names another)."""
-    return get_settings().outputs / config_name / str(flow_run_id or flow_run.get_id() or "local") / stage
+def stage_output_dir(config_name: str, stage: str, key: str) -> Path:
+    """``outputs/<config name>/<stage>-<key>``: checkpoints, final model, MLflow run id. For a
+    training stage ``key`` hashes what the stage's model is a function of (``tasks/train.py:stage_key``),
+    so an identical rerun finds the checkpoints and the finished model of the run before it."""
+    return get_settings().outputs / config_name / f"{stage}-{key}"
+
+
+def stage_folder_of_run(config_name: str, stage: str, run_id: str) -> Path:
+    """The output folder of ``stage`` whose MLflow run is ``run_id`` (the run id file in each folder)."""
+    for id_file in sorted((get_settings().outputs / config_name).glob(f"{stage}-*/{RUN_ID_FILE}")):
+        if id_file.read_text().strip() == run_id:
+            return id_file.parent
+    raise FileNotFoundError(f"no {stage} output folder of MLflow run {run_id} under outputs/{config_name}")
 
 
 def stage_run_id(parent_run_id: str, stage: str, output_dir: Path) -> str:
-    """The stage's child run, created once and remembered in its output folder, so a retried
-    stage logs into the same run."""
+    """The stage's child run, created once and remembered in its output folder, so a retried or
+    resumed stage logs into the same run (a remembered run the tracking store does not know, e.g.
+    in a copied state folder pointed at another store, is replaced by a new one)."""
     id_file = output_dir / RUN_ID_FILE
     if id_file.exists():
         run_id = id_file.read_text().strip()
-        client().update_run(run_id, status="RUNNING")
-        return run_id
+        try:
+            client().update_run(run_id, status="RUNNING")
+            return run_id
+        except MlflowException as error:
+            if error.error_code != ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
+                raise
     parent = client().get_run(parent_run_id)
     run = client().create_run(
         parent.info.experiment_id,
@@ -212,6 +227,22 @@ def stage_run_id(parent_run_id: str, stage: str, output_dir: Path) -> str:
     output_dir.mkdir(parents=True, exist_ok=True)
     id_file.write_text(run.info.run_id)
     return run.info.run_id
+
+
+def mark_resumed(run_id: str, parent_run_id: str, stage: str, from_step: int) -> None:
+    """Tag a stage run that continues in a later attempt (a rerun or a Prefect retry): resumed, from
+    which step, by which flow run and parent run; the parent names the flow run it continues."""
+    continued = client().get_run(run_id).data.tags.get("prefect.flow_run_id", "")
+    client().log_batch(
+        run_id,
+        tags=[
+            RunTag("alignflow.resumed", "true"),
+            RunTag("alignflow.resumed_from_step", str(from_step)),
+            RunTag("alignflow.resumed_by_flow_run_id", str(flow_run.get_id() or "")),
+            RunTag("alignflow.resumed_by_parent_run_id", parent_run_id),
+        ],
+    )
+    client().set_tag(parent_run_id, f"alignflow.{stage}_continues_flow_run_id", continued)
 
 
 def link_stage(parent_run_id: str, stage: str, model_run_id: str | None) -> None:

@@ -1,27 +1,52 @@
 """Training stages as one Prefect task: a stage's spec builds its trainer from its config section
-and its inputs; this task runs it, saves the model and tracks it in MLflow."""
+and its inputs; this task runs it, saves the model and tracks it in MLflow.
+
+A stage's output folder is a function of what its model is a function of (:func:`stage_key`), so
+an identical rerun, or a Prefect retry, finds what the attempt before it left: a finished model
+(``model/`` and ``model.json``) is reused as it is; otherwise training resumes from the latest
+complete checkpoint (``trainers/checkpoints.py``), in the same MLflow run.
+"""
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
 
 import datasets
-from prefect import task
+from prefect import get_run_logger, task
 from transformers.trainer_callback import PrinterCallback
 
 from infra.config import TrackingConfig
+from infra.settings import get_settings
 from tasks.caching import computed_once
-from tasks.fingerprints import code_fingerprint, hash_value
+from tasks.fingerprints import atomic_directory, code_fingerprint, hash_paths, hash_value
 from tasks.handles import ModelHandle, PreparedData, ReferenceLogps
+from tasks.locks import LocalFileLock
 from tasks.models import checkpoint_handle
 from tasks.reference import log_reference_input, with_reference_columns
+from tasks.results import CACHED_RESULT, checked_cache_key
 from tasks.storage import prune_checkpoints
-from tasks.tracking import client, log_params, stage_output_dir, stage_run_id, tracked_run
+from tasks.tracking import RUN_ID_FILE, client, log_params, mark_resumed, stage_output_dir, stage_run_id, tracked_run
 from tasks.trainer_callback import MlflowTrainerCallback
 from trainers.callbacks import ProgressLineCallback
+from trainers.checkpoints import (
+    CheckpointCompletion,
+    discard_incomplete_checkpoints,
+    latest_complete_checkpoint,
+    restore_extra_state,
+    training_done,
+    write_atomically,
+)
 from trainers.lora import LoraSettings, save_stage_model, trainable_parameters
 from trainers.sections import TrainingConfig
 from trainers.stages import STAGES, ModelSource, StageInputs
+
+MODEL_DIR = "model"  # with LoRA: the merged copy
+ADAPTER_DIR = "adapter"  # with LoRA: the adapter
+FINISHED = "model.json"  # the final model's handle; written last: the stage is finished
+LOCK_FILE = ".lock"
 
 
 @dataclass(frozen=True)
@@ -35,37 +60,89 @@ class TrainInputs:
     lora: LoraSettings | None = None  # train LoRA adapters (``peft.for_stage``) instead of every weight
 
 
-def stage_inputs(stage: str, inputs: TrainInputs, output_dir: str, callbacks: list) -> StageInputs:
+def stage_inputs(
+    stage: str, inputs: TrainInputs, output_dir: str, callbacks: list, policy_from: Path | None = None
+) -> StageInputs:
     """Local paths and loaded splits: the prepared splits, with the cached ``ref_*`` columns
-    joined onto the preference splits when the stage reads reference log-probs."""
+    joined onto the preference splits when the stage reads reference log-probs. The policy is
+    loaded from ``policy_from`` (a checkpoint) when given; the reference is always the start model."""
     if inputs.reference_logps is not None:
         splits = with_reference_columns(inputs.reference_logps)
     else:
         splits = datasets.load_from_disk(inputs.data.path)
     start = ModelSource(inputs.policy.path, inputs.policy.revision)
+    policy = start if policy_from is None else ModelSource(str(policy_from))
     return StageInputs(
-        policy=start, reference=start, splits=splits, output_dir=output_dir, callbacks=callbacks, lora=inputs.lora
+        policy=policy, reference=start, splits=splits, output_dir=output_dir, callbacks=callbacks, lora=inputs.lora
     )
 
 
+def stage_key_inputs(stage: str, section: TrainingConfig, inputs: TrainInputs, plugins: tuple[str, ...] = ()) -> dict:
+    """What a stage's model is a function of: its section, the weights and tokenizer it starts from
+    (not files that name runs and folders), the data, the reference cache entry it reads, and the
+    code that trains it (its stage module with the ``trainers`` code it imports, and the plugins,
+    which may define its losses and rewards)."""
+    policy = inputs.policy
+    return {
+        "section": section.model_dump(mode="json"),
+        "policy": [policy.weights_fingerprint or policy.fingerprint, policy.tokenizer_fingerprint],
+        "data": inputs.data.fingerprint,
+        "reference_logps": inputs.reference_logps.key if inputs.reference_logps is not None else None,
+        "lora": inputs.lora.model_dump(mode="json") if inputs.lora else None,
+        "code": code_fingerprint(STAGES[stage].build.__module__, *plugins),
+    }
+
+
+def stage_key(stage: str, section: TrainingConfig, inputs: TrainInputs, plugins: tuple[str, ...] = ()) -> str:
+    return hash_value(stage_key_inputs(stage, section, inputs, plugins))
+
+
 def train_cache_key(context, parameters) -> str | None:
-    """Only cacheable stages: their model is a function of the section, the input model, the data
-    and the code that trains it."""
+    """Only cacheable stages are cached by Prefect (across configs: the key has no config name);
+    every stage is reused from its output folder (:func:`finished_model`)."""
     spec = STAGES[parameters["stage"]]
     if not spec.cacheable:
         return None
-    inputs: TrainInputs = parameters["inputs"]
-    key_inputs = {
-        "section": parameters["section"].model_dump(mode="json"),
-        "policy": inputs.policy.fingerprint,
-        "data": inputs.data.fingerprint,
-        "lora": inputs.lora.model_dump(mode="json") if inputs.lora else None,
-        "code": code_fingerprint(spec.build.__module__),
-    }
-    return f"train-{spec.name}-" + hash_value(key_inputs)
+    plugins = tuple(parameters.get("plugins") or ())
+    return f"train-{spec.name}-" + stage_key(spec.name, parameters["section"], parameters["inputs"], plugins)
 
 
-@task(name="train", cache_policy=computed_once(train_cache_key), persist_result=True, task_run_name="train-{stage}")
+def finished_model(output_dir: Path) -> ModelHandle | None:
+    """The stage's final model if an earlier attempt finished it and its files still match. Whatever
+    else is in ``model/`` (a changed model, or one saved by an attempt stopped before ``model.json``)
+    is removed, to be saved again from the last checkpoint."""
+    try:
+        handle = ModelHandle.model_validate_json((output_dir / FINISHED).read_text())
+    except FileNotFoundError:
+        handle = None
+    except ValueError as error:
+        get_run_logger().warning("%s is unreadable (%s): the model is saved again", output_dir / FINISHED, error)
+        handle = None
+    if handle is not None:
+        if Path(handle.path).is_dir() and hash_paths(Path(handle.path)) == handle.fingerprint:
+            return handle
+        get_run_logger().warning("the final model in %s is missing or changed: it is saved again", output_dir)
+    (output_dir / FINISHED).unlink(missing_ok=True)
+    shutil.rmtree(output_dir / MODEL_DIR, ignore_errors=True)
+    shutil.rmtree(output_dir / ADAPTER_DIR, ignore_errors=True)
+    return None
+
+
+def save_final_model(trainer, output_dir: Path, stage: str, run_id: str) -> tuple[ModelHandle, Path | None]:
+    """``model/``, moved into place whole; with LoRA the adapter goes to ``adapter/`` first and
+    ``model/`` is the merged copy. Returns the model's handle and the adapter folder (or None)."""
+    with atomic_directory(output_dir / MODEL_DIR) as staging:
+        adapter = save_stage_model(trainer, staging, output_dir / ADAPTER_DIR)
+    return checkpoint_handle(output_dir / MODEL_DIR, stage, mlflow_run_id=run_id), adapter
+
+
+@task(
+    name="train",
+    cache_policy=computed_once(checked_cache_key(train_cache_key)),  # concurrent identical runs: once
+    **CACHED_RESULT,
+    retries=1,  # a retry resumes from the latest complete checkpoint
+    task_run_name="train-{stage}",
+)
 def train(
     stage: str,
     section: TrainingConfig,
@@ -73,38 +150,103 @@ def train(
     parent_run_id: str,
     config_name: str,
     tracking: TrackingConfig = TrackingConfig(),  # noqa: B008 (frozen)
+    plugins: Sequence[str] = (),
 ) -> ModelHandle:
-    """Train the stage; ``tracking.log_checkpoints`` says which models go to MLflow (``all`` saved
-    checkpoints and the final model, the ``final`` one, or ``none``) and ``tracking.keep_checkpoints``
-    whether the intermediate checkpoints stay in outputs/ once the final model is saved."""
-    spec = STAGES[stage]
-    output_dir = stage_output_dir(config_name, stage)
+    """Train the stage, resume it, or reuse its finished model. ``tracking.log_checkpoints`` says
+    which models go to MLflow (``all`` saved checkpoints and the final model, the ``final`` one, or
+    ``none``), ``tracking.keep_checkpoints`` whether the checkpoints stay in outputs/ once it finished."""
+    output_dir = stage_output_dir(config_name, stage, stage_key(stage, section, inputs, tuple(plugins)))
+    # an identical run training the same stage now: wait for it, then reuse its model
+    with LocalFileLock(output_dir / LOCK_FILE, timeout=get_settings().stage_lock_timeout):
+        if (finished := finished_model(output_dir)) is not None:
+            reused = (stage, output_dir, finished.mlflow_run_id)
+            get_run_logger().info("%s: reusing the finished model in %s (MLflow run %s)", *reused)
+            return finished
+        return run_stage(stage, section, inputs, parent_run_id, output_dir, tracking)
+
+
+def run_stage(
+    stage: str,
+    section: TrainingConfig,
+    inputs: TrainInputs,
+    parent_run_id: str,
+    output_dir: Path,
+    tracking: TrackingConfig,
+) -> ModelHandle:
+    """Train in ``output_dir`` from its latest complete checkpoint (or from the start), tracked in
+    the stage's MLflow run (the one an earlier attempt created, if any)."""
+    resumed = (output_dir / RUN_ID_FILE).exists()
     run_id = stage_run_id(parent_run_id, stage, output_dir)
     with tracked_run(run_id):
-        log_params(run_id, {f"{stage}.{name}": value for name, value in section.model_dump().items()})
-        log_params(run_id, {"policy.init": inputs.policy.path, "data.fingerprint": inputs.data.fingerprint})
-        log_params(run_id, {f"data.dropped.{split}": count for split, count in inputs.data.dropped.items()})
-        truncated = inputs.data.truncated_prompts
-        log_params(run_id, {f"data.truncated_prompts.{split}": count for split, count in truncated.items()})
+        # MLflow params cannot change: a resumed run keeps those its first attempt logged (its
+        # ``policy.init`` may name another copy of the state folder)
+        logged = client().get_run(run_id).data.params if resumed else {}
+        log_params(run_id, {k: v for k, v in stage_params(stage, section, inputs).items() if k not in logged})
         if inputs.reference_logps is not None:
             client().set_tag(run_id, "alignflow.reference_cache_key", inputs.reference_logps.key)
-        tracker = MlflowTrainerCallback(run_id, log_checkpoints=tracking.log_checkpoints == "all")
-        built = stage_inputs(stage, inputs, str(output_dir), [tracker])
-        trainer = spec.build(section, built)
-        log_params(run_id, {"model.trainable_parameters": trainable_parameters(trainer.model)})
+        discard_incomplete_checkpoints(output_dir)
+        checkpoint = latest_complete_checkpoint(output_dir)
+        # resumed from the last step's checkpoint, the Trainer would train one step more when that
+        # step ends inside an epoch: the model is loaded from the checkpoint instead
+        final = checkpoint if checkpoint is not None and training_done(checkpoint) else None
+        log_checkpoints = tracking.log_checkpoints
+        trainer = tracked_trainer(stage, section, inputs, output_dir, run_id, log_checkpoints, policy_from=final)
+        model_params = {"model.trainable_parameters": trainable_parameters(trainer.model)}
         if inputs.lora is not None:
-            log_params(run_id, {f"peft.{name}": value for name, value in inputs.lora.flat().items()})
-        trainer.remove_callback(PrinterCallback)  # a dict per log; the progress line replaces it
-        trainer.add_callback(ProgressLineCallback(stage))
-        if inputs.reference_logps is not None:
-            log_reference_input(run_id, inputs.reference_logps)  # after building: a corrupt entry is rebuilt by then
-        trainer.train()
-        model_dir = output_dir / "model"  # with LoRA: the merged copy, and the adapter in output_dir/adapter
-        adapter_dir = save_stage_model(trainer, model_dir, output_dir / "adapter")
-        if tracking.log_checkpoints != "none":
-            client().log_artifacts(run_id, str(model_dir), "model")
-            if adapter_dir is not None:
-                client().log_artifacts(run_id, str(adapter_dir), "adapter")
+            model_params |= {f"peft.{name}": value for name, value in inputs.lora.flat().items()}
+        log_params(run_id, {k: v for k, v in model_params.items() if k not in logged})
+        if resumed:
+            mark_resumed(run_id, parent_run_id, stage, trainer_step(checkpoint))
+        if final is not None:
+            get_run_logger().info("%s: %s is the last step: saving its model", stage, final)
+        else:
+            if checkpoint is not None:
+                restore_extra_state(trainer, checkpoint)
+                get_run_logger().info("%s: resuming from %s", stage, checkpoint)
+            trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
+        handle, adapter = save_final_model(trainer, output_dir, stage, run_id)
+        if log_checkpoints != "none":
+            client().log_artifacts(run_id, handle.path, "model")
+            if adapter is not None:
+                client().log_artifacts(run_id, str(adapter), "adapter")
+        write_atomically(output_dir / FINISHED, handle.model_dump_json(indent=2).encode())  # last: finished
         if not tracking.keep_checkpoints:
-            prune_checkpoints(output_dir)
-    return checkpoint_handle(model_dir, stage, mlflow_run_id=run_id)
+            prune_checkpoints(output_dir)  # only resuming an unfinished stage reads them
+    return handle
+
+
+def tracked_trainer(
+    stage: str,
+    section: TrainingConfig,
+    inputs: TrainInputs,
+    output_dir: Path,
+    run_id: str,
+    log_checkpoints: str,
+    policy_from: Path | None = None,
+):
+    """The stage's trainer with the pipeline's callbacks: checkpoint completion, then the MLflow
+    tracker (which then copies complete checkpoints), and the progress line."""
+    trainer = STAGES[stage].build(section, stage_inputs(stage, inputs, str(output_dir), [], policy_from))
+    trainer.add_callback(CheckpointCompletion(trainer))
+    trainer.add_callback(MlflowTrainerCallback(run_id, log_checkpoints=log_checkpoints == "all"))
+    trainer.remove_callback(PrinterCallback)  # a dict per log; the progress line replaces it
+    trainer.add_callback(ProgressLineCallback(stage))
+    if inputs.reference_logps is not None:
+        log_reference_input(run_id, inputs.reference_logps)  # after building: a corrupt entry is rebuilt by then
+    return trainer
+
+
+def stage_params(stage: str, section: TrainingConfig, inputs: TrainInputs) -> dict:
+    """The stage run's MLflow params: its section, where it starts from, its data and what truncation dropped."""
+    truncated = inputs.data.truncated_prompts
+    return {
+        **{f"{stage}.{name}": value for name, value in section.model_dump().items()},
+        "policy.init": inputs.policy.path,
+        "data.fingerprint": inputs.data.fingerprint,
+        **{f"data.dropped.{split}": count for split, count in inputs.data.dropped.items()},
+        **{f"data.truncated_prompts.{split}": count for split, count in truncated.items()},
+    }
+
+
+def trainer_step(checkpoint: Path | None) -> int:
+    return int(checkpoint.name.rsplit("-", 1)[1]) if checkpoint is not None else 0

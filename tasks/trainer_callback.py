@@ -14,6 +14,14 @@ from trainers.stages.grpo import COMPLETIONS_LOG_KEY
 COMPLETIONS_TABLE = "completions.json"
 
 
+def last_logged_steps(run_id: str) -> dict[str, int]:
+    """``metric -> the last step the run has of it``; the completions table counts as logged up to
+    the last step of any metric (it is logged with them)."""
+    metrics = client().get_run(run_id).data.metrics
+    steps = {key: max(m.step for m in client().get_metric_history(run_id, key)) for key in metrics}
+    return steps | {COMPLETIONS_LOG_KEY: max(steps.values(), default=-1)}
+
+
 class MlflowTrainerCallback(TrainerCallback):
     """Logs every Trainer log as metrics, tables of sample completions (GRPO's ``completions`` log,
     one table with a ``step`` column) and, with ``log_checkpoints``, every saved checkpoint as
@@ -27,12 +35,16 @@ class MlflowTrainerCallback(TrainerCallback):
         self.run_id = run_id
         self.log_checkpoints = log_checkpoints
         self.metrics = metrics or MetricSender.for_run(run_id, get_settings().mlflow_tracking_uri)
+        self.last_step = last_logged_steps(run_id)  # a resumed stage re-runs steps an earlier attempt logged
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
-            self.metrics.submit(metric_values(logs, step=state.global_step))
-            if COMPLETIONS_LOG_KEY in logs:
-                client().log_table(self.run_id, data=logs[COMPLETIONS_LOG_KEY], artifact_file=COMPLETIONS_TABLE)
+            step = state.global_step
+            new = {key: value for key, value in logs.items() if step > self.last_step.get(key, -1)}
+            self.last_step |= dict.fromkeys(new, step)
+            self.metrics.submit(metric_values(new, step=step))
+            if COMPLETIONS_LOG_KEY in new:
+                client().log_table(self.run_id, data=new[COMPLETIONS_LOG_KEY], artifact_file=COMPLETIONS_TABLE)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.metrics.close(get_settings().metrics_flush_timeout)

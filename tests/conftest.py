@@ -64,6 +64,23 @@ def tiny_checkpoint(tiny, tmp_path_factory):
     return checkpoint_handle(folder, "base")
 
 
+@pytest.fixture(scope="session")
+def handles(tiny_checkpoint):
+    """A stage's inputs as handles: the tiny model's checkpoint (the policy and the reference), a
+    real prepared dataset and a real reference-cache entry for them."""
+    from prefect.logging import disable_run_logger
+
+    from infra.config import AdditionTaskConfig, DataConfig, ReferenceConfig
+    from tasks.data import prepare_dataset
+    from tasks.reference import cache_ref_logps
+
+    policy = tiny_checkpoint.model_copy(update={"stage": "sft"})
+    with disable_run_logger():
+        data = prepare_dataset.fn(DataConfig(builtin=AdditionTaskConfig(max_operand=3, num_eval_problems=4)), policy)
+        reference_logps = cache_ref_logps.fn(data, policy, ReferenceConfig(batch_size=16))
+    return policy, data, reference_logps
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("services") is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -144,7 +145,6 @@ def test_second_run_hits_the_caches_and_never_runs_the_reference(first_run, monk
     record = lambda handle, *rest: scored.append(handle.stage) or score_model(handle, *rest)
     monkeypatch.setattr(tasks.evaluate, "score_model", record)
     flow_run_id, report = run_flow(load_config(MINIMAL, UNIQUE))
-    assert "base" not in scored and "sft" not in scored  # the same models: their scores come from the cache
     states = task_states(flow_run_id)
     assert states["train-sft"] == "Cached"
     assert preparations == []  # the prepared folder exists: read, not prepared again
@@ -152,11 +152,27 @@ def test_second_run_hits_the_caches_and_never_runs_the_reference(first_run, monk
     assert states["train-dpo"] == "Completed" and states["train-grpo"] == "Completed"
     assert calls == []
     _, parent, children = parent_and_children(flow_run_id)
-    assert set(children) == {"dpo", "grpo", "evaluate"}  # no new SFT run: the model comes from the first run's
+    # no new training run: every model is the first run's, reused from its output folder
+    assert set(children) == {"evaluate"}
     _, first_parent, first_children = parent_and_children(first_run[0])
-    assert parent.data.tags["alignflow.sft_run_id"] == first_children["sft"].info.run_id
-    assert report.rows["sft"] == first_run[1].rows["sft"]  # same model, same prompts, same seed
-    assert report.per_prompt["base"] == first_run[1].per_prompt["base"]
+    for stage in ("sft", "dpo", "grpo"):
+        assert parent.data.tags[f"alignflow.{stage}_run_id"] == first_children[stage].info.run_id
+    assert report.rows == first_run[1].rows  # same models, same prompts, same seed
+    assert report.per_prompt == first_run[1].per_prompt
+    assert scored == []  # the same models: every score comes from the evaluation cache
+
+
+def test_a_new_dpo_setting_trains_dpo_again_on_the_same_reference_entry(first_run, monkeypatch):
+    import tasks.reference
+
+    calls = []
+    monkeypatch.setattr(tasks.reference, "reference_logps", lambda *a, **k: calls.append(1) or ([], []))
+    flow_run_id, _ = run_flow(load_config(MINIMAL, [*UNIQUE, "dpo.learning_rate=0.001"]))
+    states = task_states(flow_run_id)
+    assert states["train-sft"] == "Cached" and calls == []
+    assert [s for name, s in states.items() if name.startswith("cache-reference-logps")] == ["Cached"]
+    _, _, children = parent_and_children(flow_run_id)
+    assert set(children) == {"dpo", "grpo", "evaluate"}  # GRPO starts from the new DPO model
     first_dpo, second_dpo = (
         MlflowClient(get_settings().mlflow_tracking_uri).get_run(parent_and_children(run)[2]["dpo"].info.run_id)
         for run in (first_run[0], flow_run_id)
@@ -182,7 +198,8 @@ def test_grpo_stage_logs_reward_metrics_and_a_completions_table(first_run):
     client, parent, children = parent_and_children(flow_run_id)
     grpo = children["grpo"]
     assert grpo.data.params["grpo.num_generations"] == "4"
-    assert grpo.data.params["policy.init"].endswith("/dpo/model")  # the chain continues from DPO's model
+    # the chain continues from DPO's model, in DPO's content-addressed output folder
+    assert re.search(r"/outputs/minimal/dpo-[0-9a-f]{20}/model$", grpo.data.params["policy.init"])
     assert grpo.data.params["data.truncated_prompts.grpo_prompts"] == "0"  # prompts cut, per split
     assert grpo.data.params["data.dropped.grpo_prompts"] == "0"
     for name in (

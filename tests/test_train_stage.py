@@ -18,8 +18,8 @@ ARGUMENT_NAMES = {"warmup_ratio": "warmup_steps"}
 
 @pytest.fixture(scope="module")
 def handles(tiny_checkpoint, tmp_path_factory):
-    """A real prepared dataset, with a held-out split for every stage that evaluates, and a real
-    reference-cache entry for it (the tiny model is the reference)."""
+    """(This module's, instead of the session's.) A real prepared dataset, with a held-out split for
+    every stage that evaluates, and a real reference-cache entry for it (the tiny model is the reference)."""
     policy = tiny_checkpoint
     sft_eval = tmp_path_factory.mktemp("stages") / "sft_eval.jsonl"
     sft_eval.write_text('{"prompt": "1+2=", "completion": "3"}\n{"prompt": "2+2=", "completion": "4"}\n')

@@ -57,6 +57,12 @@ class RunningMean:
     def mean(self) -> float:
         return self.total / self.count if self.count else 0.0
 
+    def state_dict(self) -> dict:
+        return {"total": self.total, "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.total, self.count = state["total"], state["count"]
+
 
 def ld_token_weights(completion_mask: torch.Tensor, alpha: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """LD-DPO (Liu et al., 2024, arXiv:2409.06411) token weights for ``[chosen; rejected]`` rows:
@@ -115,6 +121,21 @@ class DPOTrainer(Trainer):
             )
         self.reward_mean = RunningMean()
         self.window_metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+
+    def checkpoint_state(self) -> dict:
+        """What a resumed run needs beyond the ``Trainer``'s checkpoint (trainers/checkpoints.py):
+        bco_pair's running mean δ, the metric windows and, with TR-DPO's sync, the reference weights."""
+        windows = {mode: dict(window) for mode, window in self.window_metrics.items()}
+        state = {"reward_mean": self.reward_mean.state_dict(), "window_metrics": windows}
+        if self.args.sync_ref_model:
+            state["ref_model"] = self.accelerator.unwrap_model(self.ref_model).state_dict()
+        return state
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        self.reward_mean.load_state_dict(state["reward_mean"])
+        self.window_metrics = {mode: defaultdict(list, window) for mode, window in state["window_metrics"].items()}
+        if self.args.sync_ref_model:
+            self.accelerator.unwrap_model(self.ref_model).load_state_dict(state["ref_model"])
 
     def reference_logps(self, inputs: dict[str, torch.Tensor], batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The live reference model's (``reference='live'``), the cached ``ref_*`` columns

@@ -152,6 +152,12 @@ class GenerationBuffer:
         self.served += 1
         return batch
 
+    def state_dict(self) -> dict:
+        return {"slices": self.slices, "served": self.served}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.slices, self.served = state["slices"], state["served"]
+
 
 class GRPOTrainer(Trainer):
     def __init__(
@@ -202,6 +208,23 @@ class GRPOTrainer(Trainer):
         self.window_start_step = 0
         self.latest_samples: dict[str, list] = {}
         self.next_table_step = args.log_completions_steps
+
+    # ---- resuming (trainers/checkpoints.py) --------------------------------------------------
+
+    def checkpoint_state(self) -> dict:
+        """What a resumed run needs beyond the ``Trainer``'s checkpoint: the generation buffer (a
+        batch outlives the step it was sampled in), the metric window and the table schedule."""
+        return {
+            "buffer": self.buffer.state_dict(),
+            "window": dict(self.window),
+            "latest_samples": self.latest_samples,
+            "next_table_step": self.next_table_step,
+        }
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        self.buffer.load_state_dict(state["buffer"])
+        self.window = defaultdict(list, state["window"])
+        self.latest_samples, self.next_table_step = state["latest_samples"], state["next_table_step"]
 
     # ---- data ------------------------------------------------------------------------------
 

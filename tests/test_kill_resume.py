@@ -1,0 +1,154 @@
+"""Acceptance of issue 11: ``kill -9`` of a real ``alignflow run`` during each stage, once a
+checkpoint of the stage exists, then the identical rerun. The rerun resumes the killed stage from
+its latest complete checkpoint, in the same MLflow run, and reuses the stages that had finished;
+the final weights equal an uninterrupted run's. Three random kills per stage:
+``benchmarks/kill_resume.py``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from killing import (
+    STAGES,
+    Kill,
+    compare_metrics,
+    duplicate_steps,
+    latest_flow_run_id,
+    max_weight_difference,
+    metric_histories,
+    mlflow_client,
+    run,
+    run_and_kill,
+    stage_run_id,
+    stage_run_tags,
+    stage_snapshot,
+    write_config,
+)
+from safetensors.torch import load_file
+from test_pipeline import task_states
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(prefect_api_url, tmp_path_factory):
+    """One uninterrupted run of the kill-test config, shared by every kill test."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    config = write_config(folder)
+    run(config, folder / "home", prefect_api_url)
+    return config, folder / "home"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_stage_killed_after_a_checkpoint_resumes_to_the_uninterrupted_result(
+    stage, uninterrupted, prefect_api_url, tmp_path
+):
+    config, reference = uninterrupted
+    home = tmp_path / "home"
+    kill = run_and_kill(config, home, prefect_api_url, Kill(stage, after_step=3))
+    earlier = STAGES[: STAGES.index(stage)]
+    before = {name: stage_snapshot(home, name) for name in earlier}
+    killed_run = stage_run_id(home, stage)
+
+    run(config, home, prefect_api_url)
+
+    for name in STAGES:
+        assert max_weight_difference(home, reference, name) <= 1e-6, name
+    # the same MLflow run, finished, tagged as resumed from the latest complete checkpoint by this flow run
+    assert stage_run_id(home, stage) == killed_run
+    tags = stage_run_tags(home, stage)
+    assert tags["alignflow.resumed"] == "true"
+    assert int(tags["alignflow.resumed_from_step"]) == max(kill.checkpoints_at_kill)
+    assert tags["alignflow.resumed_by_flow_run_id"] == latest_flow_run_id(home)
+    assert mlflow_client(home).get_run(killed_run).info.status == "FINISHED"
+    # every metric once per step, at the steps and with the values of the uninterrupted run
+    histories = metric_histories(home, stage)
+    assert duplicate_steps(histories) == {}
+    assert compare_metrics(histories, metric_histories(reference, stage)) == []
+    # stages that had finished were reused: no new checkpoint, model or run; SFT is a Prefect cache hit
+    for name in earlier:
+        assert stage_snapshot(home, name) == before[name], name
+        assert "alignflow.resumed" not in stage_run_tags(home, name), name
+    if earlier:
+        assert task_states(latest_flow_run_id(home))["train-sft"] == "Cached"
+
+
+FLAKY_REWARD = '''
+import os
+from pathlib import Path
+
+CALLS = []
+
+
+def flaky(prompts, completions, **columns):
+    """Fails once, at its third call (GRPO's third generation batch), while FLAKY_REWARD_ONCE names a
+    file that does not exist yet; 0 for every completion otherwise."""
+    CALLS.append(1)
+    flag = Path(os.environ["FLAKY_REWARD_ONCE"])
+    if len(CALLS) == 3 and not flag.exists():
+        flag.touch()
+        raise RuntimeError("reward server unavailable")
+    return [0.0 for _ in completions]
+'''
+
+
+def test_a_prefect_retry_resumes_the_failed_stage_from_its_checkpoint(prefect_api_url, tmp_path, monkeypatch):
+    """The train task's retry (``retries=1``) after a failure at step 5 resumes from checkpoint-4, in the
+    same MLflow run, and ends with the weights of a run that never failed."""
+    from test_pipeline import MINIMAL, run_flow
+
+    from infra.config import load_config
+    from infra.settings import get_settings
+    from tasks.tracking import client
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "alignflow_flaky_reward.py").write_text(FLAKY_REWARD)
+    monkeypatch.setenv("FLAKY_REWARD_ONCE", str(tmp_path / "failed-once"))
+    grpo = [
+        "stages=[grpo]",
+        "plugins=[alignflow_flaky_reward]",
+        "grpo.reward_funcs=[alignflow_flaky_reward:flaky]",
+        "grpo.max_steps=8",
+        "grpo.save_steps=2",
+        "grpo.logging_steps=2",
+        "grpo.entropy_coef=0.1",
+        "evaluation.num_prompts=4",
+    ]
+    flow_run_id, _ = run_flow(load_config(MINIMAL, [*grpo, "name=retried"]))
+    assert (tmp_path / "failed-once").exists()  # it did fail once
+    assert task_states(flow_run_id)["train-grpo"] == "Completed"
+    (folder,) = (get_settings().outputs / "retried").glob("grpo-*")
+    tags = client().get_run((folder / "mlflow_run_id").read_text()).data.tags
+    assert tags["alignflow.resumed_from_step"] == "4" and tags["alignflow.resumed_by_flow_run_id"] == str(flow_run_id)
+    assert tags["prefect.flow_run_id"] == str(flow_run_id)  # the retry continues its own flow run's stage run
+    steps = [m.step for m in client().get_metric_history((folder / "mlflow_run_id").read_text(), "loss")]
+    assert steps == [2, 4, 6, 8]
+
+    run_flow(load_config(MINIMAL, [*grpo, "name=never-failed"]))  # the flag exists now: no failure
+    (reference,) = (get_settings().outputs / "never-failed").glob("grpo-*")
+    assert reference.name == folder.name  # the same content key: only the config name differs
+    first, second = (load_file(f / "model" / "model.safetensors") for f in (folder, reference))
+    assert max((first[k] - second[k]).abs().max().item() for k in first) <= 1e-6
+
+
+def test_a_stage_stopped_between_saving_its_model_and_recording_it_saves_it_again(prefect_api_url):
+    """``model/`` without ``model.json`` is not trusted (here it was also changed since): the rerun
+    saves the model again from the final checkpoint, in the same run, without training a step."""
+    from test_pipeline import MINIMAL, run_flow
+
+    from infra.config import load_config
+    from infra.settings import get_settings
+    from tasks.tracking import client
+
+    config = load_config(MINIMAL, ["stages=[dpo]", "name=unrecorded", "evaluation.num_prompts=4"])
+    run_flow(config)
+    (folder,) = (get_settings().outputs / "unrecorded").glob("dpo-*")
+    recorded = json.loads((folder / "model.json").read_text())
+    (folder / "model.json").unlink()
+    (folder / "model" / "config.json").write_text("{}")
+    run_id = (folder / "mlflow_run_id").read_text()
+    steps = [m.step for m in client().get_metric_history(run_id, "loss")]
+
+    run_flow(config)
+    assert json.loads((folder / "model.json").read_text()) == recorded
+    assert client().get_run(run_id).data.tags["alignflow.resumed_from_step"] == "6"  # max_steps: nothing to train
+    assert [m.step for m in client().get_metric_history(run_id, "loss")] == steps

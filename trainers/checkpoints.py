@@ -1,0 +1,135 @@
+"""Checkpoints a killed stage can resume from: marked complete only once every file is written.
+
+The ``Trainer`` writes a checkpoint's files one after another into ``checkpoint-<step>/``; a
+process killed in between leaves a folder that looks like a checkpoint but is not one. After the
+``Trainer`` is done with a checkpoint (``on_save``), :class:`CheckpointCompletion` adds the state
+of the trainer that the ``Trainer`` does not save (``ExtraCheckpointState``: GRPO's generation
+buffer, bco_pair's running mean, the metric windows) and then, last, the marker
+``checkpoint-complete.json``: the step and the size of every file. Only a checkpoint whose marker
+matches its files is resumed from (:func:`latest_complete_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainerState
+from transformers.trainer import TRAINER_STATE_NAME
+
+logger = logging.getLogger("alignflow.checkpoints")
+
+COMPLETE_MARKER = "checkpoint-complete.json"
+CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+@runtime_checkable
+class ExtraCheckpointState(Protocol):
+    """A trainer with state of its own that a resumed run needs (tensors, numbers, lists, dicts)."""
+
+    def checkpoint_state(self) -> dict[str, Any]: ...
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None: ...
+
+
+def extra_state_file(checkpoint: Path, process_index: int) -> Path:
+    return checkpoint / f"alignflow_state_{process_index}.pt"
+
+
+def write_atomically(path: Path, content: bytes) -> None:
+    """Write beside ``path``, flush to disk, then rename: readers see the old file or the whole new one."""
+    staging = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    with staging.open("wb") as handle:
+        handle.write(content)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(staging, path)
+
+
+def file_sizes(folder: Path) -> dict[str, int]:
+    """``relative path -> bytes`` of every file below ``folder`` except the marker."""
+    return {
+        str(p.relative_to(folder)): p.stat().st_size
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != COMPLETE_MARKER
+    }
+
+
+def mark_complete(checkpoint: Path, step: int) -> None:
+    write_atomically(checkpoint / COMPLETE_MARKER, json.dumps({"step": step, "files": file_sizes(checkpoint)}).encode())
+
+
+def is_complete(checkpoint: Path) -> bool:
+    """The marker exists, names the folder's step, and every file it lists has its recorded size."""
+    match = CHECKPOINT_NAME.match(checkpoint.name)
+    try:
+        marker = json.loads((checkpoint / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    if match is None or marker.get("step") != int(match.group(1)):
+        return False
+    files = {checkpoint / name: size for name, size in marker["files"].items()}
+    return all(path.is_file() and path.stat().st_size == size for path, size in files.items())
+
+
+def checkpoints(output_dir: Path) -> list[Path]:
+    """``checkpoint-<step>`` folders below ``output_dir``, newest step first."""
+    found = [p for p in output_dir.glob("checkpoint-*") if p.is_dir() and CHECKPOINT_NAME.match(p.name)]
+    return sorted(found, key=lambda p: int(CHECKPOINT_NAME.match(p.name).group(1)), reverse=True)
+
+
+def latest_complete_checkpoint(output_dir: Path) -> Path | None:
+    return next((c for c in checkpoints(output_dir) if is_complete(c)), None)
+
+
+def training_done(checkpoint: Path) -> bool:
+    """Whether the checkpoint is of the last step (its ``global_step`` reached ``max_steps``)."""
+    state = TrainerState.load_from_json(str(checkpoint / TRAINER_STATE_NAME))
+    return state.global_step >= state.max_steps
+
+
+def discard_incomplete_checkpoints(output_dir: Path) -> list[Path]:
+    """Remove checkpoint folders a killed process left half-written (they would be retrained and
+    written again anyway, and the ``Trainer``'s rotation must not count them)."""
+    removed = [c for c in checkpoints(output_dir) if not is_complete(c)]
+    for checkpoint in removed:
+        logger.warning("removing incomplete checkpoint %s (written by a process that stopped)", checkpoint)
+        shutil.rmtree(checkpoint, ignore_errors=True)
+    return removed
+
+
+class CheckpointCompletion(TrainerCallback):
+    """After the ``Trainer`` saved ``checkpoint-<step>``: every process writes its trainer's extra
+    state, and once all have, the main process writes the completion marker. Register it before
+    callbacks that copy checkpoints elsewhere (they then copy complete ones)."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+
+    def on_save(self, args, state, control, **kwargs):
+        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if not checkpoint.is_dir():
+            return
+        if isinstance(self.trainer, ExtraCheckpointState):
+            buffer = io.BytesIO()
+            torch.save(self.trainer.checkpoint_state(), buffer)
+            write_atomically(extra_state_file(checkpoint, args.process_index), buffer.getvalue())
+        self.trainer.accelerator.wait_for_everyone()
+        if state.is_world_process_zero:
+            mark_complete(checkpoint, state.global_step)
+
+
+def restore_extra_state(trainer: Trainer, checkpoint: Path) -> None:
+    """Load what :class:`CheckpointCompletion` saved into ``trainer`` (before ``trainer.train``)."""
+    if isinstance(trainer, ExtraCheckpointState):
+        trainer.load_checkpoint_state(
+            torch.load(extra_state_file(checkpoint, trainer.args.process_index), weights_only=True)
+        )
