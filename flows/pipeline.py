@@ -15,6 +15,7 @@ from tasks.promote import find_champion, promote
 from tasks.reference import cache_ref_logps
 from tasks.tracking import link_stage, start_parent_run, tracked_run
 from tasks.train import TrainInputs, train
+from trainers.devices import check_compute
 from trainers.stages import STAGES
 
 
@@ -33,6 +34,7 @@ def experiment(config: ExperimentConfig = ExperimentConfig()) -> EvalReport:  # 
     deployment, a partial ``config`` is merged onto the deployment's default config."""
     if defaults := deployment_default_config():
         config = merge_onto(config, defaults)
+    check_compute(config.compute)  # before any run is started: a setting this machine cannot run fails here
     with tracked_run(start_parent_run(config)) as parent_run_id:
         base = resolve_model(config.model)
         data = prepare_dataset(config.data, base)
@@ -43,9 +45,9 @@ def experiment(config: ExperimentConfig = ExperimentConfig()) -> EvalReport:  # 
             # A stage's reference is the model it starts from; its log-probs are cached once per content.
             reference_logps = None
             if spec.needs_reference_logps(section):
-                reference_logps = cache_ref_logps(data, policy, config.reference, parent_run_id)
+                reference_logps = cache_ref_logps(data, policy, config.reference, parent_run_id, config.compute)
                 held_out_rewards = HeldOutRewards(reference_logps=reference_logps, beta=section.beta)
-            inputs = TrainInputs(policy, data, reference_logps, lora=config.peft.for_stage(stage))
+            inputs = TrainInputs(policy, data, reference_logps, config.peft.for_stage(stage), config.compute)
             policy = train(stage, section, inputs, parent_run_id, config.name, config.tracking)
             link_stage(parent_run_id, stage, policy.mlflow_run_id)
             models[stage] = policy
@@ -53,7 +55,9 @@ def experiment(config: ExperimentConfig = ExperimentConfig()) -> EvalReport:  # 
         if champion is not None:
             models |= champion.models()
         final = config.stages[-1]
-        report = evaluate(models, data, held_out_rewards, config.evaluation, parent_run_id, config.name, final)
+        report = evaluate(
+            models, data, held_out_rewards, config.evaluation, parent_run_id, config.name, final, config.compute
+        )
         print(report.summary())
         if config.promotion.registered_model:
             decision = promote(report, policy, final, config.promotion, champion, data, parent_run_id)

@@ -192,6 +192,86 @@ class PeftConfig(LoraSettings):
         return LoraSettings(**self.model_dump(include=set(LoraSettings.model_fields)))
 
 
+ACCELERATE_CONFIG_DIR = Path(__file__).parent / "accelerate"
+MixedPrecision = Literal["no", "bf16", "fp16"]
+LoadDtype = Literal["auto", "float32", "bfloat16"]
+
+
+def accelerate_config_path(name: str) -> Path:
+    """A shipped accelerate config (``ddp``, ``fsdp``, ``zero2``, ``zero3``: ``infra/accelerate/<name>.yaml``)
+    or the path of one's own file."""
+    shipped = ACCELERATE_CONFIG_DIR / f"{name}.yaml"
+    if shipped.is_file():
+        return shipped
+    path = Path(name).expanduser()
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in ACCELERATE_CONFIG_DIR.glob("*.yaml")))
+        raise ValueError(f"accelerate_config: {name!r} is neither a shipped config ({known}) nor an existing file")
+    return path
+
+
+class ComputeConfig(Section):
+    """Where and in what precision the stages, the reference pass and the evaluation run: one
+    policy for all of them. The defaults are today's single process: the GPU where there is one,
+    else the CPU, in the checkpoint's own dtype. Checks that need the hardware (device count,
+    bfloat16 support) run when the flow starts (:func:`trainers.devices.check_compute`)."""
+
+    cpu: bool = Field(
+        False, description="Run on the CPU even where a GPU is present (accelerate's --cpu; processes talk over gloo)."
+    )
+    num_processes: int = Field(1, ge=1, description="Processes in all (over every machine); one per GPU.")
+    num_machines: int = Field(1, ge=1, description="Machines taking part in a multi-process stage.")
+    machine_rank: int = Field(0, ge=0, description="This machine's rank (0 on the machine with main_process_ip).")
+    main_process_ip: str | None = Field(None, description="Address of machine 0; needed when num_machines > 1.")
+    main_process_port: int = Field(29500, ge=1, le=65535, description="Port of the rendezvous on machine 0.")
+    mixed_precision: MixedPrecision = Field(
+        "no", description="Autocast of every training stage: `bf16`, `fp16` (CUDA only) or `no`."
+    )
+    dtype: LoadDtype = Field(
+        "auto",
+        description="dtype the models are loaded in (training, reference pass, evaluation); `auto`: the checkpoint's.",
+    )
+    accelerate_config: str | None = Field(
+        None,
+        description="Accelerate config for FSDP or DeepSpeed: a shipped one (`ddp`, `fsdp`, `zero2`, `zero3`, "
+        "infra/accelerate/) or a file.",
+    )
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, value: Any) -> Any:
+        """YAML reads a bare ``no`` as false."""
+        return "no" if value is False else value
+
+    @field_validator("accelerate_config")
+    @classmethod
+    def _known_accelerate_config(cls, name: str | None) -> str | None:
+        if name is not None:
+            accelerate_config_path(name)
+        return name
+
+    @model_validator(mode="after")
+    def _check_machines(self) -> ComputeConfig:
+        if self.machine_rank >= self.num_machines:
+            raise ValueError(f"machine_rank ({self.machine_rank}) must be below num_machines ({self.num_machines})")
+        if self.num_machines > 1 and not self.main_process_ip:
+            raise ValueError("num_machines > 1 needs main_process_ip (the address of machine 0)")
+        if self.num_processes % self.num_machines:
+            raise ValueError(
+                f"num_processes ({self.num_processes}) must be a multiple of num_machines ({self.num_machines}): "
+                "the same number of processes on every machine"
+            )
+        return self
+
+    @property
+    def processes_per_machine(self) -> int:
+        return self.num_processes // self.num_machines
+
+    @property
+    def multi_process(self) -> bool:
+        return self.num_processes > 1 or self.num_machines > 1
+
+
 class ReferenceConfig(Section):
     batch_size: int = Field(128, ge=1, description="Pairs per reference forward pass.")
 
@@ -327,6 +407,18 @@ class ExperimentBase(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _one_mixed_precision(self) -> ExperimentBase:
+        if self.compute.mixed_precision == "no":
+            return self
+        doubled = [stage for stage in self.stages if self.stage(stage).bf16 is not False]
+        if doubled:
+            raise ValueError(
+                f"compute.mixed_precision ({self.compute.mixed_precision}) applies to every stage; "
+                f"{', '.join(f'{stage}.bf16' for stage in doubled)} sets it again: set one of them"
+            )
+        return self
+
     def stage(self, name: str) -> TrainingConfig:
         """The config section of stage ``name``."""
         return getattr(self, name)
@@ -352,6 +444,7 @@ ExperimentConfig = create_model(
     **{spec.name: section(spec.section, title=spec.title, description=spec.description) for spec in STAGES.values()},
     reference=section(ReferenceConfig),
     evaluation=section(EvaluationConfig),
+    compute=section(ComputeConfig),
     tracking=section(TrackingConfig),
     promotion=section(PromotionConfig),
 )
@@ -376,6 +469,7 @@ class EvaluationRequest(Section):
         default_factory=DataConfig, description="Where the eval prompts and held-out pairs come from."
     )
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    compute: ComputeConfig = Field(default_factory=ComputeConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @property

@@ -9,7 +9,7 @@ import datasets
 from prefect import task
 from transformers.trainer_callback import PrinterCallback
 
-from infra.config import TrackingConfig
+from infra.config import ComputeConfig, TrackingConfig
 from tasks.fingerprints import code_fingerprint, hash_value
 from tasks.handles import ModelHandle, PreparedData, ReferenceLogps
 from tasks.models import checkpoint_handle
@@ -32,6 +32,7 @@ class TrainInputs:
     data: PreparedData
     reference_logps: ReferenceLogps | None = None
     lora: LoraSettings | None = None  # train LoRA adapters (``peft.for_stage``) instead of every weight
+    compute: ComputeConfig = ComputeConfig()  # noqa: RUF009 (frozen): load dtype and mixed precision
 
 
 def stage_inputs(stage: str, inputs: TrainInputs, output_dir: str, callbacks: list) -> StageInputs:
@@ -43,7 +44,15 @@ def stage_inputs(stage: str, inputs: TrainInputs, output_dir: str, callbacks: li
         splits = datasets.load_from_disk(inputs.data.path)
     start = ModelSource(inputs.policy.path, inputs.policy.revision)
     return StageInputs(
-        policy=start, reference=start, splits=splits, output_dir=output_dir, callbacks=callbacks, lora=inputs.lora
+        policy=start,
+        reference=start,
+        splits=splits,
+        output_dir=output_dir,
+        callbacks=callbacks,
+        lora=inputs.lora,
+        dtype=inputs.compute.dtype,
+        mixed_precision=inputs.compute.mixed_precision,
+        cpu=inputs.compute.cpu,
     )
 
 
@@ -59,6 +68,7 @@ def train_cache_key(context, parameters) -> str | None:
         "policy": inputs.policy.fingerprint,
         "data": inputs.data.fingerprint,
         "lora": inputs.lora.model_dump(mode="json") if inputs.lora else None,
+        "precision": [inputs.compute.dtype, inputs.compute.mixed_precision],
         "code": code_fingerprint(spec.build.__module__),
     }
     return f"train-{spec.name}-" + hash_value(key_inputs)

@@ -134,12 +134,13 @@ def answer_metrics(
 @torch.no_grad()
 def preference_rewards(model, tokenizer, rows: list[dict], beta: float, batch_size: int = 256) -> dict[str, float]:
     """Held-out implicit-reward accuracy and margin β·Δ against the cached ``ref_*`` log-probs, and
-    the β-free log-ratio margin Δ = (π_c − ref_c) − (π_r − ref_r), comparable across runs of any β."""
+    the β-free log-ratio margin Δ = (π_c − ref_c) − (π_r − ref_r), comparable across runs of any β.
+    Batches go to the model's device."""
     model.eval()
     collate = PreferenceCollator(tokenizer.pad_token_id)
     totals = dict.fromkeys(PREFERENCE_METRICS, 0.0)
     for start in range(0, len(rows), batch_size):
-        batch = collate(rows[start : start + batch_size])
+        batch = {name: tensor.to(model.device) for name, tensor in collate(rows[start : start + batch_size]).items()}
         logps = completion_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"]).logps
         n = len(batch["ref_chosen_logps"])
         chosen, rejected = logps[:n] - batch["ref_chosen_logps"], logps[n:] - batch["ref_rejected_logps"]

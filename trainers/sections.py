@@ -130,7 +130,7 @@ class TrainingConfig(Section):
             values["use_cpu"] = True  # bf16 autocast on the CPU; transformers refuses it otherwise
         if not evaluates:
             values["eval_strategy"] = "no"
-        return arguments_class(**values, **runtime)
+        return arguments_class(**(values | runtime))  # runtime: use_cpu, compute's mixed precision
 
 
 def bf16_available() -> bool:

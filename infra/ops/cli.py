@@ -189,7 +189,21 @@ def load_or_exit(schema, args: argparse.Namespace):
     if args.print_config:
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
         raise SystemExit(0)
+    check_compute_or_exit(config, args)
     return config
+
+
+def check_compute_or_exit(config, args: argparse.Namespace) -> None:
+    """Exit 2 when this machine cannot run ``config.compute`` (device count, bfloat16): before the
+    flow starts. This looks at the hardware, so it imports torch."""
+    from trainers.devices import ComputeError, check_compute
+
+    try:
+        check_compute(config.compute)
+    except ComputeError as error:
+        where = f"{args.config}: " if args.config else ""
+        print(f"alignflow: invalid config: {where}{error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def run_flow(module: str, name: str, *args, **kwargs) -> int:
