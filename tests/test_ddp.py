@@ -225,3 +225,47 @@ def test_a_group_may_straddle_processes_but_a_generation_batch_holds_whole_group
         resolve_layout(per_device_batch_size=2, gradient_accumulation_steps=1, num_generations=4, num_processes=3)
     seeds = {completion_seed(7, generation, row) for generation in (1, 2) for row in range(4)}
     assert len(seeds) == 8
+
+
+def test_the_reference_pass_sharded_over_two_processes_gives_the_same_cache_entry(workdir, tmp_path):
+    from tasks.refcache import ReferenceCache
+
+    spec, folder = workdir
+    job = spec | {"job": "reference", "batch_size": 3}  # 16 pairs: 6 batches, 3 per process (the last short)
+    one = launch(job, 1, folder / "reference1")
+    two = launch(job, 2, folder / "reference2")
+    assert two["chosen"] == one["chosen"] and two["rejected"] == one["rejected"]  # bit for bit
+    assert len(one["chosen"]) == 16
+    store = ReferenceCache(str(tmp_path / "cache"))
+    digests = [
+        store.get_or_compute(key, lambda run=run: {"preference": (run["chosen"], run["rejected"])}, inputs={})[0].digest
+        for key, run in (("one", one), ("two", two))
+    ]
+    assert digests[0] == digests[1]
+
+
+def test_the_evaluation_sharded_over_two_processes_gives_the_same_table(workdir):
+    spec, folder = workdir
+    job = spec | {
+        "job": "evaluate",
+        "eval_split": "grpo_prompts",  # 8 prompts with answers: 3 batches, 2 + 1 over the processes
+        "generation": {"max_new_tokens": 3, "num_samples": 2, "batch_size": 3, "seed": 5},
+    }
+    one = launch(job, 1, folder / "evaluate1")
+    two = launch(job, 2, folder / "evaluate2")
+    assert two["results"] == one["results"] and len(one["results"]) == 8
+    assert two["metrics"] == one["metrics"]
+    assert {"greedy_accuracy", "sampled_accuracy", "pass_at_2", "rewards/accuracies"} <= one["metrics"].keys()
+    # the samples differ between batches: each batch has its own seed, not one stream cut in shards
+    assert len({tuple(s["text"] for s in r["samples"]) for r in one["results"]}) > 1
+
+
+@pytest.mark.parametrize(
+    "items, processes, bounds",
+    [(6, 2, [(0, 3), (3, 6)]), (3, 2, [(0, 2), (2, 3)]), (1, 2, [(0, 1), (1, 1)]), (7, 3, [(0, 3), (3, 5), (5, 7)])],
+)
+def test_shards_are_contiguous_disjoint_and_complete(items, processes, bounds):
+    from trainers.sharding import batches_of, shard_bounds
+
+    assert [shard_bounds(items, processes, index) for index in range(processes)] == bounds
+    assert batches_of(list(range(7)), 3) == [[0, 1, 2], [3, 4, 5], [6]]

@@ -1,12 +1,15 @@
-"""One training stage in every process of an ``accelerate launch``, from a JSON spec.
+"""One training stage (or a sharded reference pass or evaluation) in every process of an
+``accelerate launch``, from a JSON spec.
 
     python -m accelerate.commands.launch --multi_gpu --num_processes 2 -m trainers.launch spec.json
 
-The spec names the stage, its section's fields, the ``plugins`` to import first, the checkpoint it
-starts from, the prepared splits (a ``save_to_disk`` folder; DPO's preference split with its
-``ref_*`` columns), the output folder, the compute settings, and the number of processes the run
-must have: a launch that silently ran fewer (``accelerate launch --cpu --num_processes 2`` starts one) fails. Rank 0
-writes ``history.json`` (the Trainer's log history and the world size) and ``model/``.
+The spec names the ``job``, the stage and its section's fields, the ``plugins`` to import first,
+the checkpoint it starts from, the prepared splits (a ``save_to_disk`` folder; DPO's preference
+split with its ``ref_*`` columns), the output folder, the compute settings, and the number of
+processes the run must have: a launch that silently ran fewer (``accelerate launch --cpu
+--num_processes 2`` starts one) fails. Jobs: ``train`` (rank 0 writes ``model/``, and the log
+history and world size in ``history.json``), ``reference`` and ``evaluate`` (the reference pass
+or the evaluation sharded over the processes; their results in ``history.json``).
 :func:`launch_command` builds the command from a ``compute`` section.
 """
 
@@ -53,17 +56,32 @@ def launch_command(compute: Any, spec_path: str | Path, module: str = "trainers.
     return command + ["-m", module, str(spec_path)]
 
 
-def run_spec(spec: dict[str, Any]) -> None:
+def check_world_size(spec: dict[str, Any], world_size: int) -> None:
+    expected = spec.get("world_size")
+    if expected is not None and world_size != expected:
+        raise SystemExit(
+            f"trainers.launch: the spec asks for {expected} processes, this run has {world_size}: "
+            "check the launch command (`--cpu --num_processes N` starts one process)"
+        )
+
+
+def import_plugins(modules: list[str]) -> None:
+    """As the config's plugins: imported, and the rewards they define may be named."""
     import importlib
 
-    import datasets
-
     from trainers.rewards import allow_module
-    from trainers.stages import STAGES, ModelSource, StageInputs
 
-    for module in spec.get("plugins", []):  # as the config's plugins: rewards they define may be named
+    for module in modules:
         importlib.import_module(module)
         allow_module(module)
+
+
+def train_stage(spec: dict[str, Any]) -> dict[str, Any]:
+    """Train the stage; writes ``model/`` and returns the log history."""
+    import datasets
+
+    from trainers.stages import STAGES, ModelSource, StageInputs
+
     stage = STAGES[spec["stage"]]
     section = stage.section(**spec.get("section", {}))
     start = ModelSource(spec["model"])
@@ -79,18 +97,69 @@ def run_spec(spec: dict[str, Any]) -> None:
         cpu=compute.get("cpu", False),
     )
     trainer = stage.build(section, inputs)
-    world_size = trainer.accelerator.num_processes
-    expected = spec.get("world_size")
-    if expected is not None and world_size != expected:
-        raise SystemExit(
-            f"trainers.launch: the spec asks for {expected} processes, this run has {world_size}: "
-            "check the launch command (`--cpu --num_processes N` starts one process)"
-        )
+    check_world_size(spec, trainer.accelerator.num_processes)
     trainer.train()
     trainer.save_model(str(output_dir / "model"))
-    if trainer.is_world_process_zero():
-        history = {"world_size": world_size, "log_history": trainer.state.log_history}
-        (output_dir / HISTORY_FILE).write_text(json.dumps(history))
+    return {"world_size": trainer.accelerator.num_processes, "log_history": trainer.state.log_history}
+
+
+def loaded_model(spec: dict[str, Any]):
+    """The spec's model on this process's device, in the spec's dtype, and the launch's state."""
+    from accelerate import PartialState
+
+    from trainers.modeling import load_causal_lm
+
+    compute = spec.get("compute", {})
+    state = PartialState(cpu=compute.get("cpu", False))
+    check_world_size(spec, state.num_processes)
+    model, tokenizer = load_causal_lm(spec["model"], dtype=compute.get("dtype", "auto"), device=state.device)
+    return model, tokenizer, state
+
+
+def reference_pass(spec: dict[str, Any]) -> dict[str, Any]:
+    """Reference log-probs of the ``preference`` split, sharded over the processes."""
+    import datasets
+
+    from trainers.reference import reference_logps
+
+    model, tokenizer, state = loaded_model(spec)
+    rows = datasets.load_from_disk(spec["splits"])["preference"].to_list()
+    chosen, rejected = reference_logps(
+        model, tokenizer.pad_token_id, rows, spec.get("batch_size", 4), progress=False, state=state
+    )
+    return {"world_size": state.num_processes, "chosen": chosen, "rejected": rejected}
+
+
+def evaluation(spec: dict[str, Any]) -> dict[str, Any]:
+    """Answer metrics of ``eval_split``'s prompts and implicit rewards of the ``preference`` pairs, sharded."""
+    import dataclasses
+
+    import datasets
+
+    from trainers.evaluation import GenerationSpec, answer_metrics, preference_rewards, score_prompts
+
+    model, tokenizer, state = loaded_model(spec)
+    splits = datasets.load_from_disk(spec["splits"])
+    generation = GenerationSpec(**spec.get("generation", {}))
+    prompts = splits[spec.get("eval_split", "eval_prompts")].to_list()
+    results = score_prompts(model, tokenizer, prompts, generation, state)
+    metrics = answer_metrics(results, [1, generation.num_samples], generation.seed)
+    pairs = splits["preference"].to_list()
+    metrics |= preference_rewards(model, tokenizer, pairs, spec.get("beta", 0.5), generation.batch_size, state)
+    return {"world_size": state.num_processes, "metrics": metrics, "results": [dataclasses.asdict(r) for r in results]}
+
+
+JOBS = {"train": train_stage, "reference": reference_pass, "evaluate": evaluation}
+
+
+def run_spec(spec: dict[str, Any]) -> None:
+    """Run the spec's ``job`` (default ``train``) in this process; rank 0 writes its result."""
+    import os
+
+    import_plugins(spec.get("plugins", []))
+    result = JOBS[spec.get("job", "train")](spec)
+    if int(os.environ.get("RANK", "0")) == 0:
+        (Path(spec["output_dir"]) / HISTORY_FILE).write_text(json.dumps(result))
 
 
 def main(argv: list[str] | None = None) -> None:
