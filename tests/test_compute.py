@@ -105,7 +105,13 @@ def test_settings_the_hardware_cannot_run_are_refused(settings, hardware, messag
     ],
 )
 def test_settings_the_hardware_can_run_pass(settings, hardware):
-    check_compute(ComputeConfig(**settings), hardware)
+    check_compute(ComputeConfig(**settings), hardware, launched=True)
+
+
+def test_the_flows_refuse_several_processes_until_they_launch_them():
+    with pytest.raises(ComputeError, match="the pipeline does not launch stages over several processes yet"):
+        check_compute(ComputeConfig(num_processes=2, cpu=True), CPU_ONLY)
+    check_compute(ComputeConfig(cpu=True), CPU_ONLY)
 
 
 def test_the_cli_refuses_more_processes_than_devices_before_anything_starts(capsys):

@@ -37,10 +37,18 @@ def uses_gpu(compute: Any, hardware: Hardware) -> bool:
     return hardware.cuda_devices > 0 and not compute.cpu
 
 
-def check_compute(compute: Any, hardware: Hardware | None = None) -> None:
+PIPELINE_RUNS_ONE_PROCESS = (
+    "compute.num_processes / num_machines: the pipeline does not launch stages over several processes yet "
+    "(its train task runs them in-process); launch a stage with `accelerate launch -m trainers.launch SPEC.json` "
+    "(README: Scaling out)"
+)
+
+
+def check_compute(compute: Any, hardware: Hardware | None = None, *, launched: bool = False) -> None:
     """Raise :class:`ComputeError` naming the field when ``compute`` (a ``ComputeConfig``) cannot
     run here: more processes per machine than GPUs (without ``cpu``), several processes with
-    neither GPUs nor ``cpu``, fp16 without a GPU, bfloat16 on a GPU without it."""
+    neither GPUs nor ``cpu``, fp16 without a GPU, bfloat16 on a GPU without it; and, unless the
+    caller ``launched`` the processes itself, several processes at all (the flows run one)."""
     hardware = hardware or detect_hardware()
     gpu = uses_gpu(compute, hardware)
     per_machine = compute.processes_per_machine
@@ -58,6 +66,8 @@ def check_compute(compute: Any, hardware: Hardware | None = None) -> None:
             f"compute.{field}: this machine's CUDA device does not support bfloat16; use fp16 mixed precision "
             "and dtype float32"
         )
+    if compute.multi_process and not launched:
+        raise ComputeError(PIPELINE_RUNS_ONE_PROCESS)
 
 
 def compute_device(compute: Any | None = None) -> torch.device:
