@@ -3,6 +3,8 @@ evaluation; its errors at load and, for what needs the hardware, before the flow
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from prefect.logging import disable_run_logger
@@ -182,3 +184,31 @@ def test_preference_rewards_of_a_bfloat16_model_match_float32(tiny_checkpoint, p
     bf16 = preference_rewards(*load_causal_lm(tiny_checkpoint.path, dtype="bfloat16"), rows, beta=0.5)
     assert bf16["rewards/accuracies"] == fp32["rewards/accuracies"]
     assert bf16["logratios/margins"] == pytest.approx(fp32["logratios/margins"], rel=0.05, abs=0.05)
+
+
+def test_the_gpu_check_refuses_to_run_without_a_gpu_and_its_cpu_smoke_runs_every_stage():
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine: run benchmarks/gpu_check.py itself")
+    script = [sys.executable, "benchmarks/gpu_check.py"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    refused = subprocess.run(script, capture_output=True, text=True, env=env)
+    assert refused.returncode == 2 and "no CUDA device on this machine; this check needs one GPU" in refused.stderr
+    smoke = [
+        "--model",
+        "builtin:tiny-llama",
+        "--steps",
+        "2",
+        "--allow-cpu",
+        "--batch-size",
+        "8",
+        "--eval-prompts",
+        "16",
+    ]
+    done = subprocess.run(script + smoke, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split(" | ")[0].removeprefix("| ") for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert rows == ["stage", "sft", "reference pass", "dpo", "grpo", "evaluation"]
+    assert "the reference pass and the evaluation ran on cpu" in done.stdout
