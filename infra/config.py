@@ -21,7 +21,7 @@ from pydantic import AfterValidator, BaseModel, Field, ValidationError, create_m
 from trainers.lora import LoraSettings
 from trainers.metrics import evaluation_metric_names, per_prompt_metric_names
 from trainers.rewards import allow_module
-from trainers.sections import Section, TrainingConfig
+from trainers.sections import Section, TrainingConfig, bare_no
 from trainers.stages import STAGES, StageName
 
 # Kept in step with trainers.builtin_model.BUILTIN_MODELS (which imports torch; tests check both agree).
@@ -237,11 +237,7 @@ class ComputeConfig(Section):
         "infra/accelerate/) or a file.",
     )
 
-    @field_validator("mixed_precision", mode="before")
-    @classmethod
-    def _yaml_no(cls, value: Any) -> Any:
-        """YAML reads a bare ``no`` as false."""
-        return "no" if value is False else value
+    _yaml_no = field_validator("mixed_precision", mode="before")(bare_no)
 
     @field_validator("accelerate_config")
     @classmethod

@@ -212,3 +212,31 @@ def test_the_gpu_check_refuses_to_run_without_a_gpu_and_its_cpu_smoke_runs_every
     rows = [line.split(" | ")[0].removeprefix("| ") for line in done.stdout.splitlines() if line.startswith("| ")]
     assert rows == ["stage", "sft", "reference pass", "dpo", "grpo", "evaluation"]
     assert "the reference pass and the evaluation ran on cpu" in done.stdout
+
+
+def test_the_cli_refuses_several_processes_the_pipeline_would_not_launch(capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["run", "configs/minimal.yaml", "compute.cpu=true", "compute.num_processes=2"])
+    assert stop.value.code == 2
+    assert "the pipeline does not launch stages over several processes yet" in capsys.readouterr().err
+
+
+def test_a_stage_takes_the_compute_sections_dtype_and_mixed_precision(tiny_checkpoint, tmp_path):
+    from transformers import TrainingArguments
+
+    from trainers.stages import ModelSource, StageInputs
+    from trainers.stages.sft import SFTConfig
+
+    start = ModelSource(tiny_checkpoint.path)
+    inputs = StageInputs(
+        policy=start, reference=start, splits={}, output_dir=str(tmp_path), dtype="bfloat16", mixed_precision="bf16"
+    )
+    model, _ = inputs.load_policy()
+    assert model_dtype(model) == "bfloat16" and model_dtype(inputs.load_reference()) == "bfloat16"
+    arguments = SFTConfig().training_arguments(TrainingArguments, **inputs.runtime_arguments())
+    assert arguments.bf16 and not arguments.fp16
+    assert arguments.use_cpu == (not torch.cuda.is_available())  # bf16 autocast on the CPU
+    default = StageInputs(policy=start, reference=start, splits={}, output_dir=str(tmp_path))
+    assert "bf16" not in default.runtime_arguments() and "use_cpu" not in default.runtime_arguments()
+    on_cpu = StageInputs(policy=start, reference=start, splits={}, output_dir=str(tmp_path), cpu=True)
+    assert SFTConfig().training_arguments(TrainingArguments, **on_cpu.runtime_arguments()).use_cpu
