@@ -25,7 +25,7 @@ import datasets
 from infra.config import ComputeConfig
 from trainers.builtin_model import save_builtin_model
 from trainers.data import Truncation, tokenize_split
-from trainers.launch import HISTORY_FILE, launch_command
+from trainers.launch import HISTORY_FILE
 from trainers.modeling import load_causal_lm
 from trainers.reference import reference_logps
 from trainers.synthetic import AdditionTask, generate_addition
@@ -66,7 +66,7 @@ def run(spec: dict, processes: int, pairs: int, steps: int, folder: Path) -> tup
     compute = ComputeConfig(cpu=True, num_processes=processes, main_process_port=free_port())
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     started = time.perf_counter()
-    subprocess.run(launch_command(compute, folder / "spec.json"), cwd=REPO, env=env, check=True, capture_output=True)
+    subprocess.run(compute.launch_command(folder / "spec.json"), cwd=REPO, env=env, check=True, capture_output=True)
     wall = time.perf_counter() - started
     history = json.loads((folder / HISTORY_FILE).read_text())
     (summary,) = [entry for entry in history["log_history"] if "train_runtime" in entry]

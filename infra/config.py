@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import re
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -266,6 +267,32 @@ class ComputeConfig(Section):
     @property
     def multi_process(self) -> bool:
         return self.num_processes > 1 or self.num_machines > 1
+
+    def launch_command(self, spec_path: str | Path, module: str = "trainers.launch") -> list[str]:
+        """The ``accelerate launch`` command of these settings running ``python -m module spec_path``.
+
+        Several processes are launched as ``--multi_gpu`` even on the CPU: ``--cpu`` with
+        ``--num_processes 2`` starts one process (accelerate 1.15); the stage itself asks for the
+        CPU (``use_cpu``) and its processes talk over gloo. An ``accelerate_config`` file (FSDP,
+        DeepSpeed) sets the distributed type; this section's counts override its own."""
+        command = [sys.executable, "-m", "accelerate.commands.launch"]
+        if self.accelerate_config:
+            command += ["--config_file", str(accelerate_config_path(self.accelerate_config))]
+        elif self.multi_process:
+            command += ["--multi_gpu"]
+        options = {
+            "num_processes": self.num_processes,
+            "num_machines": self.num_machines,
+            "machine_rank": self.machine_rank,
+            "main_process_port": self.main_process_port,
+            "mixed_precision": self.mixed_precision,
+            "dynamo_backend": "no",
+            "main_process_ip": self.main_process_ip,
+        }
+        for name, value in options.items():
+            if value is not None:
+                command += [f"--{name}", str(value)]
+        return command + ["-m", module, str(spec_path)]
 
 
 class ReferenceConfig(Section):

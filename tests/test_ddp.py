@@ -4,7 +4,7 @@ asserting its own world size, compared with one process doing the same work.
 DPO: 2 processes × 2 pairs equal 1 process × 4 pairs (logged loss trajectory, global metrics,
 final weights). GRPO: 2 processes equal 1 process with completions seeded per row
 (``generation_seed``), one group spread over both ranks, so that its advantages need the rewards
-of both. Each rank runs one torch thread.
+of both, and a KL term to a live reference. Each rank runs one torch thread.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from infra.config import ComputeConfig
 from trainers.data import Truncation, tokenize_split
-from trainers.launch import HISTORY_FILE, launch_command
+from trainers.launch import HISTORY_FILE
 from trainers.modeling import load_causal_lm
 from trainers.reference import reference_logps
 from trainers.synthetic import AdditionTask, generate_addition
@@ -50,7 +50,7 @@ def launch(spec: dict, processes: int, folder: Path) -> dict:
     compute = ComputeConfig(cpu=True, num_processes=processes, main_process_port=free_port())
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(folder.parent), "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(
-        launch_command(compute, folder / "spec.json"),
+        compute.launch_command(folder / "spec.json"),
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -111,7 +111,7 @@ def test_a_launch_that_runs_fewer_processes_than_asked_fails(workdir):
     (target / "spec.json").write_text(
         json.dumps(spec | {"stage": "dpo", "section": dpo, "output_dir": str(target), "world_size": 2})
     )
-    command = launch_command(ComputeConfig(cpu=True), target / "spec.json")  # one process
+    command = ComputeConfig(cpu=True).launch_command(target / "spec.json")  # one process
     done = subprocess.run(command, cwd=REPO, env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
     assert done.returncode != 0
     assert "the spec asks for 2 processes, this run has 1" in done.stderr
@@ -155,6 +155,7 @@ def test_grpo_on_two_processes_equals_one_process_with_a_group_across_ranks(work
         "max_completion_length": 4,
         "log_completions_steps": 0,
         "reward_funcs": ["ddp_rewards:first_code_point"],
+        "beta": 0.05,  # a KL term to a frozen reference copy, prepared on every rank
         "seed": 0,
     }
     grpo = spec | {"stage": "grpo", "plugins": ["ddp_rewards"]}
@@ -163,9 +164,10 @@ def test_grpo_on_two_processes_equals_one_process_with_a_group_across_ranks(work
     one_logs, two_logs = train_logs(one), train_logs(two)
     assert len(one_logs) == len(two_logs) == 3
     for single, double in zip(one_logs, two_logs):
-        for metric in ("loss", "reward", "reward_std", "frac_reward_missing", "completions/mean_length"):
+        for metric in ("loss", "reward", "reward_std", "frac_reward_missing", "completions/mean_length", "kl"):
             assert double[metric] == pytest.approx(single[metric], abs=1e-4), metric
     assert any(entry["reward_std"] > 0 for entry in one_logs)  # advantages were not all 0: it learned something
+    assert one_logs[-1]["kl"] > 0  # the policy moved away from its reference
     assert_same_weights(folder / "grpo1", folder / "grpo2", spec["model"], 1e-4)
 
 
@@ -181,7 +183,7 @@ def test_the_launch_command_is_built_from_the_compute_section():
         mixed_precision="bf16",
         accelerate_config="zero3",
     )
-    command = launch_command(two_machines, "spec.json")
+    command = two_machines.launch_command("spec.json")
     assert command[1:] == [
         "-m",
         "accelerate.commands.launch",
@@ -206,9 +208,9 @@ def test_the_launch_command_is_built_from_the_compute_section():
         "spec.json",
     ]
     # several CPU processes: --multi_gpu, never --cpu (which starts one process)
-    cpu = launch_command(ComputeConfig(cpu=True, num_processes=2), "spec.json")
+    cpu = ComputeConfig(cpu=True, num_processes=2).launch_command("spec.json")
     assert "--multi_gpu" in cpu and "--cpu" not in cpu
-    assert "--multi_gpu" not in launch_command(ComputeConfig(), "spec.json")
+    assert "--multi_gpu" not in ComputeConfig().launch_command("spec.json")
 
 
 def test_a_group_may_straddle_processes_but_a_generation_batch_holds_whole_groups():

@@ -10,7 +10,7 @@ processes the run must have: a launch that silently ran fewer (``accelerate laun
 --num_processes 2`` starts one) fails. Jobs: ``train`` (rank 0 writes ``model/``, and the log
 history and world size in ``history.json``), ``reference`` and ``evaluate`` (the reference pass
 or the evaluation sharded over the processes; their results in ``history.json``).
-:func:`launch_command` builds the command from a ``compute`` section.
+``ComputeConfig.launch_command`` (``infra/config.py``) builds the command from a compute section.
 """
 
 from __future__ import annotations
@@ -21,39 +21,6 @@ from pathlib import Path
 from typing import Any
 
 HISTORY_FILE = "history.json"
-
-
-def launch_command(compute: Any, spec_path: str | Path, module: str = "trainers.launch") -> list[str]:
-    """The ``accelerate launch`` command of ``compute`` (a ``ComputeConfig``) running ``module spec_path``.
-
-    Several processes are launched as ``--multi_gpu`` even on the CPU: ``--cpu`` with
-    ``--num_processes 2`` starts one process (accelerate 1.15); the stage itself asks for the
-    CPU (``use_cpu``) and its processes talk over gloo. An ``accelerate_config`` file (FSDP,
-    DeepSpeed) sets the distributed type; the compute section's counts override its own."""
-    from infra.config import accelerate_config_path
-
-    command = [sys.executable, "-m", "accelerate.commands.launch"]
-    if compute.accelerate_config:
-        command += ["--config_file", str(accelerate_config_path(compute.accelerate_config))]
-    elif compute.multi_process:
-        command += ["--multi_gpu"]
-    command += [
-        "--num_processes",
-        str(compute.num_processes),
-        "--num_machines",
-        str(compute.num_machines),
-        "--machine_rank",
-        str(compute.machine_rank),
-        "--main_process_port",
-        str(compute.main_process_port),
-        "--mixed_precision",
-        compute.mixed_precision,
-        "--dynamo_backend",
-        "no",
-    ]
-    if compute.main_process_ip:
-        command += ["--main_process_ip", compute.main_process_ip]
-    return command + ["-m", module, str(spec_path)]
 
 
 def check_world_size(spec: dict[str, Any], world_size: int) -> None:
