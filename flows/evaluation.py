@@ -10,11 +10,13 @@ from tasks.evaluate import EvalReport, HeldOutRewards, evaluate
 from tasks.models import resolve_model
 from tasks.reference import cache_ref_logps
 from tasks.tracking import start_parent_run, tracked_run
+from trainers.devices import check_compute
 
 
 @flow(name="alignflow-evaluation", log_prints=True)
 def evaluation(request: EvaluationRequest) -> EvalReport:
     """Score each model in ``request.models`` on the same prompts, pairs and seeds."""
+    check_compute(request.compute)
     with tracked_run(start_parent_run(request, kind="evaluation")) as parent_run_id:
         models = {
             label: resolve_model(ModelConfig(source=source), stage=label) for label, source in request.models.items()
@@ -26,8 +28,10 @@ def evaluation(request: EvaluationRequest) -> EvalReport:
         held_out_rewards = None
         if request.reference_model is not None:
             reference = resolve_model(ModelConfig(source=request.reference_model), stage="reference")
-            reference_logps = cache_ref_logps(data, reference, request.reference, parent_run_id)
+            reference_logps = cache_ref_logps(data, reference, request.reference, parent_run_id, request.compute)
             held_out_rewards = HeldOutRewards(reference_logps=reference_logps, beta=request.beta)
-        report = evaluate(models, data, held_out_rewards, request.evaluation, parent_run_id, request.name)
+        report = evaluate(
+            models, data, held_out_rewards, request.evaluation, parent_run_id, request.name, compute=request.compute
+        )
         print(report.summary())
         return report

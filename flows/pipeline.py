@@ -16,6 +16,7 @@ from tasks.promote import find_champion, promote
 from tasks.reference import cache_ref_logps
 from tasks.tracking import link_stage, start_parent_run, tracked_run
 from tasks.train import TrainInputs, train
+from trainers.devices import check_compute
 from trainers.stages import STAGES
 
 
@@ -38,6 +39,7 @@ def experiment(
     nests under the MLflow run ``nest_under`` when given (a sweep's trial under the sweep's run)."""
     if defaults := deployment_default_config():
         config = merge_onto(config, defaults)
+    check_compute(config.compute)  # before any run is started: a setting this machine cannot run fails here
     with tracked_run(start_parent_run(config, parent_run_id=nest_under)) as parent_run_id:
         base = resolve_model(config.model)
         data = prepare_dataset(config.data, base)
@@ -48,9 +50,9 @@ def experiment(
             # A stage's reference is the model it starts from; its log-probs are cached once per content.
             reference_logps = None
             if spec.needs_reference_logps(section):
-                reference_logps = cache_ref_logps(data, policy, config.reference, parent_run_id)
+                reference_logps = cache_ref_logps(data, policy, config.reference, parent_run_id, config.compute)
                 held_out_rewards = HeldOutRewards(reference_logps=reference_logps, beta=section.beta)
-            inputs = TrainInputs(policy, data, reference_logps, lora=config.peft.for_stage(stage))
+            inputs = TrainInputs(policy, data, reference_logps, config.peft.for_stage(stage), config.compute)
             policy = train(stage, section, inputs, parent_run_id, config.name, config.tracking, config.plugins)
             link_stage(parent_run_id, stage, policy.mlflow_run_id)
             models[stage] = policy
@@ -71,7 +73,9 @@ def evaluate_and_gate(
     if champion is not None:
         models = models | champion.models()
     final = config.stages[-1]
-    report = evaluate(models, data, held_out_rewards, config.evaluation, parent_run_id, config.name, final)
+    report = evaluate(
+        models, data, held_out_rewards, config.evaluation, parent_run_id, config.name, final, config.compute
+    )
     print(report.summary())
     if config.promotion.registered_model:
         decision = promote(report, policy, final, config.promotion, champion, data, parent_run_id)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import re
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal, get_args
 
@@ -21,7 +22,7 @@ from pydantic import AfterValidator, BaseModel, Field, ValidationError, create_m
 from trainers.lora import LoraSettings
 from trainers.metrics import evaluation_metric_names, per_prompt_metric_names
 from trainers.rewards import allow_module
-from trainers.sections import Section, TrainingConfig
+from trainers.sections import Section, TrainingConfig, bare_no
 from trainers.stages import STAGES, StageName
 
 # Kept in step with trainers.builtin_model.BUILTIN_MODELS (which imports torch; tests check both agree).
@@ -192,6 +193,108 @@ class PeftConfig(LoraSettings):
         return LoraSettings(**self.model_dump(include=set(LoraSettings.model_fields)))
 
 
+ACCELERATE_CONFIG_DIR = Path(__file__).parent / "accelerate"
+MixedPrecision = Literal["no", "bf16", "fp16"]
+LoadDtype = Literal["auto", "float32", "bfloat16"]
+
+
+def accelerate_config_path(name: str) -> Path:
+    """A shipped accelerate config (``ddp``, ``fsdp``, ``zero2``, ``zero3``: ``infra/accelerate/<name>.yaml``)
+    or the path of one's own file."""
+    shipped = ACCELERATE_CONFIG_DIR / f"{name}.yaml"
+    if shipped.is_file():
+        return shipped
+    path = Path(name).expanduser()
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in ACCELERATE_CONFIG_DIR.glob("*.yaml")))
+        raise ValueError(f"accelerate_config: {name!r} is neither a shipped config ({known}) nor an existing file")
+    return path
+
+
+class ComputeConfig(Section):
+    """Where and in what precision the stages, the reference pass and the evaluation run: one
+    policy for all of them. The defaults are today's single process: the GPU where there is one,
+    else the CPU, in the checkpoint's own dtype. Checks that need the hardware (device count,
+    bfloat16 support) run when the flow starts (:func:`trainers.devices.check_compute`)."""
+
+    cpu: bool = Field(
+        False, description="Run on the CPU even where a GPU is present (accelerate's --cpu; processes talk over gloo)."
+    )
+    num_processes: int = Field(1, ge=1, description="Processes in all (over every machine); one per GPU.")
+    num_machines: int = Field(1, ge=1, description="Machines taking part in a multi-process stage.")
+    machine_rank: int = Field(0, ge=0, description="This machine's rank (0 on the machine with main_process_ip).")
+    main_process_ip: str | None = Field(None, description="Address of machine 0; needed when num_machines > 1.")
+    main_process_port: int = Field(29500, ge=1, le=65535, description="Port of the rendezvous on machine 0.")
+    mixed_precision: MixedPrecision = Field(
+        "no", description="Autocast of every training stage: `bf16`, `fp16` (CUDA only) or `no`."
+    )
+    dtype: LoadDtype = Field(
+        "auto",
+        description="dtype the models are loaded in (training, reference pass, evaluation); `auto`: the checkpoint's.",
+    )
+    accelerate_config: str | None = Field(
+        None,
+        description="Accelerate config for FSDP or DeepSpeed: a shipped one (`ddp`, `fsdp`, `zero2`, `zero3`, "
+        "infra/accelerate/) or a file.",
+    )
+
+    _yaml_no = field_validator("mixed_precision", mode="before")(bare_no)
+
+    @field_validator("accelerate_config")
+    @classmethod
+    def _known_accelerate_config(cls, name: str | None) -> str | None:
+        if name is not None:
+            accelerate_config_path(name)
+        return name
+
+    @model_validator(mode="after")
+    def _check_machines(self) -> ComputeConfig:
+        if self.machine_rank >= self.num_machines:
+            raise ValueError(f"machine_rank ({self.machine_rank}) must be below num_machines ({self.num_machines})")
+        if self.num_machines > 1 and not self.main_process_ip:
+            raise ValueError("num_machines > 1 needs main_process_ip (the address of machine 0)")
+        if self.num_processes % self.num_machines:
+            raise ValueError(
+                f"num_processes ({self.num_processes}) must be a multiple of num_machines ({self.num_machines}): "
+                "the same number of processes on every machine"
+            )
+        return self
+
+    @property
+    def processes_per_machine(self) -> int:
+        return self.num_processes // self.num_machines
+
+    @property
+    def multi_process(self) -> bool:
+        return self.num_processes > 1 or self.num_machines > 1
+
+    def launch_command(self, spec_path: str | Path, module: str = "trainers.launch") -> list[str]:
+        """The ``accelerate launch`` command of these settings running ``python -m module spec_path``.
+
+        Several processes are launched as ``--multi_gpu`` even on the CPU: ``--cpu`` with
+        ``--num_processes 2`` starts one process (accelerate 1.15); the stage itself asks for the
+        CPU (``use_cpu``) and its processes talk over gloo. An ``accelerate_config`` file (FSDP,
+        DeepSpeed) sets the distributed type; this section's counts override its own."""
+        command = [sys.executable, "-m", "accelerate.commands.launch"]
+        if self.accelerate_config:
+            command += ["--config_file", str(accelerate_config_path(self.accelerate_config))]
+        elif self.multi_process:
+            command += ["--multi_gpu"]
+        options = {
+            "num_processes": self.num_processes,
+            "num_machines": self.num_machines,
+            "machine_rank": self.machine_rank,
+            "main_process_port": self.main_process_port,
+            "mixed_precision": self.mixed_precision,
+            "dynamo_backend": "no",
+            "main_process_ip": self.main_process_ip,
+        }
+        for name, value in options.items():
+            if value is not None:
+                command += [f"--{name}", str(value)]
+        return command + ["-m", module, str(spec_path)]
+
+
 class ReferenceConfig(Section):
     batch_size: int = Field(128, ge=1, description="Pairs per reference forward pass.")
 
@@ -348,6 +451,18 @@ class ExperimentBase(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _one_mixed_precision(self) -> ExperimentBase:
+        if self.compute.mixed_precision == "no":
+            return self
+        doubled = [stage for stage in self.stages if self.stage(stage).bf16 is not False]
+        if doubled:
+            raise ValueError(
+                f"compute.mixed_precision ({self.compute.mixed_precision}) applies to every stage; "
+                f"{', '.join(f'{stage}.bf16' for stage in doubled)} sets it again: set one of them"
+            )
+        return self
+
     def stage(self, name: str) -> TrainingConfig:
         """The config section of stage ``name``."""
         return getattr(self, name)
@@ -373,6 +488,7 @@ ExperimentConfig = create_model(
     **{spec.name: section(spec.section, title=spec.title, description=spec.description) for spec in STAGES.values()},
     reference=section(ReferenceConfig),
     evaluation=section(EvaluationConfig),
+    compute=section(ComputeConfig),
     tracking=section(TrackingConfig),
     promotion=section(PromotionConfig),
 )
@@ -397,6 +513,7 @@ class EvaluationRequest(Section):
         default_factory=DataConfig, description="Where the eval prompts and held-out pairs come from."
     )
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    compute: ComputeConfig = Field(default_factory=ComputeConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @property

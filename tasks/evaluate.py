@@ -14,12 +14,13 @@ from prefect.artifacts import create_table_artifact
 from prefect.runtime import flow_run
 from pydantic import BaseModel
 
-from infra.config import EvaluationConfig
+from infra.config import ComputeConfig, EvaluationConfig
 from infra.settings import get_settings
 from tasks.fingerprints import atomic_directory, code_fingerprint, hash_value
 from tasks.handles import ModelHandle, PreparedData, ReferenceLogps
 from tasks.reference import with_reference_columns
 from tasks.tracking import client, log_metrics, stage_output_dir, stage_run_id, tracked_run
+from trainers.devices import compute_device
 from trainers.evaluation import (
     GenerationSpec,
     PromptResult,
@@ -28,7 +29,7 @@ from trainers.evaluation import (
     preference_rewards,
     score_prompts,
 )
-from trainers.modeling import load_causal_lm
+from trainers.modeling import load_causal_lm, load_dtype
 
 # Shown in the printed table; every metric (CIs, pass@k, lengths) goes to MLflow.
 TABLE_COLUMNS = {
@@ -106,9 +107,16 @@ class ModelScores:
 
 
 def score_model(
-    handle: ModelHandle, prompts: list[dict], pairs: list[dict] | None, config: EvaluationConfig, beta: float | None
+    handle: ModelHandle,
+    prompts: list[dict],
+    pairs: list[dict] | None,
+    config: EvaluationConfig,
+    beta: float | None,
+    compute: ComputeConfig,
 ) -> ModelScores:
-    model, tokenizer = load_causal_lm(handle.path, handle.revision)
+    """Every metric of one model, on this machine's GPU where there is one (unless ``compute.cpu``),
+    loaded in ``compute.dtype``."""
+    model, tokenizer = load_causal_lm(handle.path, handle.revision, compute.dtype, compute_device(compute))
     scores = ModelScores({}, {}, {})
     if prompts:
         spec = GenerationSpec(
@@ -129,12 +137,18 @@ SCORES_FILE = "scores.json"
 
 
 def scores_key(
-    handle: ModelHandle, data: PreparedData, pairs_from: ReferenceLogps | None, config: EvaluationConfig, beta
+    handle: ModelHandle,
+    data: PreparedData,
+    pairs_from: ReferenceLogps | None,
+    config: EvaluationConfig,
+    beta,
+    dtype: str = "float32",
 ) -> str:
-    """What a model's scores are a function of: its weights and tokenizer, the prepared held-out
-    prompts (and pairs with their reference log-probs), the evaluation settings and the code."""
+    """What a model's scores are a function of: its weights and tokenizer, the dtype it runs in, the
+    prepared held-out prompts (and pairs with their reference log-probs), the evaluation settings and the code."""
     return hash_value(
         {
+            "dtype": dtype,
             # weights and tokenizer, not the run-specific files beside them (training_args.bin)
             "model": [handle.weights_fingerprint or handle.fingerprint, handle.tokenizer_fingerprint],
             "data": data.fingerprint,
@@ -152,6 +166,7 @@ def cached_score_model(
     config: EvaluationConfig,
     beta: float | None,
     key: str,
+    compute: ComputeConfig,
 ) -> ModelScores:
     """:func:`score_model`, computed once per content key under the evaluation cache (a model
     evaluated again, e.g. the champion or an unchanged stage, is neither loaded nor run)."""
@@ -164,7 +179,7 @@ def cached_score_model(
     except (OSError, ValueError, KeyError, TypeError) as problem:
         get_run_logger().warning("evaluation cache entry %s is unreadable (%s): scoring again", folder, problem)
         shutil.rmtree(folder, ignore_errors=True)
-    scores = score_model(handle, prompts, pairs, config, beta)
+    scores = score_model(handle, prompts, pairs, config, beta, compute)
     with atomic_directory(folder) as staging:
         (staging / SCORES_FILE).write_text(json.dumps(dataclasses.asdict(scores)))
     return scores
@@ -179,6 +194,7 @@ def evaluate(
     parent_run_id: str,
     config_name: str,
     final_label: str | None = None,
+    compute: ComputeConfig = ComputeConfig(),  # noqa: B008 (frozen)
 ) -> EvalReport:
     """Score every model; implicit-reward metrics skip the reference itself (its margin is 0 by
     definition). ``final_label``'s metrics are also logged on the parent run as ``final/<metric>``."""
@@ -201,8 +217,9 @@ def evaluate(
             # the reference's implicit reward is 0 by definition: no reward metrics for it
             model_pairs = None if model.fingerprint == reference_fingerprint else pairs
             pairs_from = held_out_rewards.reference_logps if model_pairs else None
-            key = scores_key(model, data, pairs_from, config, beta)
-            scores = cached_score_model(model, prompts, model_pairs, config, beta, key)
+            dtype = load_dtype(model.path, model.revision, compute.dtype)
+            key = scores_key(model, data, pairs_from, config, beta, dtype)
+            scores = cached_score_model(model, prompts, model_pairs, config, beta, key, compute)
             rows[label], per_prompt[label] = scores.metrics, scores.per_prompt
             log_metrics(run_id, {f"{label}/{name}": value for name, value in rows[label].items()})
             log_metrics(parent_run_id, {f"eval/{label}/{name}": value for name, value in rows[label].items()})

@@ -72,6 +72,8 @@ class ReferenceLogps(Handle):
     data: PreparedData
     reference: ModelHandle
     batch_size: int
+    dtype: str = "float32"  # the reference forward's (part of the key)
+    cpu: bool = False  # computed on the CPU even where there is a GPU (``compute.cpu``)
 
     @property
     def path(self) -> str:

@@ -14,7 +14,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.context import TaskRunContext
 from prefect.runtime import flow_run, task_run
 
-from infra.config import ReferenceConfig
+from infra.config import ComputeConfig, ReferenceConfig
 from infra.settings import get_settings
 from tasks.caching import computed_once
 from tasks.fingerprints import code_fingerprint, hash_value
@@ -23,17 +23,19 @@ from tasks.refcache import CacheEntry, CacheIntegrityError, Columns, ReferenceCa
 from tasks.results import CACHED_RESULT, checked_cache_key
 from tasks.tracking import log_dataset_input, log_metrics
 from trainers.collators import REF_COLUMNS
-from trainers.modeling import load_causal_lm
+from trainers.devices import compute_device, model_dtype
+from trainers.modeling import load_causal_lm, load_dtype
 from trainers.reference import reference_logps
 
 PREFERENCE_SPLITS = ("preference", "preference_eval")
-REFERENCE_DTYPE = "float32"
 MLFLOW_SCHEMA = {"row_id": "long", "ref_chosen_logps": "float", "ref_rejected_logps": "float"}
 PROGRESS_STEP = 5.0  # percent between updates of the Prefect progress artifact
 
 
-def reference_key_inputs(data: PreparedData, reference: ModelHandle) -> dict:
-    """Everything that changes the values and nothing else (no run names, no hyper-parameters)."""
+def reference_key_inputs(data: PreparedData, reference: ModelHandle, dtype: str = "float32") -> dict:
+    """Everything that changes the values and nothing else (no run names, no hyper-parameters).
+    ``dtype`` is the one the reference forward runs in (:func:`reference_dtype`); the pass checks
+    it against the loaded model's parameters."""
     return {
         "pairs": {
             split: data.token_fingerprints[split] for split in PREFERENCE_SPLITS if split in data.token_fingerprints
@@ -42,16 +44,24 @@ def reference_key_inputs(data: PreparedData, reference: ModelHandle) -> dict:
         "weights": reference.weights_fingerprint or reference.fingerprint,  # hub models: id + revision
         "tokenizer": reference.tokenizer_fingerprint,
         "code": code_fingerprint(__name__),  # this module and the trainers code it runs: log-probs, collators, loading
-        "dtype": REFERENCE_DTYPE,
+        "dtype": dtype,
     }
 
 
-def reference_key(data: PreparedData, reference: ModelHandle) -> str:
-    return hash_value(reference_key_inputs(data, reference))
+def reference_key(data: PreparedData, reference: ModelHandle, dtype: str = "float32") -> str:
+    return hash_value(reference_key_inputs(data, reference, dtype))
+
+
+def reference_dtype(reference: ModelHandle, compute: ComputeConfig) -> str:
+    """The dtype the reference is loaded, and its forward run, in: ``compute.dtype``, or the
+    checkpoint's own for ``auto``."""
+    return load_dtype(reference.path, reference.revision, compute.dtype)
 
 
 def reference_cache_key(context, parameters) -> str:
-    return "reference-" + reference_key(parameters["data"], parameters["reference"])
+    data, reference = parameters["data"], parameters["reference"]
+    dtype = reference_dtype(reference, parameters.get("compute") or ComputeConfig())
+    return "reference-" + reference_key(data, reference, dtype)
 
 
 def reference_store(root: str | None = None) -> ReferenceCache:
@@ -77,14 +87,23 @@ class PrefectProgress:
             self.shown = percent
 
 
-def compute_columns(data: PreparedData, reference: ModelHandle, batch_size: int) -> dict[str, Columns]:
-    """Reference log-probs of every preference split in row order (row id = position in the split)."""
-    model, tokenizer = load_causal_lm(reference.path, reference.revision)
+def compute_columns(ref: ReferenceLogps) -> dict[str, Columns]:
+    """Reference log-probs of every preference split in row order (row id = position in the split),
+    on this machine's GPU where there is one (unless ``ref.cpu``), in ``ref.dtype``: the dtype of
+    its key, which must be the loaded model's."""
+    data, reference = ref.data, ref.reference
+    model, tokenizer = load_causal_lm(reference.path, reference.revision, ref.dtype, compute_device(ref))
+    if model_dtype(model) != ref.dtype:
+        raise CacheIntegrityError(
+            f"reference {reference.path} loaded in {model_dtype(model)}, but its cache key says {ref.dtype}"
+        )
     prepared = datasets.load_from_disk(data.path)
     splits = [split for split in PREFERENCE_SPLITS if split in prepared]
     progress = PrefectProgress(sum(len(prepared[split]) for split in splits))
     return {
-        split: reference_logps(model, tokenizer.pad_token_id, prepared[split].to_list(), batch_size, on_batch=progress)
+        split: reference_logps(
+            model, tokenizer.pad_token_id, prepared[split].to_list(), ref.batch_size, on_batch=progress
+        )
         for split in splits
     }
 
@@ -99,8 +118,8 @@ def ensure_entry(ref: ReferenceLogps, mlflow_run_id: str | None = None) -> tuple
     }
     return reference_store(ref.root).get_or_compute(
         ref.key,
-        lambda: compute_columns(ref.data, ref.reference, ref.batch_size),
-        inputs=reference_key_inputs(ref.data, ref.reference),
+        lambda: compute_columns(ref),
+        inputs=reference_key_inputs(ref.data, ref.reference, ref.dtype),
         producer={name: str(value) for name, value in producer.items() if value},
         expected_rows={split: rows for split, rows in ref.data.rows.items() if split in PREFERENCE_SPLITS},
     )
@@ -139,16 +158,23 @@ def log_reference_input(run_id: str, ref: ReferenceLogps) -> None:
     **CACHED_RESULT,
 )
 def cache_ref_logps(
-    data: PreparedData, reference: ModelHandle, config: ReferenceConfig, parent_run_id: str | None = None
+    data: PreparedData,
+    reference: ModelHandle,
+    config: ReferenceConfig,
+    parent_run_id: str | None = None,
+    compute: ComputeConfig = ComputeConfig(),  # noqa: B008 (frozen)
 ) -> ReferenceLogps:
-    """Reference log-probs of every preference pair: read from the cache, or computed into it once.
-    Logs the stage's wall time and pairs/s to the parent MLflow run."""
+    """Reference log-probs of every preference pair: read from the cache, or computed into it once
+    (device and dtype from ``compute``). Logs the stage's wall time and pairs/s to the parent MLflow run."""
+    dtype = reference_dtype(reference, compute)
     ref = ReferenceLogps(
-        key=reference_key(data, reference),
+        key=reference_key(data, reference, dtype),
         root=reference_store().root,
         data=data,
         reference=reference,
         batch_size=config.batch_size,
+        dtype=dtype,
+        cpu=compute.cpu,
     )
     started = time.perf_counter()
     entry, computed = ensure_entry(ref, parent_run_id)

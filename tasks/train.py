@@ -18,7 +18,7 @@ import datasets
 from prefect import get_run_logger, task
 from transformers.trainer_callback import PrinterCallback
 
-from infra.config import TrackingConfig
+from infra.config import ComputeConfig, TrackingConfig
 from infra.settings import get_settings
 from tasks.caching import computed_once
 from tasks.fingerprints import atomic_directory, code_fingerprint, hash_paths, hash_value
@@ -58,6 +58,7 @@ class TrainInputs:
     data: PreparedData
     reference_logps: ReferenceLogps | None = None
     lora: LoraSettings | None = None  # train LoRA adapters (``peft.for_stage``) instead of every weight
+    compute: ComputeConfig = ComputeConfig()  # noqa: RUF009 (frozen): load dtype and mixed precision
 
 
 def stage_inputs(
@@ -73,7 +74,15 @@ def stage_inputs(
     start = ModelSource(inputs.policy.path, inputs.policy.revision)
     policy = start if policy_from is None else ModelSource(str(policy_from))
     return StageInputs(
-        policy=policy, reference=start, splits=splits, output_dir=output_dir, callbacks=callbacks, lora=inputs.lora
+        policy=policy,
+        reference=start,
+        splits=splits,
+        output_dir=output_dir,
+        callbacks=callbacks,
+        lora=inputs.lora,
+        dtype=inputs.compute.dtype,
+        mixed_precision=inputs.compute.mixed_precision,
+        cpu=inputs.compute.cpu,
     )
 
 
@@ -89,6 +98,7 @@ def stage_key_inputs(stage: str, section: TrainingConfig, inputs: TrainInputs, p
         "data": inputs.data.fingerprint,
         "reference_logps": inputs.reference_logps.key if inputs.reference_logps is not None else None,
         "lora": inputs.lora.model_dump(mode="json") if inputs.lora else None,
+        "precision": [inputs.compute.dtype, inputs.compute.mixed_precision],
         "code": code_fingerprint(STAGES[stage].build.__module__, *plugins),
     }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -12,6 +13,7 @@ from trainers.collators import PreferenceCollator, pad_left
 from trainers.logprobs import completion_logps
 from trainers.losses import reward_metrics
 from trainers.metrics import ANSWER_METRICS, PREFERENCE_METRICS, bootstrap_ci, exact_match, pass_at_k
+from trainers.sharding import batches_of, gather_shards, local_shard
 
 
 @dataclass(frozen=True)
@@ -58,21 +60,25 @@ def generate_completions(
     do_sample: bool,
     num_return_sequences: int,
     spec: GenerationSpec,
+    state: Any | None = None,
 ) -> list[list[Completion]]:
-    """``num_return_sequences`` completions per prompt, batched, special tokens removed from the text."""
+    """``num_return_sequences`` completions per prompt, batched, special tokens removed from the text.
+    Batch ``i`` samples under seed ``spec.seed + i``, so that with ``state`` (a launch's
+    ``PartialState``) each process generates its share of the batches and every process gets all
+    completions, in order, the same as one process."""
     model.eval()
-    torch.manual_seed(spec.seed)
     sampling = (
         {"do_sample": True, "temperature": spec.temperature, "top_k": 0, "top_p": 1.0}
         if do_sample
         else {"do_sample": False}
     )
+    first, mine = local_shard(batches_of(prompts, spec.batch_size), state)
     completions: list[list[Completion]] = []
-    starts = range(0, len(prompts), spec.batch_size)
     # disable=None: a bar on a terminal only; redirected output (logs, CI) gets no bar fragments
-    bar = tqdm(starts, desc="sampling" if do_sample else "greedy decoding", mininterval=5, leave=False, disable=None)
-    for start in bar:
-        input_ids, attention_mask = pad_left(prompts[start : start + spec.batch_size], tokenizer.pad_token_id)
+    bar = tqdm(mine, desc="sampling" if do_sample else "greedy decoding", mininterval=5, leave=False, disable=None)
+    for index, part in enumerate(bar, start=first):
+        torch.manual_seed(spec.seed + index)
+        input_ids, attention_mask = pad_left(part, tokenizer.pad_token_id)
         output = model.generate(
             input_ids=input_ids.to(model.device),
             attention_mask=attention_mask.to(model.device),
@@ -88,15 +94,19 @@ def generate_completions(
             Completion(text, generated_length(tokens, tokenizer.eos_token_id)) for text, tokens in zip(texts, generated)
         ]
         completions += [flat[i : i + num_return_sequences] for i in range(0, len(flat), num_return_sequences)]
-    return completions
+    return gather_shards(completions, state)
 
 
-def score_prompts(model, tokenizer, rows: list[dict], spec: GenerationSpec) -> list[PromptResult]:
-    """Greedy and ``num_samples`` sampled completions of every prompt, same seed for every model."""
+def score_prompts(
+    model, tokenizer, rows: list[dict], spec: GenerationSpec, state: Any | None = None
+) -> list[PromptResult]:
+    """Greedy and ``num_samples`` sampled completions of every prompt, same seeds for every model
+    (sharded over the processes of ``state``, see :func:`generate_completions`)."""
     prompts = [r["prompt_ids"] for r in rows]
-    greedy = generate_completions(model, tokenizer, prompts, do_sample=False, num_return_sequences=1, spec=spec)
+    options = {"spec": spec, "state": state}
+    greedy = generate_completions(model, tokenizer, prompts, do_sample=False, num_return_sequences=1, **options)
     sampled = generate_completions(
-        model, tokenizer, prompts, do_sample=True, num_return_sequences=spec.num_samples, spec=spec
+        model, tokenizer, prompts, do_sample=True, num_return_sequences=spec.num_samples, **options
     )
     return [
         PromptResult(tokenizer.decode(row["prompt_ids"], skip_special_tokens=True), row["answer"], g[0], s)
@@ -132,18 +142,26 @@ def answer_metrics(
 
 
 @torch.no_grad()
-def preference_rewards(model, tokenizer, rows: list[dict], beta: float, batch_size: int = 256) -> dict[str, float]:
+def preference_rewards(
+    model, tokenizer, rows: list[dict], beta: float, batch_size: int = 256, state: Any | None = None
+) -> dict[str, float]:
     """Held-out implicit-reward accuracy and margin β·Δ against the cached ``ref_*`` log-probs, and
-    the β-free log-ratio margin Δ = (π_c − ref_c) − (π_r − ref_r), comparable across runs of any β."""
+    the β-free log-ratio margin Δ = (π_c − ref_c) − (π_r − ref_r), comparable across runs of any β.
+    Batches go to the model's device; with ``state`` each process scores its share of the batches
+    and the per-batch sums are added in batch order, as one process adds them."""
     model.eval()
     collate = PreferenceCollator(tokenizer.pad_token_id)
-    totals = dict.fromkeys(PREFERENCE_METRICS, 0.0)
-    for start in range(0, len(rows), batch_size):
-        batch = collate(rows[start : start + batch_size])
+    _, mine = local_shard(batches_of(rows, batch_size), state)
+    sums = []  # per batch: metric × pairs
+    for part in mine:
+        batch = {name: tensor.to(model.device) for name, tensor in collate(part).items()}
         logps = completion_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"]).logps
         n = len(batch["ref_chosen_logps"])
         chosen, rejected = logps[:n] - batch["ref_chosen_logps"], logps[n:] - batch["ref_rejected_logps"]
         metrics = reward_metrics(beta * chosen, beta * rejected) | {"logratios/margins": (chosen - rejected).mean()}
+        sums.append({name: metrics[name].item() * n for name in PREFERENCE_METRICS})
+    totals = dict.fromkeys(PREFERENCE_METRICS, 0.0)
+    for batch_sums in gather_shards(sums, state):
         for name in totals:
-            totals[name] += metrics[name].item() * n
+            totals[name] += batch_sums[name]
     return {name: value / len(rows) for name, value in totals.items()}

@@ -105,6 +105,12 @@ class GRPOConfig(TrainingArguments):
         return self.layout.steps_per_generation > self.gradient_accumulation_steps or self.num_iterations > 1
 
 
+def completion_seed(seed: int, generation: int, row: int) -> int:
+    """The seed of completion ``row`` of generation batch ``generation`` (1-based): ``seed``,
+    ``generation`` and ``row`` packed into one 63-bit integer, distinct for every pair below 2²⁰ rows."""
+    return (seed * 1_000_003 + generation) * 2**20 + row
+
+
 def keep_rows(features: list[dict]) -> list[dict]:
     """The dataloader hands over raw rows; tensors are built after generation."""
     return features
@@ -264,19 +270,46 @@ class GRPOTrainer(Trainer):
 
     @torch.no_grad()
     def generate(self, model, prompts: list[list[int]]) -> torch.Tensor:
-        """Sampled completion tokens ``[N, ≤ max_completion_length]`` for left-padded prompts."""
+        """Sampled completion tokens ``[N, ≤ max_completion_length]`` for left-padded prompts (with
+        ``generation_seed``: each completion sampled alone, under its own seed, see :meth:`generate_seeded`)."""
         self.generation_calls += 1
         unwrapped = self.accelerator.unwrap_model(model)
         was_training = unwrapped.training
         unwrapped.eval()
-        input_ids, attention_mask = pad_left(prompts, self.processing_class.pad_token_id)
-        output = unwrapped.generate(
-            input_ids=input_ids.to(self.accelerator.device),
-            attention_mask=attention_mask.to(self.accelerator.device),
-            generation_config=self.generation_config,
-        )
+        if self.args.generation_seed is not None:
+            completions = self.generate_seeded(unwrapped, prompts)
+        else:
+            input_ids, attention_mask = pad_left(prompts, self.processing_class.pad_token_id)
+            output = unwrapped.generate(
+                input_ids=input_ids.to(self.accelerator.device),
+                attention_mask=attention_mask.to(self.accelerator.device),
+                generation_config=self.generation_config,
+            )
+            completions = output[:, input_ids.shape[1] :].cpu()
         unwrapped.train(was_training)
-        return output[:, input_ids.shape[1] :].cpu()
+        return completions
+
+    def generate_seeded(self, model, prompts: list[list[int]]) -> torch.Tensor:
+        """Each completion generated alone under the seed :func:`completion_seed` of its place in the
+        generation batch over all processes (this process holds rows ``rank × N`` onwards), so it
+        depends on neither the process count nor its neighbours. Shorter rows are padded with EOS
+        (cut at the first EOS later); the global RNG state is left as it was."""
+        device = self.accelerator.device
+        first_row = self.accelerator.process_index * len(prompts)
+        rows = []
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for offset, prompt in enumerate(prompts):
+                torch.manual_seed(completion_seed(self.args.generation_seed, self.generation_calls, first_row + offset))
+                input_ids = torch.tensor([prompt], device=device)
+                output = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    generation_config=self.generation_config,
+                )
+                rows.append(output[0, len(prompt) :].cpu())
+        width = max(len(row) for row in rows)
+        eos = self.processing_class.eos_token_id
+        return torch.stack([torch.cat([row, row.new_full((width - len(row),), eos)]) for row in rows])
 
     def generate_and_score(self, model, rows: list[dict]) -> list[dict[str, torch.Tensor]]:
         args: GRPOConfig = self.args

@@ -48,8 +48,8 @@ def resolve_layout(
 
     ``steps_per_generation`` and ``generation_batch_size`` are alternatives; with neither,
     one generation batch feeds one optimizer step (``steps_per_generation`` = accumulation steps).
-    The per-device part of a generation batch must hold whole groups, so that a prompt's
-    ``num_generations`` completions never straddle two processes.
+    A generation batch must hold whole groups; a group may straddle two processes (its
+    advantages are computed from the rewards gathered over all of them).
     """
     if num_generations < 2:
         raise ValueError(
@@ -69,9 +69,14 @@ def resolve_layout(
     if steps_per_generation < 1:
         raise ValueError(f"steps_per_generation must be at least 1, got {steps_per_generation}")
     layout = GenerationLayout(per_device_batch_size, num_processes, steps_per_generation, num_generations)
-    if layout.per_device_generation_batch_size % num_generations:
+    if layout.generation_batch_size % num_generations:
+        names, factors = ["per_device_train_batch_size", "steps_per_generation"], [per_device_batch_size]
+        if num_processes > 1:
+            names.insert(1, "processes")
+            factors.append(num_processes)
+        product = " × ".join(map(str, [*factors, steps_per_generation]))
         raise ValueError(
-            f"per_device_train_batch_size × steps_per_generation ({per_device_batch_size} × {steps_per_generation} = "
-            f"{layout.per_device_generation_batch_size}) must be divisible by num_generations ({num_generations})"
+            f"{' × '.join(names)} ({product} = {layout.generation_batch_size}) must be divisible by "
+            f"num_generations ({num_generations})"
         )
     return layout

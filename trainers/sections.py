@@ -53,6 +53,11 @@ SchedulerName = Literal["linear", "cosine", "constant", "constant_with_warmup"]
 EvalStrategy = Literal["no", "steps", "epoch"]
 
 
+def bare_no(value: Any) -> Any:
+    """YAML reads a bare ``no`` as false: ``eval_strategy: no`` means ``"no"`` (a before-validator)."""
+    return "no" if value is False else value
+
+
 class TrainingConfig(Section):
     """Optimisation settings shared by every training stage. A stage overrides a default with
     ``Field(new default, <the same constraints>)``; ``tests/test_config.py`` checks they are kept."""
@@ -92,11 +97,7 @@ class TrainingConfig(Section):
         description="More Trainer integrations (`tensorboard`, `wandb`, …); MLflow is always on through the pipeline.",
     )
 
-    @field_validator("eval_strategy", mode="before")
-    @classmethod
-    def _yaml_no(cls, value: Any) -> Any:
-        """YAML reads a bare ``no`` as false: ``eval_strategy: no`` means ``"no"``."""
-        return "no" if value is False else value
+    _yaml_no = field_validator("eval_strategy", mode="before")(bare_no)
 
     @field_validator("report_to")
     @classmethod
@@ -118,19 +119,21 @@ class TrainingConfig(Section):
         turns step saving off), ``gradient_checkpointing`` (``activation_checkpointing``, its
         current name), ``bf16: auto`` (resolved for this machine) and ``eval_strategy``, which
         applies when the trainer ``evaluates`` (has a held-out split) and is ``no`` otherwise.
-        ``bf16: true`` on a machine without a GPU is CPU autocast. ``runtime`` holds what is not
-        configuration (``output_dir``, …)."""
+        ``bf16: true`` (or ``compute.mixed_precision: bf16``) on a machine without a GPU is CPU
+        autocast. ``runtime`` holds what is not a stage's configuration (``output_dir``, the
+        compute section's mixed precision and ``use_cpu``, …)."""
         values = self.model_dump()
         values["warmup_steps"] = values.pop("warmup_ratio")
         values["save_strategy"] = "steps" if self.save_steps else "no"
         values["per_device_eval_batch_size"] = self.per_device_train_batch_size
         values["activation_checkpointing"] = values.pop("gradient_checkpointing")
         values["bf16"] = bf16_available() if self.bf16 == "auto" else self.bf16
-        if values["bf16"] and not accelerator_available():
-            values["use_cpu"] = True  # bf16 autocast on the CPU; transformers refuses it otherwise
         if not evaluates:
             values["eval_strategy"] = "no"
-        return arguments_class(**values, **runtime)
+        values |= runtime  # may hold compute's mixed precision (bf16 / fp16) and use_cpu
+        if values["bf16"] and not accelerator_available():
+            values["use_cpu"] = True  # bf16 autocast on the CPU; transformers refuses it otherwise
+        return arguments_class(**values)
 
 
 def bf16_available() -> bool:

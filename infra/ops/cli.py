@@ -210,6 +210,19 @@ def load_or_exit(schema, args: argparse.Namespace, reader=None):
     return config
 
 
+def check_compute_or_exit(config, args: argparse.Namespace) -> None:
+    """Exit 2 when this machine cannot run ``config.compute`` (device count, bfloat16): before the
+    flow starts. This looks at the hardware, so it imports torch."""
+    from trainers.devices import ComputeError, check_compute
+
+    try:
+        check_compute(config.compute)
+    except ComputeError as error:
+        where = f"{args.config}: " if args.config else ""
+        print(f"alignflow: invalid config: {where}{error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def clean_up_dead_runs() -> None:
     """Before a run: runs of this host left RUNNING by a process that is gone are marked failed
     (``alignflow runs cleanup``); a problem there is a warning, not a reason to not run."""
@@ -219,8 +232,9 @@ def clean_up_dead_runs() -> None:
         print(f"alignflow: warning: runs cleanup failed ({type(error).__name__}: {error})", file=sys.stderr)
 
 
-def run_flow(module: str, name: str, *args, before_run=None, **kwargs) -> int:
-    """Import and run a flow (after ``before_run()``): 0 when it completed, else 1. As the
+def run_flow(module: str, name: str, *args, check=None, before_run=None, **kwargs) -> int:
+    """Import and run a flow (``check()`` first, ``before_run()`` just before the flow starts): 0
+    when it completed, else 1. As the
     ``alignflow`` process (not when :func:`main` is called in-process), the Prefect API is chosen
     before the import, so that a temporary server boots meanwhile (:mod:`infra.ops.prefect_api`;
     on a fresh state folder under the first-time set-up lock), and the process ends without
@@ -230,6 +244,8 @@ def run_flow(module: str, name: str, *args, before_run=None, **kwargs) -> int:
     from infra.ops.prefect_api import configured_prefect_api, start_temporary_server
 
     if not STANDALONE:
+        if check is not None:
+            check()
         prepare_databases()
         flow = getattr(importlib.import_module(module), name)
     else:
@@ -239,6 +255,8 @@ def run_flow(module: str, name: str, *args, before_run=None, **kwargs) -> int:
             if api_url is not None:
                 os.environ["PREFECT_API_URL"] = api_url
             temporary_server = start_temporary_server() if api_url is None else None
+            if check is not None:
+                check()  # it may import torch: after the server's launch, which then boots meanwhile
             flow = getattr(importlib.import_module(module), name)
             if temporary_server is not None:
                 temporary_server.wait_ready()
@@ -254,13 +272,15 @@ def run_command(args: argparse.Namespace) -> int:
     from infra.config import ExperimentConfig
 
     config = load_or_exit(ExperimentConfig, args)
-    return run_flow("flows.pipeline", "experiment", config, before_run=clean_up_dead_runs)
+    check = lambda: check_compute_or_exit(config, args)
+    return run_flow("flows.pipeline", "experiment", config, check=check, before_run=clean_up_dead_runs)
 
 
 def evaluate_command(args: argparse.Namespace) -> int:
     from infra.config import EvaluationRequest
 
-    return run_flow("flows.evaluation", "evaluation", load_or_exit(EvaluationRequest, args))
+    request = load_or_exit(EvaluationRequest, args)
+    return run_flow("flows.evaluation", "evaluation", request, check=lambda: check_compute_or_exit(request, args))
 
 
 def sweep_command(args: argparse.Namespace) -> int:

@@ -99,6 +99,12 @@ class GRPOStageConfig(TrainingConfig):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    generation_seed: int | None = Field(
+        None,
+        description="Sample each completion with its own seed (this, the generation batch and the completion's "
+        "place in it): the same completions whatever the number of processes or the batch shapes; one generate "
+        "call per completion (slower). null: one seeded stream per process.",
+    )
     max_prompt_length: int | None = Field(
         None, ge=1, description="Keep the last N prompt tokens; default: as prepared (`data.max_prompt_length`)."
     )

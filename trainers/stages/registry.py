@@ -39,13 +39,16 @@ class StageInputs:
     output_dir: str
     callbacks: list = field(default_factory=list)
     lora: LoraSettings | None = None  # train LoRA adapters on the frozen policy instead of all its weights
+    dtype: str = "auto"  # ``compute.dtype``: the dtype the models are loaded in
+    mixed_precision: str = "no"  # ``compute.mixed_precision``: bf16 / fp16 autocast of the stage
+    cpu: bool = False  # ``compute.cpu``: train on the CPU (several processes: gloo) even where there is a GPU
 
     def load_policy(self):
         """The policy and its tokenizer; with ``lora``, wrapped with fresh trainable adapters."""
         from trainers.lora import add_adapters
         from trainers.modeling import load_causal_lm
 
-        model, tokenizer = load_causal_lm(self.policy.path, self.policy.revision)
+        model, tokenizer = load_causal_lm(self.policy.path, self.policy.revision, self.dtype)
         return (model if self.lora is None else add_adapters(model, self.lora)), tokenizer
 
     def load_reference(self):
@@ -53,17 +56,24 @@ class StageInputs:
         disabled is the reference then (:func:`trainers.lora.live_reference`), with no second copy."""
         from trainers.modeling import load_causal_lm
 
-        return None if self.lora is not None else load_causal_lm(self.reference.path, self.reference.revision)[0]
+        if self.lora is not None:
+            return None
+        return load_causal_lm(self.reference.path, self.reference.revision, self.dtype)[0]
 
     def runtime_arguments(self) -> dict[str, Any]:
-        """Trainer arguments that are not configuration: where to write, and the pipeline's own logging."""
+        """Trainer arguments that are not configuration: where to write, the pipeline's own logging,
+        and ``compute.mixed_precision`` (the Trainer puts the model on its device)."""
         import torch
+
+        from trainers.devices import mixed_precision_arguments
 
         return dict(
             output_dir=self.output_dir,
             save_total_limit=2,
             disable_tqdm=True,
             dataloader_pin_memory=torch.cuda.is_available(),
+            **mixed_precision_arguments(self.mixed_precision),
+            **({"use_cpu": True} if self.cpu else {}),
         )
 
 

@@ -1,0 +1,267 @@
+"""GPU check: SFT → cached reference → DPO → GRPO → evaluation of a ~0.5B Llama, in bf16, on one GPU.
+
+One prepared script, no network: it builds ``builtin:llama-0.5b`` (Qwen2.5-0.5B's shape, 494M
+parameters, random init) and the built-in tokenizer, prepares the built-in addition task, and runs
+every stage through the pipeline's own code (stage builders, ``tasks.reference.compute_columns``
+and the cache, ``tasks.evaluate.score_model``) with ``compute.mixed_precision: bf16`` (training)
+and ``compute.dtype: bfloat16`` for the reference pass and the evaluation. Per stage it prints
+wall time, tokens/s, MFU and peak GPU memory, and it asserts that the reference pass and the
+evaluation ran on the GPU (the GPU memory they allocated holds at least the model's bf16 weights).
+
+    .venv/bin/python benchmarks/gpu_check.py                      # on a CUDA machine (a few minutes)
+    .venv/bin/python benchmarks/gpu_check.py --model builtin:tiny-llama --steps 2 --allow-cpu   # logic smoke
+
+MFU = achieved FLOP/s ÷ the device's peak dense bf16 FLOP/s (``--peak-tflops``; known GPUs are
+looked up by name). Achieved FLOPs count 6·N per training token (forward and backward) and 2·N per
+forward-only token (reference pass), N = the model's parameters (tied embeddings once, so the
+output projection is included); attention's sequence-quadratic term is left out (sequences here
+are ≤ 32 tokens: under 1%). GRPO's count is its training tokens only, while its wall time also
+holds generation: its MFU is a lower bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+# Dense bf16 peak TFLOP/s (no sparsity) of the GPUs a team is likely to have.
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="builtin:llama-0.5b", help="a built-in model: builtin:llama-0.5b, …")
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per training stage")
+    parser.add_argument("--batch-size", type=int, default=64, help="per-device rows (SFT, DPO pairs, GRPO completions)")
+    parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--eval-prompts", type=int, default=256)
+    parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak (default: looked up by name)")
+    parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU without a GPU (a smoke of the logic)")
+    return parser.parse_args(argv)
+
+
+@dataclass
+class StageReport:
+    name: str
+    seconds: float
+    tokens: int
+    flops_per_token: int  # 6·N training, 2·N forward only
+    peak_memory: int | None  # bytes; None on the CPU
+    added_memory: int | None  # peak minus what was allocated when the stage started
+
+    def row(self, peak_flops: float | None) -> str:
+        rate = self.tokens / self.seconds
+        mfu = f"{100 * rate * self.flops_per_token / peak_flops:.2f}%" if peak_flops else "n/a"
+        memory = f"{self.peak_memory / 2**30:.2f}" if self.peak_memory is not None else "n/a"
+        return f"| {self.name} | {self.seconds:.1f} | {self.tokens} | {rate:,.0f} | {mfu} | {memory} |"
+
+
+class TokenCounter:
+    """Non-padding tokens of the forward passes a model runs in training mode (not generation)."""
+
+    def __init__(self, model):
+        self.tokens = 0
+        self.handle = model.register_forward_pre_hook(self.count, with_kwargs=True)
+
+    def count(self, module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if module.training and mask is not None:
+            self.tokens += int(mask.sum())
+
+
+@contextmanager
+def measured(name: str, flops_per_token: int, reports: list[StageReport], gpu: bool):
+    """Time the block and its peak GPU memory; the block sets ``box["tokens"]``."""
+    import torch
+
+    if gpu:
+        gc.collect()  # the previous stage's trainer
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    baseline = torch.cuda.memory_allocated() if gpu else 0
+    box = {"tokens": 0}
+    started = time.perf_counter()
+    yield box
+    if gpu:
+        torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() if gpu else None
+    added = peak - baseline if gpu else None
+    reports.append(StageReport(name, time.perf_counter() - started, box["tokens"], flops_per_token, peak, added))
+    print(f"gpu_check: {name} done in {reports[-1].seconds:.1f} s", flush=True)
+
+
+def peak_flops(options: argparse.Namespace, gpu: bool) -> float | None:
+    import torch
+
+    if options.peak_tflops:
+        return options.peak_tflops * 1e12
+    if not gpu:
+        return None
+    name = torch.cuda.get_device_name()
+    known = next((tflops for key, tflops in PEAK_BF16_TFLOPS.items() if key in name), None)
+    return known * 1e12 if known else None
+
+
+def pair_token_count(rows) -> int:
+    """Tokens of the reference forward over pairs: prompt + chosen and prompt + rejected."""
+    return sum(len(r["prompt_ids"]) * 2 + len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in rows)
+
+
+def train_stage(stage: str, section, inputs, reports, parameters: int, gpu: bool):
+    """Build the stage with the pipeline's builder, train it, save its model; its handle."""
+    from tasks.models import checkpoint_handle
+    from trainers.stages import STAGES
+
+    trainer = STAGES[stage].build(section, inputs)
+    counter = TokenCounter(trainer.model)
+    with measured(stage, 6 * parameters, reports, gpu) as box:
+        trainer.train()
+        box["tokens"] = counter.tokens
+    counter.handle.remove()
+    model_dir = Path(inputs.output_dir) / "model"
+    trainer.save_model(str(model_dir))
+    return checkpoint_handle(model_dir, stage)
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = parse_args(argv)
+    import torch
+
+    gpu = torch.cuda.is_available()
+    if not gpu and not options.allow_cpu:
+        print(
+            "gpu_check: no CUDA device on this machine; this check needs one GPU. For a smoke run of its logic on "
+            "the CPU: --model builtin:tiny-llama --steps 2 --allow-cpu",
+            file=sys.stderr,
+        )
+        return 2
+    workdir = Path(tempfile.mkdtemp(prefix="alignflow-gpu-check-"))
+    os.environ["ALIGNFLOW_HOME"] = str(workdir / "state")  # caches and data of this check only
+    from infra.settings import configure_environment
+
+    configure_environment()
+    return run_check(options, gpu, workdir)
+
+
+def run_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:
+    import datasets
+    from prefect.logging import disable_run_logger
+
+    from infra.config import AdditionTaskConfig, ComputeConfig, DataConfig, EvaluationConfig
+    from tasks.data import prepare_dataset
+    from tasks.evaluate import score_model
+    from tasks.handles import ReferenceLogps
+    from tasks.models import checkpoint_handle
+    from tasks.reference import ensure_entry, with_reference_columns
+    from trainers.builtin_model import save_builtin_model
+    from trainers.devices import check_compute, compute_device
+    from trainers.stages import ModelSource, StageInputs
+    from trainers.stages.dpo import DPOStageConfig
+    from trainers.stages.grpo import GRPOStageConfig
+    from trainers.stages.sft import SFTConfig
+
+    compute = ComputeConfig(
+        mixed_precision="bf16" if gpu else "no", dtype="bfloat16" if gpu else "float32", cpu=not gpu
+    )
+    check_compute(compute)
+    device = compute_device(compute)
+    assert device.type == ("cuda" if gpu else "cpu"), device
+    base = checkpoint_handle(save_builtin_model(options.model, 0, workdir / "base"), "base")
+    with disable_run_logger():
+        data = prepare_dataset.fn(DataConfig(builtin=AdditionTaskConfig(num_eval_problems=options.eval_prompts)), base)
+    import torch
+
+    from trainers.modeling import load_causal_lm
+
+    parameters = sum(p.numel() for p in load_causal_lm(base.path)[0].parameters())
+    weight_bytes = parameters * 2  # in bfloat16
+    print(f"gpu_check: {options.model}, {parameters / 1e6:.0f}M parameters, on {device}", flush=True)
+    reports: list[StageReport] = []
+    steps = dict(max_steps=options.steps, logging_steps=options.steps, save_steps=0, eval_strategy="no")
+
+    def inputs(stage: str, start, splits) -> StageInputs:
+        source = ModelSource(start.path)
+        return StageInputs(
+            policy=source,
+            reference=source,
+            splits=splits,
+            output_dir=str(workdir / stage),
+            dtype="float32",  # fp32 master weights; bf16 autocast through mixed_precision
+            mixed_precision=compute.mixed_precision,
+            cpu=compute.cpu,
+        )
+
+    splits = datasets.load_from_disk(data.path)
+    sft = train_stage(
+        "sft",
+        SFTConfig(per_device_train_batch_size=options.batch_size, warmup_ratio=0.0, **steps),
+        inputs("sft", base, splits),
+        reports,
+        parameters,
+        gpu,
+    )
+
+    ref = ReferenceLogps(
+        key="gpu-check", root=str(workdir / "refcache"), data=data, reference=sft, batch_size=128, dtype=compute.dtype
+    )
+    pair_tokens = sum(pair_token_count(splits[split]) for split in ("preference", "preference_eval"))
+    with measured("reference pass", 2 * parameters, reports, gpu) as box:
+        entry, computed = ensure_entry(ref)
+        box["tokens"] = pair_tokens
+    assert computed and entry.manifest["inputs"]["dtype"] == compute.dtype, entry.manifest["inputs"]
+    if gpu:
+        assert reports[-1].added_memory >= weight_bytes, "the reference pass did not run on the GPU"
+
+    dpo = train_stage(
+        "dpo",
+        DPOStageConfig(per_device_train_batch_size=options.batch_size, **steps),
+        inputs("dpo", sft, with_reference_columns(ref)),
+        reports,
+        parameters,
+        gpu,
+    )
+    grpo = train_stage(
+        "grpo",
+        GRPOStageConfig(
+            per_device_train_batch_size=options.batch_size,
+            num_generations=options.num_generations,
+            log_completions_steps=0,
+            **{k: v for k, v in steps.items() if k != "eval_strategy"},
+        ),
+        inputs("grpo", dpo, splits),
+        reports,
+        parameters,
+        gpu,
+    )
+
+    evaluation = EvaluationConfig(num_prompts=options.eval_prompts, bootstrap_resamples=100)
+    prompts = splits["eval_prompts"].to_list()[: options.eval_prompts]
+    pairs = with_reference_columns(ref)["preference_eval"].to_list()
+    with measured("evaluation", 2 * parameters, reports, gpu) as box:
+        scores = score_model(grpo, prompts, pairs, evaluation, 0.5, compute)
+        box["tokens"] = sum(len(p["prompt_ids"]) for p in prompts) * (1 + evaluation.num_samples)  # prompt tokens
+    if gpu:
+        assert reports[-1].added_memory >= weight_bytes, "the evaluation did not run on the GPU"
+    print(f"gpu_check: final greedy accuracy {scores.metrics['greedy_accuracy']:.3f} (random init: ~0 expected)")
+
+    flops = peak_flops(options, gpu)
+    device_name = torch.cuda.get_device_name() if gpu else "CPU"
+    print(f"\n{options.model} on {device_name}, {options.steps} steps per stage, batch {options.batch_size}")
+    print("| stage | wall (s) | tokens | tokens/s | MFU | peak GPU memory (GiB) |")
+    print("|---|---|---|---|---|---|")
+    for report in reports:
+        print(report.row(flops))
+    print("gpu_check: the reference pass and the evaluation ran on", device)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,242 @@
+"""The compute section: one device and precision policy for training, the reference pass and the
+evaluation; its errors at load and, for what needs the hardware, before the flow starts."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from prefect.logging import disable_run_logger
+from pydantic import ValidationError
+
+from infra.config import ComputeConfig, ExperimentConfig, ModelConfig, load_config
+from infra.ops import cli
+from tasks.data import prepare_dataset
+from tasks.handles import ReferenceLogps
+from tasks.models import resolve_model
+from tasks.refcache import CacheIntegrityError
+from tasks.reference import compute_columns, reference_dtype, reference_key, reference_key_inputs
+from trainers.devices import ComputeError, Hardware, check_compute, compute_device, model_dtype
+from trainers.evaluation import preference_rewards
+from trainers.modeling import load_causal_lm, load_dtype
+
+CPU_ONLY = Hardware(cuda_devices=0, cuda_bf16=False)
+OLD_GPU = Hardware(cuda_devices=2, cuda_bf16=False)  # e.g. a V100: no bfloat16
+TWO_GPUS = Hardware(cuda_devices=2, cuda_bf16=True)
+
+
+def config_error(*overrides: str) -> str:
+    with pytest.raises(ValidationError) as caught:
+        load_config(None, list(overrides))
+    return str(caught.value)
+
+
+def test_the_defaults_are_one_process_in_the_checkpoints_dtype():
+    compute = ExperimentConfig().compute
+    assert (compute.num_processes, compute.num_machines, compute.machine_rank) == (1, 1, 0)
+    assert (compute.mixed_precision, compute.dtype, compute.cpu, compute.accelerate_config) == (
+        "no",
+        "auto",
+        False,
+        None,
+    )
+    assert not compute.multi_process
+    assert load_config(None, ["compute.mixed_precision=no"]).compute.mixed_precision == "no"  # YAML's bare `no`
+
+
+def test_bad_compute_settings_are_config_errors_naming_the_field():
+    assert "compute.accelerate_config" in (message := config_error("compute.accelerate_config=zero4"))
+    assert "'zero4' is neither a shipped config (ddp, fsdp, zero2, zero3) nor an existing file" in message
+    assert "machine_rank (2) must be below num_machines (2)" in config_error(
+        "compute.num_machines=2",
+        "compute.machine_rank=2",
+        "compute.main_process_ip=10.0.0.1",
+        "compute.num_processes=2",
+    )
+    assert "num_machines > 1 needs main_process_ip" in config_error("compute.num_machines=2", "compute.num_processes=2")
+    assert "num_processes (3) must be a multiple of num_machines (2)" in config_error(
+        "compute.num_machines=2", "compute.num_processes=3", "compute.main_process_ip=10.0.0.1"
+    )
+    assert "compute.mixed_precision" in config_error("compute.mixed_precision=fp8")
+    message = config_error("compute.mixed_precision=bf16", "dpo.bf16=true")
+    assert "compute.mixed_precision (bf16) applies to every stage; dpo.bf16 sets it again" in message
+
+
+def test_shipped_accelerate_configs_load_with_accelerate():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from infra.config import accelerate_config_path
+
+    kinds = {
+        name: load_config_from_file(str(accelerate_config_path(name))) for name in ("ddp", "fsdp", "zero2", "zero3")
+    }
+    assert {name: c.distributed_type.value for name, c in kinds.items()} == {
+        "ddp": "MULTI_GPU",
+        "fsdp": "FSDP",
+        "zero2": "DEEPSPEED",
+        "zero3": "DEEPSPEED",
+    }
+    assert kinds["fsdp"].fsdp_config["fsdp_version"] == 2
+    assert [kinds[name].deepspeed_config["zero_stage"] for name in ("zero2", "zero3")] == [2, 3]
+
+
+@pytest.mark.parametrize(
+    "settings, hardware, message",
+    [
+        ({"num_processes": 2}, CPU_ONLY, "compute.num_processes: 2 processes per machine, but this machine has 0"),
+        ({"num_processes": 4}, TWO_GPUS, "compute.num_processes: 4 processes per machine, but this machine has 2"),
+        ({"mixed_precision": "fp16"}, CPU_ONLY, "compute.mixed_precision: fp16 needs a CUDA device"),
+        ({"mixed_precision": "bf16"}, OLD_GPU, "compute.mixed_precision: this machine's CUDA device does not support"),
+        ({"dtype": "bfloat16"}, OLD_GPU, "compute.dtype: this machine's CUDA device does not support bfloat16"),
+    ],
+)
+def test_settings_the_hardware_cannot_run_are_refused(settings, hardware, message):
+    with pytest.raises(ComputeError, match=message.replace("(", r"\(")):
+        check_compute(ComputeConfig(**settings), hardware)
+
+
+@pytest.mark.parametrize(
+    "settings, hardware",
+    [
+        ({}, CPU_ONLY),
+        ({"num_processes": 2, "cpu": True}, CPU_ONLY),  # gloo ranks on the CPU
+        ({"mixed_precision": "bf16"}, CPU_ONLY),  # CPU autocast
+        ({"mixed_precision": "bf16", "cpu": True}, OLD_GPU),  # the GPU is not used
+        ({"num_processes": 4, "num_machines": 2, "main_process_ip": "10.0.0.1"}, TWO_GPUS),  # 2 per machine
+    ],
+)
+def test_settings_the_hardware_can_run_pass(settings, hardware):
+    check_compute(ComputeConfig(**settings), hardware, launched=True)
+
+
+def test_the_flows_refuse_several_processes_until_they_launch_them():
+    with pytest.raises(ComputeError, match="the pipeline does not launch stages over several processes yet"):
+        check_compute(ComputeConfig(num_processes=2, cpu=True), CPU_ONLY)
+    check_compute(ComputeConfig(cpu=True), CPU_ONLY)
+
+
+def test_the_cli_refuses_more_processes_than_devices_before_anything_starts(capsys):
+    if torch.cuda.device_count() >= 8:
+        pytest.skip("this machine has 8 GPUs: 8 processes are fine here")
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["run", "configs/minimal.yaml", "compute.num_processes=8"])
+    assert stop.value.code == 2
+    assert (
+        "alignflow: invalid config: configs/minimal.yaml: compute.num_processes: 8 processes per machine"
+        in capsys.readouterr().err
+    )
+
+
+def test_the_loader_takes_the_dtype_and_the_device(tiny_checkpoint):
+    model, _ = load_causal_lm(tiny_checkpoint.path, dtype="bfloat16", device="cpu")
+    assert model_dtype(model) == "bfloat16" and model.device == torch.device("cpu")
+    assert model_dtype(load_causal_lm(tiny_checkpoint.path)[0]) == "float32"  # auto: the checkpoint's
+    assert (
+        load_dtype(tiny_checkpoint.path) == "float32"
+        and load_dtype(tiny_checkpoint.path, None, "bfloat16") == "bfloat16"
+    )
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert compute_device(ComputeConfig()).type == expected and compute_device(ComputeConfig(cpu=True)).type == "cpu"
+
+
+@pytest.fixture(scope="module")
+def prepared():
+    from infra.config import AdditionTaskConfig, DataConfig
+
+    base = resolve_model.fn(ModelConfig())
+    with disable_run_logger():
+        data = prepare_dataset.fn(DataConfig(builtin=AdditionTaskConfig(max_operand=4, num_eval_problems=5)), base)
+    return base, data
+
+
+def test_the_reference_key_records_the_dtype_the_forward_runs_in(prepared):
+    base, data = prepared
+    assert reference_dtype(base, ComputeConfig()) == "float32"  # today's key, unchanged on the CPU
+    assert reference_key(data, base, reference_dtype(base, ComputeConfig())) == reference_key(data, base)
+    bf16 = reference_dtype(base, ComputeConfig(dtype="bfloat16"))
+    assert bf16 == "bfloat16" and reference_key(data, base, bf16) != reference_key(data, base)
+    assert reference_key_inputs(data, base, bf16)["dtype"] == "bfloat16"
+
+    ref = ReferenceLogps(key="k", root="/unused", data=data, reference=base, batch_size=64, dtype="bfloat16")
+    bf16_columns = compute_columns(ref)
+    fp32_columns = compute_columns(ref.model_copy(update={"dtype": "float32"}))
+    assert bf16_columns.keys() == fp32_columns.keys() == {"preference", "preference_eval"}
+    bf16_chosen, fp32_chosen = torch.tensor(bf16_columns["preference"][0]), torch.tensor(fp32_columns["preference"][0])
+    assert not torch.equal(bf16_chosen, fp32_chosen)  # the forward really ran in bfloat16
+    assert torch.allclose(bf16_chosen, fp32_chosen, rtol=0.05)
+
+
+def test_a_key_that_names_a_label_instead_of_the_models_dtype_is_refused(prepared):
+    base, data = prepared
+    ref = ReferenceLogps(key="k", root="/unused", data=data, reference=base, batch_size=64, dtype="auto")
+    with pytest.raises(CacheIntegrityError, match="loaded in float32, but its cache key says auto"):
+        compute_columns(ref)
+
+
+def test_preference_rewards_of_a_bfloat16_model_match_float32(tiny_checkpoint, prepared):
+    _, data = prepared
+    import datasets
+
+    rows = datasets.load_from_disk(data.path)["preference_eval"].to_list()
+    rows = [dict(r, ref_chosen_logps=-5.0, ref_rejected_logps=-6.0) for r in rows]
+    fp32 = preference_rewards(*load_causal_lm(tiny_checkpoint.path), rows, beta=0.5)
+    bf16 = preference_rewards(*load_causal_lm(tiny_checkpoint.path, dtype="bfloat16"), rows, beta=0.5)
+    assert bf16["rewards/accuracies"] == fp32["rewards/accuracies"]
+    assert bf16["logratios/margins"] == pytest.approx(fp32["logratios/margins"], rel=0.05, abs=0.05)
+
+
+def test_the_gpu_check_refuses_to_run_without_a_gpu_and_its_cpu_smoke_runs_every_stage():
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine: run benchmarks/gpu_check.py itself")
+    script = [sys.executable, "benchmarks/gpu_check.py"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    refused = subprocess.run(script, capture_output=True, text=True, env=env)
+    assert refused.returncode == 2 and "no CUDA device on this machine; this check needs one GPU" in refused.stderr
+    smoke = [
+        "--model",
+        "builtin:tiny-llama",
+        "--steps",
+        "2",
+        "--allow-cpu",
+        "--batch-size",
+        "8",
+        "--eval-prompts",
+        "16",
+    ]
+    done = subprocess.run(script + smoke, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split(" | ")[0].removeprefix("| ") for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert rows == ["stage", "sft", "reference pass", "dpo", "grpo", "evaluation"]
+    assert "the reference pass and the evaluation ran on cpu" in done.stdout
+
+
+def test_the_cli_refuses_several_processes_the_pipeline_would_not_launch(capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["run", "configs/minimal.yaml", "compute.cpu=true", "compute.num_processes=2"])
+    assert stop.value.code == 2
+    assert "the pipeline does not launch stages over several processes yet" in capsys.readouterr().err
+
+
+def test_a_stage_takes_the_compute_sections_dtype_and_mixed_precision(tiny_checkpoint, tmp_path):
+    from transformers import TrainingArguments
+
+    from trainers.stages import ModelSource, StageInputs
+    from trainers.stages.sft import SFTConfig
+
+    start = ModelSource(tiny_checkpoint.path)
+    inputs = StageInputs(
+        policy=start, reference=start, splits={}, output_dir=str(tmp_path), dtype="bfloat16", mixed_precision="bf16"
+    )
+    model, _ = inputs.load_policy()
+    assert model_dtype(model) == "bfloat16" and model_dtype(inputs.load_reference()) == "bfloat16"
+    arguments = SFTConfig().training_arguments(TrainingArguments, **inputs.runtime_arguments())
+    assert arguments.bf16 and not arguments.fp16
+    assert arguments.use_cpu == (not torch.cuda.is_available())  # bf16 autocast on the CPU
+    default = StageInputs(policy=start, reference=start, splits={}, output_dir=str(tmp_path))
+    assert "bf16" not in default.runtime_arguments() and "use_cpu" not in default.runtime_arguments()
+    on_cpu = StageInputs(policy=start, reference=start, splits={}, output_dir=str(tmp_path), cpu=True)
+    assert SFTConfig().training_arguments(TrainingArguments, **on_cpu.runtime_arguments()).use_cpu

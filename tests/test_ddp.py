@@ -1,0 +1,273 @@
+"""Multi-process training on the CPU: real ``accelerate launch`` subprocesses (gloo), each run
+asserting its own world size, compared with one process doing the same work.
+
+DPO: 2 processes × 2 pairs equal 1 process × 4 pairs (logged loss trajectory, global metrics,
+final weights). GRPO: 2 processes equal 1 process with completions seeded per row
+(``generation_seed``), one group spread over both ranks, so that its advantages need the rewards
+of both, and a KL term to a live reference. Each rank runs one torch thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import textwrap
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from infra.config import ComputeConfig
+from trainers.data import Truncation, tokenize_split
+from trainers.launch import HISTORY_FILE
+from trainers.modeling import load_causal_lm
+from trainers.reference import reference_logps
+from trainers.synthetic import AdditionTask, generate_addition
+
+REPO = Path(__file__).resolve().parents[1]
+# A reward with spread on an untrained model, unscored (None) for some rows: missing rewards cross ranks too.
+REWARD_PLUGIN = """
+def first_code_point(prompts, completions, **columns):
+    return [None if not c else float(ord(c[0]) % 5) for c in completions]
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch(spec: dict, processes: int, folder: Path) -> dict:
+    """Run the spec under ``accelerate launch`` with ``processes`` CPU processes; the rank-0 history."""
+    folder.mkdir(parents=True)
+    spec = spec | {"output_dir": str(folder), "world_size": processes, "compute": {"cpu": True}}
+    (folder / "spec.json").write_text(json.dumps(spec))
+    compute = ComputeConfig(cpu=True, num_processes=processes, main_process_port=free_port())
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(folder.parent), "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(
+        compute.launch_command(folder / "spec.json"),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    history = json.loads((folder / HISTORY_FILE).read_text())
+    assert history["world_size"] == processes
+    return history
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "model" / "model.safetensors")
+
+
+def train_logs(history: dict) -> list[dict]:
+    return [entry for entry in history["log_history"] if "loss" in entry]
+
+
+def largest_difference(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> float:
+    assert first.keys() == second.keys()
+    return max((first[name] - second[name]).abs().max().item() for name in first)
+
+
+def assert_same_weights(one: Path, two: Path, start: str, tolerance: float) -> None:
+    """Both runs end at the same weights, and those moved from ``start``'s far more than the tolerance."""
+    initial = load_file(Path(start) / "model.safetensors")
+    assert largest_difference(weights(one), initial) > 20 * tolerance
+    worst = largest_difference(weights(one), weights(two))
+    assert worst <= tolerance, f"largest weight difference {worst}"
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, tiny_checkpoint, tiny):
+    """The tiny checkpoint, DPO pairs with their reference log-probs and GRPO prompts, on disk."""
+    folder = tmp_path_factory.mktemp("ddp")
+    model, tokenizer = load_causal_lm(tiny_checkpoint.path)
+    rows = generate_addition(AdditionTask(max_operand=9, num_eval_problems=20))
+    pairs, _ = tokenize_split(rows["preference"][:16], "preference", tokenizer, Truncation(32, 16))
+    chosen, rejected = reference_logps(model, tokenizer.pad_token_id, pairs, batch_size=16, progress=False)
+    pairs = [dict(r, ref_chosen_logps=c, ref_rejected_logps=j) for r, c, j in zip(pairs, chosen, rejected)]
+    prompts, _ = tokenize_split(rows["grpo_prompts"][:8], "grpo_prompts", tokenizer, Truncation(32, 16))
+    splits = datasets.DatasetDict(
+        {"preference": datasets.Dataset.from_list(pairs), "grpo_prompts": datasets.Dataset.from_list(prompts)}
+    )
+    splits.save_to_disk(folder / "splits")
+    (folder / "ddp_rewards.py").write_text(textwrap.dedent(REWARD_PLUGIN))
+    return {"model": tiny_checkpoint.path, "splits": str(folder / "splits")}, folder
+
+
+def test_a_launch_that_runs_fewer_processes_than_asked_fails(workdir):
+    spec, folder = workdir
+    target = folder / "short"
+    target.mkdir()
+    dpo = {"per_device_train_batch_size": 4, "max_steps": 1, "eval_strategy": "no"}
+    (target / "spec.json").write_text(
+        json.dumps(spec | {"stage": "dpo", "section": dpo, "output_dir": str(target), "world_size": 2})
+    )
+    command = ComputeConfig(cpu=True).launch_command(target / "spec.json")  # one process
+    done = subprocess.run(command, cwd=REPO, env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "the spec asks for 2 processes, this run has 1" in done.stderr
+    assert not (target / "model").exists()
+
+
+def test_dpo_on_two_processes_of_two_pairs_equals_one_process_of_four(workdir):
+    spec, folder = workdir
+    section = {
+        "num_train_epochs": 1,  # 16 pairs: 4 steps of 4 pairs
+        # Adam turns rounding in near-zero gradients into differences of up to lr per step: ~1e-5 at 1e-3
+        "learning_rate": 1e-4,
+        "lr_scheduler_type": "constant",
+        "logging_steps": 1,
+        "eval_strategy": "no",
+        "seed": 0,
+    }
+    one = launch(spec | {"stage": "dpo", "section": section | {"per_device_train_batch_size": 4}}, 1, folder / "dpo1")
+    two = launch(spec | {"stage": "dpo", "section": section | {"per_device_train_batch_size": 2}}, 2, folder / "dpo2")
+    one_logs, two_logs = train_logs(one), train_logs(two)
+    assert [entry["step"] for entry in one_logs] == [entry["step"] for entry in two_logs] == [1, 2, 3, 4]
+    for single, double in zip(one_logs, two_logs):
+        for metric in ("loss", "rewards/accuracies", "rewards/margins", "logps/chosen", "num_tokens"):
+            assert double[metric] == pytest.approx(single[metric], abs=1e-5), metric
+    # num_tokens is summed over the ranks: the global batch's tokens, 4 pairs × 2 rows each
+    assert one_logs[0]["num_tokens"] == two_logs[0]["num_tokens"] > 0
+    assert one_logs[0]["loss"] != one_logs[-1]["loss"]  # it trained
+    assert_same_weights(folder / "dpo1", folder / "dpo2", spec["model"], 1e-5)
+
+
+def test_grpo_on_two_processes_equals_one_process_with_a_group_across_ranks(workdir):
+    spec, folder = workdir
+    section = {
+        "max_steps": 3,
+        "num_generations": 4,
+        "generation_batch_size": 4,  # one prompt per step: its group of 4 is split 2 + 2 over the ranks
+        "learning_rate": 1e-2,
+        "lr_scheduler_type": "constant",
+        "logging_steps": 1,
+        "generation_seed": 7,
+        "max_completion_length": 4,
+        "log_completions_steps": 0,
+        "reward_funcs": ["ddp_rewards:first_code_point"],
+        "beta": 0.05,  # a KL term to a frozen reference copy, prepared on every rank
+        "seed": 0,
+    }
+    grpo = spec | {"stage": "grpo", "plugins": ["ddp_rewards"]}
+    one = launch(grpo | {"section": section | {"per_device_train_batch_size": 4}}, 1, folder / "grpo1")
+    two = launch(grpo | {"section": section | {"per_device_train_batch_size": 2}}, 2, folder / "grpo2")
+    one_logs, two_logs = train_logs(one), train_logs(two)
+    assert len(one_logs) == len(two_logs) == 3
+    for single, double in zip(one_logs, two_logs):
+        for metric in ("loss", "reward", "reward_std", "frac_reward_missing", "completions/mean_length", "kl"):
+            assert double[metric] == pytest.approx(single[metric], abs=1e-4), metric
+    assert any(entry["reward_std"] > 0 for entry in one_logs)  # advantages were not all 0: it learned something
+    assert one_logs[-1]["kl"] > 0  # the policy moved away from its reference
+    assert_same_weights(folder / "grpo1", folder / "grpo2", spec["model"], 1e-4)
+
+
+def test_the_launch_command_is_built_from_the_compute_section():
+    from infra.config import ACCELERATE_CONFIG_DIR
+
+    two_machines = ComputeConfig(
+        num_processes=4,
+        num_machines=2,
+        machine_rank=1,
+        main_process_ip="10.0.0.1",
+        main_process_port=29600,
+        mixed_precision="bf16",
+        accelerate_config="zero3",
+    )
+    command = two_machines.launch_command("spec.json")
+    assert command[1:] == [
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ACCELERATE_CONFIG_DIR / "zero3.yaml"),
+        "--num_processes",
+        "4",
+        "--num_machines",
+        "2",
+        "--machine_rank",
+        "1",
+        "--main_process_port",
+        "29600",
+        "--mixed_precision",
+        "bf16",
+        "--dynamo_backend",
+        "no",
+        "--main_process_ip",
+        "10.0.0.1",
+        "-m",
+        "trainers.launch",
+        "spec.json",
+    ]
+    # several CPU processes: --multi_gpu, never --cpu (which starts one process)
+    cpu = ComputeConfig(cpu=True, num_processes=2).launch_command("spec.json")
+    assert "--multi_gpu" in cpu and "--cpu" not in cpu
+    assert "--multi_gpu" not in ComputeConfig().launch_command("spec.json")
+
+
+def test_a_group_may_straddle_processes_but_a_generation_batch_holds_whole_groups():
+    from trainers.grpo import completion_seed
+    from trainers.layout import resolve_layout
+
+    layout = resolve_layout(per_device_batch_size=2, gradient_accumulation_steps=1, num_generations=4, num_processes=2)
+    assert (layout.generation_batch_size, layout.per_device_generation_batch_size, layout.prompts_per_generation) == (
+        4,
+        2,
+        1,
+    )
+    with pytest.raises(ValueError, match=r"processes × steps_per_generation \(2 × 3 × 1 = 6\) must be divisible by"):
+        resolve_layout(per_device_batch_size=2, gradient_accumulation_steps=1, num_generations=4, num_processes=3)
+    seeds = {completion_seed(7, generation, row) for generation in (1, 2) for row in range(4)}
+    assert len(seeds) == 8
+
+
+def test_the_reference_pass_sharded_over_two_processes_gives_the_same_cache_entry(workdir, tmp_path):
+    from tasks.refcache import ReferenceCache
+
+    spec, folder = workdir
+    job = spec | {"job": "reference", "batch_size": 3}  # 16 pairs: 6 batches, 3 per process (the last short)
+    one = launch(job, 1, folder / "reference1")
+    two = launch(job, 2, folder / "reference2")
+    assert two["chosen"] == one["chosen"] and two["rejected"] == one["rejected"]  # bit for bit
+    assert len(one["chosen"]) == 16
+    store = ReferenceCache(str(tmp_path / "cache"))
+    digests = [
+        store.get_or_compute(key, lambda run=run: {"preference": (run["chosen"], run["rejected"])}, inputs={})[0].digest
+        for key, run in (("one", one), ("two", two))
+    ]
+    assert digests[0] == digests[1]
+
+
+def test_the_evaluation_sharded_over_two_processes_gives_the_same_table(workdir):
+    spec, folder = workdir
+    job = spec | {
+        "job": "evaluate",
+        "eval_split": "grpo_prompts",  # 8 prompts with answers: 3 batches, 2 + 1 over the processes
+        "generation": {"max_new_tokens": 3, "num_samples": 2, "batch_size": 3, "seed": 5},
+    }
+    one = launch(job, 1, folder / "evaluate1")
+    two = launch(job, 2, folder / "evaluate2")
+    assert two["results"] == one["results"] and len(one["results"]) == 8
+    assert two["metrics"] == one["metrics"]
+    assert {"greedy_accuracy", "sampled_accuracy", "pass_at_2", "rewards/accuracies"} <= one["metrics"].keys()
+    # the samples differ between batches: each batch has its own seed, not one stream cut in shards
+    assert len({tuple(s["text"] for s in r["samples"]) for r in one["results"]}) > 1
+
+
+@pytest.mark.parametrize(
+    "items, processes, bounds",
+    [(6, 2, [(0, 3), (3, 6)]), (3, 2, [(0, 2), (2, 3)]), (1, 2, [(0, 1), (1, 1)]), (7, 3, [(0, 3), (3, 5), (5, 7)])],
+)
+def test_shards_are_contiguous_disjoint_and_complete(items, processes, bounds):
+    from trainers.sharding import batches_of, shard_bounds
+
+    assert [shard_bounds(items, processes, index) for index in range(processes)] == bounds
+    assert batches_of(list(range(7)), 3) == [[0, 1, 2], [3, 4, 5], [6]]
