@@ -25,6 +25,7 @@ from killing import (
     stage_snapshot,
     write_config,
 )
+from prefect.client.orchestration import get_client
 from safetensors.torch import load_file
 from test_pipeline import task_states
 
@@ -60,6 +61,16 @@ def test_a_stage_killed_after_a_checkpoint_resumes_to_the_uninterrupted_result(
     assert int(tags["alignflow.resumed_from_step"]) == max(kill.checkpoints_at_kill)
     assert tags["alignflow.resumed_by_flow_run_id"] == latest_flow_run_id(home)
     assert mlflow_client(home).get_run(killed_run).info.status == "FINISHED"
+    # no run left RUNNING: the rerun's start marked the killed attempt's runs (`alignflow runs cleanup`)
+    client = mlflow_client(home)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [r.info.run_name for r in runs if r.info.status == "RUNNING"] == []
+    killed_parents = [r for r in runs if r.info.status == "FAILED" and "mlflow.parentRunId" not in r.data.tags]
+    (killed_parent,) = killed_parents
+    assert killed_parent.data.tags["alignflow.failure_reason"].startswith("process gone")
+    killed_flow_run = killed_parent.data.tags["prefect.flow_run_id"]
+    with get_client(sync_client=True) as prefect:
+        assert prefect.read_flow_run(killed_flow_run).state.type.value == "CRASHED"
     # every metric once per step, at the steps and with the values of the uninterrupted run
     histories = metric_histories(home, stage)
     assert duplicate_steps(histories) == {}
