@@ -24,6 +24,7 @@ from tasks.caching import computed_once
 from tasks.fingerprints import atomic_directory, code_fingerprint, hash_paths, hash_value
 from tasks.handles import ModelHandle, PreparedData, ReferenceLogps
 from tasks.locks import LocalFileLock
+from tasks.metric_sender import MetricsNotDelivered
 from tasks.models import checkpoint_handle
 from tasks.reference import log_reference_input, with_reference_columns
 from tasks.results import CACHED_RESULT, checked_cache_key
@@ -146,11 +147,18 @@ def save_final_model(trainer, output_dir: Path, stage: str, run_id: str) -> tupl
     return checkpoint_handle(output_dir / MODEL_DIR, stage, mlflow_run_id=run_id), adapter
 
 
+def worth_retrying(task, task_run, state) -> bool:
+    """A retry resumes a stage that crashed; one whose metrics MLflow could not take would only
+    fail again (and hide why), so it is not retried."""
+    return not isinstance(state.result(raise_on_failure=False), MetricsNotDelivered)
+
+
 @task(
     name="train",
     cache_policy=computed_once(checked_cache_key(train_cache_key)),  # concurrent identical runs: once
     **CACHED_RESULT,
     retries=1,  # a retry resumes from the latest complete checkpoint
+    retry_condition_fn=worth_retrying,
     task_run_name="train-{stage}",
 )
 def train(

@@ -105,9 +105,9 @@ def test_validation_moves_a_rejected_record_aside_with_a_warning(tmp_path, caplo
 def fresh_sft(prefect_api_url):
     """Run an SFT-only flow with a seed no other test uses; its config and its new result record."""
 
-    def run(seed: int):
+    def run(seed: int, *overrides: str):
         before = set(RESULTS.glob("train-sft-*"))
-        config = load_config(MINIMAL, [*SFT_ONLY, f"sft.seed={seed}"])
+        config = load_config(MINIMAL, [*SFT_ONLY, f"sft.seed={seed}", *overrides])
         run_flow(config)
         (path,) = set(RESULTS.glob("train-sft-*")) - before
         return config, path
@@ -148,7 +148,7 @@ def test_a_cached_model_whose_folder_was_removed_is_trained_again(fresh_sft):
 
 
 def test_a_cached_model_whose_weights_changed_is_saved_again_from_its_last_checkpoint(fresh_sft):
-    config, path = fresh_sft(23)
+    config, path = fresh_sft(23, "tracking.keep_checkpoints=true")  # else a finished stage's are pruned
     handle = parse_record(path.read_bytes())
     weights = Path(handle.path) / "model.safetensors"
     content = bytearray(weights.read_bytes())

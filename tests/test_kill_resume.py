@@ -150,7 +150,9 @@ def test_a_stage_stopped_between_saving_its_model_and_recording_it_saves_it_agai
     from infra.settings import get_settings
     from tasks.tracking import client
 
-    config = load_config(MINIMAL, ["stages=[dpo]", "name=unrecorded", "evaluation.num_prompts=4"])
+    # the checkpoints of a finished stage are kept here (by default they are pruned once it finished)
+    overrides = ["stages=[dpo]", "name=unrecorded", "evaluation.num_prompts=4", "tracking.keep_checkpoints=true"]
+    config = load_config(MINIMAL, overrides)
     run_flow(config)
     (folder,) = (get_settings().outputs / "unrecorded").glob("dpo-*")
     recorded = json.loads((folder / "model.json").read_text())

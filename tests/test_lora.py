@@ -12,6 +12,7 @@ from prefect.logging import disable_run_logger
 from infra.config import AdditionTaskConfig, DataConfig, DatasetSource, PeftConfig, load_config
 from tasks.data import prepare_dataset
 from tasks.models import check_model_folder, checkpoint_handle
+from tasks.tracking import stage_folder_of_run
 from tasks.train import TrainInputs, stage_inputs
 from trainers.builtin_model import TINY_LLAMA
 from trainers.collators import PreferenceCollator, prompt_completion_batch
@@ -270,8 +271,8 @@ def test_the_default_chain_trains_lora_adapters_in_every_stage_and_evaluates_the
         folders[stage] = Path(run.data.params["policy.init"])
     # each stage starts from the previous stage's merged copy, whose adapter names it as its base
     dpo_init, grpo_init = folders["dpo"], folders["grpo"]
-    assert dpo_init.name == "model" and dpo_init.parent.name == "sft"
-    assert grpo_init.name == "model" and grpo_init.parent.name == "dpo"
+    assert dpo_init.name == "model" and dpo_init.parent.name.startswith("sft-")  # outputs/<name>/<stage>-<key>
+    assert grpo_init.name == "model" and grpo_init.parent.name.startswith("dpo-")
     adapter_config = json.loads((grpo_init.parent / "adapter" / "adapter_config.json").read_text())
     assert adapter_config["base_model_name_or_path"] == str(dpo_init)
     # the DPO reference cache was computed from the SFT merged copy (the reference: base + SFT adapter merged)
@@ -282,7 +283,7 @@ def test_the_default_chain_trains_lora_adapters_in_every_stage_and_evaluates_the
     request = EvaluationRequest(
         name="lora-eval",
         models={
-            "merged": str(grpo_init.parent.parent / "grpo" / "model"),
+            "merged": str(stage_folder_of_run(config.name, "grpo", runs["grpo"].info.run_id) / "model"),
             "adapter": f"runs:/{runs['grpo'].info.run_id}/adapter",  # downloaded from MLflow
         },
         data=config.data,

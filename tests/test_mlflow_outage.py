@@ -111,7 +111,8 @@ def train_through_outage(server, inputs, monkeypatch, name: str, restart_at: int
     notes["parent"] = client.create_run(client.create_experiment(name), run_name=name).info.run_id
     overrides = [f"sft.max_steps={MAX_STEPS}", "sft.logging_steps=1", "sft.per_device_train_batch_size=4"]
     with disable_run_logger():
-        train.fn("sft", load_config(None, overrides).sft, inputs, notes["parent"], name, log_checkpoints="none")
+        config = load_config(None, [*overrides, "tracking.log_checkpoints=none"])
+        train.fn("sft", config.sft, inputs, notes["parent"], name, config.tracking)
 
 
 def stage_run(client: MlflowClient, parent: str):

@@ -29,7 +29,6 @@ from prefect.states import Running
 
 from infra.ops import databases
 from infra.ops.databases import READY_FILE
-from infra.ops.prefect_api import free_port
 from infra.ops.runs import REASON_TAG, gone_reason, orphaned_temporary_servers, verdict
 from infra.processes import ProcessRecord, is_alive, process_record, stat_fields
 from infra.settings import Settings
@@ -310,12 +309,14 @@ def test_a_killed_run_on_the_temporary_server_leaves_no_server_and_cleanup_marks
             os.kill(pid, signal.SIGKILL)
 
 
+# A process that looks like Prefect's own temporary server to cleanup (its app in argv, the
+# ephemeral flag and this PREFECT_HOME in its environment), left by a parent that exits at once.
 ORPHAN = """
 import os, subprocess, sys
 server = subprocess.Popen(
-    [sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app", "--port", sys.argv[1]],
+    [sys.executable, "-c", "import time; time.sleep(600)", "prefect.server.api.server:create_app"],
     env={**os.environ, "PREFECT__SERVER_EPHEMERAL": "1"}, start_new_session=True,
-    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
 )
 print(server.pid)
 """
@@ -328,9 +329,7 @@ def test_cleanup_stops_a_temporary_server_whose_process_is_gone(tmp_path):
     env = fresh_state_env(tmp_path / "home")
     prefect_home = str((tmp_path / "home").resolve() / "prefect")
     env["PREFECT_HOME"] = prefect_home
-    starter = subprocess.run(
-        [sys.executable, "-c", ORPHAN, str(free_port())], env=env, capture_output=True, text=True, check=True
-    )
+    starter = subprocess.run([sys.executable, "-c", ORPHAN], env=env, capture_output=True, text=True, check=True)
     orphan = int(starter.stdout)
     try:
         deadline = time.monotonic() + 10

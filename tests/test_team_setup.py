@@ -327,6 +327,7 @@ def test_deploy_registers_prefect_yaml_with_config_defaults_on_a_process_pool(st
         "name",
         "stages",
         "plugins",
+        "seed",
         "model",
         "peft",
         "data",
@@ -335,6 +336,7 @@ def test_deploy_registers_prefect_yaml_with_config_defaults_on_a_process_pool(st
         "grpo",
         "reference",
         "evaluation",
+        "compute",
         "tracking",
         "promotion",
     ]
