@@ -54,6 +54,11 @@ class TemporaryServer:
     log: Path
     process: subprocess.Popen | None = None
 
+    @classmethod
+    def of_state_folder(cls) -> "TemporaryServer":
+        """A server on a free port, logging to the state folder's ``logs/``."""
+        return cls(free_port(), get_settings().root / "logs" / "temporary-prefect-server.log")
+
     @property
     def api_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/api"
@@ -122,7 +127,7 @@ def configured_prefect_api() -> str | None:
 def start_temporary_server() -> TemporaryServer:
     """Launch a temporary server and point ``PREFECT_API_URL`` at it (call before importing prefect;
     :meth:`TemporaryServer.wait_ready` before the first API call). It stops at exit."""
-    server = TemporaryServer(free_port(), get_settings().root / "logs" / "temporary-prefect-server.log")
+    server = TemporaryServer.of_state_folder()
     server.launch()
     os.environ["PREFECT_API_URL"] = server.api_url
     os.environ.setdefault("PREFECT_UI_URL", "")  # it serves no UI: no links to it in MLflow or the logs
@@ -143,7 +148,7 @@ def shared_prefect_api() -> Iterator[None]:
     from infra.ops.databases import first_time_setup
 
     with first_time_setup(temporary_prefect=True):
-        server = TemporaryServer(free_port(), get_settings().root / "logs" / "temporary-prefect-server.log")
+        server = TemporaryServer.of_state_folder()
         server.launch()
         server.wait_ready()
     os.environ["PREFECT_API_URL"] = server.api_url
