@@ -43,6 +43,7 @@ from trainers.logprobs import next_token_logps
 from trainers.lora import has_adapters, live_reference
 from trainers.rewards import RewardFunction, resolve_rewards, score_completions
 from trainers.samplers import generation_dataloader
+from trainers.sampling import sampling_processors
 from trainers.sections import section_fields
 from trainers.stages.grpo import COMPLETIONS_LOG_KEY, GRPOStageConfig, check_policy_options
 
@@ -197,11 +198,9 @@ class GRPOTrainer(Trainer):
             reference.requires_grad_(False).eval()
             self.ref_model = self.accelerator.prepare_model(reference, evaluation_mode=True)
         tokenizer = self.processing_class
+        self.sampling = sampling_processors(args.temperature, args.top_k, args.top_p)
         self.generation_config = GenerationConfig(
-            do_sample=True,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
+            do_sample=False,  # the tokens are sampled by ``self.sampling``: greedy emits them
             max_new_tokens=args.max_completion_length,
             use_cache=True,
             pad_token_id=tokenizer.pad_token_id,
@@ -284,6 +283,7 @@ class GRPOTrainer(Trainer):
                 input_ids=input_ids.to(self.accelerator.device),
                 attention_mask=attention_mask.to(self.accelerator.device),
                 generation_config=self.generation_config,
+                logits_processor=self.sampling,
             )
             completions = output[:, input_ids.shape[1] :].cpu()
         unwrapped.train(was_training)
@@ -305,6 +305,7 @@ class GRPOTrainer(Trainer):
                     input_ids=input_ids,
                     attention_mask=torch.ones_like(input_ids),
                     generation_config=self.generation_config,
+                    logits_processor=self.sampling,
                 )
                 rows.append(output[0, len(prompt) :].cpu())
         width = max(len(row) for row in rows)
