@@ -251,13 +251,14 @@ def run_flow(module: str, name: str, *args, check=None, before_run=None, **kwarg
     else:
         atexit.register(end_without_teardown)  # first registered: runs after every other exit hook
         api_url = configured_prefect_api()
-        with first_time_setup(temporary_prefect=api_url is None):
+        with first_time_setup(temporary_prefect=api_url is None) as setup:
             if api_url is not None:
                 os.environ["PREFECT_API_URL"] = api_url
             temporary_server = start_temporary_server() if api_url is None else None
             if check is not None:
                 check()  # it may import torch: after the server's launch, which then boots meanwhile
             flow = getattr(importlib.import_module(module), name)
+            setup.create_mlflow_store()  # on a fresh folder: while the server still migrates its database
             if temporary_server is not None:
                 temporary_server.wait_ready()
     quiet_prefect_tracebacks()

@@ -69,25 +69,38 @@ def start_prefect_server() -> None:
         client.api_healthcheck()
 
 
+class Setup:
+    """What a :func:`first_time_setup` block may do early: :meth:`create_mlflow_store` (e.g. while
+    the temporary Prefect server boots); whatever it did not do runs after the block."""
+
+    def __init__(self, settings: Settings, pending: bool):
+        self.settings, self.mlflow_pending = settings, pending
+
+    def create_mlflow_store(self) -> None:
+        if self.mlflow_pending:
+            create_mlflow_store(self.settings.mlflow_tracking_uri)
+            self.mlflow_pending = False
+
+
 @contextmanager
-def first_time_setup(settings: Settings | None = None, temporary_prefect: bool | None = None) -> Iterator[None]:
+def first_time_setup(settings: Settings | None = None, temporary_prefect: bool | None = None) -> Iterator[Setup]:
     """Around the block that first starts this process's temporary Prefect server (when
     ``temporary_prefect``): while the state folder's databases are not ready, hold its set-up lock,
-    create the MLflow store after the block and record both as ready; once ready, nothing."""
+    create the MLflow store (in the block, or after it) and record both as ready; once ready, nothing."""
     from tasks.locks import LocalFileLock
 
     settings = settings or get_settings()
     databases = local_databases(settings, temporary_prefect)
     marker, wanted = settings.root / READY_FILE, wanted_marker(databases)
     if not databases or is_ready(marker, wanted, databases):
-        yield
+        yield Setup(settings, pending=False)
         return
     with LocalFileLock(settings.root / LOCK_FILE, timeout=LOCK_TIMEOUT_S):
         ready = is_ready(marker, wanted, databases)  # another process finished the set-up meanwhile
-        yield
+        setup = Setup(settings, pending=not ready and "mlflow" in databases)
+        yield setup
         if not ready:
-            if "mlflow" in databases:
-                create_mlflow_store(settings.mlflow_tracking_uri)
+            setup.create_mlflow_store()
             marker.write_text(json.dumps(recorded_versions(marker) | wanted))
 
 

@@ -147,9 +147,10 @@ def shared_prefect_api() -> Iterator[None]:
 
     from infra.ops.databases import first_time_setup
 
-    with first_time_setup(temporary_prefect=True):
+    with first_time_setup(temporary_prefect=True) as setup:
         server = TemporaryServer.of_state_folder()
         server.launch()
+        setup.create_mlflow_store()  # on a fresh folder: while the server migrates its database
         server.wait_ready()
     os.environ["PREFECT_API_URL"] = server.api_url
     try:
