@@ -1,6 +1,7 @@
 """Stages the train task runs over several processes (``accelerate launch``, gloo on the CPU,
 ``tasks/launched_stage.py``): the same model as one process in the task's own process, rank 0
-alone logging into the stage's MLflow run, the launch's output in the task's Prefect logs, a
+alone logging into the stage's MLflow run, the launch's output in the task's Prefect logs, resume
+from a complete checkpoint to the same weights, a
 failed rank's traceback as the task's error, and no process left behind by a failure, by a
 SIGKILLed parent, or by cancelling a flow run of a served deployment through the Prefect API.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -101,7 +103,7 @@ def wait_until_gone(pids: list[int], marker: str, timeout: float = 90) -> list[i
     return left
 
 
-def test_two_processes_from_the_task_equal_one_process_in_it(handles, prefect_api_url):
+def test_two_processes_from_the_task_equal_one_process_in_it_and_resume_from_a_checkpoint(handles, prefect_api_url):
     policy, data, reference_logps = handles
     tracking = TrackingConfig(keep_checkpoints=True)
     one = TrainInputs(policy, data, reference_logps, compute=cpu(1))
@@ -142,6 +144,21 @@ def test_two_processes_from_the_task_equal_one_process_in_it(handles, prefect_ap
     assert any(line.startswith("dpo on 2 processes: ") and "--multi_gpu" in line for line in logs)
     assert any(line.startswith("dpo 3/3 · loss ") for line in logs)  # the ranks' own output, line by line
     assert any(line.startswith("dpo done: 3 steps") for line in logs)
+
+    # killed after checkpoint-2, as far as the folder shows: the next attempt resumes there, launched again
+    shutil.rmtree(folder / "checkpoint-3")
+    shutil.rmtree(folder / "model")
+    (folder / "model.json").unlink()
+    with disable_run_logger():
+        section = dpo_section(per_device_train_batch_size=2)
+        resumed = train.fn("dpo", section, two, parent, "launched-2", tracking)
+    assert resumed.mlflow_run_id == double.mlflow_run_id and Path(resumed.path) == Path(double.path)
+    third = load_file(Path(resumed.path) / "model.safetensors")
+    worst = max((third[k] - second[k]).abs().max().item() for k in first)
+    assert worst <= 1e-6, f"resumed: largest weight difference {worst}"
+    run = client.get_run(double.mlflow_run_id)
+    assert run.data.tags["alignflow.resumed_from_step"] == "2"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3]  # step 3 not twice
 
 
 def test_a_failing_rank_fails_the_task_with_its_traceback_and_leaves_nothing(handles, tmp_path, monkeypatch):
