@@ -39,7 +39,8 @@ def experiment(
     nests under the MLflow run ``nest_under`` when given (a sweep's trial under the sweep's run)."""
     if defaults := deployment_default_config():
         config = merge_onto(config, defaults)
-    check_compute(config.compute)  # before any run is started: a setting this machine cannot run fails here
+    # before any run is started: a setting this machine cannot run fails here; the train task launches processes
+    check_compute(config.compute, launched=True)
     with tracked_run(start_parent_run(config, parent_run_id=nest_under)) as parent_run_id:
         base = resolve_model(config.model)
         data = prepare_dataset(config.data, base)

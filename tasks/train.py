@@ -5,6 +5,10 @@ A stage's output folder is a function of what its model is a function of (:func:
 an identical rerun, or a Prefect retry, finds what the attempt before it left: a finished model
 (``model/`` and ``model.json``) is reused as it is; otherwise training resumes from the latest
 complete checkpoint (``trainers/checkpoints.py``), in the same MLflow run.
+
+One process trains in this task's process; several (``compute.num_processes`` or
+``num_machines`` above 1) run the same trainer under ``accelerate launch``
+(:mod:`tasks.launched_stage`), and this task writes ``model.json`` once the launch succeeded.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from transformers.trainer_callback import PrinterCallback
 
 from infra.config import ComputeConfig, TrackingConfig
 from infra.settings import get_settings
+from tasks import launched_stage
 from tasks.caching import computed_once
 from tasks.fingerprints import atomic_directory, code_fingerprint, hash_paths, hash_value
 from tasks.handles import ModelHandle, PreparedData, ReferenceLogps
@@ -48,6 +53,7 @@ MODEL_DIR = "model"  # with LoRA: the merged copy
 ADAPTER_DIR = "adapter"  # with LoRA: the adapter
 FINISHED = "model.json"  # the final model's handle; written last: the stage is finished
 LOCK_FILE = ".lock"
+LAUNCH_DIR = "launch"  # a launched stage's spec and its ranks' errors
 
 
 @dataclass(frozen=True)
@@ -91,7 +97,7 @@ def stage_key_inputs(stage: str, section: TrainingConfig, inputs: TrainInputs, p
     """What a stage's model is a function of: its section, the weights and tokenizer it starts from
     (not files that name runs and folders), the data, the reference cache entry it reads, and the
     code that trains it (its stage module with the ``trainers`` code it imports, and the plugins,
-    which may define its losses and rewards)."""
+    which may define its losses and rewards), and the number of processes it runs on."""
     policy = inputs.policy
     return {
         "section": section.model_dump(mode="json"),
@@ -101,6 +107,8 @@ def stage_key_inputs(stage: str, section: TrainingConfig, inputs: TrainInputs, p
         "lora": inputs.lora.model_dump(mode="json") if inputs.lora else None,
         "precision": [inputs.compute.dtype, inputs.compute.mixed_precision],
         "code": code_fingerprint(STAGES[stage].build.__module__, *plugins),
+        # the global batch is per-device × processes; absent for one process, so its keys stay as they were
+        **({"num_processes": inputs.compute.num_processes} if inputs.compute.multi_process else {}),
     }
 
 
@@ -135,16 +143,10 @@ def finished_model(output_dir: Path) -> ModelHandle | None:
         get_run_logger().warning("the final model in %s is missing or changed: it is saved again", output_dir)
     (output_dir / FINISHED).unlink(missing_ok=True)
     shutil.rmtree(output_dir / MODEL_DIR, ignore_errors=True)
+    for staging in output_dir.glob(f".{MODEL_DIR}.tmp-*"):  # left by a process killed while it wrote model/
+        shutil.rmtree(staging, ignore_errors=True)
     shutil.rmtree(output_dir / ADAPTER_DIR, ignore_errors=True)
     return None
-
-
-def save_final_model(trainer, output_dir: Path, stage: str, run_id: str) -> tuple[ModelHandle, Path | None]:
-    """``model/``, moved into place whole; with LoRA the adapter goes to ``adapter/`` first and
-    ``model/`` is the merged copy. Returns the model's handle and the adapter folder (or None)."""
-    with atomic_directory(output_dir / MODEL_DIR) as staging:
-        adapter = save_stage_model(trainer, staging, output_dir / ADAPTER_DIR)
-    return checkpoint_handle(output_dir / MODEL_DIR, stage, mlflow_run_id=run_id), adapter
 
 
 def worth_retrying(task, task_run, state) -> bool:
@@ -180,7 +182,7 @@ def train(
             reused = (stage, output_dir, finished.mlflow_run_id)
             get_run_logger().info("%s: reusing the finished model in %s (MLflow run %s)", *reused)
             return finished
-        return run_stage(stage, section, inputs, parent_run_id, output_dir, tracking)
+        return run_stage(stage, section, inputs, parent_run_id, output_dir, tracking, plugins)
 
 
 def run_stage(
@@ -190,16 +192,15 @@ def run_stage(
     parent_run_id: str,
     output_dir: Path,
     tracking: TrackingConfig,
+    plugins: Sequence[str] = (),
 ) -> ModelHandle:
     """Train in ``output_dir`` from its latest complete checkpoint (or from the start), tracked in
-    the stage's MLflow run (the one an earlier attempt created, if any)."""
+    the stage's MLflow run (the one an earlier attempt created, if any): in this process, or over
+    ``inputs.compute``'s processes with ``accelerate launch`` (:mod:`tasks.launched_stage`)."""
     resumed = (output_dir / RUN_ID_FILE).exists()
     run_id = stage_run_id(parent_run_id, stage, output_dir)
     with tracked_run(run_id):
-        # MLflow params cannot change: a resumed run keeps those its first attempt logged (its
-        # ``policy.init`` may name another copy of the state folder)
-        logged = client().get_run(run_id).data.params if resumed else {}
-        log_params(run_id, {k: v for k, v in stage_params(stage, section, inputs).items() if k not in logged})
+        log_new_params(run_id, stage_params(stage, section, inputs))
         if inputs.reference_logps is not None:
             client().set_tag(run_id, "alignflow.reference_cache_key", inputs.reference_logps.key)
         discard_incomplete_checkpoints(output_dir)
@@ -207,22 +208,36 @@ def run_stage(
         # resumed from the last step's checkpoint, the Trainer would train one step more when that
         # step ends inside an epoch: the model is loaded from the checkpoint instead
         final = checkpoint if checkpoint is not None and training_done(checkpoint) else None
-        log_checkpoints = tracking.log_checkpoints
-        trainer = tracked_trainer(stage, section, inputs, output_dir, run_id, log_checkpoints, policy_from=final)
-        model_params = {"model.trainable_parameters": trainable_parameters(trainer.model)}
-        if inputs.lora is not None:
-            model_params |= {f"peft.{name}": value for name, value in inputs.lora.flat().items()}
-        log_params(run_id, {k: v for k, v in model_params.items() if k not in logged})
         if resumed:
             mark_resumed(run_id, parent_run_id, stage, trainer_step(checkpoint))
         if final is not None:
             get_run_logger().info("%s: %s is the last step: saving its model", stage, final)
+        elif checkpoint is not None:
+            get_run_logger().info("%s: resuming from %s", stage, checkpoint)
+        log_checkpoints = tracking.log_checkpoints
+        if inputs.compute.multi_process:
+            with atomic_directory(output_dir / MODEL_DIR) as staging:
+                spec = launched_stage.spec_of(
+                    stage,
+                    section,
+                    inputs,
+                    output_dir=output_dir,
+                    model_dir=staging,
+                    run_id=run_id,
+                    log_checkpoints=log_checkpoints,
+                    checkpoint=checkpoint,
+                    final=final is not None,
+                    plugins=tuple(plugins),
+                )
+                launched_stage.launch_stage(spec, inputs.compute, output_dir / LAUNCH_DIR)
+            adapter = output_dir / ADAPTER_DIR if inputs.lora is not None else None
         else:
-            if checkpoint is not None:
-                restore_extra_state(trainer, checkpoint)
-                get_run_logger().info("%s: resuming from %s", stage, checkpoint)
-            trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
-        handle, adapter = save_final_model(trainer, output_dir, stage, run_id)
+            trainer = tracked_trainer(stage, section, inputs, output_dir, run_id, log_checkpoints, policy_from=final)
+            log_model_params(run_id, trainer, inputs)
+            train_from(trainer, checkpoint, final)
+            with atomic_directory(output_dir / MODEL_DIR) as staging:
+                adapter = save_stage_model(trainer, staging, output_dir / ADAPTER_DIR)
+        handle = checkpoint_handle(output_dir / MODEL_DIR, stage, mlflow_run_id=run_id)
         if log_checkpoints != "none":
             client().log_artifacts(run_id, handle.path, "model")
             if adapter is not None:
@@ -233,23 +248,49 @@ def run_stage(
     return handle
 
 
+def train_from(trainer, checkpoint: Path | None, final: Path | None) -> None:
+    """Train from ``checkpoint`` (or from the start); nothing when the model is that of ``final``,
+    the last step's checkpoint."""
+    if final is not None:
+        return
+    if checkpoint is not None:
+        restore_extra_state(trainer, checkpoint)
+    trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
+
+
+def log_new_params(run_id: str, params: dict) -> None:
+    """Log those of ``params`` the run has not: MLflow params cannot change, and a resumed run keeps
+    those its first attempt logged (its ``policy.init`` may name another copy of the state folder)."""
+    logged = client().get_run(run_id).data.params
+    log_params(run_id, {k: v for k, v in params.items() if k not in logged})
+
+
+def log_model_params(run_id: str, trainer, inputs: TrainInputs) -> None:
+    params = {"model.trainable_parameters": trainable_parameters(trainer.model)}
+    if inputs.lora is not None:
+        params |= {f"peft.{name}": value for name, value in inputs.lora.flat().items()}
+    log_new_params(run_id, params)
+
+
 def tracked_trainer(
     stage: str,
     section: TrainingConfig,
     inputs: TrainInputs,
     output_dir: Path,
-    run_id: str,
+    run_id: str | None,
     log_checkpoints: str,
     policy_from: Path | None = None,
 ):
     """The stage's trainer with the pipeline's callbacks: checkpoint completion, then the MLflow
-    tracker (which then copies complete checkpoints), and the progress line."""
+    tracker of ``run_id`` (which then copies complete checkpoints; none for None: a launched stage's
+    other ranks), and the progress line."""
     trainer = STAGES[stage].build(section, stage_inputs(stage, inputs, str(output_dir), [], policy_from))
     trainer.add_callback(CheckpointCompletion(trainer))
-    trainer.add_callback(MlflowTrainerCallback(run_id, log_checkpoints=log_checkpoints == "all"))
+    if run_id is not None:
+        trainer.add_callback(MlflowTrainerCallback(run_id, log_checkpoints=log_checkpoints == "all"))
     trainer.remove_callback(PrinterCallback)  # a dict per log; the progress line replaces it
     trainer.add_callback(ProgressLineCallback(stage))
-    if inputs.reference_logps is not None:
+    if run_id is not None and inputs.reference_logps is not None:
         log_reference_input(run_id, inputs.reference_logps)  # after building: a corrupt entry is rebuilt by then
     return trainer
 

@@ -110,10 +110,14 @@ def test_settings_the_hardware_can_run_pass(settings, hardware):
     check_compute(ComputeConfig(**settings), hardware, launched=True)
 
 
-def test_the_flows_refuse_several_processes_until_they_launch_them():
-    with pytest.raises(ComputeError, match="the pipeline does not launch stages over several processes yet"):
+def test_several_processes_need_a_flow_that_launches_them_on_machine_0():
+    with pytest.raises(ComputeError, match="this flow runs in one process; only the experiment flow's training"):
         check_compute(ComputeConfig(num_processes=2, cpu=True), CPU_ONLY)
     check_compute(ComputeConfig(cpu=True), CPU_ONLY)
+    check_compute(ComputeConfig(num_processes=2, cpu=True), CPU_ONLY, launched=True)
+    two_machines = ComputeConfig(num_processes=4, num_machines=2, machine_rank=1, main_process_ip="10.0.0.1")
+    with pytest.raises(ComputeError, match="compute.machine_rank: the flow runs on machine 0"):
+        check_compute(two_machines, TWO_GPUS, launched=True)
 
 
 def test_the_cli_refuses_more_processes_than_devices_before_anything_starts(capsys):
@@ -214,11 +218,11 @@ def test_the_gpu_check_refuses_to_run_without_a_gpu_and_its_cpu_smoke_runs_every
     assert "the reference pass and the evaluation ran on cpu" in done.stdout
 
 
-def test_the_cli_refuses_several_processes_the_pipeline_would_not_launch(capsys):
+def test_the_cli_refuses_several_processes_for_the_evaluation_flow(capsys):
     with pytest.raises(SystemExit) as stop:
-        cli.main(["run", "configs/minimal.yaml", "compute.cpu=true", "compute.num_processes=2"])
+        cli.main(["evaluate", "configs/evaluate.yaml", "compute.cpu=true", "compute.num_processes=2"])
     assert stop.value.code == 2
-    assert "the pipeline does not launch stages over several processes yet" in capsys.readouterr().err
+    assert "compute.num_processes / num_machines: this flow runs in one process" in capsys.readouterr().err
 
 
 def test_a_stage_takes_the_compute_sections_dtype_and_mixed_precision(tiny_checkpoint, tmp_path):

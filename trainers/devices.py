@@ -37,18 +37,17 @@ def uses_gpu(compute: Any, hardware: Hardware) -> bool:
     return hardware.cuda_devices > 0 and not compute.cpu
 
 
-PIPELINE_RUNS_ONE_PROCESS = (
-    "compute.num_processes / num_machines: the pipeline does not launch stages over several processes yet "
-    "(its train task runs them in-process); launch a stage with `accelerate launch -m trainers.launch SPEC.json` "
-    "(README: Scaling out)"
+ONE_PROCESS_ONLY = (
+    "compute.num_processes / num_machines: this flow runs in one process; only the experiment flow's "
+    "training stages run over several (README: Scaling out)"
 )
 
 
 def check_compute(compute: Any, hardware: Hardware | None = None, *, launched: bool = False) -> None:
     """Raise :class:`ComputeError` naming the field when ``compute`` (a ``ComputeConfig``) cannot
     run here: more processes per machine than GPUs (without ``cpu``), several processes with
-    neither GPUs nor ``cpu``, fp16 without a GPU, bfloat16 on a GPU without it; and, unless the
-    caller ``launched`` the processes itself, several processes at all (the flows run one)."""
+    neither GPUs nor ``cpu``, fp16 without a GPU, bfloat16 on a GPU without it. Several processes
+    need a caller that ``launched`` them (the experiment flow's train task), on machine 0."""
     hardware = hardware or detect_hardware()
     gpu = uses_gpu(compute, hardware)
     per_machine = compute.processes_per_machine
@@ -67,7 +66,12 @@ def check_compute(compute: Any, hardware: Hardware | None = None, *, launched: b
             "and dtype float32"
         )
     if compute.multi_process and not launched:
-        raise ComputeError(PIPELINE_RUNS_ONE_PROCESS)
+        raise ComputeError(ONE_PROCESS_ONLY)
+    if compute.machine_rank != 0:
+        raise ComputeError(
+            "compute.machine_rank: the flow runs on machine 0 and launches its part of each stage; the other "
+            "machines run the launch command its train task logs (README: Scaling out)"
+        )
 
 
 def compute_device(compute: Any | None = None) -> torch.device:

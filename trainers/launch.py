@@ -11,6 +11,8 @@ processes the run must have: a launch that silently ran fewer (``accelerate laun
 history and world size in ``history.json``), ``reference`` and ``evaluate`` (the reference pass
 or the evaluation sharded over the processes; their results in ``history.json``).
 ``ComputeConfig.launch_command`` (``infra/config.py``) builds the command from a compute section.
+``JOBS`` is a registry: a module launched with ``-m`` may add its own job before it calls
+:func:`main` (``tasks/launched_stage.py``: a pipeline stage, tracked in MLflow by rank 0).
 """
 
 from __future__ import annotations

@@ -210,13 +210,14 @@ def load_or_exit(schema, args: argparse.Namespace, reader=None):
     return config
 
 
-def check_compute_or_exit(config, args: argparse.Namespace) -> None:
-    """Exit 2 when this machine cannot run ``config.compute`` (device count, bfloat16): before the
-    flow starts. This looks at the hardware, so it imports torch."""
+def check_compute_or_exit(config, args: argparse.Namespace, launched: bool = False) -> None:
+    """Exit 2 when this machine cannot run ``config.compute`` (device count, bfloat16; several
+    processes unless the flow ``launched`` them): before the flow starts. This looks at the
+    hardware, so it imports torch."""
     from trainers.devices import ComputeError, check_compute
 
     try:
-        check_compute(config.compute)
+        check_compute(config.compute, launched=launched)
     except ComputeError as error:
         where = f"{args.config}: " if args.config else ""
         print(f"alignflow: invalid config: {where}{error}", file=sys.stderr)
@@ -273,7 +274,7 @@ def run_command(args: argparse.Namespace) -> int:
     from infra.config import ExperimentConfig
 
     config = load_or_exit(ExperimentConfig, args)
-    check = lambda: check_compute_or_exit(config, args)
+    check = lambda: check_compute_or_exit(config, args, launched=True)
     return run_flow("flows.pipeline", "experiment", config, check=check, before_run=clean_up_dead_runs)
 
 

@@ -1,0 +1,263 @@
+"""Stages the train task runs over several processes (``accelerate launch``, gloo on the CPU,
+``tasks/launched_stage.py``): the same model as one process in the task's own process, rank 0
+alone logging into the stage's MLflow run, the launch's output in the task's Prefect logs, resume
+from a complete checkpoint to the same weights, a
+failed rank's traceback as the task's error, and no process left behind by a failure, by a
+SIGKILLed parent, or by cancelling a flow run of a served deployment through the Prefect API.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+from prefect.logging import disable_run_logger
+from prefect.logging.handlers import APILogHandler
+from safetensors.torch import load_file
+from test_sweep import stop_group, wait_for_deployment
+
+from infra.config import ComputeConfig, TrackingConfig, load_config
+from infra.ops.prefect_api import free_port
+from infra.settings import get_settings
+from tasks.launched_stage import LaunchFailed
+from tasks.tracking import experiment_id
+from tasks.train import TrainInputs, train
+from trainers.checkpoints import COMPLETE_MARKER, is_complete
+from trainers.stages import STAGES
+
+REPO = Path(__file__).resolve().parents[1]
+FAILS_ON_RANK_1 = """
+import os
+
+if os.environ.get("RANK") == "1":
+    raise RuntimeError("rank 1 cannot start: the launch must report this line")
+"""
+
+
+def mlflow() -> MlflowClient:
+    return MlflowClient(get_settings().mlflow_tracking_uri)
+
+
+def parent_run(name: str) -> str:
+    return mlflow().create_run(experiment_id("launched-stages"), run_name=name).info.run_id
+
+
+def dpo_section(**fields):
+    section = {
+        "max_steps": 3,
+        "logging_steps": 1,
+        "save_steps": 2,  # a checkpoint, marked complete by the ranks
+        "learning_rate": 1e-4,  # see tests/test_ddp.py: Adam turns rounding into lr-sized differences
+        "lr_scheduler_type": "constant",
+        "seed": 0,
+    }
+    return STAGES["dpo"].section(**section | fields)
+
+
+def cpu(processes: int) -> ComputeConfig:
+    return ComputeConfig(cpu=True, num_processes=processes, main_process_port=free_port())
+
+
+@flow
+def train_in_a_flow(section, inputs: TrainInputs, parent_run_id: str, name: str, tracking: TrackingConfig):
+    return train("dpo", section, inputs, parent_run_id, name, tracking)
+
+
+def flow_run_logs(flow_run_id) -> list[str]:
+    APILogHandler().flush()  # the logs still queued in this process
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return [log.message for log in logs]
+
+
+def launched_pids(marker: str) -> list[int]:
+    """Live processes (not zombies) whose command line names ``marker`` (the launcher and its ranks)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, ValueError, IndexError):
+            continue
+        if marker in command and "tasks.launched_stage" in command and state != "Z":
+            found.append(int(proc.name))
+    return found
+
+
+def wait_until_gone(pids: list[int], marker: str, timeout: float = 90) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (left := [pid for pid in launched_pids(marker) if pid in pids]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
+def test_two_processes_from_the_task_equal_one_process_in_it_and_resume_from_a_checkpoint(handles, prefect_api_url):
+    policy, data, reference_logps = handles
+    tracking = TrackingConfig(keep_checkpoints=True)
+    one = TrainInputs(policy, data, reference_logps, compute=cpu(1))
+    two = TrainInputs(policy, data, reference_logps, compute=cpu(2))
+    parent = parent_run("two-processes")
+    single = train_in_a_flow(dpo_section(per_device_train_batch_size=4), one, parent, "launched-1", tracking)
+    state = train_in_a_flow(
+        dpo_section(per_device_train_batch_size=2), two, parent, "launched-2", tracking, return_state=True
+    )
+    double = state.result()
+
+    first, second = (load_file(Path(h.path) / "model.safetensors") for h in (single, double))
+    start = load_file(Path(policy.path) / "model.safetensors")
+    assert max((first[k] - start[k]).abs().max().item() for k in first) > 2e-4  # it trained
+    worst = max((first[k] - second[k]).abs().max().item() for k in first)
+    assert worst <= 1e-5, f"largest weight difference {worst}"
+
+    folder = Path(double.path).parent
+    assert json.loads((folder / "model.json").read_text())["mlflow_run_id"] == double.mlflow_run_id
+    assert is_complete(folder / "checkpoint-2") and (folder / "checkpoint-2" / COMPLETE_MARKER).is_file()
+    assert not list(folder.glob(".model.tmp-*"))
+
+    client = mlflow()
+    run = client.get_run(double.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["dpo.per_device_train_batch_size"] == "2"
+    assert int(run.data.params["model.trainable_parameters"]) > 0  # logged by rank 0
+    for key in ("loss", "rewards/accuracies", "num_tokens"):
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
+        assert steps == [1, 2, 3], key  # once per step: rank 0 only
+    single_loss = [m.value for m in client.get_metric_history(single.mlflow_run_id, "loss")]
+    double_loss = [m.value for m in client.get_metric_history(double.mlflow_run_id, "loss")]
+    assert double_loss == pytest.approx(single_loss, abs=1e-5)
+    logged = [[a.path for a in client.list_artifacts(h.mlflow_run_id, "checkpoints")] for h in (single, double)]
+    assert logged[0] == logged[1] and "checkpoints/checkpoint-2" in logged[1]
+
+    logs = flow_run_logs(state.state_details.flow_run_id)
+    assert any(line.startswith("dpo on 2 processes: ") and "--multi_gpu" in line for line in logs)
+    assert any(line.startswith("dpo 3/3 · loss ") for line in logs)  # the ranks' own output, line by line
+    assert any(line.startswith("dpo done: 3 steps") for line in logs)
+
+    # killed after checkpoint-2, as far as the folder shows: the next attempt resumes there, launched again
+    shutil.rmtree(folder / "checkpoint-3")
+    shutil.rmtree(folder / "model")
+    (folder / "model.json").unlink()
+    with disable_run_logger():
+        section = dpo_section(per_device_train_batch_size=2)
+        resumed = train.fn("dpo", section, two, parent, "launched-2", tracking)
+    assert resumed.mlflow_run_id == double.mlflow_run_id and Path(resumed.path) == Path(double.path)
+    third = load_file(Path(resumed.path) / "model.safetensors")
+    worst = max((third[k] - second[k]).abs().max().item() for k in first)
+    assert worst <= 1e-6, f"resumed: largest weight difference {worst}"
+    run = client.get_run(double.mlflow_run_id)
+    assert run.data.tags["alignflow.resumed_from_step"] == "2"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3]  # step 3 not twice
+
+
+def test_a_failing_rank_fails_the_task_with_its_traceback_and_leaves_nothing(handles, tmp_path, monkeypatch):
+    policy, data, reference_logps = handles
+    (tmp_path / "fails_on_rank_1.py").write_text(textwrap.dedent(FAILS_ON_RANK_1))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    inputs = TrainInputs(policy, data, reference_logps, compute=cpu(2))
+    parent = parent_run("failing-rank")
+    with disable_run_logger(), pytest.raises(LaunchFailed) as failed:
+        train.fn("dpo", dpo_section(), inputs, parent, "launched-fails", TrackingConfig(), ["fails_on_rank_1"])
+    message = str(failed.value)
+    assert message.startswith("dpo: rank 1 failed (RuntimeError):")
+    assert "RuntimeError: rank 1 cannot start: the launch must report this line" in message.splitlines()[-1]
+    assert 'fails_on_rank_1.py", line 5' in message
+    (folder,) = (get_settings().outputs / "launched-fails").glob("dpo-*")
+    assert not (folder / "model.json").exists() and not (folder / "model").exists()
+    assert not list(folder.glob(".model.tmp-*"))
+    run_id = (folder / "mlflow_run_id").read_text().strip()
+    assert mlflow().get_run(run_id).info.status == "FAILED"
+    assert launched_pids(str(folder)) == []
+
+
+SLEEPER_PARENT = """
+import sys, time
+from infra.launching import run_process_group
+sleeper = "import time; print('ready', flush=True); time.sleep(600)"
+command = [sys.executable, "-c", sleeper, "tasks.launched_stage", sys.argv[1]]  # named as a launch is
+run_process_group(command, lambda line: print(line, flush=True))
+"""
+
+
+def test_a_sigkilled_parent_takes_its_launch_with_it(tmp_path):
+    """PR_SET_PDEATHSIG: the launch (in a session of its own) gets SIGTERM when its parent dies."""
+    marker = str(tmp_path / "sleeper")
+    parent = subprocess.Popen(
+        [sys.executable, "-c", SLEEPER_PARENT, marker], cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    assert parent.stdout.readline().strip() == "ready"
+    (child,) = set(launched_pids(marker)) - {parent.pid}  # the parent's own command names them too
+    assert os.getpgid(child) != os.getpgid(parent.pid)  # its own group: a signal to the parent's group misses it
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    assert wait_until_gone([child], marker, timeout=10) == []
+
+
+def test_cancelling_a_flow_run_of_a_served_deployment_kills_every_rank(prefect_api_url, state_dir, tmp_path):
+    """`alignflow serve` runs the flow run; once the 2-process DPO stage has a checkpoint, the flow
+    run is cancelled through the Prefect API: the runner's SIGTERM reaches the flow process, whose
+    train task stops the launch. No launcher or rank is left, and the flow run ends Cancelled."""
+    from prefect.client.schemas.objects import StateType
+    from prefect.deployments import run_deployment
+    from prefect.states import Cancelling
+
+    overrides = [
+        "name=launch-cancel",
+        "stages=[dpo]",
+        "dpo.max_steps=500",  # far more than runs before the cancel
+        "dpo.save_steps=2",
+        "dpo.logging_steps=1",
+        "compute.cpu=true",
+        "compute.num_processes=2",
+        f"compute.main_process_port={free_port()}",
+        "tracking.experiment_name=launch-cancel",
+    ]
+    config = load_config("configs/minimal.yaml", overrides).model_dump(mode="json")
+    env = {**os.environ, "ALIGNFLOW_HOME": str(state_dir), "PREFECT_API_URL": prefect_api_url, "OMP_NUM_THREADS": "1"}
+    env["PREFECT_RUNNER_POLL_FREQUENCY"] = "1"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "infra.ops.cli", "serve", "--name", "smoke"],
+        cwd=REPO,
+        env=env,
+        start_new_session=True,
+        stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
+    outputs = state_dir / "outputs" / "launch-cancel"
+    try:
+        wait_for_deployment("alignflow-experiment/smoke", server)
+        flow_run = run_deployment("alignflow-experiment/smoke", parameters={"config": config}, timeout=0)
+        deadline = time.monotonic() + 400
+        while not list(outputs.glob(f"dpo-*/checkpoint-*/{COMPLETE_MARKER}")):
+            assert time.monotonic() < deadline and server.poll() is None, "the launched stage never checkpointed"
+            time.sleep(0.5)
+        pids = launched_pids(str(outputs))
+        assert len(pids) == 3, pids  # the launcher and its two ranks
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run.id, Cancelling(message="cancelled by the test"))
+            # gone before the runner's 30 s grace ends: the task stopped the launch (seen: ~1 s with the
+            # runner polling every second), not the runner's SIGKILL of the flow process
+            assert wait_until_gone(pids, str(outputs), timeout=25) == []
+            deadline = time.monotonic() + 120
+            while (final := client.read_flow_run(flow_run.id).state).type not in (
+                StateType.CANCELLED,
+                StateType.CRASHED,
+            ):
+                assert time.monotonic() < deadline, f"the flow run is still {final.type}"
+                time.sleep(1)
+    finally:
+        stop_group(server)
+    assert final.type == StateType.CANCELLED, final
+    assert not list(outputs.glob("dpo-*/model.json"))
