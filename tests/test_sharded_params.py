@@ -1,0 +1,107 @@
+"""Sharded parameters (trainers/sharded_params.py): the gather each accelerate distributed type
+gets, the reference preparation, and FSDP2 under real processes on the CPU (gloo).
+
+accelerate 1.15 selects neither FSDP nor DeepSpeed on the CPU, so the FSDP2 test shards the policy
+with torch's ``fully_shard`` itself (tests/fsdp_cpu.py) and uses the ``fsdp2`` entry by name.
+What only a GPU runs (accelerate's FSDP preparation, DeepSpeed ZeRO-3, FSDP1) is in
+``benchmarks/gpu_check.py --sharding``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from accelerate.utils import DistributedType
+
+from infra.config import ComputeConfig
+from infra.ops.prefect_api import free_port
+from trainers.sharded_params import SHARDINGS, sharding_of
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def accelerate_state(distributed_type: DistributedType, fsdp_version: int = 2, zero_stage: int = 3):
+    """The parts of an ``AcceleratorState`` that say how a prepared model's parameters are laid out."""
+    return SimpleNamespace(
+        distributed_type=distributed_type,
+        fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version),
+        deepspeed_plugin=SimpleNamespace(zero_stage=zero_stage),
+    )
+
+
+@pytest.mark.parametrize(
+    "state, expected, lockstep",
+    [
+        (accelerate_state(DistributedType.NO), "replicated", False),
+        (accelerate_state(DistributedType.MULTI_CPU), "replicated", False),
+        (accelerate_state(DistributedType.MULTI_GPU), "replicated", False),
+        (accelerate_state(DistributedType.DEEPSPEED, zero_stage=2), "replicated", False),
+        (accelerate_state(DistributedType.DEEPSPEED, zero_stage=3), "zero3", True),
+        (accelerate_state(DistributedType.FSDP, fsdp_version=1), "fsdp1", True),
+        (accelerate_state(DistributedType.FSDP, fsdp_version=2), "fsdp2", True),
+    ],
+)
+def test_each_distributed_type_gets_its_parameter_gather(state, expected, lockstep):
+    sharding = sharding_of(state)
+    assert sharding is SHARDINGS[expected]
+    assert sharding.lockstep is lockstep
+
+
+def test_the_replicated_gathers_are_no_ops_and_the_reference_is_prepared_whole_and_frozen(tiny):
+    import copy
+
+    from accelerate import Accelerator
+
+    from trainers.sharded_params import forward_model, prepare_reference
+
+    model = copy.deepcopy(tiny[0])
+    accelerator = Accelerator(cpu=True)
+    replicated = sharding_of(accelerator.state)
+    assert replicated.name == "replicated"
+    with replicated.full_parameters(model), forward_model(model, accelerator, replicated) as unwrapped:
+        assert unwrapped is model
+    reference = prepare_reference(model, accelerator)
+    assert reference is model and not reference.training
+    assert not any(p.requires_grad for p in reference.parameters())
+    assert {p.device.type for p in reference.parameters()} == {"cpu"}
+
+
+def run_worker(processes: int, folder: Path, model: str) -> list[dict]:
+    """tests/fsdp_cpu.py under ``accelerate launch`` with ``processes`` CPU processes; every rank's results."""
+    folder.mkdir(parents=True)
+    spec = folder / "spec.json"
+    spec.write_text(json.dumps({"output_dir": str(folder), "model": model}))
+    command = ComputeConfig(cpu=True, num_processes=processes, main_process_port=free_port()).launch_command(
+        spec, module="fsdp_cpu"
+    )
+    path = os.pathsep.join([str(REPO), str(REPO / "tests")])
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(
+        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, start_new_session=True
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads((folder / "result.json").read_text())
+    assert [r["world_size"] for r in results] == [processes] * processes
+    return results
+
+
+def test_fsdp2_on_two_processes_generates_syncs_and_trains_as_one_unsharded_process(tiny_checkpoint, tmp_path):
+    two = run_worker(2, tmp_path / "two", tiny_checkpoint.path)
+    one = run_worker(1, tmp_path / "one", tiny_checkpoint.path)
+    for rank in two + one:
+        assert rank["sharded"] and rank["resharded_after_sync"]
+        # GRPO's seeded generation by the sharded policy equals that of a whole copy
+        assert rank["grpo_matches_whole"] and rank["lockstep_matches_whole"]
+        assert rank["step1_loss_difference"] <= 1e-5 and rank["step2_loss_difference"] <= 1e-5
+        # the synced reference is the one mixed from the unsharded policy, and it moved
+        assert rank["sync_difference"] <= 1e-6 < rank["sync_moved"]
+    # 2 processes × 4 completions are 1 process's 8, row for row
+    assert two[0]["grpo_completions"] + two[1]["grpo_completions"] == one[0]["grpo_completions"]
+    assert len(one[0]["grpo_completions"]) == 8
+    # each process generated its own length; without lockstep the unequal gathers hang
+    assert [rank["lockstep_length"] for rank in two] == [3, 6]
