@@ -105,3 +105,15 @@ def test_fsdp2_on_two_processes_generates_syncs_and_trains_as_one_unsharded_proc
     assert len(one[0]["grpo_completions"]) == 8
     # each process generated its own length; without lockstep the unequal gathers hang
     assert [rank["lockstep_length"] for rank in two] == [3, 6]
+
+
+def test_a_reference_without_its_weights_on_this_process_is_refused(tiny):
+    import copy
+
+    from accelerate import Accelerator
+
+    from trainers.sharded_params import prepare_reference
+
+    empty = copy.deepcopy(tiny[0]).to("meta")  # as FSDP's cpu_ram_efficient_loading leaves ranks other than 0
+    with pytest.raises(ValueError, match="the reference's parameter model.embed_tokens.weight holds no weights"):
+        prepare_reference(empty, Accelerator(cpu=True))

@@ -124,8 +124,22 @@ def forward_model(model: torch.nn.Module, accelerator: Any, sharding: ParameterS
         yield accelerator.unwrap_model(model)
 
 
+def check_whole(model: torch.nn.Module) -> None:
+    """A reference must hold its own weights. Loaded once a launch's process group is up, it may
+    not: under FSDP with ``fsdp_cpu_ram_efficient_loading`` transformers loads the weights on
+    rank 0 only (the others on ``meta``), under ZeRO-3 (``zero3_init_flag``) partitioned."""
+    for name, param in model.named_parameters():
+        if param.is_meta or hasattr(param, "ds_id"):
+            raise ValueError(
+                f"the reference's parameter {name} holds no weights on this process (loaded under FSDP's "
+                "cpu_ram_efficient_loading or ZeRO-3's zero3_init_flag): load the reference before the trainer's "
+                "arguments and process group are created"
+            )
+
+
 def prepare_reference(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
     """A frozen reference, whole on this process's device: mixed precision applied, never
     sharded (accelerate leaves it unwrapped for evaluation, and in place under FSDP)."""
+    check_whole(model)
     model.requires_grad_(False).eval()
     return accelerator.prepare_model(model, evaluation_mode=True).to(accelerator.device)
