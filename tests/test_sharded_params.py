@@ -2,8 +2,9 @@
 gets, the reference preparation, and FSDP2 under real processes on the CPU (gloo).
 
 accelerate 1.15 selects neither FSDP nor DeepSpeed on the CPU, so the FSDP2 test shards the policy
-with torch's ``fully_shard`` itself (tests/fsdp_cpu.py) and uses the ``fsdp2`` entry by name.
-What only a GPU runs (accelerate's FSDP preparation, DeepSpeed ZeRO-3, FSDP1) is in
+with torch itself (``fully_shard``, ``FullyShardedDataParallel``: tests/fsdp_cpu.py) and uses the
+``fsdp2`` / ``fsdp1`` entry by name.
+What only a GPU runs (accelerate's own FSDP and DeepSpeed preparation, ZeRO-3) is in
 ``benchmarks/gpu_check.py --sharding``.
 """
 
@@ -60,7 +61,7 @@ def test_the_replicated_gathers_are_no_ops_and_the_reference_is_prepared_whole_a
     from trainers.sharded_params import forward_model, prepare_reference
 
     model = copy.deepcopy(tiny[0])
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator()  # as the in-process trainers make it (one shared accelerate state)
     replicated = sharding_of(accelerator.state)
     assert replicated.name == "replicated"
     with replicated.full_parameters(model), forward_model(model, accelerator, replicated) as unwrapped:
@@ -68,14 +69,14 @@ def test_the_replicated_gathers_are_no_ops_and_the_reference_is_prepared_whole_a
     reference = prepare_reference(model, accelerator)
     assert reference is model and not reference.training
     assert not any(p.requires_grad for p in reference.parameters())
-    assert {p.device.type for p in reference.parameters()} == {"cpu"}
+    assert {p.device for p in reference.parameters()} == {accelerator.device}
 
 
-def run_worker(processes: int, folder: Path, model: str) -> list[dict]:
+def run_worker(sharding: str, processes: int, folder: Path, model: str) -> list[dict]:
     """tests/fsdp_cpu.py under ``accelerate launch`` with ``processes`` CPU processes; every rank's results."""
     folder.mkdir(parents=True)
     spec = folder / "spec.json"
-    spec.write_text(json.dumps({"output_dir": str(folder), "model": model}))
+    spec.write_text(json.dumps({"output_dir": str(folder), "model": model, "sharding": sharding}))
     command = ComputeConfig(cpu=True, num_processes=processes, main_process_port=free_port()).launch_command(
         spec, module="fsdp_cpu"
     )
@@ -90,11 +91,13 @@ def run_worker(processes: int, folder: Path, model: str) -> list[dict]:
     return results
 
 
-def test_fsdp2_on_two_processes_generates_syncs_and_trains_as_one_unsharded_process(tiny_checkpoint, tmp_path):
-    two = run_worker(2, tmp_path / "two", tiny_checkpoint.path)
-    one = run_worker(1, tmp_path / "one", tiny_checkpoint.path)
+@pytest.mark.parametrize("sharding", ["fsdp2", "fsdp1"])
+def test_fsdp_on_two_processes_generates_syncs_and_trains_as_one_unsharded_process(sharding, tiny_checkpoint, tmp_path):
+    two = run_worker(sharding, 2, tmp_path / "two", tiny_checkpoint.path)
+    one = run_worker(sharding, 1, tmp_path / "one", tiny_checkpoint.path)
+    for rank in two:  # each process holds about half of the parameters, before and after the sync
+        assert rank["sharded_size"] == rank["size_after_sync"] < 0.6 * rank["whole_size"]
     for rank in two + one:
-        assert rank["sharded"] and rank["resharded_after_sync"]
         # GRPO's seeded generation by the sharded policy equals that of a whole copy
         assert rank["grpo_matches_whole"] and rank["lockstep_matches_whole"]
         assert rank["step1_loss_difference"] <= 1e-5 and rank["step2_loss_difference"] <= 1e-5
@@ -116,4 +119,24 @@ def test_a_reference_without_its_weights_on_this_process_is_refused(tiny):
 
     empty = copy.deepcopy(tiny[0]).to("meta")  # as FSDP's cpu_ram_efficient_loading leaves ranks other than 0
     with pytest.raises(ValueError, match="the reference's parameter model.embed_tokens.weight holds no weights"):
-        prepare_reference(empty, Accelerator(cpu=True))
+        prepare_reference(empty, Accelerator())
+
+
+def test_the_gpu_checks_sharding_section_refuses_fsdp_on_the_cpu_and_its_ddp_smoke_passes(tmp_path):
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine: run benchmarks/gpu_check.py --sharding itself")
+    script = [sys.executable, "benchmarks/gpu_check.py", "--allow-cpu", "--model", "builtin:tiny-llama"]
+    env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    refused = subprocess.run(script + ["--sharding", "fsdp"], cwd=REPO, capture_output=True, text=True, env=env)
+    assert refused.returncode == 2 and "accelerate runs FSDP and DeepSpeed on GPUs only" in refused.stderr
+    smoke = ["--sharding", "ddp", "--processes", "2", "--steps", "2"]
+    done = subprocess.run(script + smoke, cwd=REPO, capture_output=True, text=True, env=env, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "sharded_check grpo (replicated, 2 processes)" in done.stdout
+    assert "sharded_check dpo (replicated, 2 processes)" in done.stdout
+    assert "generation, the live reference and the TR-DPO sync are correct under ddp" in done.stdout

@@ -19,8 +19,7 @@ def mix_into_reference(
     are gathered whole first when ``sharding`` (that of the prepared policy) shards them."""
     sharding = sharding or SHARDINGS["replicated"]
     reference_params = dict(unwrap_model(reference).named_parameters())
-    with sharding.full_parameters(policy):
-        policy_params = dict(unwrap_model(policy).named_parameters())
+    with sharding.full_parameters(policy) as policy_params:
         if reference_params.keys() != policy_params.keys():
             missing = sorted(reference_params.keys() ^ policy_params.keys())[:5]
             raise ValueError(f"reference and policy parameters differ (e.g. {missing}); cannot sync the reference")

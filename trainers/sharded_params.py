@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
+from transformers.modeling_utils import unwrap_model
 
 from trainers.registry import Registry
 
@@ -37,8 +38,9 @@ from trainers.registry import Registry
 @dataclass(frozen=True)
 class ParameterSharding:
     name: str
-    # Every parameter whole on every process for the duration (read them, run no forward inside).
-    full_parameters: Callable[[torch.nn.Module], ContextManager]
+    # Every parameter whole on every process for the duration, by its name in the unwrapped model
+    # (read them, run no forward inside).
+    full_parameters: Callable[[torch.nn.Module], ContextManager[dict[str, torch.Tensor]]]
     # What the unwrapped model needs to run a forward outside the prepared model's own.
     forward_ready: Callable[[torch.nn.Module], ContextManager]
     # Whether a forward gathers parameters (collectives): then every process runs the same forwards.
@@ -53,7 +55,12 @@ def no_gather(model: torch.nn.Module) -> ContextManager:
 
 
 @contextmanager
-def fsdp2_unsharded(model: torch.nn.Module) -> Iterator[None]:
+def local_parameters(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    yield dict(unwrap_model(model).named_parameters())
+
+
+@contextmanager
+def fsdp2_unsharded(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
     """Every ``fully_shard`` unit of ``model`` all-gathered (its parameters plain tensors), then resharded."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -61,36 +68,44 @@ def fsdp2_unsharded(model: torch.nn.Module) -> Iterator[None]:
     for unit in units:
         unit.unshard()
     try:
-        yield
+        yield dict(model.named_parameters())
     finally:
         for unit in units:
             unit.reshard()
 
 
-def fsdp1_summoned(recurse: bool) -> Callable[[torch.nn.Module], ContextManager]:
-    def summon(model: torch.nn.Module) -> ContextManager:
-        from torch.distributed.fsdp import FullyShardedDataParallel
+@contextmanager
+def fsdp1_summoned(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """All of the wrapped ``model``'s parameters, by their names without FSDP's wrapper prefixes."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
-        return FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=recurse)
+    with FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=True):
+        yield dict(model.named_parameters())  # FSDP's own named_parameters drops its prefixes here
 
-    return summon
+
+def fsdp1_root_summoned(model: torch.nn.Module) -> ContextManager:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel.summon_full_params(model, writeback=False, recurse=False)
 
 
-def zero3_gathered(model: torch.nn.Module) -> ContextManager:
+@contextmanager
+def zero3_gathered(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
     import deepspeed
 
-    return deepspeed.zero.GatheredParameters(list(model.parameters()))
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        yield dict(unwrap_model(model).named_parameters())
 
 
 for sharding in (
-    ParameterSharding("replicated", full_parameters=no_gather, forward_ready=no_gather, lockstep=False),
+    ParameterSharding("replicated", full_parameters=local_parameters, forward_ready=no_gather, lockstep=False),
     ParameterSharding("fsdp2", full_parameters=fsdp2_unsharded, forward_ready=no_gather, lockstep=True),
     # The unwrapped module's forward skips the root wrapper, whose own parameters (embeddings,
     # head, final norm) it must gather; the nested units gather theirs in their forward.
     ParameterSharding(
         "fsdp1",
-        full_parameters=fsdp1_summoned(recurse=True),
-        forward_ready=fsdp1_summoned(recurse=False),
+        full_parameters=fsdp1_summoned,
+        forward_ready=fsdp1_root_summoned,
         lockstep=True,
     ),
     ParameterSharding("zero3", full_parameters=zero3_gathered, forward_ready=no_gather, lockstep=True),
