@@ -10,6 +10,12 @@ evaluation ran on the GPU (the GPU memory they allocated holds at least the mode
 
     .venv/bin/python benchmarks/gpu_check.py                      # on a CUDA machine (a few minutes)
     .venv/bin/python benchmarks/gpu_check.py --model builtin:tiny-llama --steps 2 --allow-cpu   # logic smoke
+    .venv/bin/python benchmarks/gpu_check.py --sharding fsdp --processes 2   # or zero3 (pip install deepspeed)
+
+``--sharding fsdp|zero3|ddp`` runs instead the check of sharded parameters
+(benchmarks/sharded_check.py) under ``accelerate launch`` with infra/accelerate's config: GRPO
+generation, the live reference and the TR-DPO sync of the stages' own trainers, on ``--processes``
+GPUs (1 is enough to run the sharded code paths); ``ddp --allow-cpu`` smokes its logic on the CPU.
 
 MFU = achieved FLOP/s ÷ the device's peak dense bf16 FLOP/s (``--peak-tflops``; known GPUs are
 looked up by name). Achieved FLOPs count 6·N per training token (forward and backward) and 2·N per
@@ -31,6 +37,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+# --sharding: the accelerate config and the parameter sharding (trainers/sharded_params.py) it gives.
+SHARDING_CHECKS = {"ddp": "replicated", "fsdp": "fsdp2", "zero3": "zero3"}
 # Dense bf16 peak TFLOP/s (no sparsity) of the GPUs a team is likely to have.
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
 
@@ -44,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-prompts", type=int, default=256)
     parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak (default: looked up by name)")
     parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU without a GPU (a smoke of the logic)")
+    parser.add_argument("--sharding", choices=sorted(SHARDING_CHECKS), help="check sharded parameters instead")
+    parser.add_argument("--processes", type=int, default=1, help="processes (GPUs) of the --sharding check")
     return parser.parse_args(argv)
 
 
@@ -148,7 +158,47 @@ def main(argv: list[str] | None = None) -> int:
     from infra.settings import configure_environment
 
     configure_environment()
+    if options.sharding:
+        return run_sharding_check(options, gpu, workdir)
     return run_check(options, gpu, workdir)
+
+
+def run_sharding_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:
+    """benchmarks/sharded_check.py in every process of an ``accelerate launch`` with the sharding's config."""
+    import json
+    import subprocess
+
+    from infra.config import ComputeConfig
+    from trainers.builtin_model import save_builtin_model
+
+    if not gpu and options.sharding != "ddp":
+        print("gpu_check: accelerate runs FSDP and DeepSpeed on GPUs only; on the CPU: --sharding ddp", file=sys.stderr)
+        return 2
+    model = save_builtin_model(options.model, 0, workdir / "base")
+    spec = {
+        "model": str(model),
+        "output_dir": str(workdir / "sharded"),
+        "sharding": SHARDING_CHECKS[options.sharding],
+        "world_size": options.processes,
+        "steps": options.steps,
+        "cpu": not gpu,
+    }
+    compute = ComputeConfig(
+        cpu=not gpu,
+        num_processes=options.processes,
+        mixed_precision="bf16" if gpu else "no",
+        accelerate_config=options.sharding if gpu else None,
+    )
+    root = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join([str(root), str(root / "benchmarks")])
+    for stage in ("grpo", "dpo"):
+        (workdir / f"{stage}.json").write_text(json.dumps(spec | {"stage": stage}))
+        command = compute.launch_command(workdir / f"{stage}.json", module="sharded_check")
+        done = subprocess.run(command, cwd=root, env=os.environ | {"PYTHONPATH": path})
+        if done.returncode:
+            return done.returncode
+    print(f"gpu_check: generation, the live reference and the TR-DPO sync are correct under {options.sharding}")
+    return 0
 
 
 def run_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:

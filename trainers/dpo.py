@@ -26,6 +26,7 @@ from trainers.logprobs import CompletionLogps, completion_logps
 from trainers.lora import has_adapters, live_reference
 from trainers.losses import LossParams, PairLogps, PreferenceHyperparameters, resolve_losses, reward_metrics
 from trainers.sections import section_fields
+from trainers.sharded_params import prepare_reference, sharding_of
 from trainers.stages.dpo import DPOStageConfig, reference_source
 
 # Metrics summed over the logging window and the processes; every other metric is averaged.
@@ -111,14 +112,15 @@ class DPOTrainer(Trainer):
             )
         if self.args.sync_ref_model and ref_model is None:
             raise ValueError("sync_ref_model needs a separate ref_model to mix the policy into (not with LoRA)")
-        self.ref_model = None
-        if ref_model is not None:
-            ref_model.requires_grad_(False).eval()
-            self.ref_model = self.accelerator.prepare_model(ref_model, evaluation_mode=True)
+        self.ref_model = None if ref_model is None else prepare_reference(ref_model, self.accelerator)
         if self.args.sync_ref_model:
-            self.add_callback(
-                SyncReferenceCallback(self.ref_model, self.args.ref_model_mixup_alpha, self.args.ref_model_sync_steps)
+            sync = SyncReferenceCallback(
+                self.ref_model,
+                self.args.ref_model_mixup_alpha,
+                self.args.ref_model_sync_steps,
+                sharding_of(self.accelerator.state),
             )
+            self.add_callback(sync)
         self.reward_mean = RunningMean()
         self.window_metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
 

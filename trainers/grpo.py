@@ -45,6 +45,7 @@ from trainers.rewards import RewardFunction, resolve_rewards, score_completions
 from trainers.samplers import generation_dataloader
 from trainers.sampling import sampling_processors
 from trainers.sections import section_fields
+from trainers.sharded_params import forward_model, prepare_reference, sharding_of
 from trainers.stages.grpo import COMPLETIONS_LOG_KEY, GRPOStageConfig, check_policy_options
 
 
@@ -192,11 +193,11 @@ class GRPOTrainer(Trainer):
             reward_funcs if reward_funcs is not None else args.reward_funcs, args.reward_weights
         )
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
+        self.sharding = sharding_of(self.accelerator.state)  # of the policy's parameters, once prepared
         self.ref_model = None  # with β > 0 and a LoRA policy, the anchor is the policy with its adapters disabled
         if args.beta > 0 and (ref_model is not None or not has_adapters(self.model)):
             reference = ref_model if ref_model is not None else copy.deepcopy(self.model)
-            reference.requires_grad_(False).eval()
-            self.ref_model = self.accelerator.prepare_model(reference, evaluation_mode=True)
+            self.ref_model = prepare_reference(reference, self.accelerator)
         tokenizer = self.processing_class
         self.sampling = sampling_processors(args.temperature, args.top_k, args.top_p)
         self.generation_config = GenerationConfig(
@@ -270,23 +271,26 @@ class GRPOTrainer(Trainer):
     @torch.no_grad()
     def generate(self, model, prompts: list[list[int]]) -> torch.Tensor:
         """Sampled completion tokens ``[N, ≤ max_completion_length]`` for left-padded prompts (with
-        ``generation_seed``: each completion sampled alone, under its own seed, see :meth:`generate_seeded`)."""
+        ``generation_seed``: each completion sampled alone, under its own seed, see :meth:`generate_seeded`),
+        by the unwrapped policy; with sharded parameters every process generates in lockstep
+        (trainers/sharded_params.py), each as many calls as the others."""
         self.generation_calls += 1
-        unwrapped = self.accelerator.unwrap_model(model)
-        was_training = unwrapped.training
-        unwrapped.eval()
-        if self.args.generation_seed is not None:
-            completions = self.generate_seeded(unwrapped, prompts)
-        else:
-            input_ids, attention_mask = pad_left(prompts, self.processing_class.pad_token_id)
-            output = unwrapped.generate(
-                input_ids=input_ids.to(self.accelerator.device),
-                attention_mask=attention_mask.to(self.accelerator.device),
-                generation_config=self.generation_config,
-                logits_processor=self.sampling,
-            )
-            completions = output[:, input_ids.shape[1] :].cpu()
-        unwrapped.train(was_training)
+        with forward_model(model, self.accelerator, self.sharding) as unwrapped:
+            was_training = unwrapped.training
+            unwrapped.eval()
+            if self.args.generation_seed is not None:
+                completions = self.generate_seeded(unwrapped, prompts)
+            else:
+                input_ids, attention_mask = pad_left(prompts, self.processing_class.pad_token_id)
+                output = unwrapped.generate(
+                    input_ids=input_ids.to(self.accelerator.device),
+                    attention_mask=attention_mask.to(self.accelerator.device),
+                    generation_config=self.generation_config,
+                    synced_gpus=self.sharding.lockstep,
+                    logits_processor=self.sampling,
+                )
+                completions = output[:, input_ids.shape[1] :].cpu()
+            unwrapped.train(was_training)
         return completions
 
     def generate_seeded(self, model, prompts: list[list[int]]) -> torch.Tensor:
@@ -306,6 +310,7 @@ class GRPOTrainer(Trainer):
                     attention_mask=torch.ones_like(input_ids),
                     generation_config=self.generation_config,
                     logits_processor=self.sampling,
+                    synced_gpus=self.sharding.lockstep,
                 )
                 rows.append(output[0, len(prompt) :].cpu())
         width = max(len(row) for row in rows)
@@ -366,7 +371,8 @@ class GRPOTrainer(Trainer):
             with live_reference(self.ref_model, self.model) as reference:
                 self.add_token_logps(reference, slices, "ref_logps")
         if self.args.reuses_generations:
-            self.add_token_logps(self.accelerator.unwrap_model(model), slices, "old_logps")
+            with forward_model(model, self.accelerator, self.sharding) as policy:
+                self.add_token_logps(policy, slices, "old_logps")
 
     def add_token_logps(self, source: torch.nn.Module, slices: list[dict[str, torch.Tensor]], name: str) -> None:
         """``slice[name]``: ``source``'s per-token log-probs of each slice's completions (in eval mode)."""
