@@ -20,6 +20,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from infra.config import load_config
+from infra.launching import group_alive
 from infra.ops.cli import main
 from infra.settings import get_settings
 from infra.sweep import SweepConfig, read_sweep_tree
@@ -185,14 +186,6 @@ def stop_group(process: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_a_sweep_on_an_external_scheduler_where_one_trial_fails_alone(
