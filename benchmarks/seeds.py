@@ -71,15 +71,18 @@ def mean_sd(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {spread:.3f}"
 
 
+def change(trial: Trial, stage: str, metric: str) -> float:
+    """The stage's ``metric`` minus the stage before's."""
+    return trial[stage, metric] - trial[STAGES[STAGES.index(stage) - 1], metric]
+
+
 def sampled_gain(trial: Trial, stage: str) -> float:
-    earlier = STAGES[STAGES.index(stage) - 1]
-    return trial[stage, "sampled_accuracy"] - trial[earlier, "sampled_accuracy"]
+    return change(trial, stage, "sampled_accuracy")
 
 
 def greedy_change(trials: list[Trial], stage: str) -> float:
     """The stage's mean greedy accuracy minus the stage before's, over the trials."""
-    earlier = STAGES[STAGES.index(stage) - 1]
-    return statistics.mean(t[stage, "greedy_accuracy"] - t[earlier, "greedy_accuracy"] for t in trials)
+    return statistics.mean(change(t, stage, "greedy_accuracy") for t in trials)
 
 
 def print_aggregate(trials: list[Trial]) -> None:
@@ -91,10 +94,14 @@ def print_aggregate(trials: list[Trial]) -> None:
 
 def print_seeds(trials: dict[int, Trial]) -> None:
     header = " | ".join(f"{stage} greedy / sampled" for stage in STAGES)
-    print(f"| seed | {header} | DPO − SFT sampled | GRPO − DPO sampled |\n" + "|---" * (len(STAGES) + 3) + "|")
+    gains = "DPO − SFT sampled | GRPO − DPO sampled | DPO − SFT greedy | GRPO − DPO greedy"
+    print(f"| seed | {header} | {gains} |\n" + "|---" * (len(STAGES) + 5) + "|")
     for seed, trial in sorted(trials.items()):
         cells = " | ".join(f"{trial[s, 'greedy_accuracy']:.3f} / {trial[s, 'sampled_accuracy']:.3f}" for s in STAGES)
-        print(f"| {seed} | {cells} | {sampled_gain(trial, 'dpo'):+.3f} | {sampled_gain(trial, 'grpo'):+.3f} |")
+        changes = [
+            change(trial, stage, metric) for metric in ("sampled_accuracy", "greedy_accuracy") for stage in STAGES[1:]
+        ]
+        print(f"| {seed} | {cells} | " + " | ".join(f"{value:+.3f}" for value in changes) + " |")
     print()
 
 
