@@ -5,7 +5,7 @@ a session of its own, so that a Ctrl-C or a signal to this process's group reach
 first, which then stops the launcher's whole group (SIGTERM, then SIGKILL after a grace period)
 whenever it stops waiting for it: an exception, a cancellation (Prefect's ``TerminationSignal``),
 an interrupt. Should this process die without that (SIGKILL), Linux sends the launcher SIGTERM
-(``PR_SET_PDEATHSIG``, :func:`infra.ops.prefect_api.stop_with_parent`).
+(``PR_SET_PDEATHSIG``, :func:`stop_with_parent`).
 
 torch's launcher starts each rank in a session of its own and stops them itself on SIGTERM; a
 rank started through it calls :func:`stop_with_parent` too, for a launcher that was SIGKILLed.
@@ -13,18 +13,29 @@ rank started through it calls :func:`stop_with_parent` too, for a launcher that 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from infra.ops.prefect_api import stop_with_parent
-
 STOP_GRACE_S = 15.0  # below the 30 s a Prefect runner waits before it SIGKILLs a cancelled flow run's process
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def stop_with_parent() -> None:
+    """In a child process before it starts (``preexec_fn``), or in a process of a launch: Linux sends
+    it SIGTERM when its parent dies, even by SIGKILL, so a killed run leaves nothing behind (the
+    temporary Prefect server, a launch and its ranks)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Any
 from prefect import get_run_logger
 
 from infra.config import ComputeConfig
-from infra.launching import Finished, run_process_group
+from infra.launching import Finished, run_process_group, stop_with_parent
 from tasks.metric_sender import MetricsNotDelivered
 from trainers.launch import JOBS, check_world_size
 from trainers.launch import main as run_spec_file
@@ -146,8 +146,6 @@ def launch_stage(spec: dict[str, Any], compute: ComputeConfig, launch_dir: Path)
 
 
 def main() -> None:
-    from infra.ops.prefect_api import stop_with_parent
-
     stop_with_parent()  # the launcher starts each rank in a session of its own: a SIGKILLed launcher leaves none
     try:
         run_spec_file()

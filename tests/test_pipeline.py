@@ -182,15 +182,19 @@ def test_a_new_dpo_setting_trains_dpo_again_on_the_same_reference_entry(first_ru
     )  # one entry shared by both runs
 
 
-def test_a_cleared_cache_folder_is_rebuilt_and_never_handed_out_as_a_dead_path(first_run, state_dir):
+def test_a_cleared_cache_folder_is_rebuilt_and_never_handed_out_as_a_dead_path(first_run, state_dir, tmp_path):
     """Removing `cache/` (prepared data, built-in models, reference log-probs) costs recomputation,
     never a failed run: the data folder and the reference entry are rebuilt where they were."""
-    shutil.rmtree(state_dir / "cache")
-    flow_run_id, report = run_flow(load_config(MINIMAL, UNIQUE))
-    states = task_states(flow_run_id)
-    assert states["train-sft"] == "Cached" and states["train-dpo"] == "Completed"  # SFT's model is in outputs/
-    assert any((state_dir / "cache" / "data").iterdir()) and any((state_dir / "cache" / "reference").iterdir())
-    assert report.rows["sft"] == first_run[1].rows["sft"]
+    kept = shutil.move(state_dir / "cache", tmp_path / "cache")  # restored after: session fixtures point into it
+    try:
+        flow_run_id, report = run_flow(load_config(MINIMAL, UNIQUE))
+        states = task_states(flow_run_id)
+        assert states["train-sft"] == "Cached" and states["train-dpo"] == "Completed"  # SFT's model is in outputs/
+        assert any((state_dir / "cache" / "data").iterdir()) and any((state_dir / "cache" / "reference").iterdir())
+        assert report.rows["sft"] == first_run[1].rows["sft"]
+    finally:
+        shutil.rmtree(state_dir / "cache", ignore_errors=True)
+        shutil.move(kept, state_dir / "cache")
 
 
 def test_grpo_stage_logs_reward_metrics_and_a_completions_table(first_run):

@@ -11,9 +11,7 @@ Prefect's own exit hooks have sent their last logs and events.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -23,26 +21,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from infra.launching import stop_with_parent
 from infra.ops.servers import is_healthy, server_status, servers_dir
 from infra.settings import get_settings
 
 STARTUP_TIMEOUT_S = 90.0  # PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, unless set
 STOP_GRACE_S = 1.0
 PORT_IN_USE_EXIT = 3  # uvicorn's exit code when its port was taken meanwhile
-PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def stop_with_parent() -> None:
-    """In the server's process before it starts: Linux sends it SIGTERM when the process that
-    started it dies, even by SIGKILL, so a killed run leaves no server behind."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
