@@ -203,7 +203,9 @@ def stack(tmp_path_factory):
                 time.sleep(0.2)
         worker_log.close()
         down = stack.alignflow("servers", "down", timeout=120)
-        left = processes_with_env("ALIGNFLOW_HOME", str(home))
+        deadline = time.monotonic() + 30  # `servers down` returns once stopping began; exits may trail it
+        while (left := processes_with_env("ALIGNFLOW_HOME", str(home))) and time.monotonic() < deadline:
+            time.sleep(0.5)
         for name in databases.values():
             postgres(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         assert down.returncode == 0, down.stdout + down.stderr
