@@ -23,7 +23,6 @@ from trainers.data import (
     tokenize_rows,
     validate_rows,
 )
-from trainers.modeling import load_tokenizer
 from trainers.synthetic import AdditionTask, generate_addition
 
 MANIFEST = "manifest.json"
@@ -131,6 +130,8 @@ def prepare_dataset(config: DataConfig, tokenizer: ModelHandle) -> PreparedData:
     fingerprint = data_fingerprint(config, tokenizer)
     target = get_settings().data_cache / fingerprint
     if not (target / MANIFEST).exists():
+        from trainers.modeling import load_tokenizer  # transformers: only when preparing
+
         truncation = Truncation(config.max_length, config.max_prompt_length, config.truncation_mode)
         tok = load_tokenizer(tokenizer.path, tokenizer.revision)
         template = resolve_chat_template(config.chat_template)

@@ -7,6 +7,7 @@ import json
 import math
 import shutil
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import datasets
 from prefect import get_run_logger, task
@@ -20,16 +21,10 @@ from tasks.fingerprints import atomic_directory, code_fingerprint, hash_value
 from tasks.handles import ModelHandle, PreparedData, ReferenceLogps
 from tasks.reference import with_reference_columns
 from tasks.tracking import client, log_metrics, stage_output_dir, stage_run_id, tracked_run
-from trainers.devices import compute_device
-from trainers.evaluation import (
-    GenerationSpec,
-    PromptResult,
-    answer_metrics,
-    per_prompt_scores,
-    preference_rewards,
-    score_prompts,
-)
-from trainers.modeling import load_causal_lm, load_dtype
+from trainers.devices import compute_device, load_dtype
+
+if TYPE_CHECKING:
+    from trainers.evaluation import PromptResult
 
 # Shown in the printed table; every metric (CIs, pass@k, lengths) goes to MLflow.
 TABLE_COLUMNS = {
@@ -116,6 +111,9 @@ def score_model(
 ) -> ModelScores:
     """Every metric of one model, on this machine's GPU where there is one (unless ``compute.cpu``),
     loaded in ``compute.dtype``."""
+    from trainers.evaluation import GenerationSpec, answer_metrics, per_prompt_scores, preference_rewards, score_prompts
+    from trainers.modeling import load_causal_lm
+
     model, tokenizer = load_causal_lm(handle.path, handle.revision, compute.dtype, compute_device(compute))
     scores = ModelScores({}, {}, {})
     if prompts:

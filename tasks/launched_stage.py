@@ -2,7 +2,7 @@
 
     python -m accelerate.commands.launch --multi_gpu ... -m tasks.launched_stage <stage folder>/launch/spec.json
 
-Every process builds the in-process path's trainer (:func:`tasks.train.tracked_trainer`) from the
+Every process builds the in-process path's trainer (:func:`tasks.stage_trainer.tracked_trainer`) from the
 spec: rank 0 with the MLflow tracker of the stage's run, the others with nothing that logs.
 ``trainers.launch`` runs the spec (the plugins, the world-size check, rank 0's ``history.json``);
 the train task writes the spec, streams the launch's output into its Prefect logs, and reports a
@@ -53,7 +53,8 @@ def tracked_stage(spec: dict[str, Any]) -> dict[str, Any]:
     """Train the spec's stage from its checkpoint (or its start) and save the model into ``model_dir``."""
     from pydantic import TypeAdapter
 
-    from tasks.train import ADAPTER_DIR, TrainInputs, log_model_params, tracked_trainer, train_from
+    from tasks.stage_trainer import log_model_params, tracked_trainer, train_from
+    from tasks.train import ADAPTER_DIR, TrainInputs
     from trainers.lora import save_stage_model
     from trainers.stages import STAGES
 

@@ -22,10 +22,8 @@ from tasks.handles import ModelHandle, PreparedData, ReferenceLogps
 from tasks.refcache import CacheEntry, CacheIntegrityError, Columns, ReferenceCache
 from tasks.results import CACHED_RESULT, checked_cache_key
 from tasks.tracking import log_dataset_input, log_metrics
-from trainers.collators import REF_COLUMNS
-from trainers.devices import compute_device, model_dtype
-from trainers.modeling import load_causal_lm, load_dtype
-from trainers.reference import reference_logps
+from trainers.data import REF_COLUMNS
+from trainers.devices import compute_device, load_dtype, model_dtype
 
 PREFERENCE_SPLITS = ("preference", "preference_eval")
 MLFLOW_SCHEMA = {"row_id": "long", "ref_chosen_logps": "float", "ref_rejected_logps": "float"}
@@ -91,6 +89,9 @@ def compute_columns(ref: ReferenceLogps) -> dict[str, Columns]:
     """Reference log-probs of every preference split in row order (row id = position in the split),
     on this machine's GPU where there is one (unless ``ref.cpu``), in ``ref.dtype``: the dtype of
     its key, which must be the loaded model's."""
+    from trainers.modeling import load_causal_lm
+    from trainers.reference import reference_logps
+
     data, reference = ref.data, ref.reference
     model, tokenizer = load_causal_lm(reference.path, reference.revision, ref.dtype, compute_device(ref))
     if model_dtype(model) != ref.dtype:

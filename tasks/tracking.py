@@ -68,6 +68,13 @@ def log_params(run_id: str, params: dict) -> None:
         client().log_batch(run_id, params=items[start : start + MAX_BATCH])
 
 
+def log_new_params(run_id: str, params: dict) -> None:
+    """Log those of ``params`` the run has not: MLflow params cannot change, and a resumed run keeps
+    those its first attempt logged (its ``policy.init`` may name another copy of the state folder)."""
+    logged = client().get_run(run_id).data.params
+    log_params(run_id, {k: v for k, v in params.items() if k not in logged})
+
+
 def metric_values(metrics: dict, step: int) -> list[Metric]:
     """The finite numbers of ``metrics`` as MLflow metrics at ``step``, stamped now; other values
     (text, tables, NaN, infinities) are left out."""

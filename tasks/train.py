@@ -8,7 +8,9 @@ complete checkpoint (``trainers/checkpoints.py``), in the same MLflow run.
 
 One process trains in this task's process; several (``compute.num_processes`` or
 ``num_machines`` above 1) run the same trainer under ``accelerate launch``
-(:mod:`tasks.launched_stage`), and this task writes ``model.json`` once the launch succeeded.
+(:mod:`tasks.launched_stage`), and this task writes ``model.json`` once the launch succeeded. The
+trainer itself is built in :mod:`tasks.stage_trainer`, imported only when a stage trains: a run
+whose stages are all finished loads neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -18,9 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-import datasets
 from prefect import get_run_logger, task
-from transformers.trainer_callback import PrinterCallback
 
 from infra.config import ComputeConfig, TrackingConfig
 from infra.settings import get_settings
@@ -31,23 +31,20 @@ from tasks.handles import ModelHandle, PreparedData, ReferenceLogps
 from tasks.locks import LocalFileLock
 from tasks.metric_sender import MetricsNotDelivered
 from tasks.models import checkpoint_handle
-from tasks.reference import log_reference_input, with_reference_columns
 from tasks.results import CACHED_RESULT, checked_cache_key
 from tasks.storage import prune_checkpoints
-from tasks.tracking import RUN_ID_FILE, client, log_params, mark_resumed, stage_output_dir, stage_run_id, tracked_run
-from tasks.trainer_callback import MlflowTrainerCallback
-from trainers.callbacks import ProgressLineCallback
-from trainers.checkpoints import (
-    CheckpointCompletion,
-    discard_incomplete_checkpoints,
-    latest_complete_checkpoint,
-    restore_extra_state,
-    training_done,
-    write_atomically,
+from tasks.tracking import (
+    RUN_ID_FILE,
+    client,
+    log_new_params,
+    mark_resumed,
+    stage_output_dir,
+    stage_run_id,
+    tracked_run,
 )
-from trainers.lora import LoraSettings, save_stage_model, trainable_parameters
+from trainers.lora import LoraSettings, save_stage_model
 from trainers.sections import TrainingConfig
-from trainers.stages import STAGES, ModelSource, StageInputs
+from trainers.stages import STAGES
 
 MODEL_DIR = "model"  # with LoRA: the merged copy
 ADAPTER_DIR = "adapter"  # with LoRA: the adapter
@@ -66,31 +63,6 @@ class TrainInputs:
     reference_logps: ReferenceLogps | None = None
     lora: LoraSettings | None = None  # train LoRA adapters (``peft.for_stage``) instead of every weight
     compute: ComputeConfig = ComputeConfig()  # noqa: RUF009 (frozen): load dtype and mixed precision
-
-
-def stage_inputs(
-    stage: str, inputs: TrainInputs, output_dir: str, callbacks: list, policy_from: Path | None = None
-) -> StageInputs:
-    """Local paths and loaded splits: the prepared splits, with the cached ``ref_*`` columns
-    joined onto the preference splits when the stage reads reference log-probs. The policy is
-    loaded from ``policy_from`` (a checkpoint) when given; the reference is always the start model."""
-    if inputs.reference_logps is not None:
-        splits = with_reference_columns(inputs.reference_logps)
-    else:
-        splits = datasets.load_from_disk(inputs.data.path)
-    start = ModelSource(inputs.policy.path, inputs.policy.revision)
-    policy = start if policy_from is None else ModelSource(str(policy_from))
-    return StageInputs(
-        policy=policy,
-        reference=start,
-        splits=splits,
-        output_dir=output_dir,
-        callbacks=callbacks,
-        lora=inputs.lora,
-        dtype=inputs.compute.dtype,
-        mixed_precision=inputs.compute.mixed_precision,
-        cpu=inputs.compute.cpu,
-    )
 
 
 def stage_key_inputs(stage: str, section: TrainingConfig, inputs: TrainInputs, plugins: tuple[str, ...] = ()) -> dict:
@@ -197,6 +169,14 @@ def run_stage(
     """Train in ``output_dir`` from its latest complete checkpoint (or from the start), tracked in
     the stage's MLflow run (the one an earlier attempt created, if any): in this process, or over
     ``inputs.compute``'s processes with ``accelerate launch`` (:mod:`tasks.launched_stage`)."""
+    from tasks import stage_trainer
+    from trainers.checkpoints import (
+        discard_incomplete_checkpoints,
+        latest_complete_checkpoint,
+        training_done,
+        write_atomically,
+    )
+
     resumed = (output_dir / RUN_ID_FILE).exists()
     run_id = stage_run_id(parent_run_id, stage, output_dir)
     with tracked_run(run_id):
@@ -232,9 +212,11 @@ def run_stage(
                 launched_stage.launch_stage(spec, inputs.compute, output_dir / LAUNCH_DIR)
             adapter = output_dir / ADAPTER_DIR if inputs.lora is not None else None
         else:
-            trainer = tracked_trainer(stage, section, inputs, output_dir, run_id, log_checkpoints, policy_from=final)
-            log_model_params(run_id, trainer, inputs)
-            train_from(trainer, checkpoint, final)
+            trainer = stage_trainer.tracked_trainer(
+                stage, section, inputs, output_dir, run_id, log_checkpoints, policy_from=final
+            )
+            stage_trainer.log_model_params(run_id, trainer, inputs)
+            stage_trainer.train_from(trainer, checkpoint, final)
             with atomic_directory(output_dir / MODEL_DIR) as staging:
                 adapter = save_stage_model(trainer, staging, output_dir / ADAPTER_DIR)
         handle = checkpoint_handle(output_dir / MODEL_DIR, stage, mlflow_run_id=run_id)
@@ -246,53 +228,6 @@ def run_stage(
         if not tracking.keep_checkpoints:
             prune_checkpoints(output_dir)  # only resuming an unfinished stage reads them
     return handle
-
-
-def train_from(trainer, checkpoint: Path | None, final: Path | None) -> None:
-    """Train from ``checkpoint`` (or from the start); nothing when the model is that of ``final``,
-    the last step's checkpoint."""
-    if final is not None:
-        return
-    if checkpoint is not None:
-        restore_extra_state(trainer, checkpoint)
-    trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
-
-
-def log_new_params(run_id: str, params: dict) -> None:
-    """Log those of ``params`` the run has not: MLflow params cannot change, and a resumed run keeps
-    those its first attempt logged (its ``policy.init`` may name another copy of the state folder)."""
-    logged = client().get_run(run_id).data.params
-    log_params(run_id, {k: v for k, v in params.items() if k not in logged})
-
-
-def log_model_params(run_id: str, trainer, inputs: TrainInputs) -> None:
-    params = {"model.trainable_parameters": trainable_parameters(trainer.model)}
-    if inputs.lora is not None:
-        params |= {f"peft.{name}": value for name, value in inputs.lora.flat().items()}
-    log_new_params(run_id, params)
-
-
-def tracked_trainer(
-    stage: str,
-    section: TrainingConfig,
-    inputs: TrainInputs,
-    output_dir: Path,
-    run_id: str | None,
-    log_checkpoints: str,
-    policy_from: Path | None = None,
-):
-    """The stage's trainer with the pipeline's callbacks: checkpoint completion, then the MLflow
-    tracker of ``run_id`` (which then copies complete checkpoints; none for None: a launched stage's
-    other ranks), and the progress line."""
-    trainer = STAGES[stage].build(section, stage_inputs(stage, inputs, str(output_dir), [], policy_from))
-    trainer.add_callback(CheckpointCompletion(trainer))
-    if run_id is not None:
-        trainer.add_callback(MlflowTrainerCallback(run_id, log_checkpoints=log_checkpoints == "all"))
-    trainer.remove_callback(PrinterCallback)  # a dict per log; the progress line replaces it
-    trainer.add_callback(ProgressLineCallback(stage))
-    if run_id is not None and inputs.reference_logps is not None:
-        log_reference_input(run_id, inputs.reference_logps)  # after building: a corrupt entry is rebuilt by then
-    return trainer
 
 
 def stage_params(stage: str, section: TrainingConfig, inputs: TrainInputs) -> dict:

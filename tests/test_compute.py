@@ -17,9 +17,9 @@ from tasks.handles import ReferenceLogps
 from tasks.models import resolve_model
 from tasks.refcache import CacheIntegrityError
 from tasks.reference import compute_columns, reference_dtype, reference_key, reference_key_inputs
-from trainers.devices import ComputeError, Hardware, check_compute, compute_device, model_dtype
+from trainers.devices import ComputeError, Hardware, check_compute, compute_device, load_dtype, model_dtype
 from trainers.evaluation import preference_rewards
-from trainers.modeling import load_causal_lm, load_dtype
+from trainers.modeling import load_causal_lm
 
 CPU_ONLY = Hardware(cuda_devices=0, cuda_bf16=False)
 OLD_GPU = Hardware(cuda_devices=2, cuda_bf16=False)  # e.g. a V100: no bfloat16

@@ -1,10 +1,12 @@
-"""The layers stay layers: what each package may import, a config import that stays cheap, and a
-flow that names no stage."""
+"""The layers stay layers: what each package may import, a config import and a cached run that stay
+cheap, and a flow that names no stage."""
 
 from __future__ import annotations
 
 import ast
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,7 @@ from trainers.stages import STAGES
 
 PROJECT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "prefect", "mlflow", "datasets")
+COMPUTE = ("torch", "transformers")  # what only a task that computes needs
 
 
 def forbidden_imports(path: Path, forbidden: set[str]) -> set[str]:
@@ -30,6 +33,30 @@ def test_validating_a_config_imports_no_torch_transformers_prefect_or_mlflow():
     )
     result = subprocess.run([sys.executable, "-c", probe], cwd=PROJECT, capture_output=True, text=True, check=True)
     assert json.loads(result.stdout) == []
+
+
+def test_importing_the_flows_imports_no_torch_or_transformers():
+    probe = (
+        "import json, sys; import flows.pipeline, flows.evaluation; "
+        f"print(json.dumps(sorted(m for m in {COMPUTE!r} if m in sys.modules)))"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=PROJECT, capture_output=True, text=True, check=True)
+    assert json.loads(result.stdout) == []
+
+
+def test_a_run_that_finds_everything_cached_imports_no_torch_or_transformers(tmp_path):
+    """The second ``alignflow run`` of a config reuses every stage, reference entry and score; its
+    import log (``python -X importtime``) names neither library, while the first run's does."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env["ALIGNFLOW_HOME"] = str(tmp_path)
+    command = [sys.executable, "-X", "importtime", "-m", "infra.ops.cli", "run", "configs/minimal.yaml"]
+    imported = []
+    for _ in range(2):
+        result = subprocess.run(command, cwd=PROJECT, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        imported.append(set(re.findall(r"^import time:.*\|\s*(\S+)$", result.stderr, re.MULTILINE)))
+    assert set(COMPUTE) <= imported[0]
+    assert not set(COMPUTE) & imported[1]
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ from prefect.logging import disable_run_logger
 
 from infra.config import AdditionTaskConfig, DataConfig, ModelConfig, load_config
 from infra.ops import servers
-from tasks import train as train_module
+from tasks import stage_trainer
 from tasks.data import prepare_dataset
 from tasks.metric_sender import MetricSender, MetricsNotDelivered, backoff_seconds, store_sender
 from tasks.models import resolve_model
@@ -106,7 +106,7 @@ def inputs():
 def train_through_outage(server, inputs, monkeypatch, name: str, restart_at: int | None, notes: dict) -> None:
     """Run the SFT stage with the outage; ``notes`` gets the parent run id and the callback's notes."""
     callback = partial(OutageCallback, server=server, restart_at=restart_at, notes=notes)
-    monkeypatch.setattr(train_module, "MlflowTrainerCallback", callback)
+    monkeypatch.setattr(stage_trainer, "MlflowTrainerCallback", callback)
     client = MlflowClient(server.spec.url)
     notes["parent"] = client.create_run(client.create_experiment(name), run_name=name).info.run_id
     overrides = [f"sft.max_steps={MAX_STEPS}", "sft.logging_steps=1", "sft.per_device_train_batch_size=4"]

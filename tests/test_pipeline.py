@@ -136,11 +136,11 @@ def test_dpo_run_lists_the_reference_cache_entry_as_an_input_with_its_digest(fir
 def test_second_run_hits_the_caches_and_never_runs_the_reference(first_run, monkeypatch):
     import tasks.data
     import tasks.evaluate
-    import tasks.reference
+    import trainers.reference
 
     calls, preparations, scored = [], [], []
     score_model = tasks.evaluate.score_model
-    monkeypatch.setattr(tasks.reference, "reference_logps", lambda *a, **k: calls.append(1) or ([], []))
+    monkeypatch.setattr(trainers.reference, "reference_logps", lambda *a, **k: calls.append(1) or ([], []))
     monkeypatch.setattr(tasks.data, "prepare_split", lambda *a, **k: preparations.append(1))
     record = lambda handle, *rest: scored.append(handle.stage) or score_model(handle, *rest)
     monkeypatch.setattr(tasks.evaluate, "score_model", record)
@@ -163,10 +163,10 @@ def test_second_run_hits_the_caches_and_never_runs_the_reference(first_run, monk
 
 
 def test_a_new_dpo_setting_trains_dpo_again_on_the_same_reference_entry(first_run, monkeypatch):
-    import tasks.reference
+    import trainers.reference
 
     calls = []
-    monkeypatch.setattr(tasks.reference, "reference_logps", lambda *a, **k: calls.append(1) or ([], []))
+    monkeypatch.setattr(trainers.reference, "reference_logps", lambda *a, **k: calls.append(1) or ([], []))
     flow_run_id, _ = run_flow(load_config(MINIMAL, [*UNIQUE, "dpo.learning_rate=0.001"]))
     states = task_states(flow_run_id)
     assert states["train-sft"] == "Cached" and calls == []

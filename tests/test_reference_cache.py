@@ -12,7 +12,7 @@ import pytest
 import torch
 from prefect.logging import disable_run_logger
 
-import tasks.reference
+import trainers.reference
 from infra.config import AdditionTaskConfig, DataConfig, DatasetSource, ModelConfig, ReferenceConfig
 from tasks.data import prepare_dataset
 from tasks.models import checkpoint_handle, resolve_model
@@ -108,9 +108,9 @@ def test_cached_values_equal_the_live_reference_hits_run_no_forward_and_corrupti
             assert abs(row["ref_chosen_logps"] - live_completion_logp(model, row, "chosen")) <= 1e-5
             assert abs(row["ref_rejected_logps"] - live_completion_logp(model, row, "rejected")) <= 1e-5
 
-    real = tasks.reference.reference_logps
+    real = trainers.reference.reference_logps
     calls = []
-    monkeypatch.setattr(tasks.reference, "reference_logps", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(trainers.reference, "reference_logps", lambda *a, **k: calls.append(1) or real(*a, **k))
     with disable_run_logger():
         assert cache_ref_logps.fn(data, base, ReferenceConfig(batch_size=32)) == ref.model_copy(
             update={"batch_size": 32}

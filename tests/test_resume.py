@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from infra.config import load_config
-from tasks.train import TrainInputs, stage_inputs
+from tasks.stage_trainer import stage_inputs
+from tasks.train import TrainInputs
 from trainers.checkpoints import (
     COMPLETE_MARKER,
     CheckpointCompletion,

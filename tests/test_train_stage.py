@@ -8,7 +8,8 @@ from prefect.logging import disable_run_logger
 from infra.config import AdditionTaskConfig, DataConfig, DatasetSource, ReferenceConfig, load_config
 from tasks.data import prepare_dataset
 from tasks.reference import cache_ref_logps
-from tasks.train import TrainInputs, stage_inputs
+from tasks.stage_trainer import stage_inputs
+from tasks.train import TrainInputs
 from trainers.callbacks import SyncReferenceCallback
 from trainers.stages import STAGES
 

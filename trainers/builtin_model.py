@@ -1,17 +1,19 @@
 """The built-in tiny model: a small ``LlamaForCausalLM`` and a character-level tokenizer.
 
 Both are built locally (no downloads) and saved with ``save_pretrained`` so that every later
-stage loads them exactly like any Hugging Face checkpoint.
+stage loads them exactly like any Hugging Face checkpoint. torch, tokenizers and transformers
+are imported by the functions that build: a run that finds the model saved already reads only
+:func:`builtin_spec`.
 """
 
 from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from tokenizers import Tokenizer, decoders, models
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 BUILTIN_PREFIX = "builtin:"
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
@@ -57,6 +59,9 @@ def is_builtin(source: str) -> bool:
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level tokenizer: BPE with a character vocabulary and no merges."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
     vocab_tokens = list(SPECIAL_TOKENS.values()) + ROLE_TOKENS + list(CHARACTERS)
     vocab = {token: index for index, token in enumerate(vocab_tokens)}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=SPECIAL_TOKENS["unk_token"]))
@@ -82,6 +87,9 @@ def builtin_spec(source: str, seed: int) -> dict:
 
 def build_builtin_model(source: str, seed: int) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
     """Build the named built-in model with freshly initialised weights (deterministic for ``seed``)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     architecture = builtin_spec(source, seed)["architecture"]
     tokenizer = build_char_tokenizer()
     config = LlamaConfig(

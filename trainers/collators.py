@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+from trainers.data import REF_COLUMNS
+
 IGNORE_INDEX = -100
-REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
 def pad_right(sequences: list[list[int]], pad_value: int) -> torch.Tensor:

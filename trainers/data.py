@@ -21,10 +21,12 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import TYPE_CHECKING, Any, Iterable, Literal
 
 import datasets
-from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 SPLIT_FIELDS: dict[str, tuple[str, ...]] = {
     "sft": ("prompt", "completion"),
@@ -35,6 +37,8 @@ SPLIT_FIELDS: dict[str, tuple[str, ...]] = {
     "grpo_prompts": ("prompt",),  # an `answer` column, when present, reaches the reward functions
 }
 COMPLETION_FIELDS = {"completion", "chosen", "rejected"}
+# The reference's cached log-probs, joined onto the preference splits as these columns.
+REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 LOCAL_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 JSON_SUFFIXES = {".json", ".jsonl"}
 SAVED_DATASET_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")

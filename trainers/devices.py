@@ -1,13 +1,19 @@
 """The device and precision policy of the compute section, and the checks that need the hardware.
 
 No torch at import: :func:`check_compute` runs where the flow starts, on the machine's facts
-(:func:`detect_hardware`), so a bad setting fails before anything is loaded or trained.
+(:func:`detect_hardware`, read only when a setting needs them: the default CPU/float32 compute
+section does not import torch), so a bad setting fails before anything is loaded or trained.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from trainers.lora import ADAPTER_CONFIG
 
 if TYPE_CHECKING:
     import torch
@@ -47,19 +53,23 @@ def check_compute(compute: Any, hardware: Hardware | None = None, *, launched: b
     """Raise :class:`ComputeError` naming the field when ``compute`` (a ``ComputeConfig``) cannot
     run here: more processes per machine than GPUs (without ``cpu``), several processes with
     neither GPUs nor ``cpu``, fp16 without a GPU, bfloat16 on a GPU without it. Several processes
-    need a caller that ``launched`` them (the experiment flow's train task), on machine 0."""
-    hardware = hardware or detect_hardware()
-    gpu = uses_gpu(compute, hardware)
+    need a caller that ``launched`` them (the experiment flow's train task), on machine 0.
+    ``hardware`` defaults to this machine's, detected only when a rule needs it."""
+    facts = (lambda: hardware) if hardware is not None else functools.cache(detect_hardware)
+
+    def gpu() -> bool:  # with compute.cpu, no hardware is read
+        return not compute.cpu and uses_gpu(compute, facts())
+
     per_machine = compute.processes_per_machine
-    if per_machine > 1 and not compute.cpu and per_machine > hardware.cuda_devices:
+    if per_machine > 1 and not compute.cpu and per_machine > facts().cuda_devices:
         raise ComputeError(
             f"compute.num_processes: {per_machine} processes per machine, but this machine has "
-            f"{hardware.cuda_devices} CUDA device(s); set compute.cpu: true for CPU processes (gloo)"
+            f"{facts().cuda_devices} CUDA device(s); set compute.cpu: true for CPU processes (gloo)"
         )
-    if compute.mixed_precision == "fp16" and not gpu:
+    if compute.mixed_precision == "fp16" and not gpu():
         raise ComputeError("compute.mixed_precision: fp16 needs a CUDA device (use bf16 on the CPU, or no)")
     wants_bf16 = "bf16" in (compute.mixed_precision, compute.dtype.replace("bfloat16", "bf16"))
-    if wants_bf16 and gpu and not hardware.cuda_bf16:
+    if wants_bf16 and gpu() and not facts().cuda_bf16:
         field = "mixed_precision" if compute.mixed_precision == "bf16" else "dtype"
         raise ComputeError(
             f"compute.{field}: this machine's CUDA device does not support bfloat16; use fp16 mixed precision "
@@ -91,6 +101,26 @@ def torch_dtype(name: str) -> torch.dtype | str:
     import torch
 
     return name if name == "auto" else getattr(torch, name)
+
+
+def load_dtype(path: str, revision: str | None = None, dtype: str = "auto") -> str:
+    """The dtype :func:`trainers.modeling.load_causal_lm` loads ``path`` in, without loading its
+    weights (and, for a local folder, without importing transformers): ``dtype``, or for ``auto``
+    the one the checkpoint's config declares (``float32`` when it declares none; an adapter folder's
+    base model's)."""
+    if dtype != "auto":
+        return dtype
+    folder = Path(path)
+    if (folder / ADAPTER_CONFIG).is_file():  # a LoRA adapter folder loads on its base model, in the base's dtype
+        return load_dtype(json.loads((folder / ADAPTER_CONFIG).read_text())["base_model_name_or_path"], None, dtype)
+    if (folder / "config.json").is_file():
+        config = json.loads((folder / "config.json").read_text())
+        declared = config.get("dtype") or config.get("torch_dtype")  # the key before transformers 5
+    else:  # a hub id
+        from transformers import AutoConfig
+
+        declared = AutoConfig.from_pretrained(path, revision=revision).dtype
+    return str(declared or "float32").removeprefix("torch.")
 
 
 def model_dtype(model: torch.nn.Module) -> str:

@@ -21,7 +21,7 @@ import torch
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from trainers.callbacks import SyncReferenceCallback
-from trainers.collators import REF_COLUMNS
+from trainers.data import REF_COLUMNS
 from trainers.logprobs import CompletionLogps, completion_logps
 from trainers.lora import has_adapters, live_reference
 from trainers.losses import LossParams, PairLogps, PreferenceHyperparameters, resolve_losses, reward_metrics

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from trainers.devices import torch_dtype
-from trainers.lora import ADAPTER_CONFIG
 
 
 def load_tokenizer(path: str, revision: str | None = None) -> PreTrainedTokenizerBase:
@@ -30,16 +26,3 @@ def load_causal_lm(
         model.to(device)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
-
-
-def load_dtype(path: str, revision: str | None = None, dtype: str = "auto") -> str:
-    """The dtype :func:`load_causal_lm` loads ``path`` in, without loading its weights: ``dtype``,
-    or for ``auto`` the one the checkpoint's config declares (``float32`` when it declares none; an
-    adapter folder's base model's)."""
-    if dtype != "auto":
-        return dtype
-    adapter = Path(path) / ADAPTER_CONFIG
-    if adapter.is_file():  # a LoRA adapter folder loads on its base model, in the base's dtype
-        return load_dtype(json.loads(adapter.read_text())["base_model_name_or_path"], None, dtype)
-    declared = AutoConfig.from_pretrained(path, revision=revision).dtype
-    return str(declared or torch.float32).removeprefix("torch.")

@@ -233,13 +233,15 @@ def clean_up_dead_runs() -> None:
         print(f"alignflow: warning: runs cleanup failed ({type(error).__name__}: {error})", file=sys.stderr)
 
 
-def run_flow(module: str, name: str, *args, check=None, before_run=None, **kwargs) -> int:
+def run_flow(module: str, name: str, *args, check=None, before_run=None, preload=(), **kwargs) -> int:
     """Import and run a flow (``check()`` first, ``before_run()`` just before the flow starts): 0
     when it completed, else 1. As the
     ``alignflow`` process (not when :func:`main` is called in-process), the Prefect API is chosen
     before the import, so that a temporary server boots meanwhile (:mod:`infra.ops.prefect_api`;
     on a fresh state folder under the first-time set-up lock), and the process ends without
-    interpreter teardown (:func:`end_without_teardown`)."""
+    interpreter teardown (:func:`end_without_teardown`). The flows import torch only where a task
+    computes; on a fresh state folder, where nothing is cached and the server migrates a new
+    database for seconds after the imports, the modules ``preload`` are imported meanwhile."""
     import importlib
 
     from infra.ops.prefect_api import configured_prefect_api, start_temporary_server
@@ -261,11 +263,20 @@ def run_flow(module: str, name: str, *args, check=None, before_run=None, **kwarg
             flow = getattr(importlib.import_module(module), name)
             setup.create_mlflow_store()  # on a fresh folder: while the server still migrates its database
             if temporary_server is not None:
+                if setup.first_time:
+                    for heavy in preload:
+                        importlib.import_module(heavy)
                 temporary_server.wait_ready()
     quiet_prefect_tracebacks()
     if before_run is not None:
         before_run()
     return finished(flow(*args, **kwargs, return_state=True))
+
+
+# What a run that computes imports (torch, transformers and the trainers), on a fresh state folder
+# while the temporary server migrates its new database.
+EVALUATION_MODULES = ("trainers.modeling", "trainers.evaluation")
+TRAINING_MODULES = ("tasks.stage_trainer", *EVALUATION_MODULES)
 
 
 # The config is validated before anything heavy is imported (torch, Prefect, the flows), so a bad
@@ -275,14 +286,17 @@ def run_command(args: argparse.Namespace) -> int:
 
     config = load_or_exit(ExperimentConfig, args)
     check = lambda: check_compute_or_exit(config, args, launched=True)
-    return run_flow("flows.pipeline", "experiment", config, check=check, before_run=clean_up_dead_runs)
+    return run_flow(
+        "flows.pipeline", "experiment", config, check=check, before_run=clean_up_dead_runs, preload=TRAINING_MODULES
+    )
 
 
 def evaluate_command(args: argparse.Namespace) -> int:
     from infra.config import EvaluationRequest
 
     request = load_or_exit(EvaluationRequest, args)
-    return run_flow("flows.evaluation", "evaluation", request, check=lambda: check_compute_or_exit(request, args))
+    check = lambda: check_compute_or_exit(request, args)
+    return run_flow("flows.evaluation", "evaluation", request, check=check, preload=EVALUATION_MODULES)
 
 
 def sweep_command(args: argparse.Namespace) -> int:

@@ -71,10 +71,11 @@ def start_prefect_server() -> None:
 
 class Setup:
     """What a :func:`first_time_setup` block may do early: :meth:`create_mlflow_store` (e.g. while
-    the temporary Prefect server boots); whatever it did not do runs after the block."""
+    the temporary Prefect server boots); whatever it did not do runs after the block.
+    ``first_time``: this process sets the databases up (the temporary server migrates a new one)."""
 
-    def __init__(self, settings: Settings, pending: bool):
-        self.settings, self.mlflow_pending = settings, pending
+    def __init__(self, settings: Settings, pending: bool, first_time: bool = False):
+        self.settings, self.mlflow_pending, self.first_time = settings, pending, first_time
 
     def create_mlflow_store(self) -> None:
         if self.mlflow_pending:
@@ -97,7 +98,7 @@ def first_time_setup(settings: Settings | None = None, temporary_prefect: bool |
         return
     with LocalFileLock(settings.root / LOCK_FILE, timeout=LOCK_TIMEOUT_S):
         ready = is_ready(marker, wanted, databases)  # another process finished the set-up meanwhile
-        setup = Setup(settings, pending=not ready and "mlflow" in databases)
+        setup = Setup(settings, pending=not ready and "mlflow" in databases, first_time=not ready)
         yield setup
         if not ready:
             setup.create_mlflow_store()

@@ -1,0 +1,90 @@
+"""A stage's trainer with the pipeline's callbacks, built and run in this process: by the train
+task (:mod:`tasks.train`) for one process, and on every rank of a launched stage
+(:mod:`tasks.launched_stage`). This module imports torch and transformers; the train task imports
+it only when a stage trains.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import datasets
+from transformers.trainer_callback import PrinterCallback
+
+from tasks.reference import log_reference_input, with_reference_columns
+from tasks.tracking import log_new_params
+from tasks.trainer_callback import MlflowTrainerCallback
+from trainers.callbacks import ProgressLineCallback
+from trainers.checkpoints import CheckpointCompletion, restore_extra_state
+from trainers.lora import trainable_parameters
+from trainers.sections import TrainingConfig
+from trainers.stages import STAGES, ModelSource, StageInputs
+
+if TYPE_CHECKING:
+    from tasks.train import TrainInputs
+
+
+def stage_inputs(
+    stage: str, inputs: TrainInputs, output_dir: str, callbacks: list, policy_from: Path | None = None
+) -> StageInputs:
+    """Local paths and loaded splits: the prepared splits, with the cached ``ref_*`` columns
+    joined onto the preference splits when the stage reads reference log-probs. The policy is
+    loaded from ``policy_from`` (a checkpoint) when given; the reference is always the start model."""
+    if inputs.reference_logps is not None:
+        splits = with_reference_columns(inputs.reference_logps)
+    else:
+        splits = datasets.load_from_disk(inputs.data.path)
+    start = ModelSource(inputs.policy.path, inputs.policy.revision)
+    policy = start if policy_from is None else ModelSource(str(policy_from))
+    return StageInputs(
+        policy=policy,
+        reference=start,
+        splits=splits,
+        output_dir=output_dir,
+        callbacks=callbacks,
+        lora=inputs.lora,
+        dtype=inputs.compute.dtype,
+        mixed_precision=inputs.compute.mixed_precision,
+        cpu=inputs.compute.cpu,
+    )
+
+
+def log_model_params(run_id: str, trainer, inputs: TrainInputs) -> None:
+    params = {"model.trainable_parameters": trainable_parameters(trainer.model)}
+    if inputs.lora is not None:
+        params |= {f"peft.{name}": value for name, value in inputs.lora.flat().items()}
+    log_new_params(run_id, params)
+
+
+def tracked_trainer(
+    stage: str,
+    section: TrainingConfig,
+    inputs: TrainInputs,
+    output_dir: Path,
+    run_id: str | None,
+    log_checkpoints: str,
+    policy_from: Path | None = None,
+):
+    """The stage's trainer with the pipeline's callbacks: checkpoint completion, then the MLflow
+    tracker of ``run_id`` (which then copies complete checkpoints; none for None: a launched stage's
+    other ranks), and the progress line."""
+    trainer = STAGES[stage].build(section, stage_inputs(stage, inputs, str(output_dir), [], policy_from))
+    trainer.add_callback(CheckpointCompletion(trainer))
+    if run_id is not None:
+        trainer.add_callback(MlflowTrainerCallback(run_id, log_checkpoints=log_checkpoints == "all"))
+    trainer.remove_callback(PrinterCallback)  # a dict per log; the progress line replaces it
+    trainer.add_callback(ProgressLineCallback(stage))
+    if run_id is not None and inputs.reference_logps is not None:
+        log_reference_input(run_id, inputs.reference_logps)  # after building: a corrupt entry is rebuilt by then
+    return trainer
+
+
+def train_from(trainer, checkpoint: Path | None, final: Path | None) -> None:
+    """Train from ``checkpoint`` (or from the start); nothing when the model is that of ``final``,
+    the last step's checkpoint."""
+    if final is not None:
+        return
+    if checkpoint is not None:
+        restore_extra_state(trainer, checkpoint)
+    trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
