@@ -42,12 +42,17 @@ def test_servers_up_api_url_reads_a_healthy_record_only(tmp_path, monkeypatch, s
 
 
 def test_a_temporary_server_answers_the_api_and_leaves_nothing_when_stopped(tmp_path, state_dir):
+    """While it starts, the waiting process runs its steps one at a time, and none once it answers."""
     server = TemporaryServer(free_port(), tmp_path / "server.log")
     server.launch()
+    step_ends = []
     try:
-        server.wait_ready(timeout=120)
+        server.wait_ready(timeout=120, meanwhile=[lambda: time.sleep(0.2) or step_ends.append(time.monotonic())] * 3000)
+        answered = time.monotonic()
         with urllib.request.urlopen(f"{server.api_url}/health", timeout=5) as response:
             assert json.load(response) is True
+        assert 0 < len(step_ends) < 3000  # the server took seconds, not ten minutes
+        assert answered - step_ends[-1] < 1.0  # one health check after the last step, not another step
     finally:
         server.stop()
     assert server.process.poll() is not None

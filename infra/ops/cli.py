@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 from infra.ops import service_cli
@@ -233,6 +234,16 @@ def clean_up_dead_runs() -> None:
         print(f"alignflow: warning: runs cleanup failed ({type(error).__name__}: {error})", file=sys.stderr)
 
 
+def import_quietly(module: str) -> None:
+    """Import ``module`` ahead of the task that needs it; a failure is that task's to report."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except Exception:
+        pass
+
+
 def run_flow(module: str, name: str, *args, check=None, before_run=None, preload=(), **kwargs) -> int:
     """Import and run a flow (``check()`` first, ``before_run()`` just before the flow starts): 0
     when it completed, else 1. As the
@@ -240,8 +251,10 @@ def run_flow(module: str, name: str, *args, check=None, before_run=None, preload
     before the import, so that a temporary server boots meanwhile (:mod:`infra.ops.prefect_api`;
     on a fresh state folder under the first-time set-up lock), and the process ends without
     interpreter teardown (:func:`end_without_teardown`). The flows import torch only where a task
-    computes; on a fresh state folder, where nothing is cached and the server migrates a new
-    database for seconds after the imports, the modules ``preload`` are imported meanwhile."""
+    computes. While the process waits for the temporary server, it imports the modules ``preload``
+    one at a time, for as long as the server is not up: all of them on a fresh state folder (the
+    server migrates a new database), else only the first (torch), which about fills the wait on
+    this 2-core machine; a run that finds everything cached then imports nothing else."""
     import importlib
 
     from infra.ops.prefect_api import configured_prefect_api, start_temporary_server
@@ -263,20 +276,19 @@ def run_flow(module: str, name: str, *args, check=None, before_run=None, preload
             flow = getattr(importlib.import_module(module), name)
             setup.create_mlflow_store()  # on a fresh folder: while the server still migrates its database
             if temporary_server is not None:
-                if setup.first_time:
-                    for heavy in preload:
-                        importlib.import_module(heavy)
-                temporary_server.wait_ready()
+                # a new database migrates for seconds after the imports; otherwise the start leaves about torch's import
+                steps = preload if setup.first_time else preload[:1]
+                temporary_server.wait_ready(meanwhile=[partial(import_quietly, module) for module in steps])
     quiet_prefect_tracebacks()
     if before_run is not None:
         before_run()
     return finished(flow(*args, **kwargs, return_state=True))
 
 
-# What a run that computes imports (torch, transformers and the trainers), on a fresh state folder
-# while the temporary server migrates its new database.
-EVALUATION_MODULES = ("trainers.modeling", "trainers.evaluation")
-TRAINING_MODULES = ("tasks.stage_trainer", *EVALUATION_MODULES)
+# What a run that computes imports, in steps of about a second (torch, transformers' models, the
+# trainers), while the temporary server starts (:func:`run_flow`).
+EVALUATION_MODULES = ("torch", "trainers.modeling", "trainers.evaluation")
+TRAINING_MODULES = (*EVALUATION_MODULES, "tasks.stage_trainer")
 
 
 # The config is validated before anything heavy is imported (torch, Prefect, the flows), so a bad

@@ -19,7 +19,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 from infra.launching import stop_with_parent
 from infra.ops.servers import is_healthy, server_status, servers_dir
@@ -71,11 +71,13 @@ class TemporaryServer:
                 preexec_fn=stop_with_parent,
             )
 
-    def wait_ready(self, timeout: float | None = None) -> None:
-        """Block until the API answers; a port taken meanwhile is retried on another one."""
+    def wait_ready(self, timeout: float | None = None, meanwhile: Iterable[Callable[[], object]] = ()) -> None:
+        """Block until the API answers; a port taken meanwhile is retried on another one. The steps
+        ``meanwhile`` run one by one while it does not answer yet (those left then are skipped)."""
         deadline = time.monotonic() + (
             timeout or float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", STARTUP_TIMEOUT_S))
         )
+        steps = iter(meanwhile)
         while time.monotonic() < deadline:
             if is_healthy(f"{self.api_url}/health"):
                 return
@@ -85,6 +87,9 @@ class TemporaryServer:
                 self.launch()
             elif self.process.poll() is not None:
                 break
+            elif (step := next(steps, None)) is not None:
+                step()
+                continue
             time.sleep(0.05)
         tail = self.log.read_text(errors="replace").splitlines()[-15:] if self.log.exists() else []
         raise RuntimeError(
