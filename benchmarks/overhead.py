@@ -1,9 +1,11 @@
-"""Fixed cost of ``alignflow run``: where the wall time of a small run goes, cold and warm.
+"""Fixed cost of ``alignflow run``: where the wall time of a small run goes, cold, warm and changed.
 
-Runs ``alignflow run configs/minimal.yaml`` twice in a fresh ``ALIGNFLOW_HOME`` (cold: empty state
-folder, nothing cached; warm: the same command again) with the embedded default (temporary Prefect
-API on SQLite, MLflow on SQLite) and splits each run's wall time by the timestamps the Prefect
-database keeps (read from ``$ALIGNFLOW_HOME/prefect/prefect.db`` after the run):
+Runs ``alignflow run configs/minimal.yaml`` three times in a fresh ``ALIGNFLOW_HOME`` (cold: empty
+state folder, nothing cached; warm: the same command again; changed: the command with
+``--changed`` overrides, by default a DPO learning rate, so DPO and GRPO train again on the warm
+folder) with the embedded default (temporary Prefect API on SQLite, MLflow on SQLite) and splits
+each run's wall time by the timestamps the Prefect database keeps (read from
+``$ALIGNFLOW_HOME/prefect/prefect.db`` after the run):
 
 * **start-up**: process start → the flow run starts (Python, imports, config checks, temporary
   Prefect server start-up; they overlap where alignflow overlaps them);
@@ -12,7 +14,7 @@ database keeps (read from ``$ALIGNFLOW_HOME/prefect/prefect.db`` after the run):
 
 Also measured alone: ``import flows.pipeline`` in a fresh interpreter.
 
-    .venv/bin/python benchmarks/overhead.py [--config configs/minimal.yaml] [--repeat 1]
+    .venv/bin/python benchmarks/overhead.py [--config configs/minimal.yaml] [--repeat 1] [--changed key=value ...]
 """
 
 from __future__ import annotations
@@ -52,13 +54,12 @@ def prefect_timeline(home: Path) -> tuple[float, float, dict[str, float]]:
     return parse_time(start), parse_time(end), durations
 
 
-def timed_run(home: Path, config: str) -> dict[str, float]:
+def timed_run(home: Path, config: str, overrides: list[str] = ()) -> dict[str, float]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
     env["ALIGNFLOW_HOME"] = str(home)
     began = time.time()
-    result = subprocess.run(
-        [sys.executable, "-m", "infra.ops.cli", "run", config], cwd=PROJECT, env=env, capture_output=True, text=True
-    )
+    command = [sys.executable, "-m", "infra.ops.cli", "run", config, *overrides]
+    result = subprocess.run(command, cwd=PROJECT, env=env, capture_output=True, text=True)
     ended = time.time()
     if result.returncode != 0:
         raise SystemExit(f"alignflow run failed:\n{result.stderr[-3000:]}")
@@ -83,17 +84,21 @@ def import_seconds() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/minimal.yaml")
-    parser.add_argument("--repeat", type=int, default=1, help="cold+warm pairs, each in a fresh state folder")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of the three, each in a fresh folder")
+    parser.add_argument(
+        "--changed", nargs="*", default=["dpo.learning_rate=0.002"], help="overrides of the third run (none: skip it)"
+    )
     args = parser.parse_args()
     print(f"load average before: {os.getloadavg()[0]:.2f}; cores: {os.cpu_count()}; config: {args.config}")
     print(f"import flows.pipeline (fresh interpreter): {import_seconds():.2f} s")
     for _ in range(args.repeat):
         with tempfile.TemporaryDirectory(prefix="alignflow-overhead-") as folder:
-            cold = timed_run(Path(folder), args.config)
-            warm = timed_run(Path(folder), args.config)
-        print("\n| phase | cold (s) | warm (s) |\n|---|---|---|")
-        for phase in list(dict.fromkeys([*cold, *warm])):
-            print(f"| {phase} | {cold.get(phase, 0.0):.2f} | {warm.get(phase, 0.0):.2f} |")
+            runs = {"cold": timed_run(Path(folder), args.config), "warm": timed_run(Path(folder), args.config)}
+            if args.changed:
+                runs["changed"] = timed_run(Path(folder), args.config, args.changed)
+        print("\n| phase | " + " | ".join(f"{name} (s)" for name in runs) + " |\n" + "|---" * (len(runs) + 1) + "|")
+        for phase in dict.fromkeys(phase for run in runs.values() for phase in run):
+            print(f"| {phase} | " + " | ".join(f"{run.get(phase, 0.0):.2f}" for run in runs.values()) + " |")
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
 
 

@@ -73,6 +73,7 @@ def main(spec: dict) -> None:
 
     from trainers.callbacks import SyncReferenceCallback, mix_into_reference
     from trainers.grpo import GRPOConfig, GRPOTrainer
+    from trainers.launch import end_process_group
     from trainers.modeling import load_causal_lm
     from trainers.sharded_params import SHARDINGS, forward_model
 
@@ -145,6 +146,7 @@ def main(spec: dict) -> None:
     results = gather_object([result])
     if rank == 0:
         (out / "result.json").write_text(json.dumps(results))
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from infra.config import load_config
-from infra.launching import group_alive
+from infra.launching import group_alive, stop_group
 from infra.ops.cli import main
 from infra.settings import get_settings
 from infra.sweep import SweepConfig, read_sweep_tree
@@ -161,7 +160,8 @@ def wait_for_workers(address: str, count: int, timeout: float = 180) -> None:
 @contextmanager
 def dask_cluster(env: dict[str, str]) -> Iterator[tuple[str, list[subprocess.Popen]]]:
     """`dask scheduler` and two `dask worker` processes on loopback, each in its own process group
-    (a worker's nanny starts the worker process in it); every group is stopped afterwards."""
+    (a worker's nanny starts the worker process in it); every group is stopped afterwards, all its
+    processes."""
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     dask = str(Path(sys.executable).parent / "dask")
@@ -175,17 +175,7 @@ def dask_cluster(env: dict[str, str]) -> Iterator[tuple[str, list[subprocess.Pop
         yield address, processes
     finally:
         for process in reversed(processes):
-            stop_group(process)
-
-
-def stop_group(process: subprocess.Popen) -> None:
-    """SIGTERM to the process's group, SIGKILL after 30 s."""
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+            stop_group(process, grace=30)  # the whole group: a nanny's worker process can outlive the nanny
 
 
 def test_a_sweep_on_an_external_scheduler_where_one_trial_fails_alone(

@@ -129,6 +129,17 @@ def run_spec(spec: dict[str, Any]) -> None:
     result = JOBS[spec.get("job", "train")](spec)
     if int(os.environ.get("RANK", "0")) == 0:
         (Path(spec["output_dir"]) / HISTORY_FILE).write_text(json.dumps(result))
+    end_process_group()
+
+
+def end_process_group() -> None:
+    """Destroy the launch's process group before the interpreter exits: a gloo group still alive
+    then can abort the process ("terminate called without an active exception", SIGABRT), which
+    fails a launch that had finished its work."""
+    import torch.distributed
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:
