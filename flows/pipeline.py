@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prefect import flow
 from prefect.client.orchestration import get_client
-from prefect.runtime import deployment
+from prefect.context import FlowRunContext
 
 from infra.config import ExperimentConfig, merge_onto
 from tasks.data import prepare_dataset
@@ -22,11 +22,14 @@ from trainers.stages import STAGES
 
 def deployment_default_config() -> dict | None:
     """The default ``config`` of the deployment this flow run belongs to; None outside one.
-    (``prefect.runtime.deployment.parameters`` are the run's own parameters, not the defaults.)"""
-    if deployment.id is None:
+    (``prefect.runtime.deployment.parameters`` are the run's own parameters, not the defaults;
+    ``prefect.runtime.deployment.id`` reads the flow run from the API again: 0.4 s on a new server.)"""
+    context = FlowRunContext.get()
+    deployment_id = context.flow_run.deployment_id if context is not None and context.flow_run is not None else None
+    if deployment_id is None:
         return None
     with get_client(sync_client=True) as client:
-        return client.read_deployment(deployment.id).parameters.get("config")
+        return client.read_deployment(deployment_id).parameters.get("config")
 
 
 @flow(name="alignflow-experiment", log_prints=True)
