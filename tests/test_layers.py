@@ -26,22 +26,19 @@ def forbidden_imports(path: Path, forbidden: set[str]) -> set[str]:
     return {m for m in imported if any(m == f or m.startswith(f + ".") for f in forbidden)}
 
 
-def test_validating_a_config_imports_no_torch_transformers_prefect_or_mlflow():
-    probe = (
-        "import json, sys; from infra.config import load_config; load_config('configs/default.yaml'); "
-        f"print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))"
-    )
+def loaded_after(statement: str, watched: tuple[str, ...]) -> list[str]:
+    """Those of ``watched`` that a fresh interpreter has imported once it ran ``statement``."""
+    probe = f"import json, sys; {statement}; print(json.dumps(sorted(m for m in {watched!r} if m in sys.modules)))"
     result = subprocess.run([sys.executable, "-c", probe], cwd=PROJECT, capture_output=True, text=True, check=True)
-    assert json.loads(result.stdout) == []
+    return json.loads(result.stdout)
+
+
+def test_validating_a_config_imports_no_torch_transformers_prefect_or_mlflow():
+    assert loaded_after("from infra.config import load_config; load_config('configs/default.yaml')", HEAVY) == []
 
 
 def test_importing_the_flows_imports_no_torch_or_transformers():
-    probe = (
-        "import json, sys; import flows.pipeline, flows.evaluation; "
-        f"print(json.dumps(sorted(m for m in {COMPUTE!r} if m in sys.modules)))"
-    )
-    result = subprocess.run([sys.executable, "-c", probe], cwd=PROJECT, capture_output=True, text=True, check=True)
-    assert json.loads(result.stdout) == []
+    assert loaded_after("import flows.pipeline, flows.evaluation", COMPUTE) == []
 
 
 def test_a_run_that_finds_everything_cached_imports_no_torch_or_transformers(tmp_path, prefect_api_url):
