@@ -27,6 +27,7 @@ from tasks.sweep import TrialResult
 
 # The minimal experiment cut to seconds: SFT and DPO only, few prompts, one sample each. An SFT seed
 # of its own keeps this module's first SFT a cache miss whatever ran before.
+PROJECT = Path(__file__).resolve().parents[1]
 TINY = [
     "base.stages=[sft, dpo]",
     "base.sft.max_steps=2",
@@ -239,6 +240,20 @@ def wait_for_deployment(name: str, server: subprocess.Popen, timeout: float = 18
             except ObjectNotFound:
                 assert server.poll() is None and time.monotonic() < deadline, f"{name} was not served"
                 time.sleep(1)
+
+
+def test_the_sweep_command_keeps_its_temporary_server_until_prefect_sent_its_last_logs(tmp_path):
+    """``alignflow sweep`` as a command on the embedded default. Its temporary server stops after
+    Prefect's exit hooks: the command once stopped it first, and the hooks then spent over a minute
+    retrying the last logs ("Error logging to API") before the process ended."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env |= {"ALIGNFLOW_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    space = "space={dpo.beta: [0.1, 0.5]}"
+    command = [sys.executable, "-m", "infra.ops.cli", "sweep", "configs/sweep.yaml", *TINY, space]
+    result = subprocess.run(command, cwd=PROJECT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| trial | status | dpo.beta |" in result.stdout + result.stderr  # the sweep's summary
+    assert "Error logging to API" not in result.stdout + result.stderr
 
 
 def test_a_deployment_not_on_the_server_fails_the_sweep_before_any_trial(prefect_api_url):

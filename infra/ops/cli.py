@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 import traceback
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -244,9 +245,9 @@ def import_quietly(module: str) -> None:
         pass
 
 
-def run_flow(module: str, name: str, *args, check=None, before_run=None, preload=(), **kwargs) -> int:
-    """Import and run a flow (``check()`` first, ``before_run()`` just before the flow starts): 0
-    when it completed, else 1. As the
+def run_flow(module: str, name: str, *args, check=None, before_run=None, preload=(), outcome=finished, **kwargs) -> int:
+    """Import and run a flow (``check()`` first, ``before_run()`` just before the flow starts); the
+    exit code is ``outcome`` of its final state (:func:`finished`: 0 when it completed, else 1). As the
     ``alignflow`` process (not when :func:`main` is called in-process), the Prefect API is chosen
     before the import, so that a temporary server boots meanwhile (:mod:`infra.ops.prefect_api`;
     on a fresh state folder under the first-time set-up lock), and the process ends without
@@ -282,7 +283,7 @@ def run_flow(module: str, name: str, *args, check=None, before_run=None, preload
     quiet_prefect_tracebacks()
     if before_run is not None:
         before_run()
-    return finished(flow(*args, **kwargs, return_state=True))
+    return outcome(flow(*args, **kwargs, return_state=True))
 
 
 # What a run that computes imports, in steps of about a second (torch, transformers' models, the
@@ -328,12 +329,16 @@ def sweep_command(args: argparse.Namespace) -> int:
             print(f"trial {trial.number}: {trial.label}")
         print(f"{spec.trial_count} trials, {spec.strategy}" + (" (asked as results come in)" if not trials else ""))
         return 0
-    from flows.sweep import sweep
     from infra.ops.prefect_api import shared_prefect_api
 
-    quiet_prefect_tracebacks()
-    with shared_prefect_api():
-        state = sweep(spec, return_state=True)
+    # The trials' Dask workers use this process's Prefect API: the command's own (run_flow), or,
+    # when main() is called in-process, one shared for the block.
+    with nullcontext() if STANDALONE else shared_prefect_api():
+        return run_flow("flows.sweep", "sweep", spec, outcome=sweep_outcome)
+
+
+def sweep_outcome(state) -> int:
+    """0 when every trial completed; 1, naming each failed trial, when one did not or the sweep failed."""
     if code := finished(state):
         return code
     failed = [t for t in state.result().trials if t.status != "completed"]
