@@ -70,7 +70,11 @@ def select_baseline(runs: list[Run], baseline: str | None) -> Run:
 
 
 def stage_run(parent: Run, stage: str) -> Run | None:
-    """The child run that trained ``stage`` in the flow run of ``parent``."""
+    """The run that trained ``stage``'s model for ``parent``: the one its ``alignflow.<stage>_run_id``
+    tag names (an earlier run's, when the stage was a cache hit or reused), else its child run of
+    that stage."""
+    if trained := parent.data.tags.get(f"alignflow.{stage}_run_id"):
+        return client().get_run(trained)
     children = client().search_runs(
         [parent.info.experiment_id],
         f"tags.mlflow.parentRunId = '{parent.info.run_id}' and tags.`alignflow.stage` = '{stage}'",

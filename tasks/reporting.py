@@ -85,15 +85,19 @@ def training_curves_figure(runs: list[RunSummary], metrics: list[str], stage: st
     return figure
 
 
-def plot_training_curves(runs: list[RunSummary], metrics: list[str], path: Path, stage: str = "") -> Path:
-    figure = training_curves_figure(runs, metrics, stage)
+def saved(figure: plt.Figure, path: Path) -> Path:
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
 
 
-def plot_eval_bars(runs: list[RunSummary], metrics: list[str], path: Path) -> Path:
-    """Grouped bars: final eval metrics per run, with 95% bootstrap intervals as error bars."""
+def plot_training_curves(runs: list[RunSummary], metrics: list[str], path: Path, stage: str = "") -> Path:
+    return saved(training_curves_figure(runs, metrics, stage), path)
+
+
+def eval_bars_figure(runs: list[RunSummary], metrics: list[str]) -> plt.Figure:
+    """Grouped bars: final eval metrics per run, with 95% bootstrap intervals as error bars; a
+    metric no run has (e.g. ``pass_at_4`` without 4 in ``evaluation.pass_k``) says so."""
     width, colours = 0.8 / len(runs), run_colours(runs)
     figure, axis = plt.subplots(figsize=(max(6, 2.2 * len(metrics)), 3.8))
     for index, run in enumerate(runs):
@@ -102,15 +106,21 @@ def plot_eval_bars(runs: list[RunSummary], metrics: list[str], path: Path) -> Pa
         upper = [run.metrics.get(f"{m}_ci_high", v) - v for m, v in zip(metrics, values)]
         positions = [i + (index - (len(runs) - 1) / 2) * width for i in range(len(metrics))]
         axis.bar(positions, values, width, yerr=[lower, upper], capsize=3, color=colours[run.run_id], label=run.label)
+    for position, metric in enumerate(metrics):
+        if not any(metric in run.metrics for run in runs):
+            axis.text(position, 0.5, "not measured", ha="center", color="grey")
     axis.set_xticks(range(len(metrics)), metrics)
+    axis.set_xlim(-0.5, len(metrics) - 0.5)  # every group gets its slot, a bar-less one too
     axis.set_ylim(0, 1.05)
     axis.set_ylabel("held-out score (95% CI)")
     axis.legend(fontsize=7)
     axis.grid(axis="y", alpha=0.3)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return figure
+
+
+def plot_eval_bars(runs: list[RunSummary], metrics: list[str], path: Path) -> Path:
+    return saved(eval_bars_figure(runs, metrics), path)
 
 
 def mean_and_sd(values: list[float]) -> tuple[float, float]:

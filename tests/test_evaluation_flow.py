@@ -153,6 +153,15 @@ def test_compare_three_runs_writes_table_and_plots(three_runs):
     assert {"table.md", "table.json", "training_curves.png", "eval_metrics.png"} <= logged
 
 
+def test_a_run_that_reused_a_stage_shows_the_curves_of_the_run_that_trained_it(three_runs):
+    from tasks.compare import summarize
+
+    (weak_id, _), _, (again_id, _) = three_runs
+    weak, again = (summarize(parent_run(flow_run), ["loss"], "sft") for flow_run in (weak_id, again_id))
+    assert again.curves["loss"]  # weak-again's SFT was a cache hit: weak's SFT run has its curve
+    assert again.curves == weak.curves
+
+
 def test_compare_selects_runs_by_name_filter_and_recency(three_runs):
     from flows.compare import compare
 

@@ -9,6 +9,7 @@ from tasks.compare import curve_stage, differing_params
 from tasks.reporting import (
     RunSummary,
     comparison_rows,
+    eval_bars_figure,
     label_runs,
     markdown_table,
     plot_eval_bars,
@@ -123,6 +124,11 @@ def test_curves_keep_one_colour_per_run_across_panels_and_share_one_legend():
     assert [handle.get_color() for handle in legend.legend_handles] == [colours[0][label] for label in labels]
     unlogged = training_curves_figure(runs, ["kl"], "dpo").axes[0]
     assert [text.get_text() for text in unlogged.texts] == ["not logged by dpo"]
+
+
+def test_eval_bars_say_which_metric_no_run_measured():
+    (axis,) = eval_bars_figure(summaries(), ["sampled_accuracy", "pass_at_4"]).axes
+    assert [(text.get_text(), text.get_position()[0]) for text in axis.texts] == [("not measured", 1)]
 
 
 def test_curves_come_from_the_first_stage_whose_settings_differ():
