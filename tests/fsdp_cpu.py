@@ -150,4 +150,6 @@ def main(spec: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(json.loads(Path(sys.argv[1]).read_text()))
+    from trainers.launch import run_as_launched_process
+
+    run_as_launched_process(lambda: main(json.loads(Path(sys.argv[1]).read_text())))
