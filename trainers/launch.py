@@ -133,9 +133,8 @@ def run_spec(spec: dict[str, Any]) -> None:
 
 
 def end_process_group() -> None:
-    """Destroy the launch's process group before the interpreter exits: a gloo group still alive
-    then can abort the process ("terminate called without an active exception", SIGABRT), which
-    fails a launch that had finished its work."""
+    """Destroy the launch's process group once the job is done, as torch asks of a process before
+    it exits. (Alone it did not stop the aborts at exit: :func:`end_without_teardown`.)"""
     import torch.distributed
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -146,8 +145,8 @@ EXIT_CODE = 1  # of a launched process, until its job has returned (:func:`run_a
 
 
 def end_without_teardown() -> None:
-    """The last exit hook of a launched process: end it once every other hook has run, without
-    the interpreter's teardown. After a finished run, with its results written and its process
+    """The exit hook of a launched process (:func:`run_as_launched_process`): end it without the
+    interpreter's teardown. After a finished run, with its results written and its process
     group destroyed, that teardown now and then aborted the process in torch's C++ state (SIGABRT,
     "terminate called without an active exception": 1 run in about 12 of the FSDP test)."""
     sys.stdout.flush()
@@ -157,9 +156,14 @@ def end_without_teardown() -> None:
 
 def run_as_launched_process(job: Callable[[], None]) -> None:
     """Run ``job`` as the body of this launched process, which then exits 0, or 1 when it raised
-    (after the traceback and every exit hook), without interpreter teardown."""
+    (after the traceback), without interpreter teardown. The exit hooks registered after this call
+    (torch's, transformers', those of what the job imports) run first; those registered before it do
+    not run: in ``tasks.launched_stage``, from its imports, logging's shutdown, multiprocessing's
+    exit function and MLflow's end of a fluent run. A rank needs none of them: it logs to stderr,
+    starts no multiprocessing children and no fluent run, and closes its metrics sender when
+    training ends."""
     global EXIT_CODE
-    atexit.register(end_without_teardown)  # registered first: it runs after every other exit hook
+    atexit.register(end_without_teardown)
     job()
     EXIT_CODE = 0
 

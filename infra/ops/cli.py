@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import importlib
 import importlib.metadata
 import logging
 import os
@@ -237,8 +238,6 @@ def clean_up_dead_runs() -> None:
 
 def import_quietly(module: str) -> None:
     """Import ``module`` ahead of the task that needs it; a failure is that task's to report."""
-    import importlib
-
     try:
         importlib.import_module(module)
     except Exception:
@@ -256,8 +255,6 @@ def run_flow(module: str, name: str, *args, check=None, before_run=None, preload
     one at a time, for as long as the server is not up: all of them on a fresh state folder (the
     server migrates a new database), else only the first (torch), which about fills the wait on
     this 2-core machine; a run that finds everything cached then imports nothing else."""
-    import importlib
-
     from infra.ops.prefect_api import configured_prefect_api, start_temporary_server
 
     if not STANDALONE:
