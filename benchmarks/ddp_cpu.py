@@ -22,7 +22,7 @@ from pathlib import Path
 
 import datasets
 
-from infra.config import ComputeConfig
+from infra.core.config import ComputeConfig
 from trainers.builtin_model import save_builtin_model
 from trainers.data import Truncation, tokenize_split
 from trainers.launch import HISTORY_FILE

@@ -13,7 +13,7 @@ evaluation ran on the GPU (the GPU memory they allocated holds at least the mode
     .venv/bin/python benchmarks/gpu_check.py --sharding fsdp --processes 2   # or zero3 (pip install deepspeed)
 
 ``--sharding fsdp|zero3|ddp`` runs instead the check of sharded parameters
-(benchmarks/sharded_check.py) under ``accelerate launch`` with infra/accelerate's config: GRPO
+(benchmarks/sharded_check.py) under ``accelerate launch`` with infra/core/accelerate's config: GRPO
 generation, the live reference and the TR-DPO sync of the stages' own trainers, on ``--processes``
 GPUs (1 is enough to run the sharded code paths); ``ddp --allow-cpu`` smokes its logic on the CPU.
 
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     workdir = Path(tempfile.mkdtemp(prefix="alignflow-gpu-check-"))
     os.environ["ALIGNFLOW_HOME"] = str(workdir / "state")  # caches and data of this check only
-    from infra.settings import configure_environment
+    from infra.core.settings import configure_environment
 
     configure_environment()
     if options.sharding:
@@ -168,7 +168,7 @@ def run_sharding_check(options: argparse.Namespace, gpu: bool, workdir: Path) ->
     import json
     import subprocess
 
-    from infra.config import ComputeConfig
+    from infra.core.config import ComputeConfig
     from trainers.builtin_model import save_builtin_model
 
     if not gpu and options.sharding != "ddp":
@@ -205,7 +205,7 @@ def run_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:
     import datasets
     from prefect.logging import disable_run_logger
 
-    from infra.config import AdditionTaskConfig, ComputeConfig, DataConfig, EvaluationConfig
+    from infra.core.config import AdditionTaskConfig, ComputeConfig, DataConfig, EvaluationConfig
     from tasks.data import prepare_dataset
     from tasks.evaluate import score_model
     from tasks.handles import ReferenceLogps

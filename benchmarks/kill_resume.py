@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 OWN_HOME = tempfile.mkdtemp(prefix="alignflow-bench-kill-")
 os.environ["ALIGNFLOW_HOME"] = OWN_HOME
 
-from infra.settings import configure_environment  # noqa: E402
+from infra.core.settings import configure_environment  # noqa: E402
 
 configure_environment()
 

@@ -31,14 +31,14 @@ HOME = tempfile.mkdtemp(prefix="alignflow-bench-refcache-")
 os.environ["ALIGNFLOW_HOME"] = HOME
 atexit.register(shutil.rmtree, HOME, ignore_errors=True)
 
-from infra.settings import configure_environment  # noqa: E402
+from infra.core.settings import configure_environment  # noqa: E402
 
 configure_environment()
 
 import torch  # noqa: E402
 from prefect.logging import disable_run_logger  # noqa: E402
 
-from infra.config import DataConfig, ModelConfig, ReferenceConfig, load_config  # noqa: E402
+from infra.core.config import DataConfig, ModelConfig, ReferenceConfig, load_config  # noqa: E402
 from tasks.data import prepare_dataset  # noqa: E402
 from tasks.models import resolve_model  # noqa: E402
 from tasks.reference import cache_ref_logps, with_reference_columns  # noqa: E402

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from mlflow import MlflowClient
 
-from infra.settings import Settings
+from infra.core.settings import Settings
 
 # path -> (environment, sweep overrides)
 KERNEL_PATHS = {

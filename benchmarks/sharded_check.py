@@ -1,5 +1,5 @@
 """GPU check of sharded parameters (``benchmarks/gpu_check.py --sharding fsdp|zero3``), in every
-process of an ``accelerate launch`` with infra/accelerate's FSDP or ZeRO-3 config, in bf16.
+process of an ``accelerate launch`` with infra/core/accelerate's FSDP or ZeRO-3 config, in bf16.
 
 What the CPU tests cannot run (accelerate selects neither FSDP nor DeepSpeed on the CPU): the
 stages' own trainers prepared by accelerate under the sharding. Per process it checks that

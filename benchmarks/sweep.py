@@ -31,12 +31,12 @@ MODES = {"parallel": ["workers=2", "max_concurrent=2"], "sequential": ["workers=
 
 def measure(sweep_file: str, overrides: list[str], out: Path) -> None:
     """Run one sweep in this process and write its figures to ``out`` (JSON)."""
-    from infra.settings import configure_environment
+    from infra.core.settings import configure_environment
 
     configure_environment()
-    from infra.config import load_config
+    from infra.core.config import load_config
+    from infra.core.sweep import SweepConfig, read_sweep_tree
     from infra.ops.prefect_api import shared_prefect_api
-    from infra.sweep import SweepConfig, read_sweep_tree
 
     spec = load_config(sweep_file, overrides, SweepConfig, reader=read_sweep_tree)
     from prefect.client.orchestration import get_client

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from infra.config import EvaluationRequest, ModelConfig
+from infra.core.config import EvaluationRequest, ModelConfig
 from tasks.data import prepare_dataset
 from tasks.evaluate import EvalReport, HeldOutRewards, evaluate
 from tasks.models import resolve_model

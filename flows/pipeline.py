@@ -7,7 +7,7 @@ from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
 
-from infra.config import ExperimentConfig, merge_onto
+from infra.core.config import ExperimentConfig, merge_onto
 from tasks.data import prepare_dataset
 from tasks.evaluate import EvalReport, HeldOutRewards, evaluate
 from tasks.handles import ModelHandle, PreparedData

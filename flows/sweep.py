@@ -16,8 +16,8 @@ from prefect_dask import DaskTaskRunner
 from pydantic import BaseModel
 
 from flows.pipeline import evaluate_and_gate, experiment
-from infra.config import ExperimentConfig
-from infra.sweep import SweepConfig
+from infra.core.config import ExperimentConfig
+from infra.core.sweep import SweepConfig
 from tasks.compare import ComparisonReport, RunSelection, compare_runs
 from tasks.data import prepare_dataset
 from tasks.evaluate import EvalReport

@@ -1,3 +1,4 @@
-"""Infrastructure. Bottom half: ``config`` (the experiment schema) and ``settings`` (where state
-lives); light to import, used by every layer. Top half, ``infra.ops``: the command line, servers,
-workers and deployments."""
+"""Infrastructure in two layers. ``infra.core``, below ``tasks``: settings, config, compute,
+launching, processes, locks, fingerprints and cache stores (imports only ``trainers``).
+``infra.ops``, the shell on top: the command line, servers, workers and deployments (may import
+anything)."""

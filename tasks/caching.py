@@ -10,8 +10,8 @@ from typing import Callable
 
 from prefect.cache_policies import CacheKeyFnPolicy, CachePolicy
 
-from infra.settings import get_settings
-from tasks.locks import TaskLockManager
+from infra.core.locks import TaskLockManager
+from infra.core.settings import get_settings
 
 
 def task_lock_folder() -> Path:

@@ -12,7 +12,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel
 
-from infra.settings import get_settings
+from infra.core.settings import get_settings
 from tasks.reporting import (
     RunSummary,
     comparison_rows,

@@ -9,9 +9,9 @@ from pathlib import Path
 import datasets
 from prefect import get_run_logger, task
 
-from infra.config import DataConfig, DatasetSource
-from infra.settings import get_settings
-from tasks.fingerprints import atomic_directory, code_fingerprint, hash_paths, hash_token_ids, hash_value
+from infra.core.config import DataConfig, DatasetSource
+from infra.core.fingerprints import atomic_directory, code_fingerprint, hash_paths, hash_token_ids, hash_value
+from infra.core.settings import get_settings
 from tasks.handles import ModelHandle, PreparedData
 from trainers.data import (
     SPLIT_FIELDS,

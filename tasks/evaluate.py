@@ -15,9 +15,9 @@ from prefect.artifacts import create_table_artifact
 from prefect.runtime import flow_run
 from pydantic import BaseModel
 
-from infra.config import ComputeConfig, EvaluationConfig
-from infra.settings import get_settings
-from tasks.fingerprints import atomic_directory, code_fingerprint, hash_value
+from infra.core.config import ComputeConfig, EvaluationConfig
+from infra.core.fingerprints import atomic_directory, code_fingerprint, hash_value
+from infra.core.settings import get_settings
 from tasks.handles import ModelHandle, PreparedData, ReferenceLogps
 from tasks.reference import with_reference_columns
 from tasks.tracking import client, log_metrics, stage_output_dir, stage_run_id, tracked_run

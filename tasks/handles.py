@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer
 
-from infra.settings import get_settings
+from infra.core.settings import get_settings
 
 HOME = "$ALIGNFLOW_HOME"
 

@@ -23,8 +23,8 @@ from typing import Any
 
 from prefect import get_run_logger
 
-from infra.config import ComputeConfig
-from infra.launching import Finished, run_process_group, stop_with_parent
+from infra.core.config import ComputeConfig
+from infra.core.launching import Finished, run_process_group, stop_with_parent
 from tasks.metric_sender import MetricsNotDelivered
 from trainers.launch import JOBS, check_world_size
 from trainers.launch import main as run_spec_file

@@ -24,7 +24,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric
 from mlflow.exceptions import MlflowException
 
-from infra.settings import redact_url
+from infra.core.settings import redact_url
 
 logger = logging.getLogger("alignflow.metrics")
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import mlflow
 from prefect import task
 
-from infra.config import ModelConfig
-from infra.settings import get_settings
-from tasks.fingerprints import atomic_directory, code_fingerprint, hash_paths, hash_value
+from infra.core.config import ModelConfig
+from infra.core.fingerprints import atomic_directory, code_fingerprint, hash_paths, hash_value
+from infra.core.settings import get_settings
 from tasks.handles import ModelHandle
 from tasks.tracking import client
 from trainers.builtin_model import builtin_spec, is_builtin, save_builtin_model

@@ -10,7 +10,7 @@ from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
 from prefect import get_run_logger, task
 from pydantic import BaseModel
 
-from infra.config import PromotionConfig
+from infra.core.config import PromotionConfig
 from tasks.evaluate import EvalReport
 from tasks.handles import ModelHandle, PreparedData
 from tasks.models import checkpoint_handle, download_mlflow_model

@@ -1,5 +1,5 @@
 """Reference log-probs: one frozen forward pass over the preference pairs, stored once per
-content key in the shared reference cache (``tasks/refcache.py``) and reused by every run,
+content key in the shared reference cache (``infra/core/refcache.py``) and reused by every run,
 experiment and machine that asks for the same data and reference."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.context import TaskRunContext
 from prefect.runtime import flow_run, task_run
 
-from infra.config import ComputeConfig, ReferenceConfig
-from infra.settings import get_settings
+from infra.core.config import ComputeConfig, ReferenceConfig
+from infra.core.fingerprints import code_fingerprint, hash_value
+from infra.core.refcache import CacheEntry, CacheIntegrityError, Columns, ReferenceCache
+from infra.core.settings import get_settings
 from tasks.caching import computed_once
-from tasks.fingerprints import code_fingerprint, hash_value
 from tasks.handles import ModelHandle, PreparedData, ReferenceLogps
-from tasks.refcache import CacheEntry, CacheIntegrityError, Columns, ReferenceCache
 from tasks.results import CACHED_RESULT, checked_cache_key
 from tasks.tracking import log_dataset_input, log_metrics
 from trainers.data import REF_COLUMNS

@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 from prefect.serializers import JSONSerializer
 
-from infra.settings import get_settings
-from tasks.fingerprints import hash_paths
+from infra.core.fingerprints import hash_paths
+from infra.core.settings import get_settings
 from tasks.handles import Handle, ModelHandle, PreparedData, ReferenceLogps
 
 logger = logging.getLogger("alignflow.results")

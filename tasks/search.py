@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import optuna
 
-from infra.sweep import Range, SweepConfig, axis_errors, objective_errors, trial_errors
+from infra.core.sweep import Range, SweepConfig, axis_errors, objective_errors, trial_errors
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

@@ -15,7 +15,7 @@ from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.exceptions import ObjectNotFound
 from pydantic import BaseModel
 
-from infra.sweep import SweepConfig
+from infra.core.sweep import SweepConfig
 from tasks.compare import FINAL_PREFIX
 from tasks.reporting import markdown_table, seed_aggregates, seed_table_markdown
 from tasks.tracking import client, experiment_id, log_metrics, mlflow_run_url

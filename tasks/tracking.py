@@ -27,8 +27,8 @@ from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_UI_URL
 
-from infra.processes import process_record
-from infra.settings import get_settings, redact_url
+from infra.core.processes import process_record
+from infra.core.settings import get_settings, redact_url
 from trainers.sections import Section
 
 RUN_ID_FILE = "mlflow_run_id"

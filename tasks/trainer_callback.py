@@ -6,7 +6,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from infra.settings import get_settings
+from infra.core.settings import get_settings
 from tasks.metric_sender import MetricSender
 from tasks.tracking import client, metric_values
 from trainers.stages.grpo import COMPLETIONS_LOG_KEY

@@ -18,7 +18,7 @@ os.environ["ALIGNFLOW_HOME"] = str(_STATE)
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("PREFECT_API_URL", None)
 
-from infra.settings import configure_environment  # noqa: E402
+from infra.core.settings import configure_environment  # noqa: E402
 
 configure_environment()
 
@@ -70,7 +70,7 @@ def handles(tiny_checkpoint):
     real prepared dataset and a real reference-cache entry for them."""
     from prefect.logging import disable_run_logger
 
-    from infra.config import AdditionTaskConfig, DataConfig, ReferenceConfig
+    from infra.core.config import AdditionTaskConfig, DataConfig, ReferenceConfig
     from tasks.data import prepare_dataset
     from tasks.reference import cache_ref_logps
 

@@ -2,7 +2,7 @@
 ``tests/test_sharded_params.py``.
 
 accelerate 1.15 never selects FSDP on the CPU (``use_cpu`` gives MULTI_CPU, i.e. DDP), so the
-policy is sharded here with torch itself, each decoder layer and the root as infra/accelerate's
+policy is sharded here with torch itself, each decoder layer and the root as infra/core/accelerate's
 TRANSFORMER_BASED_WRAP does (the spec's ``sharding``: ``fsdp2``, ``fully_shard``; ``fsdp1``,
 ``FullyShardedDataParallel``), and that entry of trainers/sharded_params.py is used by name. Each
 process checks against a whole copy of the same model: GRPO's seeded generation

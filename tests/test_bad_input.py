@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from infra.config import BUILTIN_MODEL_NAMES, load_config
+from infra.core.config import BUILTIN_MODEL_NAMES, load_config
+from infra.core.settings import Settings, StateFolderError, configure_environment, prepare_state_folder, redact_url
 from infra.ops import cli
-from infra.settings import Settings, StateFolderError, configure_environment, prepare_state_folder, redact_url
 
 MINIMAL = "configs/minimal.yaml"
 
@@ -268,7 +268,7 @@ def test_a_failing_command_prints_one_line_and_where_the_traceback_is(monkeypatc
 
 
 def test_local_model_folders_are_checked_at_resolve_naming_folder_and_file(tiny, tmp_path):
-    from infra.config import ModelConfig
+    from infra.core.config import ModelConfig
     from tasks.models import resolve_model
 
     model, tokenizer = tiny

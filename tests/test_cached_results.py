@@ -15,8 +15,8 @@ from prefect.results import ResultRecord
 from prefect.serializers import JSONSerializer, PickleSerializer
 from test_pipeline import MINIMAL, run_flow, task_states
 
-from infra.config import load_config
-from infra.settings import get_settings
+from infra.core.config import load_config
+from infra.core.settings import get_settings
 from tasks.handles import HOME, ModelHandle, PreparedData
 from tasks.results import RESULTS, RejectedResult, parse_record, validate_record
 

@@ -10,12 +10,12 @@ import torch
 from prefect.logging import disable_run_logger
 from pydantic import ValidationError
 
-from infra.config import ComputeConfig, ExperimentConfig, ModelConfig, load_config
+from infra.core.config import ComputeConfig, ExperimentConfig, ModelConfig, load_config
+from infra.core.refcache import CacheIntegrityError
 from infra.ops import cli
 from tasks.data import prepare_dataset
 from tasks.handles import ReferenceLogps
 from tasks.models import resolve_model
-from tasks.refcache import CacheIntegrityError
 from tasks.reference import compute_columns, reference_dtype, reference_key, reference_key_inputs
 from trainers.devices import ComputeError, Hardware, check_compute, compute_device, load_dtype, model_dtype
 from trainers.evaluation import preference_rewards
@@ -66,7 +66,7 @@ def test_bad_compute_settings_are_config_errors_naming_the_field():
 def test_shipped_accelerate_configs_load_with_accelerate():
     from accelerate.commands.config.config_args import load_config_from_file
 
-    from infra.config import accelerate_config_path
+    from infra.core.config import accelerate_config_path
 
     kinds = {
         name: load_config_from_file(str(accelerate_config_path(name))) for name in ("ddp", "fsdp", "zero2", "zero3")
@@ -146,7 +146,7 @@ def test_the_loader_takes_the_dtype_and_the_device(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def prepared():
-    from infra.config import AdditionTaskConfig, DataConfig
+    from infra.core.config import AdditionTaskConfig, DataConfig
 
     base = resolve_model.fn(ModelConfig())
     with disable_run_logger():

@@ -4,7 +4,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from infra.config import ExperimentConfig, did_you_mean, load_config, merge_onto
+from infra.core.config import ExperimentConfig, did_you_mean, load_config, merge_onto
 from infra.ops.cli import main
 from trainers.losses import PREFERENCE_LOSSES
 from trainers.rewards import REWARD_FUNCTIONS

@@ -13,7 +13,7 @@ from prefect.logging import disable_run_logger
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
-from infra.config import DataConfig, DatasetSource, ModelConfig
+from infra.core.config import DataConfig, DatasetSource, ModelConfig
 from tasks.data import data_fingerprint, prepare_dataset, prepare_split
 from tasks.models import resolve_model
 from trainers.builtin_model import CHARACTERS
@@ -392,7 +392,7 @@ def test_chat_template_override_and_source_options_change_the_prepared_data(base
 def test_data_config_takes_one_source_or_a_list_with_mixing_options(tmp_path, monkeypatch):
     from pydantic import ValidationError
 
-    from infra.config import ExperimentConfig, did_you_mean, load_config
+    from infra.core.config import ExperimentConfig, did_you_mean, load_config
 
     monkeypatch.chdir(tmp_path)  # the config checks that local data files exist
     (tmp_path / "a.jsonl").write_text('{"prompt": "1+1=", "completion": "2"}\n')

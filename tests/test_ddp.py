@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from infra.config import ComputeConfig
+from infra.core.config import ComputeConfig
 from trainers.data import Truncation, tokenize_split
 from trainers.launch import HISTORY_FILE
 from trainers.modeling import load_causal_lm
@@ -172,7 +172,7 @@ def test_grpo_on_two_processes_equals_one_process_with_a_group_across_ranks(work
 
 
 def test_the_launch_command_is_built_from_the_compute_section():
-    from infra.config import ACCELERATE_CONFIG_DIR
+    from infra.core.config import ACCELERATE_CONFIG_DIR
 
     two_machines = ComputeConfig(
         num_processes=4,
@@ -230,7 +230,7 @@ def test_a_group_may_straddle_processes_but_a_generation_batch_holds_whole_group
 
 
 def test_the_reference_pass_sharded_over_two_processes_gives_the_same_cache_entry(workdir, tmp_path):
-    from tasks.refcache import ReferenceCache
+    from infra.core.refcache import ReferenceCache
 
     spec, folder = workdir
     job = spec | {"job": "reference", "batch_size": 3}  # 16 pairs: 6 batches, 3 per process (the last short)

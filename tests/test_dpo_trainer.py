@@ -485,7 +485,7 @@ def test_the_default_objective_keeps_the_chosen_log_prob_from_falling_where_sigm
     most tokens (answers off by 1, 2 or 10) it also pulls the chosen completion down (at lr 5e-3
     on 64 pairs: 4+ nats below its start mid-run). The default experiment's DPO objective adds
     RPO's NLL term on the chosen completion: the chosen log-prob only rises, the margin still grows."""
-    from infra.config import load_config
+    from infra.core.config import load_config
 
     model, tokenizer = tiny
     rows = generate_addition(AdditionTask(max_operand=9, num_eval_problems=20))["preference"]

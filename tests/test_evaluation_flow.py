@@ -8,8 +8,8 @@ import matplotlib.image
 import pytest
 from mlflow import MlflowClient
 
-from infra.config import EvaluationRequest, load_config
-from infra.settings import get_settings
+from infra.core.config import EvaluationRequest, load_config
+from infra.core.settings import get_settings
 
 EXPERIMENT = "promotion-test"
 REGISTERED = "promotion-test-model"

@@ -9,9 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from infra.config import AdditionTaskConfig, DataConfig
+from infra.core.config import AdditionTaskConfig, DataConfig
+from infra.core.fingerprints import code_fingerprint, imported_modules
 from tasks.data import data_fingerprint
-from tasks.fingerprints import code_fingerprint, imported_modules
 from tasks.handles import ModelHandle, PreparedData
 from tasks.reference import reference_key_inputs
 from trainers.stages import STAGES
@@ -20,7 +20,7 @@ PROJECT = Path(__file__).resolve().parents[1]
 # The code behind each cache: the reference log-prob cache, prepared data, the cached SFT model.
 ROOTS = {"reference": "tasks.reference", "data": "tasks.data", "sft": STAGES["sft"].build.__module__}
 PRINT_FINGERPRINTS = (
-    "import json, sys; from tasks.fingerprints import code_fingerprint; "
+    "import json, sys; from infra.core.fingerprints import code_fingerprint; "
     "print(json.dumps({name: code_fingerprint(root) for name, root in json.loads(sys.argv[1]).items()}))"
 )
 

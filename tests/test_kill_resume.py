@@ -107,8 +107,8 @@ def test_a_prefect_retry_resumes_the_failed_stage_from_its_checkpoint(prefect_ap
     same MLflow run, and ends with the weights of a run that never failed."""
     from test_pipeline import MINIMAL, run_flow
 
-    from infra.config import load_config
-    from infra.settings import get_settings
+    from infra.core.config import load_config
+    from infra.core.settings import get_settings
     from tasks.tracking import client
 
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -146,8 +146,8 @@ def test_a_stage_stopped_between_saving_its_model_and_recording_it_saves_it_agai
     saves the model again from the final checkpoint, in the same run, without training a step."""
     from test_pipeline import MINIMAL, run_flow
 
-    from infra.config import load_config
-    from infra.settings import get_settings
+    from infra.core.config import load_config
+    from infra.core.settings import get_settings
     from tasks.tracking import client
 
     # the checkpoints of a finished stage are kept here (by default they are pruned once it finished)

@@ -28,9 +28,9 @@ from prefect.logging.handlers import APILogHandler
 from safetensors.torch import load_file
 from test_sweep import stop_group, wait_for_deployment
 
-from infra.config import ComputeConfig, TrackingConfig, load_config
+from infra.core.config import ComputeConfig, TrackingConfig, load_config
+from infra.core.settings import get_settings
 from infra.ops.prefect_api import free_port
-from infra.settings import get_settings
 from tasks.launched_stage import LaunchFailed
 from tasks.tracking import experiment_id
 from tasks.train import TrainInputs, train
@@ -184,7 +184,7 @@ def test_a_failing_rank_fails_the_task_with_its_traceback_and_leaves_nothing(han
 
 SLEEPER_PARENT = """
 import sys, time
-from infra.launching import run_process_group
+from infra.core.launching import run_process_group
 sleeper = "import time; print('ready', flush=True); time.sleep(600)"
 command = [sys.executable, "-c", sleeper, "tasks.launched_stage", sys.argv[1]]  # named as a launch is
 run_process_group(command, lambda line: print(line, flush=True))

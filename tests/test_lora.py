@@ -9,7 +9,7 @@ import pytest
 import torch
 from prefect.logging import disable_run_logger
 
-from infra.config import AdditionTaskConfig, DataConfig, DatasetSource, PeftConfig, load_config
+from infra.core.config import AdditionTaskConfig, DataConfig, DatasetSource, PeftConfig, load_config
 from tasks.data import prepare_dataset
 from tasks.models import check_model_folder, checkpoint_handle
 from tasks.stage_trainer import stage_inputs
@@ -246,8 +246,8 @@ def test_the_default_chain_trains_lora_adapters_in_every_stage_and_evaluates_the
 
     from flows.evaluation import evaluation
     from flows.pipeline import experiment
-    from infra.config import EvaluationRequest
-    from infra.settings import get_settings
+    from infra.core.config import EvaluationRequest
+    from infra.core.settings import get_settings
 
     overrides = ["name=lora", "peft.enabled=true", "peft.r=4", "grpo.beta=0.1", "sft.seed=23"]
     config = load_config("configs/minimal.yaml", overrides)

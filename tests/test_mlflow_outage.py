@@ -20,7 +20,7 @@ import pytest
 from mlflow import MlflowClient
 from prefect.logging import disable_run_logger
 
-from infra.config import AdditionTaskConfig, DataConfig, ModelConfig, load_config
+from infra.core.config import AdditionTaskConfig, DataConfig, ModelConfig, load_config
 from infra.ops import servers
 from tasks import stage_trainer
 from tasks.data import prepare_dataset

@@ -12,7 +12,7 @@ from datetime import timedelta
 import pytest
 from pydantic import ValidationError
 
-from infra.config import EvaluationRequest, ExperimentConfig, load_config
+from infra.core.config import EvaluationRequest, ExperimentConfig, load_config
 from infra.ops import servers
 from infra.ops.cli import main
 from infra.ops.deployments import PROJECT_ROOT, config_parameters, schedules, select_deployments, served_deployments

@@ -16,10 +16,10 @@ from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-from infra.config import load_config
+from infra.core.config import load_config
+from infra.core.refcache import ReferenceCache
+from infra.core.settings import get_settings
 from infra.ops.cli import main
-from infra.settings import get_settings
-from tasks.refcache import ReferenceCache
 
 MINIMAL = "configs/minimal.yaml"
 # SFT is cached across flow runs by content; a seed of its own keeps this module's first run a miss

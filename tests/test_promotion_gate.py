@@ -1,6 +1,6 @@
 import pytest
 
-from infra.config import PromotionConfig
+from infra.core.config import PromotionConfig
 from tasks.evaluate import NOTHING_EVALUATED, EvalReport
 from tasks.handles import ModelHandle, PreparedData
 from tasks.promote import EVAL_PROMPTS_TAG, Champion, comparability, gate, significant_gain

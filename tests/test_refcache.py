@@ -21,8 +21,8 @@ import fsspec
 import numpy as np
 import pytest
 
-from tasks.locks import LeaseLock, LocalFileLock, LockTimeout
-from tasks.refcache import CacheIntegrityError, ReferenceCache, parse_duration
+from infra.core.locks import LeaseLock, LocalFileLock, LockTimeout
+from infra.core.refcache import CacheIntegrityError, ReferenceCache, parse_duration
 
 CHOSEN = [-1.5, -0.25, -3.0, -7.125]
 REJECTED = [-2.5, -4.0, -0.5, -9.0]
@@ -193,7 +193,7 @@ def test_two_threads_on_a_memory_store_compute_once_through_the_lease_lock():
 
 
 HOLD_LOCK = (
-    "import sys, time; from tasks.locks import LocalFileLock; lock = LocalFileLock(sys.argv[1], 5).__enter__(); "
+    "import sys, time; from infra.core.locks import LocalFileLock; lock = LocalFileLock(sys.argv[1], 5).__enter__(); "
     "print('locked', flush=True); time.sleep(120)"
 )
 

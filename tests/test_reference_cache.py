@@ -13,10 +13,10 @@ import torch
 from prefect.logging import disable_run_logger
 
 import trainers.reference
-from infra.config import AdditionTaskConfig, DataConfig, DatasetSource, ModelConfig, ReferenceConfig
+from infra.core.config import AdditionTaskConfig, DataConfig, DatasetSource, ModelConfig, ReferenceConfig
+from infra.core.refcache import CacheIntegrityError
 from tasks.data import prepare_dataset
 from tasks.models import checkpoint_handle, resolve_model
-from tasks.refcache import CacheIntegrityError
 from tasks.reference import cache_ref_logps, join_columns, reference_key, with_reference_columns
 from trainers.modeling import load_causal_lm
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from infra.config import load_config
+from infra.core.config import load_config
 from tasks.stage_trainer import stage_inputs
 from tasks.train import TrainInputs
 from trainers.checkpoints import (

@@ -27,12 +27,12 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.states import Running
 
+from infra.core.locks import LocalFileLock, LockTimeout
+from infra.core.processes import ProcessRecord, is_alive, process_record, stat_fields
+from infra.core.settings import Settings
 from infra.ops import databases
 from infra.ops.databases import READY_FILE
 from infra.ops.runs import REASON_TAG, gone_reason, orphaned_temporary_servers, verdict
-from infra.processes import ProcessRecord, is_alive, process_record, stat_fields
-from infra.settings import Settings
-from tasks.locks import LocalFileLock, LockTimeout
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 ALIGNFLOW = [sys.executable, "-m", "infra.ops.cli"]

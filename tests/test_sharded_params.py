@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 from accelerate.utils import DistributedType
 
-from infra.config import ComputeConfig
+from infra.core.config import ComputeConfig
 from infra.ops.prefect_api import free_port
 from trainers.sharded_params import SHARDINGS, sharding_of
 

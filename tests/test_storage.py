@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.storage import RUN_ID_FILE, Removal, StageFolder, plan_removals, prune_checkpoints, stage_folders
+from infra.core.storage import RUN_ID_FILE, Removal, StageFolder, plan_removals, prune_checkpoints, stage_folders
 
 PROJECT = Path(__file__).parents[1]
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)

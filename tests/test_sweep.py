@@ -18,11 +18,11 @@ from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-from infra.config import load_config
-from infra.launching import group_alive, stop_group
+from infra.core.config import load_config
+from infra.core.launching import group_alive, stop_group
+from infra.core.settings import get_settings
+from infra.core.sweep import SweepConfig, read_sweep_tree
 from infra.ops.cli import main
-from infra.settings import get_settings
-from infra.sweep import SweepConfig, read_sweep_tree
 from tasks.sweep import TrialResult
 
 # The minimal experiment cut to seconds: SFT and DPO only, few prompts, one sample each. An SFT seed

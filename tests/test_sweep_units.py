@@ -10,10 +10,10 @@ import time
 import pytest
 import yaml
 
-from infra.config import ExperimentConfig, load_config, seeded_fields
+from infra.core.config import ExperimentConfig, load_config, seeded_fields
+from infra.core.locks import TaskLockManager
+from infra.core.sweep import STRATEGIES, SweepConfig, read_sweep_tree
 from infra.ops.cli import main
-from infra.sweep import STRATEGIES, SweepConfig, read_sweep_tree
-from tasks.locks import TaskLockManager
 from tasks.reporting import mean_sd_cell, seed_aggregates
 from tasks.search import SAMPLERS, plan, sweep_errors
 

@@ -30,7 +30,7 @@ from prefect.client.schemas.filters import (
 )
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from infra.config import load_config
+from infra.core.config import load_config
 from infra.ops.deployments import PREFECT_FILE, PROJECT_ROOT
 from infra.ops.servers import group_alive
 

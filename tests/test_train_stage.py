@@ -5,7 +5,7 @@ from enum import Enum
 import pytest
 from prefect.logging import disable_run_logger
 
-from infra.config import AdditionTaskConfig, DataConfig, DatasetSource, ReferenceConfig, load_config
+from infra.core.config import AdditionTaskConfig, DataConfig, DatasetSource, ReferenceConfig, load_config
 from tasks.data import prepare_dataset
 from tasks.reference import cache_ref_logps
 from tasks.stage_trainer import stage_inputs

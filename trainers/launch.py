@@ -10,7 +10,7 @@ processes the run must have: a launch that silently ran fewer (``accelerate laun
 --num_processes 2`` starts one) fails. Jobs: ``train`` (rank 0 writes ``model/``, and the log
 history and world size in ``history.json``), ``reference`` and ``evaluate`` (the reference pass
 or the evaluation sharded over the processes; their results in ``history.json``).
-``ComputeConfig.launch_command`` (``infra/config.py``) builds the command from a compute section.
+``ComputeConfig.launch_command`` (``infra/core/config``) builds the command from a compute section.
 ``JOBS`` is a registry: a module launched with ``-m`` may add its own job before it calls
 :func:`main` (``tasks/launched_stage.py``: a pipeline stage, tracked in MLflow by rank 0).
 """

@@ -6,7 +6,7 @@ One :class:`ParameterSharding` per way accelerate lays a prepared model's parame
 chosen from accelerate's distributed type by :func:`sharding_of`:
 
 * ``replicated``: one process, DDP, DeepSpeed ZeRO-1/2: every process holds every parameter.
-* ``fsdp2``: ``fully_shard`` (``fsdp_version: 2``, infra/accelerate/fsdp.yaml).
+* ``fsdp2``: ``fully_shard`` (``fsdp_version: 2``, infra/core/accelerate/fsdp.yaml).
 * ``fsdp1``: ``FullyShardedDataParallel``.
 * ``zero3``: DeepSpeed ZeRO-3.
 

@@ -1,2 +1,2 @@
-"""The top half of ``infra``: the command line, servers, workers and deployments. It builds on the
-bottom half (``infra.config``, ``infra.settings``), which never imports from here."""
+"""The shell of ``infra``: the command line, servers, workers and deployments. It may import every
+layer; ``infra.core`` never imports from here."""

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from infra.settings import get_settings
+from infra.core.settings import get_settings
 
 
 def add_cache_parser(commands) -> None:
@@ -35,13 +35,13 @@ def add_cache_parser(commands) -> None:
 
 
 def open_store(args: argparse.Namespace):
-    from tasks.refcache import ReferenceCache
+    from infra.core.refcache import ReferenceCache
 
     return ReferenceCache(args.root or get_settings().reference_cache_root)
 
 
 def list_entries(store, args) -> int:
-    from tasks.refcache import CacheIntegrityError
+    from infra.core.refcache import CacheIntegrityError
 
     print(f"{'KEY':<22}{'CREATED (UTC)':<22}{'PAIRS':<14}{'SIZE':>10}  STATE")
     for key in store.keys():
@@ -59,7 +59,7 @@ def list_entries(store, args) -> int:
 
 
 def show_entry(store, args) -> int:
-    from tasks.refcache import CacheIntegrityError
+    from infra.core.refcache import CacheIntegrityError
 
     matches = [key for key in store.keys() if key.startswith(args.key)]
     if len(matches) != 1:
@@ -77,7 +77,7 @@ def show_entry(store, args) -> int:
 
 
 def verify_entries(store, args) -> int:
-    from tasks.refcache import CacheIntegrityError
+    from infra.core.refcache import CacheIntegrityError
 
     bad = 0
     for key in args.keys or store.keys():
@@ -94,7 +94,7 @@ def verify_entries(store, args) -> int:
 
 
 def collect_garbage(store, args) -> int:
-    from tasks.refcache import parse_duration
+    from infra.core.refcache import parse_duration
 
     try:
         age = parse_duration(args.older_than)

@@ -16,12 +16,12 @@ from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
+from infra.core.settings import StateFolderError, configure_environment, redact_url
 from infra.ops import service_cli
 from infra.ops.cache_cli import add_cache_parser, cache_command
 from infra.ops.databases import first_time_setup, prepare_databases
 from infra.ops.gc_cli import add_gc_parser, gc_command
 from infra.ops.runs import add_runs_parser, cleanup, runs_command
-from infra.settings import StateFolderError, configure_environment, redact_url
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,7 +119,7 @@ def write_traceback(error: BaseException) -> Path:
     text = "".join(traceback.format_exception(error))
     name = f"error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     try:
-        from infra.settings import get_settings
+        from infra.core.settings import get_settings
 
         folder = get_settings().root / "logs"
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -193,7 +193,7 @@ def load_or_exit(schema, args: argparse.Namespace, reader=None):
     import yaml
     from pydantic import ValidationError
 
-    from infra.config import config_errors, did_you_mean, load_config, read_yaml
+    from infra.core.config import config_errors, did_you_mean, load_config, read_yaml
 
     try:
         config = load_config(args.config, args.overrides, schema, reader or read_yaml)
@@ -292,7 +292,7 @@ TRAINING_MODULES = (*EVALUATION_MODULES, "tasks.stage_trainer")
 # The config is validated before anything heavy is imported (torch, Prefect, the flows), so a bad
 # file fails at once; flows are imported after configure_environment: Prefect reads it at import.
 def run_command(args: argparse.Namespace) -> int:
-    from infra.config import ExperimentConfig
+    from infra.core.config import ExperimentConfig
 
     config = load_or_exit(ExperimentConfig, args)
     check = lambda: check_compute_or_exit(config, args, launched=True)
@@ -302,7 +302,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def evaluate_command(args: argparse.Namespace) -> int:
-    from infra.config import EvaluationRequest
+    from infra.core.config import EvaluationRequest
 
     request = load_or_exit(EvaluationRequest, args)
     check = lambda: check_compute_or_exit(request, args)
@@ -311,7 +311,7 @@ def evaluate_command(args: argparse.Namespace) -> int:
 
 def sweep_command(args: argparse.Namespace) -> int:
     """Exit 2 when a trial's config is invalid (nothing ran), 1 when the sweep or any trial failed."""
-    from infra.sweep import SweepConfig, read_sweep_tree
+    from infra.core.sweep import SweepConfig, read_sweep_tree
 
     spec = load_or_exit(SweepConfig, args, read_sweep_tree)
     from tasks.search import plan, sweep_errors

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from infra.settings import Settings, get_settings
+from infra.core.settings import Settings, get_settings
 
 READY_FILE = "databases-ready.json"
 LOCK_FILE = "locks/databases.lock"
@@ -88,7 +88,7 @@ def first_time_setup(settings: Settings | None = None, temporary_prefect: bool |
     """Around the block that first starts this process's temporary Prefect server (when
     ``temporary_prefect``): while the state folder's databases are not ready, hold its set-up lock,
     create the MLflow store (in the block, or after it) and record both as ready; once ready, nothing."""
-    from tasks.locks import LocalFileLock
+    from infra.core.locks import LocalFileLock
 
     settings = settings or get_settings()
     databases = local_databases(settings, temporary_prefect)

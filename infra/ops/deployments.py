@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 from pydantic import TypeAdapter
 
-from infra.config import SCHEMAS, load_config
+from infra.core.config import SCHEMAS, load_config
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PREFECT_FILE = PROJECT_ROOT / "prefect.yaml"
@@ -31,7 +31,7 @@ def config_parameters(
     path: str, overrides: list[str] | None = None, schema: str = "ExperimentConfig", parameter: str = "config"
 ) -> dict[str, Any]:
     """prefect.yaml build step: ``{parameter: …}`` from a config file validated against ``schema``
-    (a name in ``infra.config.SCHEMAS``)."""
+    (a name in ``infra.core.config.SCHEMAS``)."""
     return {parameter: load_config(path, overrides or [], SCHEMAS[schema]).model_dump(mode="json")}
 
 

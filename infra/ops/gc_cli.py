@@ -1,12 +1,12 @@
 """``alignflow gc [--older-than AGE] [--keep-last N] [--mlflow-checkpoints] [--dry-run]``: free the space
-that no live run and no registry version needs (rules in :mod:`tasks.storage`)."""
+that no live run and no registry version needs (rules in :mod:`infra.core.storage`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from infra.settings import get_settings
+from infra.core.settings import get_settings
 
 
 def add_gc_parser(commands) -> None:
@@ -54,8 +54,8 @@ def gc_command(args: argparse.Namespace) -> int:
     from mlflow.exceptions import MlflowException
     from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
-    from tasks.refcache import parse_duration
-    from tasks.storage import LIVE_STATUSES, folder_size, plan_removals, remove, stage_folders
+    from infra.core.refcache import parse_duration
+    from infra.core.storage import LIVE_STATUSES, folder_size, plan_removals, remove, stage_folders
     from tasks.tracking import client
 
     try:

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from infra.launching import stop_with_parent
+from infra.core.launching import stop_with_parent
+from infra.core.settings import get_settings
 from infra.ops.servers import is_healthy, server_status, servers_dir
-from infra.settings import get_settings
 
 STARTUP_TIMEOUT_S = 90.0  # PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, unless set
 STOP_GRACE_S = 1.0

@@ -1,7 +1,7 @@
 """``alignflow runs cleanup [--dry-run]``: runs left RUNNING by a process that is gone (killed, crashed,
 machine rebooted) are marked FAILED in MLflow and CRASHED in Prefect, with the reason.
 
-Every run carries the record of the process that runs it (:mod:`infra.processes`): MLflow runs as
+Every run carries the record of the process that runs it (:mod:`infra.core.processes`): MLflow runs as
 ``alignflow.process.*`` tags (a stage run without one is judged by its parent's), Prefect flow runs
 as labels of the same names. Only runs of this host are judged; runs of other hosts are left alone
 (their processes can only be checked there). The temporary Prefect server of a killed run (left
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from infra.processes import ProcessRecord, is_alive, is_this_host, stat_fields
+from infra.core.processes import ProcessRecord, is_alive, is_this_host, stat_fields
 
 REASON_TAG = "alignflow.failure_reason"
 PAGE = 200
@@ -169,7 +169,7 @@ def cleanup(dry_run: bool = False, say: Callable[[str], None] = print, quiet: bo
     from mlflow import MlflowClient
     from prefect.client.orchestration import get_client
 
-    from infra.settings import get_settings
+    from infra.core.settings import get_settings
 
     client = MlflowClient(get_settings().mlflow_tracking_uri)
     with get_client(sync_client=True) as prefect:

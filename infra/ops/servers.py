@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from infra.settings import Settings
+from infra.core.settings import Settings
 
 HEALTH_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 20.0

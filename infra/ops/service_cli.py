@@ -7,8 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from infra.core.settings import get_settings
 from infra.ops import servers
-from infra.settings import get_settings
 
 DEFAULT_POOL = "alignflow-process"
 

@@ -193,13 +193,13 @@ class PeftConfig(LoraSettings):
         return LoraSettings(**self.model_dump(include=set(LoraSettings.model_fields)))
 
 
-ACCELERATE_CONFIG_DIR = Path(__file__).parent / "accelerate"
+ACCELERATE_CONFIG_DIR = Path(__file__).parents[1] / "accelerate"
 MixedPrecision = Literal["no", "bf16", "fp16"]
 LoadDtype = Literal["auto", "float32", "bfloat16"]
 
 
 def accelerate_config_path(name: str) -> Path:
-    """A shipped accelerate config (``ddp``, ``fsdp``, ``zero2``, ``zero3``: ``infra/accelerate/<name>.yaml``)
+    """A shipped accelerate config (``ddp``, ``fsdp``, ``zero2``, ``zero3``: ``infra/core/accelerate/<name>.yaml``)
     or the path of one's own file."""
     shipped = ACCELERATE_CONFIG_DIR / f"{name}.yaml"
     if shipped.is_file():
@@ -235,7 +235,7 @@ class ComputeConfig(Section):
     accelerate_config: str | None = Field(
         None,
         description="Accelerate config for FSDP or DeepSpeed: a shipped one (`ddp`, `fsdp`, `zero2`, `zero3`, "
-        "infra/accelerate/) or a file.",
+        "infra/core/accelerate/) or a file.",
     )
 
     _yaml_no = field_validator("mixed_precision", mode="before")(bare_no)

@@ -2,7 +2,7 @@
 
 A sweep is a base experiment config, a search space over any of its fields (dotted keys, as the
 command-line overrides use them), a search strategy and an objective. Each trial's experiment config
-is the base with the trial's values written over it, validated by :data:`~infra.config.ExperimentConfig`
+is the base with the trial's values written over it, validated by :data:`~infra.core.config.ExperimentConfig`
 like any other config. No torch and no Optuna here: a bad sweep file fails at once.
 """
 
@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
-from infra.config import (
+from infra.core.config import (
     ExperimentConfig,
     SafeName,
     TrackingConfig,

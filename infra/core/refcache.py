@@ -32,8 +32,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec.implementations.local import LocalFileSystem
 
-from tasks.fingerprints import hash_value
-from tasks.locks import LeaseLock, LocalFileLock
+from infra.core.fingerprints import hash_value
+from infra.core.locks import LeaseLock, LocalFileLock
 
 logger = logging.getLogger("alignflow.refcache")
 
