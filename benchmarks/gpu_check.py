@@ -206,9 +206,9 @@ def run_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:
     from prefect.logging import disable_run_logger
 
     from infra.core.config import AdditionTaskConfig, ComputeConfig, DataConfig, EvaluationConfig
+    from infra.core.handles import ReferenceLogps
     from tasks.data import prepare_dataset
     from tasks.evaluate import score_model
-    from tasks.handles import ReferenceLogps
     from tasks.models import checkpoint_handle
     from tasks.reference import ensure_entry, with_reference_columns
     from trainers.builtin_model import save_builtin_model

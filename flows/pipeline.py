@@ -8,9 +8,9 @@ from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
 
 from infra.core.config import ExperimentConfig, merge_onto
+from infra.core.handles import ModelHandle, PreparedData
 from tasks.data import prepare_dataset
 from tasks.evaluate import EvalReport, HeldOutRewards, evaluate
-from tasks.handles import ModelHandle, PreparedData
 from tasks.models import resolve_model
 from tasks.promote import find_champion, promote
 from tasks.reference import cache_ref_logps

@@ -11,8 +11,8 @@ from prefect import get_run_logger, task
 
 from infra.core.config import DataConfig, DatasetSource
 from infra.core.fingerprints import atomic_directory, code_fingerprint, hash_paths, hash_token_ids, hash_value
+from infra.core.handles import ModelHandle, PreparedData
 from infra.core.settings import get_settings
-from tasks.handles import ModelHandle, PreparedData
 from trainers.data import (
     SPLIT_FIELDS,
     Truncation,

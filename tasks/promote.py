@@ -11,8 +11,8 @@ from prefect import get_run_logger, task
 from pydantic import BaseModel
 
 from infra.core.config import PromotionConfig
+from infra.core.handles import ModelHandle, PreparedData
 from tasks.evaluate import EvalReport
-from tasks.handles import ModelHandle, PreparedData
 from tasks.models import checkpoint_handle, download_mlflow_model
 from tasks.tracking import client
 from trainers.metrics import bootstrap_ci

@@ -16,10 +16,10 @@ from prefect.runtime import flow_run, task_run
 
 from infra.core.config import ComputeConfig, ReferenceConfig
 from infra.core.fingerprints import code_fingerprint, hash_value
+from infra.core.handles import ModelHandle, PreparedData, ReferenceLogps
 from infra.core.refcache import CacheEntry, CacheIntegrityError, Columns, ReferenceCache
 from infra.core.settings import get_settings
 from tasks.caching import computed_once
-from tasks.handles import ModelHandle, PreparedData, ReferenceLogps
 from tasks.results import CACHED_RESULT, checked_cache_key
 from tasks.tracking import log_dataset_input, log_metrics
 from trainers.data import REF_COLUMNS

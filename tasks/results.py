@@ -22,8 +22,8 @@ from typing import Any, Callable
 from prefect.serializers import JSONSerializer
 
 from infra.core.fingerprints import hash_paths
+from infra.core.handles import Handle, ModelHandle, PreparedData, ReferenceLogps
 from infra.core.settings import get_settings
-from tasks.handles import Handle, ModelHandle, PreparedData, ReferenceLogps
 
 logger = logging.getLogger("alignflow.results")
 

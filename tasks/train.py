@@ -24,12 +24,12 @@ from prefect import get_run_logger, task
 
 from infra.core.config import ComputeConfig, TrackingConfig
 from infra.core.fingerprints import atomic_directory, code_fingerprint, hash_paths, hash_value
+from infra.core.handles import ModelHandle, PreparedData, ReferenceLogps
 from infra.core.locks import LocalFileLock
 from infra.core.settings import get_settings
 from infra.core.storage import prune_checkpoints
 from tasks import launched_stage
 from tasks.caching import computed_once
-from tasks.handles import ModelHandle, PreparedData, ReferenceLogps
 from tasks.metric_sender import MetricsNotDelivered
 from tasks.models import checkpoint_handle
 from tasks.results import CACHED_RESULT, checked_cache_key

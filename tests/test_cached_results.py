@@ -16,8 +16,8 @@ from prefect.serializers import JSONSerializer, PickleSerializer
 from test_pipeline import MINIMAL, run_flow, task_states
 
 from infra.core.config import load_config
+from infra.core.handles import HOME, ModelHandle, PreparedData
 from infra.core.settings import get_settings
-from tasks.handles import HOME, ModelHandle, PreparedData
 from tasks.results import RESULTS, RejectedResult, parse_record, validate_record
 
 SFT_ONLY = ["stages=[sft]", "evaluation.num_prompts=4"]
@@ -30,7 +30,7 @@ def record(result: str, serializer: dict | None = None) -> bytes:
 
 
 def handle_json(handle) -> str:
-    return json.dumps({"__class__": "tasks.handles.ModelHandle", "data": handle.model_dump(mode="json")})
+    return json.dumps({"__class__": "infra.core.handles.ModelHandle", "data": handle.model_dump(mode="json")})
 
 
 MODEL = ModelHandle(path="org/model", fingerprint="f", tokenizer_fingerprint="t", stage="base")
@@ -62,7 +62,7 @@ TAMPERED = {
     "nested-class": lambda marker: record(
         json.dumps(
             {
-                "__class__": "tasks.handles.ModelHandle",
+                "__class__": "infra.core.handles.ModelHandle",
                 "data": MODEL.model_dump(mode="json") | {"revision": {"__class__": "pathlib.Path", "data": "x"}},
             }
         )

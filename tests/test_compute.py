@@ -11,10 +11,10 @@ from prefect.logging import disable_run_logger
 from pydantic import ValidationError
 
 from infra.core.config import ComputeConfig, ExperimentConfig, ModelConfig, load_config
+from infra.core.handles import ReferenceLogps
 from infra.core.refcache import CacheIntegrityError
 from infra.ops import cli
 from tasks.data import prepare_dataset
-from tasks.handles import ReferenceLogps
 from tasks.models import resolve_model
 from tasks.reference import compute_columns, reference_dtype, reference_key, reference_key_inputs
 from trainers.devices import ComputeError, Hardware, check_compute, compute_device, load_dtype, model_dtype

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from infra.core.config import AdditionTaskConfig, DataConfig
 from infra.core.fingerprints import code_fingerprint, imported_modules
+from infra.core.handles import ModelHandle, PreparedData
 from tasks.data import data_fingerprint
-from tasks.handles import ModelHandle, PreparedData
 from tasks.reference import reference_key_inputs
 from trainers.stages import STAGES
 

@@ -11,8 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from infra.core.fingerprints import imported_modules
 from trainers.stages import STAGES
 

@@ -1,8 +1,8 @@
 import pytest
 
 from infra.core.config import PromotionConfig
+from infra.core.handles import ModelHandle, PreparedData
 from tasks.evaluate import NOTHING_EVALUATED, EvalReport
-from tasks.handles import ModelHandle, PreparedData
 from tasks.promote import EVAL_PROMPTS_TAG, Champion, comparability, gate, significant_gain
 
 
