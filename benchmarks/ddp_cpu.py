@@ -1,7 +1,7 @@
 """CPU DDP: DPO throughput of 2 gloo processes against 1 process on the same work, in one run.
 
 Both runs train the same optimizer steps on the same global batches (1 process × B pairs vs.
-2 processes × B/2 pairs), launched by ``accelerate launch`` through ``trainers.launch`` with one
+2 processes × B/2 pairs), launched by ``accelerate launch`` through ``tasks.launch`` (a ``TrainJob``) with one
 torch thread per process; the figure is the ratio of their ``train_runtime`` (the Trainer's
 training loop, without process start-up and model loading), also shown with start-up included.
 
@@ -12,25 +12,25 @@ training loop, without process start-up and model loading), also shown with star
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
-import subprocess
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import datasets
 
 from infra.core.config import ComputeConfig
+from infra.core.handles import PreparedData
+from infra.core.stage_io import TrainInputs
+from tasks.launch import launch, untracked_train_job
+from tasks.models import checkpoint_handle
 from trainers.builtin_model import save_builtin_model
 from trainers.data import Truncation, tokenize_split
-from trainers.launch import HISTORY_FILE
 from trainers.modeling import load_causal_lm
 from trainers.reference import reference_logps
 from trainers.synthetic import AdditionTask, generate_addition
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args() -> argparse.Namespace:
@@ -54,32 +54,32 @@ def prepare(folder: Path, pairs_needed: int) -> dict:
     chosen, rejected = reference_logps(model, tokenizer.pad_token_id, pairs, batch_size=64, progress=False)
     pairs = [dict(r, ref_chosen_logps=c, ref_rejected_logps=j) for r, c, j in zip(pairs, chosen, rejected)]
     datasets.DatasetDict({"preference": datasets.Dataset.from_list(pairs)}).save_to_disk(folder / "splits")
-    return {"stage": "dpo", "model": str(model_dir), "splits": str(folder / "splits")}
+    data = PreparedData(
+        path=str(folder / "splits"), fingerprint="-", rows={}, dropped={}, token_fingerprints={}, truncation={}
+    )
+    return TrainInputs(checkpoint_handle(model_dir, "init"), data)
 
 
-def run(spec: dict, processes: int, pairs: int, steps: int, folder: Path) -> tuple[float, float]:
+def run(inputs: TrainInputs, processes: int, pairs: int, steps: int, folder: Path) -> tuple[float, float]:
     """(train_runtime, wall seconds with start-up) of one launch."""
-    folder.mkdir()
     section = {"per_device_train_batch_size": pairs // processes, "max_steps": steps, "logging_steps": steps}
-    spec = spec | {"section": section | {"eval_strategy": "no"}, "output_dir": str(folder), "world_size": processes}
-    (folder / "spec.json").write_text(json.dumps(spec | {"compute": {"cpu": True}}))
     compute = ComputeConfig(cpu=True, num_processes=processes, main_process_port=free_port())
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    job = untracked_train_job("dpo", section | {"eval_strategy": "no"}, replace(inputs, compute=compute), folder)
+    os.environ["OMP_NUM_THREADS"] = "1"  # in each process
     started = time.perf_counter()
-    subprocess.run(compute.launch_command(folder / "spec.json"), cwd=REPO, env=env, check=True, capture_output=True)
+    history = launch(job, "dpo", lambda line: None)
     wall = time.perf_counter() - started
-    history = json.loads((folder / HISTORY_FILE).read_text())
-    (summary,) = [entry for entry in history["log_history"] if "train_runtime" in entry]
+    (summary,) = [entry for entry in history.log_history if "train_runtime" in entry]
     return summary["train_runtime"], wall
 
 
 def main() -> None:
     options = parse_args()
     folder = Path(tempfile.mkdtemp(prefix="alignflow-ddp-bench-"))
-    spec = prepare(folder, options.pairs * options.steps)
+    inputs = prepare(folder, options.pairs * options.steps)
     load = os.getloadavg()
-    one = run(spec, 1, options.pairs, options.steps, folder / "one")
-    two = run(spec, 2, options.pairs, options.steps, folder / "two")
+    one = run(inputs, 1, options.pairs, options.steps, folder / "one")
+    two = run(inputs, 2, options.pairs, options.steps, folder / "two")
     print(f"DPO, built-in tiny model, {options.pairs} pairs per step, {options.steps} steps, 1 thread per process")
     print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (on {os.cpu_count()} cores)")
     print("| processes | train_runtime (s) | wall with start-up (s) | pairs/s (train) |")

@@ -9,13 +9,14 @@ from prefect.context import FlowRunContext
 
 from infra.core.config import ExperimentConfig, merge_onto
 from infra.core.handles import ModelHandle, PreparedData
+from infra.core.stage_io import TrainInputs
 from tasks.data import prepare_dataset
 from tasks.evaluate import EvalReport, HeldOutRewards, evaluate
 from tasks.models import resolve_model
 from tasks.promote import find_champion, promote
 from tasks.reference import cache_ref_logps
 from tasks.tracking import link_stage, start_parent_run, tracked_run
-from tasks.train import TrainInputs, train
+from tasks.train import train
 from trainers.devices import check_compute
 from trainers.stages import STAGES
 

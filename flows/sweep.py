@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from flows.pipeline import evaluate_and_gate, experiment
 from infra.core.config import ExperimentConfig
+from infra.core.stage_io import StageFolder
 from infra.core.sweep import SweepConfig
 from tasks.compare import ComparisonReport, RunSelection, compare_runs
 from tasks.data import prepare_dataset
@@ -24,7 +25,7 @@ from tasks.evaluate import EvalReport
 from tasks.models import checkpoint_handle, resolve_model
 from tasks.search import PlannedTrial, Search, plan, sweep_errors
 from tasks.sweep import TrialResult, check_deployment, final_metrics, log_sweep, trial_run_id, trial_slots
-from tasks.tracking import client, stage_folder_of_run, start_parent_run, tracked_run
+from tasks.tracking import client, start_parent_run, tracked_run
 
 
 class SweepReport(BaseModel):
@@ -150,7 +151,7 @@ def promote_best(spec: SweepConfig, best: TrialResult, sweep_run_id: str) -> Eva
     data = prepare_dataset(config.data, resolve_model(config.model))
     final = config.stages[-1]
     trained_by = client().get_run(best.mlflow_run_id).data.tags[f"alignflow.{final}_run_id"]
-    model = stage_folder_of_run(config.name, final, trained_by) / "model"
+    model = StageFolder.of_run(config.name, final, trained_by).model_dir
     policy = checkpoint_handle(model, final, mlflow_run_id=trained_by)
     return evaluate_and_gate(config, {final: policy}, policy, data, None, sweep_run_id)
 

@@ -19,8 +19,9 @@ from infra.core.config import ComputeConfig, EvaluationConfig
 from infra.core.fingerprints import atomic_directory, code_fingerprint, hash_value
 from infra.core.handles import ModelHandle, PreparedData, ReferenceLogps
 from infra.core.settings import get_settings
+from infra.core.stage_io import StageFolder
 from tasks.reference import with_reference_columns
-from tasks.tracking import client, log_metrics, stage_output_dir, stage_run_id, tracked_run
+from tasks.tracking import client, log_metrics, stage_run_id, tracked_run
 from trainers.devices import compute_device, load_dtype
 
 if TYPE_CHECKING:
@@ -101,6 +102,13 @@ class ModelScores:
     per_prompt: dict[str, list[float]]
 
 
+def generation_spec(config: EvaluationConfig):
+    """The generation settings of ``config``, as the trainers' evaluation takes them."""
+    from trainers.evaluation import GenerationSpec
+
+    return GenerationSpec(config.max_new_tokens, config.num_samples, config.temperature, config.batch_size, config.seed)
+
+
 def score_model(
     handle: ModelHandle,
     prompts: list[dict],
@@ -111,16 +119,13 @@ def score_model(
 ) -> ModelScores:
     """Every metric of one model, on this machine's GPU where there is one (unless ``compute.cpu``),
     loaded in ``compute.dtype``."""
-    from trainers.evaluation import GenerationSpec, answer_metrics, per_prompt_scores, preference_rewards, score_prompts
+    from trainers.evaluation import answer_metrics, per_prompt_scores, preference_rewards, score_prompts
     from trainers.modeling import load_causal_lm
 
     model, tokenizer = load_causal_lm(handle.path, handle.revision, compute.dtype, compute_device(compute))
     scores = ModelScores({}, {}, {})
     if prompts:
-        spec = GenerationSpec(
-            config.max_new_tokens, config.num_samples, config.temperature, config.batch_size, config.seed
-        )
-        results = score_prompts(model, tokenizer, prompts, spec)
+        results = score_prompts(model, tokenizer, prompts, generation_spec(config))
         scores = ModelScores(
             answer_metrics(results, config.pass_k, config.seed, config.bootstrap_resamples),
             samples_table(results, config.num_logged_samples),
@@ -207,8 +212,9 @@ def evaluate(
     if not prompts and not pairs:
         get_run_logger().warning(NOTHING_EVALUATED)
     # an evaluation is not resumed: one folder (and MLflow run) per flow run
-    output_dir = stage_output_dir(config_name, "evaluate", str(flow_run.get_id() or "local"))
-    run_id = stage_run_id(parent_run_id, "evaluate", output_dir)
+    run_id = stage_run_id(
+        parent_run_id, "evaluate", StageFolder.of(config_name, "evaluate", str(flow_run.get_id() or "local"))
+    )
     rows, per_prompt = {}, {}
     with tracked_run(run_id):
         for label, model in models.items():

@@ -1,17 +1,17 @@
 """A stage's trainer with the pipeline's callbacks, built and run in this process: by the train
 task (:mod:`tasks.train`) for one process, and on every rank of a launched stage
-(:mod:`tasks.launched_stage`). This module imports torch and transformers; the train task imports
+(:mod:`tasks.launched_rank`). This module imports torch and transformers; the train task imports
 it only when a stage trains.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import datasets
 from transformers.trainer_callback import PrinterCallback
 
+from infra.core.stage_io import TrainInputs
 from tasks.reference import log_reference_input, with_reference_columns
 from tasks.tracking import log_new_params
 from tasks.trainer_callback import MlflowTrainerCallback
@@ -20,9 +20,6 @@ from trainers.checkpoints import CheckpointCompletion, restore_extra_state
 from trainers.lora import trainable_parameters
 from trainers.sections import TrainingConfig
 from trainers.stages import STAGES, ModelSource, StageInputs
-
-if TYPE_CHECKING:
-    from tasks.train import TrainInputs
 
 
 def stage_inputs(

@@ -29,9 +29,9 @@ from prefect.settings import PREFECT_UI_URL
 
 from infra.core.processes import process_record
 from infra.core.settings import get_settings, redact_url
+from infra.core.stage_io import StageFolder
 from trainers.sections import Section
 
-RUN_ID_FILE = "mlflow_run_id"
 MAX_BATCH = 100
 
 
@@ -193,28 +193,11 @@ def tracked_run(run_id: str) -> Iterator[str]:
     client().set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED))
 
 
-def stage_output_dir(config_name: str, stage: str, key: str) -> Path:
-    """``outputs/<config name>/<stage>-<key>``: checkpoints, final model, MLflow run id. For a
-    training stage ``key`` hashes what the stage's model is a function of (``tasks/train.py:stage_key``),
-    so an identical rerun finds the checkpoints and the finished model of the run before it."""
-    return get_settings().outputs / config_name / f"{stage}-{key}"
-
-
-def stage_folder_of_run(config_name: str, stage: str, run_id: str) -> Path:
-    """The output folder of ``stage`` whose MLflow run is ``run_id`` (the run id file in each folder)."""
-    for id_file in sorted((get_settings().outputs / config_name).glob(f"{stage}-*/{RUN_ID_FILE}")):
-        if id_file.read_text().strip() == run_id:
-            return id_file.parent
-    raise FileNotFoundError(f"no {stage} output folder of MLflow run {run_id} under outputs/{config_name}")
-
-
-def stage_run_id(parent_run_id: str, stage: str, output_dir: Path) -> str:
+def stage_run_id(parent_run_id: str, stage: str, folder: StageFolder) -> str:
     """The stage's child run, created once and remembered in its output folder, so a retried or
     resumed stage logs into the same run (a remembered run the tracking store does not know, e.g.
     in a copied state folder pointed at another store, is replaced by a new one)."""
-    id_file = output_dir / RUN_ID_FILE
-    if id_file.exists():
-        run_id = id_file.read_text().strip()
+    if (run_id := folder.recorded_run_id()) is not None:
         try:
             client().update_run(run_id, status="RUNNING")
             return run_id
@@ -231,8 +214,8 @@ def stage_run_id(parent_run_id: str, stage: str, output_dir: Path) -> str:
             **{k: v for k, v in parent.data.tags.items() if k.startswith(("prefect.", "alignflow.config"))},
         },
     )
-    output_dir.mkdir(parents=True, exist_ok=True)
-    id_file.write_text(run.info.run_id)
+    folder.path.mkdir(parents=True, exist_ok=True)
+    folder.run_id_file.write_text(run.info.run_id)
     return run.info.run_id
 
 

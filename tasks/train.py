@@ -7,8 +7,9 @@ an identical rerun, or a Prefect retry, finds what the attempt before it left: a
 complete checkpoint (``trainers/checkpoints.py``), in the same MLflow run.
 
 One process trains in this task's process; several (``compute.num_processes`` or
-``num_machines`` above 1) run the same trainer under ``accelerate launch``
-(:mod:`tasks.launched_stage`), and this task writes ``model.json`` once the launch succeeded. The
+``num_machines`` above 1) run the same trainer under ``accelerate launch`` (a
+:class:`~infra.core.stage_io.TrainJob` run by :mod:`tasks.launch`), and this task writes
+``model.json`` once the launch succeeded. The
 trainer itself is built in :mod:`tasks.stage_trainer`, imported only when a stage trains: a run
 whose stages are all finished loads neither torch nor transformers.
 """
@@ -16,53 +17,27 @@ whose stages are all finished loads neither torch nor transformers.
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from prefect import get_run_logger, task
 
-from infra.core.config import ComputeConfig, TrackingConfig
+from infra.core.config import TrackingConfig
 from infra.core.fingerprints import atomic_directory, code_fingerprint, hash_paths, hash_value
-from infra.core.handles import ModelHandle, PreparedData, ReferenceLogps
+from infra.core.handles import ModelHandle
 from infra.core.locks import LocalFileLock
 from infra.core.settings import get_settings
+from infra.core.stage_io import StageFolder, TrainInputs, TrainJob
 from infra.core.storage import prune_checkpoints
-from tasks import launched_stage
 from tasks.caching import computed_once
+from tasks.launch import launch
 from tasks.metric_sender import MetricsNotDelivered
 from tasks.models import checkpoint_handle
 from tasks.results import CACHED_RESULT, checked_cache_key
-from tasks.tracking import (
-    RUN_ID_FILE,
-    client,
-    log_new_params,
-    mark_resumed,
-    stage_output_dir,
-    stage_run_id,
-    tracked_run,
-)
-from trainers.lora import LoraSettings, save_stage_model
+from tasks.tracking import client, log_new_params, mark_resumed, stage_run_id, tracked_run
+from trainers.lora import save_stage_model
 from trainers.sections import TrainingConfig
 from trainers.stages import STAGES
-
-MODEL_DIR = "model"  # with LoRA: the merged copy
-ADAPTER_DIR = "adapter"  # with LoRA: the adapter
-FINISHED = "model.json"  # the final model's handle; written last: the stage is finished
-LOCK_FILE = ".lock"
-LAUNCH_DIR = "launch"  # a launched stage's spec and its ranks' errors
-
-
-@dataclass(frozen=True)
-class TrainInputs:
-    """A stage's inputs as handles: the model it starts from (also its reference), the prepared
-    data and, for a stage that reads them, the reference log-prob cache entry."""
-
-    policy: ModelHandle
-    data: PreparedData
-    reference_logps: ReferenceLogps | None = None
-    lora: LoraSettings | None = None  # train LoRA adapters (``peft.for_stage``) instead of every weight
-    compute: ComputeConfig = ComputeConfig()  # noqa: RUF009 (frozen): load dtype and mixed precision
 
 
 def stage_key_inputs(stage: str, section: TrainingConfig, inputs: TrainInputs, plugins: tuple[str, ...] = ()) -> dict:
@@ -98,26 +73,24 @@ def train_cache_key(context, parameters) -> str | None:
     return f"train-{spec.name}-" + stage_key(spec.name, parameters["section"], parameters["inputs"], plugins)
 
 
-def finished_model(output_dir: Path) -> ModelHandle | None:
+def finished_model(folder: StageFolder) -> ModelHandle | None:
     """The stage's final model if an earlier attempt finished it and its files still match. Whatever
     else is in ``model/`` (a changed model, or one saved by an attempt stopped before ``model.json``)
     is removed, to be saved again from the last checkpoint."""
     try:
-        handle = ModelHandle.model_validate_json((output_dir / FINISHED).read_text())
+        handle = ModelHandle.model_validate_json(folder.finished_file.read_text())
     except FileNotFoundError:
         handle = None
     except ValueError as error:
-        get_run_logger().warning("%s is unreadable (%s): the model is saved again", output_dir / FINISHED, error)
+        get_run_logger().warning("%s is unreadable (%s): the model is saved again", folder.finished_file, error)
         handle = None
     if handle is not None:
         if Path(handle.path).is_dir() and hash_paths(Path(handle.path)) == handle.fingerprint:
             return handle
-        get_run_logger().warning("the final model in %s is missing or changed: it is saved again", output_dir)
-    (output_dir / FINISHED).unlink(missing_ok=True)
-    shutil.rmtree(output_dir / MODEL_DIR, ignore_errors=True)
-    for staging in output_dir.glob(f".{MODEL_DIR}.tmp-*"):  # left by a process killed while it wrote model/
-        shutil.rmtree(staging, ignore_errors=True)
-    shutil.rmtree(output_dir / ADAPTER_DIR, ignore_errors=True)
+        get_run_logger().warning("the final model in %s is missing or changed: it is saved again", folder.path)
+    folder.finished_file.unlink(missing_ok=True)
+    for stale in (folder.model_dir, *folder.model_stagings(), folder.adapter_dir):
+        shutil.rmtree(stale, ignore_errors=True)
     return None
 
 
@@ -147,14 +120,14 @@ def train(
     """Train the stage, resume it, or reuse its finished model. ``tracking.log_checkpoints`` says
     which models go to MLflow (``all`` saved checkpoints and the final model, the ``final`` one, or
     ``none``), ``tracking.keep_checkpoints`` whether the checkpoints stay in outputs/ once it finished."""
-    output_dir = stage_output_dir(config_name, stage, stage_key(stage, section, inputs, tuple(plugins)))
+    folder = StageFolder.of(config_name, stage, stage_key(stage, section, inputs, tuple(plugins)))
     # an identical run training the same stage now: wait for it, then reuse its model
-    with LocalFileLock(output_dir / LOCK_FILE, timeout=get_settings().stage_lock_timeout):
-        if (finished := finished_model(output_dir)) is not None:
-            reused = (stage, output_dir, finished.mlflow_run_id)
+    with LocalFileLock(folder.lock_file, timeout=get_settings().stage_lock_timeout):
+        if (finished := finished_model(folder)) is not None:
+            reused = (stage, folder.path, finished.mlflow_run_id)
             get_run_logger().info("%s: reusing the finished model in %s (MLflow run %s)", *reused)
             return finished
-        return run_stage(stage, section, inputs, parent_run_id, output_dir, tracking, plugins)
+        return run_stage(stage, section, inputs, parent_run_id, folder, tracking, plugins)
 
 
 def run_stage(
@@ -162,13 +135,13 @@ def run_stage(
     section: TrainingConfig,
     inputs: TrainInputs,
     parent_run_id: str,
-    output_dir: Path,
+    folder: StageFolder,
     tracking: TrackingConfig,
     plugins: Sequence[str] = (),
 ) -> ModelHandle:
-    """Train in ``output_dir`` from its latest complete checkpoint (or from the start), tracked in
+    """Train in ``folder`` from its latest complete checkpoint (or from the start), tracked in
     the stage's MLflow run (the one an earlier attempt created, if any): in this process, or over
-    ``inputs.compute``'s processes with ``accelerate launch`` (:mod:`tasks.launched_stage`)."""
+    ``inputs.compute``'s processes with ``accelerate launch`` (:func:`tasks.launch.launch`)."""
     from tasks import stage_trainer
     from trainers.checkpoints import (
         discard_incomplete_checkpoints,
@@ -177,14 +150,14 @@ def run_stage(
         write_atomically,
     )
 
-    resumed = (output_dir / RUN_ID_FILE).exists()
-    run_id = stage_run_id(parent_run_id, stage, output_dir)
+    resumed = folder.run_id_file.exists()
+    run_id = stage_run_id(parent_run_id, stage, folder)
     with tracked_run(run_id):
         log_new_params(run_id, stage_params(stage, section, inputs))
         if inputs.reference_logps is not None:
             client().set_tag(run_id, "alignflow.reference_cache_key", inputs.reference_logps.key)
-        discard_incomplete_checkpoints(output_dir)
-        checkpoint = latest_complete_checkpoint(output_dir)
+        discard_incomplete_checkpoints(folder.path)
+        checkpoint = latest_complete_checkpoint(folder.path)
         # resumed from the last step's checkpoint, the Trainer would train one step more when that
         # step ends inside an epoch: the model is loaded from the checkpoint instead
         final = checkpoint if checkpoint is not None and training_done(checkpoint) else None
@@ -196,37 +169,38 @@ def run_stage(
             get_run_logger().info("%s: resuming from %s", stage, checkpoint)
         log_checkpoints = tracking.log_checkpoints
         if inputs.compute.multi_process:
-            with atomic_directory(output_dir / MODEL_DIR) as staging:
-                spec = launched_stage.spec_of(
-                    stage,
-                    section,
-                    inputs,
-                    output_dir=output_dir,
+            with atomic_directory(folder.model_dir) as staging:
+                spec = TrainJob(
+                    plugins=tuple(plugins),
+                    launch_dir=folder.launch_dir,
+                    stage=stage,
+                    section=section,
+                    inputs=inputs,
+                    folder=folder,
                     model_dir=staging,
                     run_id=run_id,
                     log_checkpoints=log_checkpoints,
                     checkpoint=checkpoint,
                     final=final is not None,
-                    plugins=tuple(plugins),
                 )
-                launched_stage.launch_stage(spec, inputs.compute, output_dir / LAUNCH_DIR)
-            adapter = output_dir / ADAPTER_DIR if inputs.lora is not None else None
+                launch(spec, stage, get_run_logger().info)
+            adapter = folder.adapter_dir if inputs.lora is not None else None
         else:
             trainer = stage_trainer.tracked_trainer(
-                stage, section, inputs, output_dir, run_id, log_checkpoints, policy_from=final
+                stage, section, inputs, folder.path, run_id, log_checkpoints, policy_from=final
             )
             stage_trainer.log_model_params(run_id, trainer, inputs)
             stage_trainer.train_from(trainer, checkpoint, final)
-            with atomic_directory(output_dir / MODEL_DIR) as staging:
-                adapter = save_stage_model(trainer, staging, output_dir / ADAPTER_DIR)
-        handle = checkpoint_handle(output_dir / MODEL_DIR, stage, mlflow_run_id=run_id)
+            with atomic_directory(folder.model_dir) as staging:
+                adapter = save_stage_model(trainer, staging, folder.adapter_dir)
+        handle = checkpoint_handle(folder.model_dir, stage, mlflow_run_id=run_id)
         if log_checkpoints != "none":
             client().log_artifacts(run_id, handle.path, "model")
             if adapter is not None:
                 client().log_artifacts(run_id, str(adapter), "adapter")
-        write_atomically(output_dir / FINISHED, handle.model_dump_json(indent=2).encode())  # last: finished
+        write_atomically(folder.finished_file, handle.model_dump_json(indent=2).encode())  # last: finished
         if not tracking.keep_checkpoints:
-            prune_checkpoints(output_dir)  # only resuming an unfinished stage reads them
+            prune_checkpoints(folder)  # only resuming an unfinished stage reads them
     return handle
 
 

@@ -9,9 +9,7 @@ of both, and a KL term to a live reference. Each rank runs one torch thread.
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import subprocess
 import textwrap
 from pathlib import Path
@@ -21,9 +19,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from infra.core.config import ComputeConfig
+from infra.core.config import ComputeConfig, EvaluationConfig
+from infra.core.handles import PreparedData
+from infra.core.stage_io import EvaluateJob, ReferenceJob, TrainInputs
+from tasks.launch import RANK_MODULE, launch, untracked_train_job
+from tasks.models import checkpoint_handle
 from trainers.data import Truncation, tokenize_split
-from trainers.launch import HISTORY_FILE
 from trainers.modeling import load_causal_lm
 from trainers.reference import reference_logps
 from trainers.synthetic import AdditionTask, generate_addition
@@ -37,31 +38,35 @@ def first_code_point(prompts, completions, **columns):
 
 
 def free_port() -> int:
+    import socket
+
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
 
 
-def launch(spec: dict, processes: int, folder: Path) -> dict:
-    """Run the spec under ``accelerate launch`` with ``processes`` CPU processes; the rank-0 history."""
-    folder.mkdir(parents=True)
-    spec = spec | {"output_dir": str(folder), "world_size": processes, "compute": {"cpu": True}}
-    (folder / "spec.json").write_text(json.dumps(spec))
-    compute = ComputeConfig(cpu=True, num_processes=processes, main_process_port=free_port())
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(folder.parent), "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(
-        compute.launch_command(folder / "spec.json"),
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        start_new_session=True,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    history = json.loads((folder / HISTORY_FILE).read_text())
-    assert history["world_size"] == processes
-    return history
+def cpu(processes: int) -> ComputeConfig:
+    return ComputeConfig(cpu=True, num_processes=processes, main_process_port=free_port())
+
+
+def run(job, folder: Path):
+    """Run the typed job under ``accelerate launch`` (the pipeline's parent side); rank 0's result."""
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in {
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(folder),
+            "TOKENIZERS_PARALLELISM": "false",
+        }.items():
+            patch.setenv(name, value)
+        result = launch(job, job.job, lambda line: None)
+    assert result.world_size == job.world_size
+    return result
+
+
+def train(workdir, stage: str, section: dict, processes: int, name: str, plugins: tuple[str, ...] = ()):
+    spec, folder = workdir
+    inputs = TrainInputs(spec["policy"], spec["data"], compute=cpu(processes))
+    return run(untracked_train_job(stage, section, inputs, folder / name, plugins), folder).model_dump()
 
 
 def weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -100,22 +105,27 @@ def workdir(tmp_path_factory, tiny_checkpoint, tiny):
     )
     splits.save_to_disk(folder / "splits")
     (folder / "ddp_rewards.py").write_text(textwrap.dedent(REWARD_PLUGIN))
-    return {"model": tiny_checkpoint.path, "splits": str(folder / "splits")}, folder
+    data = PreparedData(
+        path=str(folder / "splits"), fingerprint="ddp", rows={}, dropped={}, token_fingerprints={}, truncation={}
+    )
+    policy = checkpoint_handle(Path(tiny_checkpoint.path), "init")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(folder))  # the reward plugin, importable here as in the ranks
+        yield {"model": tiny_checkpoint.path, "splits": folder / "splits", "policy": policy, "data": data}, folder
 
 
 def test_a_launch_that_runs_fewer_processes_than_asked_fails(workdir):
     spec, folder = workdir
-    target = folder / "short"
-    target.mkdir()
     dpo = {"per_device_train_batch_size": 4, "max_steps": 1, "eval_strategy": "no"}
-    (target / "spec.json").write_text(
-        json.dumps(spec | {"stage": "dpo", "section": dpo, "output_dir": str(target), "world_size": 2})
-    )
-    command = ComputeConfig(cpu=True).launch_command(target / "spec.json")  # one process
+    inputs = TrainInputs(spec["policy"], spec["data"], compute=cpu(2))
+    job = untracked_train_job("dpo", dpo, inputs, folder / "short")
+    job.launch_dir.mkdir(parents=True)
+    job.spec_file.write_text(job.model_dump_json())
+    command = ComputeConfig(cpu=True).launch_command(job.spec_file, RANK_MODULE)  # one process
     done = subprocess.run(command, cwd=REPO, env=os.environ | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
     assert done.returncode != 0
     assert "the spec asks for 2 processes, this run has 1" in done.stderr
-    assert not (target / "model").exists()
+    assert not (folder / "short" / "model").exists()
 
 
 def test_dpo_on_two_processes_of_two_pairs_equals_one_process_of_four(workdir):
@@ -129,8 +139,8 @@ def test_dpo_on_two_processes_of_two_pairs_equals_one_process_of_four(workdir):
         "eval_strategy": "no",
         "seed": 0,
     }
-    one = launch(spec | {"stage": "dpo", "section": section | {"per_device_train_batch_size": 4}}, 1, folder / "dpo1")
-    two = launch(spec | {"stage": "dpo", "section": section | {"per_device_train_batch_size": 2}}, 2, folder / "dpo2")
+    one = train(workdir, "dpo", section | {"per_device_train_batch_size": 4}, 1, "dpo1")
+    two = train(workdir, "dpo", section | {"per_device_train_batch_size": 2}, 2, "dpo2")
     one_logs, two_logs = train_logs(one), train_logs(two)
     assert [entry["step"] for entry in one_logs] == [entry["step"] for entry in two_logs] == [1, 2, 3, 4]
     for single, double in zip(one_logs, two_logs):
@@ -158,9 +168,9 @@ def test_grpo_on_two_processes_equals_one_process_with_a_group_across_ranks(work
         "beta": 0.05,  # a KL term to a frozen reference copy, prepared on every rank
         "seed": 0,
     }
-    grpo = spec | {"stage": "grpo", "plugins": ["ddp_rewards"]}
-    one = launch(grpo | {"section": section | {"per_device_train_batch_size": 4}}, 1, folder / "grpo1")
-    two = launch(grpo | {"section": section | {"per_device_train_batch_size": 2}}, 2, folder / "grpo2")
+    plugins = ("ddp_rewards",)
+    one = train(workdir, "grpo", section | {"per_device_train_batch_size": 4}, 1, "grpo1", plugins)
+    two = train(workdir, "grpo", section | {"per_device_train_batch_size": 2}, 2, "grpo2", plugins)
     one_logs, two_logs = train_logs(one), train_logs(two)
     assert len(one_logs) == len(two_logs) == 3
     for single, double in zip(one_logs, two_logs):
@@ -183,7 +193,7 @@ def test_the_launch_command_is_built_from_the_compute_section():
         mixed_precision="bf16",
         accelerate_config="zero3",
     )
-    command = two_machines.launch_command("spec.json")
+    command = two_machines.launch_command("spec.json", RANK_MODULE)
     assert command[1:] == [
         "-m",
         "accelerate.commands.launch",
@@ -204,13 +214,13 @@ def test_the_launch_command_is_built_from_the_compute_section():
         "--main_process_ip",
         "10.0.0.1",
         "-m",
-        "trainers.launch",
+        "tasks.launched_rank",
         "spec.json",
     ]
     # several CPU processes: --multi_gpu, never --cpu (which starts one process)
-    cpu = ComputeConfig(cpu=True, num_processes=2).launch_command("spec.json")
-    assert "--multi_gpu" in cpu and "--cpu" not in cpu
-    assert "--multi_gpu" not in ComputeConfig().launch_command("spec.json")
+    several = ComputeConfig(cpu=True, num_processes=2).launch_command("spec.json", RANK_MODULE)
+    assert "--multi_gpu" in several and "--cpu" not in several
+    assert "--multi_gpu" not in ComputeConfig().launch_command("spec.json", RANK_MODULE)
 
 
 def test_a_group_may_straddle_processes_but_a_generation_batch_holds_whole_groups():
@@ -233,9 +243,19 @@ def test_the_reference_pass_sharded_over_two_processes_gives_the_same_cache_entr
     from infra.core.refcache import ReferenceCache
 
     spec, folder = workdir
-    job = spec | {"job": "reference", "batch_size": 3}  # 16 pairs: 6 batches, 3 per process (the last short)
-    one = launch(job, 1, folder / "reference1")
-    two = launch(job, 2, folder / "reference2")
+
+    def reference(processes: int):  # 16 pairs: 6 batches of 3, 3 per process (the last short)
+        job = ReferenceJob(
+            plugins=(),
+            launch_dir=folder / f"reference{processes}",
+            model=spec["model"],
+            splits=spec["splits"],
+            compute=cpu(processes),
+            batch_size=3,
+        )
+        return run(job, folder).model_dump()
+
+    one, two = reference(1), reference(2)
     assert two["chosen"] == one["chosen"] and two["rejected"] == one["rejected"]  # bit for bit
     assert len(one["chosen"]) == 16
     store = ReferenceCache(str(tmp_path / "cache"))
@@ -248,13 +268,23 @@ def test_the_reference_pass_sharded_over_two_processes_gives_the_same_cache_entr
 
 def test_the_evaluation_sharded_over_two_processes_gives_the_same_table(workdir):
     spec, folder = workdir
-    job = spec | {
-        "job": "evaluate",
-        "eval_split": "grpo_prompts",  # 8 prompts with answers: 3 batches, 2 + 1 over the processes
-        "generation": {"max_new_tokens": 3, "num_samples": 2, "batch_size": 3, "seed": 5},
-    }
-    one = launch(job, 1, folder / "evaluate1")
-    two = launch(job, 2, folder / "evaluate2")
+    # 8 prompts with answers: 3 batches, 2 + 1 over the processes
+    evaluation = EvaluationConfig(max_new_tokens=3, num_samples=2, pass_k=[1, 2], batch_size=3, seed=5)
+
+    def evaluate(processes: int):
+        job = EvaluateJob(
+            plugins=(),
+            launch_dir=folder / f"evaluate{processes}",
+            model=spec["model"],
+            splits=spec["splits"],
+            compute=cpu(processes),
+            eval_split="grpo_prompts",
+            evaluation=evaluation,
+            beta=0.1,
+        )
+        return run(job, folder).model_dump()
+
+    one, two = evaluate(1), evaluate(2)
     assert two["results"] == one["results"] and len(one["results"]) == 8
     assert two["metrics"] == one["metrics"]
     assert {"greedy_accuracy", "sampled_accuracy", "pass_at_2", "rewards/accuracies"} <= one["metrics"].keys()

@@ -1,5 +1,5 @@
 """Stages the train task runs over several processes (``accelerate launch``, gloo on the CPU,
-``tasks/launched_stage.py``): the same model as one process in the task's own process, rank 0
+``tasks/launch.py``): the same model as one process in the task's own process, rank 0
 alone logging into the stage's MLflow run, the launch's output in the task's Prefect logs, resume
 from a complete checkpoint to the same weights, a
 failed rank's traceback as the task's error, and no process left behind by a failure, by a
@@ -30,10 +30,11 @@ from test_sweep import stop_group, wait_for_deployment
 
 from infra.core.config import ComputeConfig, TrackingConfig, load_config
 from infra.core.settings import get_settings
+from infra.core.stage_io import TrainInputs
 from infra.ops.prefect_api import free_port
-from tasks.launched_stage import LaunchFailed
+from tasks.launch import LaunchFailed
 from tasks.tracking import experiment_id
-from tasks.train import TrainInputs, train
+from tasks.train import train
 from trainers.checkpoints import COMPLETE_MARKER, is_complete
 from trainers.stages import STAGES
 
@@ -91,7 +92,7 @@ def launched_pids(marker: str) -> list[int]:
             state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except (OSError, ValueError, IndexError):
             continue
-        if marker in command and "tasks.launched_stage" in command and state != "Z":
+        if marker in command and "tasks.launched_rank" in command and state != "Z":
             found.append(int(proc.name))
     return found
 
@@ -186,7 +187,7 @@ SLEEPER_PARENT = """
 import sys, time
 from infra.core.launching import run_process_group
 sleeper = "import time; print('ready', flush=True); time.sleep(600)"
-command = [sys.executable, "-c", sleeper, "tasks.launched_stage", sys.argv[1]]  # named as a launch is
+command = [sys.executable, "-c", sleeper, "tasks.launched_rank", sys.argv[1]]  # named as a launch is
 run_process_group(command, lambda line: print(line, flush=True))
 """
 

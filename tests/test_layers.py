@@ -101,6 +101,80 @@ def test_each_layer_imports_only_the_layers_below_it():
     assert violations == {}
 
 
+def imports_of(tree: ast.AST) -> set[str]:
+    """Every module ``tree`` imports, in function bodies too (a lazy import only hides a cycle from
+    the interpreter), except under ``if TYPE_CHECKING:``; ``from a import b`` names ``a`` and ``a.b``."""
+    names: set[str] = set()
+    pending = [tree]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
+            pending.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.update([node.module, *(f"{node.module}.{alias.name}" for alias in node.names)])
+        pending.extend(ast.iter_child_nodes(node))
+    return names
+
+
+def project_import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports (a name is resolved to its longest project module)."""
+    modules = project_modules()
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for module, path in modules.items():
+        found = {resolve(name) for name in imports_of(ast.parse(path.read_text()))}
+        graph[module] = {m for m in found if m is not None and m != module}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for imported in sorted(graph[module]):
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            component = []
+            while (member := stack.pop()) != module:
+                component.append(member)
+            if component:
+                cycles.append(sorted([module, *component]))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def test_the_cycle_finder_finds_a_cycle_through_a_lazy_import():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycles(graph) == [["a", "b", "c"]]
+    lazy = ast.parse("def f():\n    import trainers.dpo\nif TYPE_CHECKING:\n    import tasks.train\n")
+    assert imports_of(lazy) == {"trainers.dpo"}
+
+
+def test_no_import_cycles_among_project_modules():
+    assert import_cycles(project_import_graph()) == []
+
+
 def test_the_experiment_flow_names_no_stage():
     tree = ast.parse((PROJECT / "flows" / "pipeline.py").read_text())
     strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}

@@ -10,11 +10,11 @@ import torch
 from prefect.logging import disable_run_logger
 
 from infra.core.config import AdditionTaskConfig, DataConfig, DatasetSource, PeftConfig, load_config
+from infra.core.stage_io import TrainInputs
 from tasks.data import prepare_dataset
 from tasks.models import check_model_folder, checkpoint_handle
 from tasks.stage_trainer import stage_inputs
 from tasks.tracking import stage_folder_of_run
-from tasks.train import TrainInputs
 from trainers.builtin_model import TINY_LLAMA
 from trainers.collators import PreferenceCollator, prompt_completion_batch
 from trainers.logprobs import completion_logps, next_token_logps

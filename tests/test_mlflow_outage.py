@@ -21,13 +21,14 @@ from mlflow import MlflowClient
 from prefect.logging import disable_run_logger
 
 from infra.core.config import AdditionTaskConfig, DataConfig, ModelConfig, load_config
+from infra.core.stage_io import TrainInputs
 from infra.ops import servers
 from tasks import stage_trainer
 from tasks.data import prepare_dataset
 from tasks.metric_sender import MetricSender, MetricsNotDelivered, backoff_seconds, store_sender
 from tasks.models import resolve_model
 from tasks.tracking import metric_values
-from tasks.train import TrainInputs, train
+from tasks.train import train
 from tasks.trainer_callback import MlflowTrainerCallback
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]

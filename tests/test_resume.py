@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from infra.core.config import load_config
+from infra.core.stage_io import TrainInputs
 from tasks.stage_trainer import stage_inputs
-from tasks.train import TrainInputs
 from trainers.checkpoints import (
     COMPLETE_MARKER,
     CheckpointCompletion,

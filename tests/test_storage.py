@@ -12,24 +12,27 @@ from pathlib import Path
 
 import pytest
 
-from infra.core.storage import RUN_ID_FILE, Removal, StageFolder, plan_removals, prune_checkpoints, stage_folders
+from infra.core.stage_io import StageFolder
+from infra.core.storage import Removal, StageRecord, plan_removals, prune_checkpoints, stage_folders
+
+RUN_ID_FILE = StageFolder.RUN_ID
 
 PROJECT = Path(__file__).parents[1]
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
 
 
-def folder(tmp_path: Path, name: str, status: str, days_old: float, stage="sft", config="c") -> StageFolder:
+def folder(tmp_path: Path, name: str, status: str, days_old: float, stage="sft", config="c") -> StageRecord:
     path = tmp_path / config / name / stage
     (path / "checkpoint-3").mkdir(parents=True)
     (path / "model").mkdir()
-    return StageFolder(path, f"run-{name}", config, stage, status, NOW - timedelta(days=days_old))
+    return StageRecord(path, f"run-{name}", config, stage, status, NOW - timedelta(days=days_old))
 
 
 def test_prune_checkpoints_keeps_the_final_model(tmp_path):
     for name in ("checkpoint-3", "checkpoint-6", "model"):
         (tmp_path / name).mkdir()
     (tmp_path / RUN_ID_FILE).write_text("abc")
-    assert prune_checkpoints(tmp_path) == [tmp_path / "checkpoint-3", tmp_path / "checkpoint-6"]
+    assert prune_checkpoints(StageFolder(path=tmp_path)) == [tmp_path / "checkpoint-3", tmp_path / "checkpoint-6"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow_run_id", "model"]
 
 

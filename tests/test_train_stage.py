@@ -6,10 +6,10 @@ import pytest
 from prefect.logging import disable_run_logger
 
 from infra.core.config import AdditionTaskConfig, DataConfig, DatasetSource, ReferenceConfig, load_config
+from infra.core.stage_io import TrainInputs
 from tasks.data import prepare_dataset
 from tasks.reference import cache_ref_logps
 from tasks.stage_trainer import stage_inputs
-from tasks.train import TrainInputs
 from trainers.callbacks import SyncReferenceCallback
 from trainers.stages import STAGES
 

@@ -1,18 +1,11 @@
-"""One training stage (or a sharded reference pass or evaluation) in every process of an
-``accelerate launch``, from a JSON spec.
+"""Run a callable as the body of a process that ``accelerate launch`` started: the generic half of
+a launched job, in the shape of ZenML's ``run_with_accelerate`` (the job itself, its typed spec and
+the module each rank runs are ``infra.core.stage_io`` and ``tasks.launched_rank``).
 
-    python -m accelerate.commands.launch --multi_gpu --num_processes 2 -m trainers.launch spec.json
-
-The spec names the ``job``, the stage and its section's fields, the ``plugins`` to import first,
-the checkpoint it starts from, the prepared splits (a ``save_to_disk`` folder; DPO's preference
-split with its ``ref_*`` columns), the output folder, the compute settings, and the number of
-processes the run must have: a launch that silently ran fewer (``accelerate launch --cpu
---num_processes 2`` starts one) fails. Jobs: ``train`` (rank 0 writes ``model/``, and the log
-history and world size in ``history.json``), ``reference`` and ``evaluate`` (the reference pass
-or the evaluation sharded over the processes; their results in ``history.json``).
-``ComputeConfig.launch_command`` (``infra/core/config``) builds the command from a compute section.
-``JOBS`` is a registry: a module launched with ``-m`` may add its own job before it calls
-:func:`main` (``tasks/launched_stage.py``: a pipeline stage, tracked in MLflow by rank 0).
+:func:`run_as_launched_process` runs the job, writes the rank's error report when it raises (the
+parent shows the first failed rank's traceback), destroys the process group and ends the process
+without interpreter teardown. :func:`check_world_size` makes a launch that silently ran fewer
+processes than asked fail (``accelerate launch --cpu --num_processes 2`` starts one).
 """
 
 from __future__ import annotations
@@ -21,115 +14,43 @@ import atexit
 import json
 import os
 import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
-
-HISTORY_FILE = "history.json"
+from typing import Callable
 
 
-def check_world_size(spec: dict[str, Any], world_size: int) -> None:
-    expected = spec.get("world_size")
-    if expected is not None and world_size != expected:
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def check_world_size(expected: int, world_size: int) -> None:
+    if world_size != expected:
         raise SystemExit(
             f"trainers.launch: the spec asks for {expected} processes, this run has {world_size}: "
             "check the launch command (`--cpu --num_processes N` starts one process)"
         )
 
 
-def import_plugins(modules: list[str]) -> None:
-    """As the config's plugins: imported, and the rewards they define may be named."""
-    import importlib
+@dataclass(frozen=True)
+class RankError:
+    """What a failed rank reports, as ``error-rank-<rank>.json`` in its error folder."""
 
-    from trainers.rewards import allow_module
+    rank: int
+    time: float
+    error: str  # the exception's class name
+    traceback: str
 
-    for module in modules:
-        importlib.import_module(module)
-        allow_module(module)
+    @staticmethod
+    def path(folder: Path, rank: int) -> Path:
+        return folder / f"error-rank-{rank}.json"
 
-
-def train_stage(spec: dict[str, Any]) -> dict[str, Any]:
-    """Train the stage; writes ``model/`` and returns the log history."""
-    import datasets
-
-    from trainers.stages import STAGES, ModelSource, StageInputs
-
-    stage = STAGES[spec["stage"]]
-    section = stage.section(**spec.get("section", {}))
-    start = ModelSource(spec["model"])
-    compute = spec.get("compute", {})
-    output_dir = Path(spec["output_dir"])
-    inputs = StageInputs(
-        policy=start,
-        reference=start,
-        splits=datasets.load_from_disk(spec["splits"]),
-        output_dir=str(output_dir),
-        dtype=compute.get("dtype", "auto"),
-        mixed_precision=compute.get("mixed_precision", "no"),
-        cpu=compute.get("cpu", False),
-    )
-    trainer = stage.build(section, inputs)
-    check_world_size(spec, trainer.accelerator.num_processes)
-    trainer.train()
-    trainer.save_model(str(output_dir / "model"))
-    return {"world_size": trainer.accelerator.num_processes, "log_history": trainer.state.log_history}
-
-
-def loaded_model(spec: dict[str, Any]):
-    """The spec's model on this process's device, in the spec's dtype, and the launch's state."""
-    from accelerate import PartialState
-
-    from trainers.modeling import load_causal_lm
-
-    compute = spec.get("compute", {})
-    state = PartialState(cpu=compute.get("cpu", False))
-    check_world_size(spec, state.num_processes)
-    model, tokenizer = load_causal_lm(spec["model"], dtype=compute.get("dtype", "auto"), device=state.device)
-    return model, tokenizer, state
-
-
-def reference_pass(spec: dict[str, Any]) -> dict[str, Any]:
-    """Reference log-probs of the ``preference`` split, sharded over the processes."""
-    import datasets
-
-    from trainers.reference import reference_logps
-
-    model, tokenizer, state = loaded_model(spec)
-    rows = datasets.load_from_disk(spec["splits"])["preference"].to_list()
-    chosen, rejected = reference_logps(
-        model, tokenizer.pad_token_id, rows, spec.get("batch_size", 4), progress=False, state=state
-    )
-    return {"world_size": state.num_processes, "chosen": chosen, "rejected": rejected}
-
-
-def evaluation(spec: dict[str, Any]) -> dict[str, Any]:
-    """Answer metrics of ``eval_split``'s prompts and implicit rewards of the ``preference`` pairs, sharded."""
-    import dataclasses
-
-    import datasets
-
-    from trainers.evaluation import GenerationSpec, answer_metrics, preference_rewards, score_prompts
-
-    model, tokenizer, state = loaded_model(spec)
-    splits = datasets.load_from_disk(spec["splits"])
-    generation = GenerationSpec(**spec.get("generation", {}))
-    prompts = splits[spec.get("eval_split", "eval_prompts")].to_list()
-    results = score_prompts(model, tokenizer, prompts, generation, state)
-    metrics = answer_metrics(results, [1, generation.num_samples], generation.seed)
-    pairs = splits["preference"].to_list()
-    metrics |= preference_rewards(model, tokenizer, pairs, spec.get("beta", 0.5), generation.batch_size, state)
-    return {"world_size": state.num_processes, "metrics": metrics, "results": [dataclasses.asdict(r) for r in results]}
-
-
-JOBS = {"train": train_stage, "reference": reference_pass, "evaluate": evaluation}
-
-
-def run_spec(spec: dict[str, Any]) -> None:
-    """Run the spec's ``job`` (default ``train``) in this process; rank 0 writes its result."""
-    import_plugins(spec.get("plugins", []))
-    result = JOBS[spec.get("job", "train")](spec)
-    if int(os.environ.get("RANK", "0")) == 0:
-        (Path(spec["output_dir"]) / HISTORY_FILE).write_text(json.dumps(result))
-    end_process_group()
+    @classmethod
+    def first(cls, folder: Path) -> RankError | None:
+        """The report of the rank that failed first, if any rank wrote one."""
+        reports = [cls(**json.loads(path.read_text())) for path in folder.glob("error-rank-*.json")]
+        return min(reports, key=lambda report: report.time, default=None)
 
 
 def end_process_group() -> None:
@@ -154,27 +75,22 @@ def end_without_teardown() -> None:
     os._exit(EXIT_CODE)
 
 
-def run_as_launched_process(job: Callable[[], None]) -> None:
+def run_as_launched_process(job: Callable[[], None], error_folder: Path | None = None) -> None:
     """Run ``job`` as the body of this launched process, which then exits 0, or 1 when it raised
-    (after the traceback), without interpreter teardown. The exit hooks registered after this call
-    (torch's, transformers', those of what the job imports) run first; those registered before it do
-    not run: in ``tasks.launched_stage``, from its imports, logging's shutdown, multiprocessing's
-    exit function and MLflow's end of a fluent run. A rank needs none of them: it logs to stderr,
-    starts no multiprocessing children and no fluent run, and closes its metrics sender when
-    training ends."""
+    (after the traceback, and this rank's :class:`RankError` in ``error_folder``), without
+    interpreter teardown. The exit hooks registered after this call (torch's, transformers', those
+    of what the job imports) run first; those registered before it do not run: in
+    ``tasks.launched_rank``, from its imports, logging's shutdown, multiprocessing's exit function
+    and MLflow's end of a fluent run. A rank needs none of them: it logs to stderr, starts no
+    multiprocessing children and no fluent run, and closes its metrics sender when training ends."""
     global EXIT_CODE
     atexit.register(end_without_teardown)
-    job()
+    try:
+        job()
+    except BaseException as error:
+        if error_folder is not None:
+            report = RankError(rank(), time.time(), type(error).__name__, traceback.format_exc())
+            RankError.path(error_folder, report.rank).write_text(json.dumps(asdict(report)))
+        raise
+    end_process_group()
     EXIT_CODE = 0
-
-
-def main(argv: list[str] | None = None) -> None:
-    """The entry point of a launched process (``-m trainers.launch``, or a module that adds a job)."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        raise SystemExit("usage: accelerate launch ... -m trainers.launch SPEC.json")
-    run_as_launched_process(lambda: run_spec(json.loads(Path(args[0]).read_text())))
-
-
-if __name__ == "__main__":
-    main()

@@ -116,11 +116,21 @@ def code_fingerprint(*roots: str) -> str:
     return digest.hexdigest()[:DIGEST_CHARS]
 
 
+def staging_name(target: Path) -> str:
+    return f".{target.name}.tmp-"
+
+
+def staging_copies(target: Path) -> list[Path]:
+    """The temporary folders of :func:`atomic_directory` beside ``target``: being written, or left by
+    a killed process."""
+    return sorted(target.parent.glob(staging_name(target) + "*"))
+
+
 @contextmanager
 def atomic_directory(target: Path) -> Iterator[Path]:
     """Yield a temporary folder beside ``target`` and rename it into place only on success."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    staging = target.parent / f"{staging_name(target)}{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     try:
         yield staging

@@ -19,14 +19,14 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Callable, Iterable
 
-CHECKPOINT_GLOB = "checkpoint-*"
-RUN_ID_FILE = "mlflow_run_id"  # written by tasks.tracking.stage_run_id in each stage folder
+from infra.core.stage_io import StageFolder
+
 LIVE_STATUSES = ("RUNNING", "SCHEDULED")
 
 
-def prune_checkpoints(output_dir: Path) -> list[Path]:
+def prune_checkpoints(folder: StageFolder) -> list[Path]:
     """Remove a finished stage's ``checkpoint-*`` folders; returns what was removed."""
-    removed = sorted(p for p in output_dir.glob(CHECKPOINT_GLOB) if p.is_dir())
+    removed = folder.checkpoints()
     for checkpoint in removed:
         shutil.rmtree(checkpoint)
     return removed
@@ -37,7 +37,7 @@ def folder_size(path: Path) -> int:
 
 
 @dataclass(frozen=True)
-class StageFolder:
+class StageRecord:
     """A stage's output folder, its MLflow run and what decides whether it is still needed."""
 
     path: Path
@@ -59,16 +59,16 @@ class Removal:
     whole_stage: bool  # the stage folder itself, not one of its checkpoints
 
 
-def stage_folders(outputs: Path, describe_run: Callable[[str], tuple[str, str | None]]) -> list[StageFolder]:
+def stage_folders(outputs: Path, describe_run: Callable[[str], tuple[str, str | None]]) -> list[StageRecord]:
     """Every folder under ``outputs`` that holds a stage's run-id file. ``describe_run(run_id)`` reads
     the MLflow run: its status and its stage tag (None: the folder's name is used)."""
     found = []
-    for id_file in sorted(outputs.rglob(RUN_ID_FILE)) if outputs.is_dir() else []:
-        folder, run_id = id_file.parent, id_file.read_text().strip()
+    for stage_folder in StageFolder.under(outputs):
+        folder, run_id = stage_folder.path, stage_folder.recorded_run_id()
         status, stage = describe_run(run_id)
         newest = max((f.stat().st_mtime for f in folder.rglob("*")), default=folder.stat().st_mtime)
         found.append(
-            StageFolder(
+            StageRecord(
                 path=folder,
                 run_id=run_id,
                 config_name=folder.relative_to(outputs).parts[0],
@@ -81,12 +81,12 @@ def stage_folders(outputs: Path, describe_run: Callable[[str], tuple[str, str | 
 
 
 def plan_removals(
-    folders: Iterable[StageFolder], older_than: timedelta, keep_last: int, now: datetime | None = None
+    folders: Iterable[StageRecord], older_than: timedelta, keep_last: int, now: datetime | None = None
 ) -> list[Removal]:
     """Which stage folders go: not live, not among the newest ``keep_last`` of their (config, stage),
     and last modified before ``now - older_than``. Finished folders that stay lose their checkpoints."""
     cutoff = (now or datetime.now(timezone.utc)) - older_than
-    by_group: dict[tuple[str, str], list[StageFolder]] = {}
+    by_group: dict[tuple[str, str], list[StageRecord]] = {}
     for folder in folders:
         by_group.setdefault(folder.group, []).append(folder)
     removals = []
@@ -98,7 +98,7 @@ def plan_removals(
                 reason = f"{folder.status.lower()} run {folder.run_id}, superseded"
                 removals.append(Removal(folder.path, reason, whole_stage=True))
             elif folder.status == "FINISHED":
-                checkpoints = sorted(folder.path.glob(CHECKPOINT_GLOB))
+                checkpoints = StageFolder(path=folder.path).checkpoints()
                 removals += [Removal(c, "checkpoint of a finished stage", whole_stage=False) for c in checkpoints]
     return removals
 

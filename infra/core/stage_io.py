@@ -1,0 +1,226 @@
+"""The launch seam: what a training stage is given (:class:`TrainInputs`), where it keeps its files
+(:class:`StageFolder`), and the one description of a job launched over several processes
+(:data:`LaunchSpec`, written by the task, read by every rank, with the result rank 0 returns).
+
+A launched job runs ``python -m accelerate.commands.launch … -m tasks.launched_rank <spec.json>``;
+the parent side (write the spec, launch, stream the output, collect the result or the failed
+rank's error) is :mod:`tasks.launch`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Iterator, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, TypeAdapter, model_validator
+
+from infra.core.config import ComputeConfig, EvaluationConfig
+from infra.core.fingerprints import staging_copies
+from infra.core.handles import ModelHandle, PreparedData, ReferenceLogps
+from infra.core.settings import get_settings
+from trainers.lora import LoraSettings
+from trainers.plugins import import_plugins
+from trainers.sections import TrainingConfig
+from trainers.stages import STAGES, StageName
+
+
+@dataclass(frozen=True)
+class TrainInputs:
+    """A stage's inputs as handles: the model it starts from (also its reference), the prepared
+    data and, for a stage that reads them, the reference log-prob cache entry."""
+
+    policy: ModelHandle
+    data: PreparedData
+    reference_logps: ReferenceLogps | None = None
+    lora: LoraSettings | None = None  # train LoRA adapters (``peft.for_stage``) instead of every weight
+    compute: ComputeConfig = ComputeConfig()  # noqa: RUF009 (frozen): load dtype, mixed precision, processes
+
+
+class StageFolder(BaseModel):
+    """``outputs/<config name>/<stage>-<key>``: a stage's checkpoints, final model and MLflow run id.
+    For a training stage the key hashes what its model is a function of (``tasks.train.stage_key``),
+    so an identical rerun finds what the run before it left. The one definition of its layout."""
+
+    model_config = ConfigDict(frozen=True)
+
+    path: Path
+
+    MODEL: ClassVar[str] = "model"  # the final model; with LoRA the merged copy
+    ADAPTER: ClassVar[str] = "adapter"  # with LoRA: the adapter
+    FINISHED: ClassVar[str] = "model.json"  # the final model's handle, written last: the stage is finished
+    RUN_ID: ClassVar[str] = "mlflow_run_id"  # the stage's MLflow run, reused by a retry or a resume
+    LOCK: ClassVar[str] = ".lock"
+    LAUNCH: ClassVar[str] = "launch"  # a launched stage's spec, its ranks' errors and rank 0's result
+    CHECKPOINTS: ClassVar[str] = "checkpoint-*"
+
+    @classmethod
+    def of(cls, config_name: str, stage: str, key: str) -> StageFolder:
+        return cls(path=get_settings().outputs / config_name / f"{stage}-{key}")
+
+    @classmethod
+    def of_run(cls, config_name: str, stage: str, run_id: str) -> StageFolder:
+        """The folder of ``stage`` whose MLflow run is ``run_id``."""
+        for folder in cls.under(get_settings().outputs / config_name, f"{stage}-*"):
+            if folder.recorded_run_id() == run_id:
+                return folder
+        raise FileNotFoundError(f"no {stage} output folder of MLflow run {run_id} under outputs/{config_name}")
+
+    @classmethod
+    def under(cls, root: Path, pattern: str = "**") -> Iterator[StageFolder]:
+        """Every stage folder (one that holds a run-id file) below ``root`` matching ``pattern``."""
+        if root.is_dir():
+            yield from (cls(path=id_file.parent) for id_file in sorted(root.glob(f"{pattern}/{cls.RUN_ID}")))
+
+    @property
+    def model_dir(self) -> Path:
+        return self.path / self.MODEL
+
+    @property
+    def adapter_dir(self) -> Path:
+        return self.path / self.ADAPTER
+
+    @property
+    def finished_file(self) -> Path:
+        return self.path / self.FINISHED
+
+    @property
+    def run_id_file(self) -> Path:
+        return self.path / self.RUN_ID
+
+    @property
+    def lock_file(self) -> Path:
+        return self.path / self.LOCK
+
+    @property
+    def launch_dir(self) -> Path:
+        return self.path / self.LAUNCH
+
+    def recorded_run_id(self) -> str | None:
+        return self.run_id_file.read_text().strip() if self.run_id_file.is_file() else None
+
+    def checkpoints(self) -> list[Path]:
+        return sorted(p for p in self.path.glob(self.CHECKPOINTS) if p.is_dir())
+
+    def model_stagings(self) -> list[Path]:
+        """Copies of ``model/`` being written, left behind by a process killed while it wrote one."""
+        return staging_copies(self.model_dir)
+
+
+class LaunchedJob(BaseModel):
+    """What every launched job says: the plugins imported first, the folder of its spec, errors and
+    result, and (:attr:`compute`) the processes it runs on; a launch that silently ran fewer fails."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    plugins: tuple[str, ...]
+    launch_dir: Path
+
+    SPEC: ClassVar[str] = "spec.json"
+    RESULT: ClassVar[str] = "result.json"
+    result: ClassVar[type[BaseModel]]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _import_plugins(cls, data: Any) -> Any:
+        """Before the fields are read: a section may name the rewards and losses they define."""
+        if isinstance(data, dict) and "plugins" in data:
+            import_plugins(data["plugins"])
+        return data
+
+    @property
+    def world_size(self) -> int:
+        return self.compute.num_processes  # each job kind has its compute section (a field, or its inputs')
+
+    @property
+    def spec_file(self) -> Path:
+        return self.launch_dir / self.SPEC
+
+    @property
+    def result_file(self) -> Path:
+        return self.launch_dir / self.RESULT
+
+
+class TrainResult(BaseModel):
+    world_size: int
+    log_history: list[dict[str, Any]]
+
+
+class TrainJob(LaunchedJob):
+    """Train ``stage`` from ``checkpoint`` (or its start) into ``model_dir``; rank 0 tracks MLflow run
+    ``run_id`` (None: nothing is tracked). ``final``: the checkpoint is the last step's, only its model is saved."""
+
+    job: Literal["train"] = "train"
+    stage: StageName
+    section: SerializeAsAny[TrainingConfig]
+    inputs: TrainInputs
+    folder: StageFolder
+    model_dir: Path
+    run_id: str | None
+    log_checkpoints: Literal["all", "final", "none"]
+    checkpoint: Path | None
+    final: bool
+
+    result: ClassVar[type[BaseModel]] = TrainResult
+
+    @property
+    def compute(self) -> ComputeConfig:
+        return self.inputs.compute
+
+    @model_validator(mode="before")
+    @classmethod
+    def _section_of_the_stage(cls, data: Any) -> Any:
+        """The stage's own section type (after the plugins its rewards may come from)."""
+        if isinstance(data, dict) and {"stage", "section", "plugins"} <= data.keys() and data["stage"] in STAGES:
+            import_plugins(data["plugins"])
+            data = data | {"section": STAGES[data["stage"]].section.model_validate(data["section"])}
+        return data
+
+
+class ReferenceResult(BaseModel):
+    world_size: int
+    chosen: list[float]
+    rejected: list[float]
+
+
+class ModelJob(LaunchedJob):
+    """A job over one model and the prepared splits (a ``save_to_disk`` folder), loaded as ``compute`` says."""
+
+    model: str
+    splits: Path
+    compute: ComputeConfig
+
+
+class ReferenceJob(ModelJob):
+    """Reference log-probs of the ``preference`` split, sharded over the processes."""
+
+    job: Literal["reference"] = "reference"
+    batch_size: int = Field(ge=1)
+
+    result: ClassVar[type[BaseModel]] = ReferenceResult
+
+
+class EvaluateResult(BaseModel):
+    world_size: int
+    metrics: dict[str, float]
+    results: list[dict[str, Any]]
+
+
+class EvaluateJob(ModelJob):
+    """Answer metrics of ``eval_split``'s prompts and implicit rewards (at ``beta``) of the
+    ``preference`` pairs, sharded over the processes."""
+
+    job: Literal["evaluate"] = "evaluate"
+    eval_split: str
+    evaluation: EvaluationConfig
+    beta: float
+
+    result: ClassVar[type[BaseModel]] = EvaluateResult
+
+
+LaunchSpec = Annotated[Union[TrainJob, ReferenceJob, EvaluateJob], Field(discriminator="job")]
+LAUNCH_SPEC: TypeAdapter[LaunchSpec] = TypeAdapter(LaunchSpec)
+
+
+def read_spec(path: Path) -> LaunchSpec:
+    return LAUNCH_SPEC.validate_json(path.read_text())

@@ -1,0 +1,106 @@
+"""The module every process of a launched job runs (:mod:`infra.core.stage_io`, :mod:`tasks.launch`):
+
+    python -m accelerate.commands.launch --multi_gpu ... -m tasks.launched_rank <launch folder>/spec.json
+
+It reads the typed spec (which imports its plugins), checks the world size, runs the job and, on rank 0,
+writes the job's result beside the spec; a failed rank writes its error report there
+(:func:`trainers.launch.run_as_launched_process`). A training stage builds the same trainer as the
+in-process path (:func:`tasks.stage_trainer.tracked_trainer`): rank 0 with the MLflow tracker of the
+stage's run, the others with nothing that logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Callable
+
+from pydantic import BaseModel
+
+from infra.core.launching import stop_with_parent
+from infra.core.stage_io import EvaluateJob, LaunchSpec, ReferenceJob, TrainJob, read_spec
+from trainers.launch import check_world_size, rank, run_as_launched_process
+
+
+def train(spec: TrainJob) -> BaseModel:
+    """Train the spec's stage from its checkpoint (or its start) and save the model into ``model_dir``."""
+    from tasks.stage_trainer import log_model_params, tracked_trainer, train_from
+    from trainers.lora import save_stage_model
+
+    run_id = spec.run_id if rank() == 0 else None
+    final = spec.checkpoint if spec.final else None
+    trainer = tracked_trainer(
+        spec.stage, spec.section, spec.inputs, spec.folder.path, run_id, spec.log_checkpoints, policy_from=final
+    )
+    check_world_size(spec.world_size, trainer.accelerator.num_processes)
+    if run_id is not None:
+        log_model_params(run_id, trainer, spec.inputs)
+    train_from(trainer, spec.checkpoint, final)
+    save_stage_model(trainer, spec.model_dir, spec.folder.adapter_dir)
+    return spec.result(world_size=trainer.accelerator.num_processes, log_history=trainer.state.log_history)
+
+
+def loaded_model(spec: ReferenceJob | EvaluateJob):
+    """The spec's model on this process's device, in the spec's dtype, and the launch's state."""
+    from accelerate import PartialState
+
+    from trainers.modeling import load_causal_lm
+
+    state = PartialState(cpu=spec.compute.cpu)
+    check_world_size(spec.world_size, state.num_processes)
+    model, tokenizer = load_causal_lm(spec.model, dtype=spec.compute.dtype, device=state.device)
+    return model, tokenizer, state
+
+
+def reference(spec: ReferenceJob) -> BaseModel:
+    import datasets
+
+    from trainers.reference import reference_logps
+
+    model, tokenizer, state = loaded_model(spec)
+    rows = datasets.load_from_disk(str(spec.splits))["preference"].to_list()
+    chosen, rejected = reference_logps(
+        model, tokenizer.pad_token_id, rows, spec.batch_size, progress=False, state=state
+    )
+    return spec.result(world_size=state.num_processes, chosen=chosen, rejected=rejected)
+
+
+def evaluate(spec: EvaluateJob) -> BaseModel:
+    import datasets
+
+    from tasks.evaluate import generation_spec
+    from trainers.evaluation import answer_metrics, preference_rewards, score_prompts
+
+    model, tokenizer, state = loaded_model(spec)
+    splits = datasets.load_from_disk(str(spec.splits))
+    config = spec.evaluation
+    results = score_prompts(model, tokenizer, splits[spec.eval_split].to_list(), generation_spec(config), state)
+    metrics = answer_metrics(results, config.pass_k, config.seed, config.bootstrap_resamples)
+    pairs = splits["preference"].to_list()
+    metrics |= preference_rewards(model, tokenizer, pairs, spec.beta, config.batch_size, state)
+    return spec.result(
+        world_size=state.num_processes, metrics=metrics, results=[dataclasses.asdict(r) for r in results]
+    )
+
+
+RUNNERS: dict[type, Callable] = {TrainJob: train, ReferenceJob: reference, EvaluateJob: evaluate}
+
+
+def run(spec: LaunchSpec) -> None:
+    result = RUNNERS[type(spec)](spec)
+    if rank() == 0:
+        spec.result_file.write_text(result.model_dump_json())
+
+
+def main(argv: list[str] | None = None) -> None:
+    stop_with_parent()  # the launcher starts each rank in a session of its own: a SIGKILLed launcher leaves none
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        raise SystemExit("usage: accelerate launch ... -m tasks.launched_rank SPEC.json")
+    path = Path(args[0])
+    run_as_launched_process(lambda: run(read_spec(path)), error_folder=path.parent)
+
+
+if __name__ == "__main__":
+    main()
