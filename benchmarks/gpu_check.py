@@ -205,14 +205,20 @@ def run_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:
     import datasets
     from prefect.logging import disable_run_logger
 
-    from infra.core.config import AdditionTaskConfig, ComputeConfig, DataConfig, EvaluationConfig
+    from infra.core.config import (
+        AdditionTaskConfig,
+        ComputeConfig,
+        DataConfig,
+        EvaluationConfig,
+        check_compute,
+        compute_device,
+    )
     from infra.core.handles import ReferenceLogps
     from tasks.data import prepare_dataset
     from tasks.evaluate import score_model
     from tasks.models import checkpoint_handle
     from tasks.reference import ensure_entry, with_reference_columns
     from trainers.builtin_model import save_builtin_model
-    from trainers.devices import check_compute, compute_device
     from trainers.stages import ModelSource, StageInputs
     from trainers.stages.dpo import DPOStageConfig
     from trainers.stages.grpo import GRPOStageConfig

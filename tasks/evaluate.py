@@ -15,13 +15,13 @@ from prefect.artifacts import create_table_artifact
 from prefect.runtime import flow_run
 from pydantic import BaseModel
 
-from infra.core.config import ComputeConfig, EvaluationConfig
+from infra.core.config import ComputeConfig, EvaluationConfig, compute_device
 from infra.core.fingerprints import atomic_directory, code_fingerprint, hash_value
 from infra.core.handles import ModelHandle, PreparedData, ReferenceLogps
 from infra.core.settings import get_settings
 from tasks.reference import with_reference_columns
 from tasks.tracking import client, log_metrics, stage_output_dir, stage_run_id, tracked_run
-from trainers.devices import compute_device, load_dtype
+from trainers.devices import load_dtype
 
 if TYPE_CHECKING:
     from trainers.evaluation import PromptResult

@@ -10,14 +10,23 @@ import torch
 from prefect.logging import disable_run_logger
 from pydantic import ValidationError
 
-from infra.core.config import ComputeConfig, ExperimentConfig, ModelConfig, load_config
+from infra.core.config import (
+    ComputeConfig,
+    ComputeError,
+    ExperimentConfig,
+    Hardware,
+    ModelConfig,
+    check_compute,
+    compute_device,
+    load_config,
+)
 from infra.core.handles import ReferenceLogps
 from infra.core.refcache import CacheIntegrityError
 from infra.ops import cli
 from tasks.data import prepare_dataset
 from tasks.models import resolve_model
 from tasks.reference import compute_columns, reference_dtype, reference_key, reference_key_inputs
-from trainers.devices import ComputeError, Hardware, check_compute, compute_device, load_dtype, model_dtype
+from trainers.devices import load_dtype, model_dtype
 from trainers.evaluation import preference_rewards
 from trainers.modeling import load_causal_lm
 
