@@ -241,15 +241,30 @@ def test_a_stage_takes_the_compute_sections_dtype_and_mixed_precision(tiny_check
     from trainers.stages.sft import SFTConfig
 
     start = ModelSource(tiny_checkpoint.path)
-    inputs = StageInputs(
-        policy=start, reference=start, splits={}, output_dir=str(tmp_path), dtype="bfloat16", mixed_precision="bf16"
-    )
+
+    def stage_inputs(compute: ComputeConfig) -> StageInputs:
+        return StageInputs(
+            policy=start,
+            reference=start,
+            splits={},
+            output_dir=str(tmp_path),
+            dtype=compute.dtype,
+            mixed_precision=compute.mixed_precision,
+            cpu=compute.cpu,
+        )
+
+    inputs = stage_inputs(ComputeConfig(dtype="bfloat16", mixed_precision="bf16"))
     model, _ = inputs.load_policy()
     assert model_dtype(model) == "bfloat16" and model_dtype(inputs.load_reference()) == "bfloat16"
     arguments = SFTConfig().training_arguments(TrainingArguments, **inputs.runtime_arguments())
     assert arguments.bf16 and not arguments.fp16
     assert arguments.use_cpu == (not torch.cuda.is_available())  # bf16 autocast on the CPU
-    default = StageInputs(policy=start, reference=start, splits={}, output_dir=str(tmp_path))
+    default = stage_inputs(ComputeConfig())
     assert "bf16" not in default.runtime_arguments() and "use_cpu" not in default.runtime_arguments()
-    on_cpu = StageInputs(policy=start, reference=start, splits={}, output_dir=str(tmp_path), cpu=True)
+    on_cpu = stage_inputs(ComputeConfig(cpu=True))
     assert SFTConfig().training_arguments(TrainingArguments, **on_cpu.runtime_arguments()).use_cpu
+    # The compute section is the only place its defaults are declared: inputs without them are refused.
+    with pytest.raises(
+        TypeError, match="missing 3 required positional arguments: 'dtype', 'mixed_precision', and 'cpu'"
+    ):
+        StageInputs(policy=start, reference=start, splits={}, output_dir=str(tmp_path))

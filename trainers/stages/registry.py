@@ -37,11 +37,12 @@ class StageInputs:
     reference: ModelSource  # DPO's reference, GRPO's KL anchor: the same starting model
     splits: Mapping[str, Dataset]  # prepared splits; with ``ref_*`` columns when the stage reads reference log-probs
     output_dir: str
+    # The compute section's values, without defaults: ``ComputeConfig`` declares those.
+    dtype: str  # ``compute.dtype``: the dtype the models are loaded in
+    mixed_precision: str  # ``compute.mixed_precision``: bf16 / fp16 autocast of the stage
+    cpu: bool  # ``compute.cpu``: train on the CPU (several processes: gloo) even where there is a GPU
     callbacks: list = field(default_factory=list)
     lora: LoraSettings | None = None  # train LoRA adapters on the frozen policy instead of all its weights
-    dtype: str = "auto"  # ``compute.dtype``: the dtype the models are loaded in
-    mixed_precision: str = "no"  # ``compute.mixed_precision``: bf16 / fp16 autocast of the stage
-    cpu: bool = False  # ``compute.cpu``: train on the CPU (several processes: gloo) even where there is a GPU
 
     def load_policy(self):
         """The policy and its tokenizer; with ``lora``, wrapped with fresh trainable adapters."""
