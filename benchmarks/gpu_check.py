@@ -219,10 +219,10 @@ def run_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:
     from tasks.models import checkpoint_handle
     from tasks.reference import ensure_entry, with_reference_columns
     from trainers.builtin_model import save_builtin_model
+    from trainers.dpo_section import DPOStageConfig
+    from trainers.grpo_section import GRPOStageConfig
+    from trainers.sft_section import SFTConfig
     from trainers.stages import ModelSource, StageInputs
-    from trainers.stages.dpo import DPOStageConfig
-    from trainers.stages.grpo import GRPOStageConfig
-    from trainers.stages.sft import SFTConfig
 
     compute = ComputeConfig(
         mixed_precision="bf16" if gpu else "no", dtype="bfloat16" if gpu else "float32", cpu=not gpu

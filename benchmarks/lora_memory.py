@@ -77,9 +77,9 @@ def run_mode(mode: str, options: argparse.Namespace) -> dict:
     import torch
 
     from infra.core.config import ComputeConfig
+    from trainers.dpo_section import DPOStageConfig
     from trainers.lora import LoraSettings, trainable_parameters
     from trainers.stages import STAGES, ModelSource, StageInputs
-    from trainers.stages.dpo import DPOStageConfig
 
     torch.set_num_threads(options.threads)
     rows = random_pairs(options.steps * options.batch_size, options.prompt_length, options.completion_length)

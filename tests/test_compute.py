@@ -237,8 +237,8 @@ def test_the_cli_refuses_several_processes_for_the_evaluation_flow(capsys):
 def test_a_stage_takes_the_compute_sections_dtype_and_mixed_precision(tiny_checkpoint, tmp_path):
     from transformers import TrainingArguments
 
+    from trainers.sft_section import SFTConfig
     from trainers.stages import ModelSource, StageInputs
-    from trainers.stages.sft import SFTConfig
 
     start = ModelSource(tiny_checkpoint.path)
 

@@ -38,6 +38,7 @@ from trainers.grpo_losses import (
     nan_std,
     weighted_rewards,
 )
+from trainers.grpo_section import COMPLETIONS_LOG_KEY, GRPOStageConfig, check_policy_options
 from trainers.layout import GenerationLayout, resolve_layout
 from trainers.logprobs import next_token_logps
 from trainers.lora import has_adapters, live_reference
@@ -46,7 +47,6 @@ from trainers.samplers import generation_dataloader
 from trainers.sampling import sampling_processors
 from trainers.sections import section_fields
 from trainers.sharded_params import forward_model, prepare_reference, sharding_of
-from trainers.stages.grpo import COMPLETIONS_LOG_KEY, GRPOStageConfig, check_policy_options
 
 
 @dataclass
