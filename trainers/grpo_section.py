@@ -16,9 +16,9 @@ from trainers.grpo_losses import (
     PolicyObjectiveName,
     RewardScaleName,
 )
-from trainers.layout import resolve_layout
+from trainers.layout import GenerationLayout, resolve_layout
 from trainers.rewards import resolve_rewards
-from trainers.sections import EvalStrategy, TrainingConfig
+from trainers.sections import EvalStrategy, StageCompute, TrainingConfig
 
 COMPLETIONS_LOG_KEY = "completions"  # a table (column -> values) in the trainer's logs; trackers render it
 
@@ -116,15 +116,8 @@ class GRPOStageConfig(TrainingConfig):
     num_completions_to_log: int = Field(8, ge=1)
 
     @model_validator(mode="after")
-    def _check_rewards_and_generation_layout(self) -> GRPOStageConfig:
+    def _check_rewards(self) -> GRPOStageConfig:
         resolve_rewards(self.reward_funcs, self.reward_weights)
-        resolve_layout(
-            per_device_batch_size=self.per_device_train_batch_size,
-            gradient_accumulation_steps=self.gradient_accumulation_steps,
-            num_generations=self.num_generations,
-            steps_per_generation=self.steps_per_generation,
-            generation_batch_size=self.generation_batch_size,
-        )
         return self
 
     @model_validator(mode="after")
@@ -140,6 +133,29 @@ class GRPOStageConfig(TrainingConfig):
     def _check_policy_options(self) -> GRPOStageConfig:
         check_policy_options(self)
         return self
+
+
+def generation_layout(options: Any, num_processes: int) -> GenerationLayout:
+    """The generation layout of a section or a ``GRPOConfig`` over ``num_processes`` processes in
+    all (:func:`~trainers.layout.resolve_layout`: raises when the batch arithmetic does not divide)."""
+    return resolve_layout(
+        per_device_batch_size=options.per_device_train_batch_size,
+        gradient_accumulation_steps=options.gradient_accumulation_steps,
+        num_generations=options.num_generations,
+        num_processes=num_processes,
+        steps_per_generation=options.steps_per_generation,
+        generation_batch_size=options.generation_batch_size,
+    )
+
+
+def check_generation_layout(section: GRPOStageConfig, compute: StageCompute) -> None:
+    """The stage's load-time check: the layout over ``compute.num_processes``, as the trainer
+    resolves it over its world size, so one that does not divide over the processes is a config
+    error instead of a failure in the ranks after the stages before GRPO have trained."""
+    try:
+        generation_layout(section, compute.num_processes)
+    except ValueError as error:
+        raise ValueError(f"batch layout over compute.num_processes ({compute.num_processes}): {error}") from None
 
 
 def objective_fields() -> set[str]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainers.grpo_section import GRPOStageConfig
+from trainers.grpo_section import GRPOStageConfig, check_generation_layout
 from trainers.stages.registry import StageInputs, StageSpec, register_stage
 
 
@@ -29,6 +29,7 @@ GRPO = register_stage(
         section=GRPOStageConfig,
         split="grpo_prompts",
         build=build_grpo,
+        check=check_generation_layout,
         description="Group-relative policy optimisation on the `grpo_prompts` split, rewarded by `reward_funcs`.",
     )
 )

@@ -361,6 +361,15 @@ class ExperimentBase(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_stages_with_compute(self) -> ExperimentBase:
+        for stage in self.stages:
+            try:
+                STAGES[stage].check(self.stage(stage), self.compute)
+            except ValueError as error:
+                raise ValueError(f"{stage}: {error}") from None
+        return self
+
     def stage(self, name: str) -> TrainingConfig:
         """The config section of stage ``name``."""
         return getattr(self, name)
