@@ -228,7 +228,7 @@ def run_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:
         mixed_precision="bf16" if gpu else "no", dtype="bfloat16" if gpu else "float32", cpu=not gpu
     )
     check_compute(compute)
-    device = compute_device(compute)
+    device = compute_device(compute.cpu)
     assert device.type == ("cuda" if gpu else "cpu"), device
     base = checkpoint_handle(save_builtin_model(options.model, 0, workdir / "base"), "base")
     with disable_run_logger():

@@ -114,7 +114,7 @@ def score_model(
     from trainers.evaluation import GenerationSpec, answer_metrics, per_prompt_scores, preference_rewards, score_prompts
     from trainers.modeling import load_causal_lm
 
-    model, tokenizer = load_causal_lm(handle.path, handle.revision, compute.dtype, compute_device(compute))
+    model, tokenizer = load_causal_lm(handle.path, handle.revision, compute.dtype, compute_device(compute.cpu))
     scores = ModelScores({}, {}, {})
     if prompts:
         spec = GenerationSpec(

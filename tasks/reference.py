@@ -93,7 +93,7 @@ def compute_columns(ref: ReferenceLogps) -> dict[str, Columns]:
     from trainers.reference import reference_logps
 
     data, reference = ref.data, ref.reference
-    model, tokenizer = load_causal_lm(reference.path, reference.revision, ref.dtype, compute_device(ref))
+    model, tokenizer = load_causal_lm(reference.path, reference.revision, ref.dtype, compute_device(ref.cpu))
     if model_dtype(model) != ref.dtype:
         raise CacheIntegrityError(
             f"reference {reference.path} loaded in {model_dtype(model)}, but its cache key says {ref.dtype}"

@@ -150,7 +150,7 @@ def test_the_loader_takes_the_dtype_and_the_device(tiny_checkpoint):
         and load_dtype(tiny_checkpoint.path, None, "bfloat16") == "bfloat16"
     )
     expected = "cuda" if torch.cuda.is_available() else "cpu"
-    assert compute_device(ComputeConfig()).type == expected and compute_device(ComputeConfig(cpu=True)).type == "cpu"
+    assert compute_device(ComputeConfig().cpu).type == expected and compute_device(cpu=True).type == "cpu"
 
 
 @pytest.fixture(scope="module")

@@ -187,11 +187,11 @@ def check_compute(compute: ComputeConfig, hardware: Hardware | None = None, *, l
         )
 
 
-def compute_device(compute: ComputeConfig | None = None) -> torch.device:
+def compute_device(cpu: bool) -> torch.device:
     """The device of an in-process model (reference pass, evaluation): this process's GPU where
-    there is one (``LOCAL_RANK`` under a launcher), unless ``compute.cpu``; else the CPU."""
+    there is one (``LOCAL_RANK`` under a launcher), unless ``cpu`` (``compute.cpu``); else the CPU."""
     import torch
 
-    if (compute is not None and compute.cpu) or not torch.cuda.is_available():
+    if cpu or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
