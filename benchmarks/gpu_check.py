@@ -205,24 +205,30 @@ def run_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:
     import datasets
     from prefect.logging import disable_run_logger
 
-    from infra.core.config import AdditionTaskConfig, ComputeConfig, DataConfig, EvaluationConfig
+    from infra.core.config import (
+        AdditionTaskConfig,
+        ComputeConfig,
+        DataConfig,
+        EvaluationConfig,
+        check_compute,
+        compute_device,
+    )
     from infra.core.handles import ReferenceLogps
     from tasks.data import prepare_dataset
     from tasks.evaluate import score_model
     from tasks.models import checkpoint_handle
     from tasks.reference import ensure_entry, with_reference_columns
     from trainers.builtin_model import save_builtin_model
-    from trainers.devices import check_compute, compute_device
+    from trainers.dpo_section import DPOStageConfig
+    from trainers.grpo_section import GRPOStageConfig
+    from trainers.sft_section import SFTConfig
     from trainers.stages import ModelSource, StageInputs
-    from trainers.stages.dpo import DPOStageConfig
-    from trainers.stages.grpo import GRPOStageConfig
-    from trainers.stages.sft import SFTConfig
 
     compute = ComputeConfig(
         mixed_precision="bf16" if gpu else "no", dtype="bfloat16" if gpu else "float32", cpu=not gpu
     )
     check_compute(compute)
-    device = compute_device(compute)
+    device = compute_device(compute.cpu)
     assert device.type == ("cuda" if gpu else "cpu"), device
     base = checkpoint_handle(save_builtin_model(options.model, 0, workdir / "base"), "base")
     with disable_run_logger():

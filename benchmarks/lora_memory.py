@@ -76,9 +76,10 @@ def run_mode(mode: str, options: argparse.Namespace) -> dict:
     import datasets
     import torch
 
+    from infra.core.config import ComputeConfig
+    from trainers.dpo_section import DPOStageConfig
     from trainers.lora import LoraSettings, trainable_parameters
     from trainers.stages import STAGES, ModelSource, StageInputs
-    from trainers.stages.dpo import DPOStageConfig
 
     torch.set_num_threads(options.threads)
     rows = random_pairs(options.steps * options.batch_size, options.prompt_length, options.completion_length)
@@ -92,12 +93,16 @@ def run_mode(mode: str, options: argparse.Namespace) -> dict:
     )
     before = rss_kib()
     source = ModelSource(str(options.checkpoint))
+    compute = ComputeConfig()
     with tempfile.TemporaryDirectory() as output_dir:
         inputs = StageInputs(
             policy=source,
             reference=source,
             splits={"preference": datasets.Dataset.from_list(rows)},
             output_dir=output_dir,
+            dtype=compute.dtype,
+            mixed_precision=compute.mixed_precision,
+            cpu=compute.cpu,
             lora=LoraSettings(r=options.rank, alpha=2.0 * options.rank) if mode == "lora" else None,
         )
         trainer = STAGES["dpo"].build(section, inputs)

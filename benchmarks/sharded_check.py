@@ -56,9 +56,9 @@ def is_whole(model: torch.nn.Module) -> bool:
 
 
 def check_grpo(spec: dict, inputs, rows: list[dict]) -> dict:
+    from trainers.grpo_section import GRPOStageConfig
     from trainers.sharded_params import forward_model
     from trainers.stages import STAGES
-    from trainers.stages.grpo import GRPOStageConfig
 
     section = GRPOStageConfig(
         per_device_train_batch_size=8,
@@ -98,9 +98,9 @@ def check_grpo(spec: dict, inputs, rows: list[dict]) -> dict:
 
 def check_dpo(spec: dict, inputs) -> dict:
     from trainers.callbacks import mix_into_reference
+    from trainers.dpo_section import DPOStageConfig
     from trainers.sharded_params import sharding_of
     from trainers.stages import STAGES
-    from trainers.stages.dpo import DPOStageConfig
 
     section = DPOStageConfig(
         per_device_train_batch_size=4,

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from prefect import flow
 
-from infra.core.config import EvaluationRequest, ModelConfig
+from infra.core.config import EvaluationRequest, ModelConfig, check_compute
 from tasks.data import prepare_dataset
 from tasks.evaluate import EvalReport, HeldOutRewards, evaluate
 from tasks.models import resolve_model
 from tasks.reference import cache_ref_logps
 from tasks.tracking import start_parent_run, tracked_run
-from trainers.devices import check_compute
 
 
 @flow(name="alignflow-evaluation", log_prints=True)

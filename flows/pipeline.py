@@ -7,7 +7,7 @@ from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
 
-from infra.core.config import ExperimentConfig, merge_onto
+from infra.core.config import ExperimentConfig, check_compute, merge_onto
 from infra.core.handles import ModelHandle, PreparedData
 from infra.core.stage_io import TrainInputs
 from tasks.data import prepare_dataset
@@ -17,7 +17,6 @@ from tasks.promote import find_champion, promote
 from tasks.reference import cache_ref_logps
 from tasks.tracking import link_stage, start_parent_run, tracked_run
 from tasks.train import train
-from trainers.devices import check_compute
 from trainers.stages import STAGES
 
 

@@ -15,14 +15,14 @@ from prefect.artifacts import create_table_artifact
 from prefect.runtime import flow_run
 from pydantic import BaseModel
 
-from infra.core.config import ComputeConfig, EvaluationConfig
+from infra.core.config import ComputeConfig, EvaluationConfig, compute_device
 from infra.core.fingerprints import atomic_directory, code_fingerprint, hash_value
 from infra.core.handles import ModelHandle, PreparedData, ReferenceLogps
 from infra.core.settings import get_settings
 from infra.core.stage_io import StageFolder
 from tasks.reference import with_reference_columns
 from tasks.tracking import client, log_metrics, stage_run_id, tracked_run
-from trainers.devices import compute_device, load_dtype
+from trainers.devices import load_dtype
 
 if TYPE_CHECKING:
     from trainers.evaluation import PromptResult
@@ -102,13 +102,6 @@ class ModelScores:
     per_prompt: dict[str, list[float]]
 
 
-def generation_spec(config: EvaluationConfig):
-    """The generation settings of ``config``, as the trainers' evaluation takes them."""
-    from trainers.evaluation import GenerationSpec
-
-    return GenerationSpec(config.max_new_tokens, config.num_samples, config.temperature, config.batch_size, config.seed)
-
-
 def score_model(
     handle: ModelHandle,
     prompts: list[dict],
@@ -122,10 +115,10 @@ def score_model(
     from trainers.evaluation import answer_metrics, per_prompt_scores, preference_rewards, score_prompts
     from trainers.modeling import load_causal_lm
 
-    model, tokenizer = load_causal_lm(handle.path, handle.revision, compute.dtype, compute_device(compute))
+    model, tokenizer = load_causal_lm(handle.path, handle.revision, compute.dtype, compute_device(compute.cpu))
     scores = ModelScores({}, {}, {})
     if prompts:
-        results = score_prompts(model, tokenizer, prompts, generation_spec(config))
+        results = score_prompts(model, tokenizer, prompts, config.generation())
         scores = ModelScores(
             answer_metrics(results, config.pass_k, config.seed, config.bootstrap_resamples),
             samples_table(results, config.num_logged_samples),

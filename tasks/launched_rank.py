@@ -69,13 +69,12 @@ def reference(spec: ReferenceJob) -> BaseModel:
 def evaluate(spec: EvaluateJob) -> BaseModel:
     import datasets
 
-    from tasks.evaluate import generation_spec
     from trainers.evaluation import answer_metrics, preference_rewards, score_prompts
 
     model, tokenizer, state = loaded_model(spec)
     splits = datasets.load_from_disk(str(spec.splits))
     config = spec.evaluation
-    results = score_prompts(model, tokenizer, splits[spec.eval_split].to_list(), generation_spec(config), state)
+    results = score_prompts(model, tokenizer, splits[spec.eval_split].to_list(), config.generation(), state)
     metrics = answer_metrics(results, config.pass_k, config.seed, config.bootstrap_resamples)
     pairs = splits["preference"].to_list()
     metrics |= preference_rewards(model, tokenizer, pairs, spec.beta, config.batch_size, state)

@@ -14,7 +14,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.context import TaskRunContext
 from prefect.runtime import flow_run, task_run
 
-from infra.core.config import ComputeConfig, ReferenceConfig
+from infra.core.config import ComputeConfig, ReferenceConfig, compute_device
 from infra.core.fingerprints import code_fingerprint, hash_value
 from infra.core.handles import ModelHandle, PreparedData, ReferenceLogps
 from infra.core.refcache import CacheEntry, CacheIntegrityError, Columns, ReferenceCache
@@ -23,7 +23,7 @@ from tasks.caching import computed_once
 from tasks.results import CACHED_RESULT, checked_cache_key
 from tasks.tracking import log_dataset_input, log_metrics
 from trainers.data import REF_COLUMNS
-from trainers.devices import compute_device, load_dtype, model_dtype
+from trainers.devices import load_dtype, model_dtype
 
 PREFERENCE_SPLITS = ("preference", "preference_eval")
 MLFLOW_SCHEMA = {"row_id": "long", "ref_chosen_logps": "float", "ref_rejected_logps": "float"}
@@ -93,7 +93,7 @@ def compute_columns(ref: ReferenceLogps) -> dict[str, Columns]:
     from trainers.reference import reference_logps
 
     data, reference = ref.data, ref.reference
-    model, tokenizer = load_causal_lm(reference.path, reference.revision, ref.dtype, compute_device(ref))
+    model, tokenizer = load_causal_lm(reference.path, reference.revision, ref.dtype, compute_device(ref.cpu))
     if model_dtype(model) != ref.dtype:
         raise CacheIntegrityError(
             f"reference {reference.path} loaded in {model_dtype(model)}, but its cache key says {ref.dtype}"

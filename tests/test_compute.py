@@ -10,14 +10,23 @@ import torch
 from prefect.logging import disable_run_logger
 from pydantic import ValidationError
 
-from infra.core.config import ComputeConfig, ExperimentConfig, ModelConfig, load_config
+from infra.core.config import (
+    ComputeConfig,
+    ComputeError,
+    ExperimentConfig,
+    Hardware,
+    ModelConfig,
+    check_compute,
+    compute_device,
+    load_config,
+)
 from infra.core.handles import ReferenceLogps
 from infra.core.refcache import CacheIntegrityError
 from infra.ops import cli
 from tasks.data import prepare_dataset
 from tasks.models import resolve_model
 from tasks.reference import compute_columns, reference_dtype, reference_key, reference_key_inputs
-from trainers.devices import ComputeError, Hardware, check_compute, compute_device, load_dtype, model_dtype
+from trainers.devices import load_dtype, model_dtype
 from trainers.evaluation import preference_rewards
 from trainers.modeling import load_causal_lm
 
@@ -141,7 +150,7 @@ def test_the_loader_takes_the_dtype_and_the_device(tiny_checkpoint):
         and load_dtype(tiny_checkpoint.path, None, "bfloat16") == "bfloat16"
     )
     expected = "cuda" if torch.cuda.is_available() else "cpu"
-    assert compute_device(ComputeConfig()).type == expected and compute_device(ComputeConfig(cpu=True)).type == "cpu"
+    assert compute_device(ComputeConfig().cpu).type == expected and compute_device(cpu=True).type == "cpu"
 
 
 @pytest.fixture(scope="module")
@@ -228,19 +237,34 @@ def test_the_cli_refuses_several_processes_for_the_evaluation_flow(capsys):
 def test_a_stage_takes_the_compute_sections_dtype_and_mixed_precision(tiny_checkpoint, tmp_path):
     from transformers import TrainingArguments
 
+    from trainers.sft_section import SFTConfig
     from trainers.stages import ModelSource, StageInputs
-    from trainers.stages.sft import SFTConfig
 
     start = ModelSource(tiny_checkpoint.path)
-    inputs = StageInputs(
-        policy=start, reference=start, splits={}, output_dir=str(tmp_path), dtype="bfloat16", mixed_precision="bf16"
-    )
+
+    def stage_inputs(compute: ComputeConfig) -> StageInputs:
+        return StageInputs(
+            policy=start,
+            reference=start,
+            splits={},
+            output_dir=str(tmp_path),
+            dtype=compute.dtype,
+            mixed_precision=compute.mixed_precision,
+            cpu=compute.cpu,
+        )
+
+    inputs = stage_inputs(ComputeConfig(dtype="bfloat16", mixed_precision="bf16"))
     model, _ = inputs.load_policy()
     assert model_dtype(model) == "bfloat16" and model_dtype(inputs.load_reference()) == "bfloat16"
     arguments = SFTConfig().training_arguments(TrainingArguments, **inputs.runtime_arguments())
     assert arguments.bf16 and not arguments.fp16
     assert arguments.use_cpu == (not torch.cuda.is_available())  # bf16 autocast on the CPU
-    default = StageInputs(policy=start, reference=start, splits={}, output_dir=str(tmp_path))
+    default = stage_inputs(ComputeConfig())
     assert "bf16" not in default.runtime_arguments() and "use_cpu" not in default.runtime_arguments()
-    on_cpu = StageInputs(policy=start, reference=start, splits={}, output_dir=str(tmp_path), cpu=True)
+    on_cpu = stage_inputs(ComputeConfig(cpu=True))
     assert SFTConfig().training_arguments(TrainingArguments, **on_cpu.runtime_arguments()).use_cpu
+    # The compute section is the only place its defaults are declared: inputs without them are refused.
+    with pytest.raises(
+        TypeError, match="missing 3 required positional arguments: 'dtype', 'mixed_precision', and 'cpu'"
+    ):
+        StageInputs(policy=start, reference=start, splits={}, output_dir=str(tmp_path))

@@ -4,7 +4,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from infra.core.config import ExperimentConfig, did_you_mean, load_config, merge_onto
+from infra.core.config import ExperimentConfig, config_errors, did_you_mean, load_config, merge_onto
 from infra.ops.cli import main
 from trainers.losses import PREFERENCE_LOSSES
 from trainers.rewards import REWARD_FUNCTIONS
@@ -105,6 +105,31 @@ def test_new_dpo_objectives_load_with_their_hyperparameters(overrides):
 def test_invalid_dpo_options_are_config_errors(overrides, message):
     with pytest.raises(ValidationError, match=message):
         load_config(None, overrides)
+
+
+def test_grpo_layout_is_checked_over_the_compute_sections_processes():
+    """The trainer resolves the layout over its world size (compute.num_processes): one that
+    divides on one process but not on two fails when the config loads, not in the ranks."""
+    layout = ["grpo.per_device_train_batch_size=8", "grpo.num_generations=4", "grpo.generation_batch_size=24"]
+    assert load_config(None, layout).grpo.generation_batch_size == 24
+    with pytest.raises(ValidationError) as error:
+        load_config(None, [*layout, "compute.num_processes=2"])
+    assert config_errors(error.value) == [
+        (
+            "",
+            "grpo: batch layout over compute.num_processes (2): generation_batch_size (24) must be divisible by "
+            "per_device_train_batch_size × processes (8 × 2 = 16)",
+        )
+    ]
+    divides = [*layout[:2], "grpo.generation_batch_size=32", "compute.num_processes=2"]
+    assert load_config(None, divides).grpo.generation_batch_size == 32
+    # Groups may straddle processes: 3 completions per process and step are whole groups of 2 over 2 processes.
+    odd = ["grpo.per_device_train_batch_size=3", "grpo.num_generations=2"]
+    with pytest.raises(ValidationError, match=r"per_device_train_batch_size × steps_per_generation \(3 × 1 = 3\)"):
+        load_config(None, odd)
+    assert load_config(None, [*odd, "compute.num_processes=2"]).grpo.per_device_train_batch_size == 3
+    # A stage that does not run is not checked.
+    assert load_config(None, [*layout, "compute.num_processes=2", "stages=[sft, dpo]"]).stages == ["sft", "dpo"]
 
 
 def test_grpo_stage_is_checked_when_the_config_loads():

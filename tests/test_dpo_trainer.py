@@ -10,9 +10,9 @@ from transformers import TrainerCallback
 from trainers.collators import PreferenceCollator
 from trainers.data import Truncation, tokenize_split
 from trainers.dpo import DPOConfig, DPOTrainer, ld_token_weights, wpo_pair_weights
+from trainers.dpo_section import DPOStageConfig
 from trainers.losses import PREFERENCE_LOSSES
 from trainers.reference import reference_logps
-from trainers.stages.dpo import DPOStageConfig
 from trainers.synthetic import AdditionTask, generate_addition
 
 

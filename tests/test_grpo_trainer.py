@@ -12,9 +12,9 @@ from transformers import TrainerCallback
 
 from trainers.data import Truncation, tokenize_split
 from trainers.grpo import COMPLETIONS_LOG_KEY, GRPOConfig, GRPOTrainer, completion_batch
+from trainers.grpo_section import GRPOStageConfig
 from trainers.rewards import allow_module
 from trainers.samplers import RepeatSampler
-from trainers.stages.grpo import GRPOStageConfig
 from trainers.synthetic import AdditionTask, generate_addition
 
 

@@ -17,7 +17,7 @@ from infra.ops import servers
 from infra.ops.cli import main
 from infra.ops.deployments import PROJECT_ROOT, config_parameters, schedules, select_deployments, served_deployments
 from tasks.tracking import flow_run_url
-from trainers.stages.dpo import DPOStageConfig
+from trainers.dpo_section import DPOStageConfig
 
 
 def test_config_parameters_build_step_loads_and_validates_a_config_file():

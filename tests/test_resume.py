@@ -160,7 +160,7 @@ def test_a_resumed_stages_tracker_does_not_log_a_step_its_run_already_has():
 
     from tasks.tracking import client, experiment_id
     from tasks.trainer_callback import COMPLETIONS_TABLE, MlflowTrainerCallback
-    from trainers.stages.grpo import COMPLETIONS_LOG_KEY
+    from trainers.grpo_section import COMPLETIONS_LOG_KEY
 
     experiment = experiment_id("resume-logging")
     run_id = client().create_run(experiment).info.run_id

@@ -22,12 +22,12 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from trainers.callbacks import SyncReferenceCallback
 from trainers.data import REF_COLUMNS
+from trainers.dpo_section import DPOStageConfig, reference_source
 from trainers.logprobs import CompletionLogps, completion_logps
 from trainers.lora import has_adapters, live_reference
 from trainers.losses import LossParams, PairLogps, PreferenceHyperparameters, resolve_losses, reward_metrics
 from trainers.sections import section_fields
 from trainers.sharded_params import prepare_reference, sharding_of
-from trainers.stages.dpo import DPOStageConfig, reference_source
 
 # Metrics summed over the logging window and the processes; every other metric is averaged.
 SUMMED_METRICS = {"num_tokens"}

@@ -38,7 +38,8 @@ from trainers.grpo_losses import (
     nan_std,
     weighted_rewards,
 )
-from trainers.layout import GenerationLayout, resolve_layout
+from trainers.grpo_section import COMPLETIONS_LOG_KEY, GRPOStageConfig, check_policy_options, generation_layout
+from trainers.layout import GenerationLayout
 from trainers.logprobs import next_token_logps
 from trainers.lora import has_adapters, live_reference
 from trainers.rewards import RewardFunction, resolve_rewards, score_completions
@@ -46,7 +47,6 @@ from trainers.samplers import generation_dataloader
 from trainers.sampling import sampling_processors
 from trainers.sections import section_fields
 from trainers.sharded_params import forward_model, prepare_reference, sharding_of
-from trainers.stages.grpo import COMPLETIONS_LOG_KEY, GRPOStageConfig, check_policy_options
 
 
 @dataclass
@@ -67,14 +67,7 @@ class GRPOConfig(TrainingArguments):
     @property
     def layout(self) -> GenerationLayout:
         """The generation layout over all processes (``steps_per_generation`` filled in)."""
-        return resolve_layout(
-            per_device_batch_size=self.per_device_train_batch_size,
-            gradient_accumulation_steps=self.gradient_accumulation_steps,
-            num_generations=self.num_generations,
-            num_processes=self.world_size,
-            steps_per_generation=self.steps_per_generation,
-            generation_batch_size=self.generation_batch_size,
-        )
+        return generation_layout(self, self.world_size)
 
     @property
     def upper_epsilon(self) -> float:

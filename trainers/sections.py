@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -36,6 +36,14 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+class StageCompute(Protocol):
+    """What a stage's load-time check may read of the compute section (``ComputeConfig``, which
+    trainers do not import)."""
+
+    @property
+    def num_processes(self) -> int: ...
 
 
 class Section(BaseModel):

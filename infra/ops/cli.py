@@ -217,7 +217,7 @@ def check_compute_or_exit(config, args: argparse.Namespace, launched: bool = Fal
     """Exit 2 when this machine cannot run ``config.compute`` (device count, bfloat16; several
     processes unless the flow ``launched`` them): before the flow starts. This looks at the
     hardware, so it imports torch."""
-    from trainers.devices import ComputeError, check_compute
+    from infra.core.config import ComputeError, check_compute
 
     try:
         check_compute(config.compute, launched=launched)

@@ -1,6 +1,8 @@
-"""Training stages. Each module here defines one stage's config section and trainer builder and
-registers its :class:`~trainers.stages.registry.StageSpec`. ``STAGE_MODULES`` is the list of
-stages: adding a stage is a module plus its name here (the order is that of the config sections)."""
+"""Training stages. Each module here builds one stage's trainer from its config section (the
+torch-free ``trainers/<stage>_section.py``) and registers its
+:class:`~trainers.stages.registry.StageSpec`. ``STAGE_MODULES`` is the list of stages: adding a
+stage is a section module, a module here and its name below (the order is that of the config
+sections)."""
 
 import importlib
 

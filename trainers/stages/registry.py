@@ -3,7 +3,8 @@
 A spec holds everything the rest of alignflow needs to know about a stage: its config section
 (which becomes a section of the experiment config and of the Prefect UI form), how to build its
 trainer, the prepared data split it trains on, whether it trains on cached reference log-probs,
-and whether its result may be cached across flow runs. The config, the train task and the flow
+whether its result may be cached across flow runs, and what its section must satisfy with the
+compute section. The config, the train task and the flow
 read specs; none of them names a stage.
 """
 
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from trainers.lora import LoraSettings
 from trainers.registry import Registry
-from trainers.sections import TrainingConfig
+from trainers.sections import StageCompute, TrainingConfig
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -37,11 +38,12 @@ class StageInputs:
     reference: ModelSource  # DPO's reference, GRPO's KL anchor: the same starting model
     splits: Mapping[str, Dataset]  # prepared splits; with ``ref_*`` columns when the stage reads reference log-probs
     output_dir: str
+    # The compute section's values, without defaults: ``ComputeConfig`` declares those.
+    dtype: str  # ``compute.dtype``: the dtype the models are loaded in
+    mixed_precision: str  # ``compute.mixed_precision``: bf16 / fp16 autocast of the stage
+    cpu: bool  # ``compute.cpu``: train on the CPU (several processes: gloo) even where there is a GPU
     callbacks: list = field(default_factory=list)
     lora: LoraSettings | None = None  # train LoRA adapters on the frozen policy instead of all its weights
-    dtype: str = "auto"  # ``compute.dtype``: the dtype the models are loaded in
-    mixed_precision: str = "no"  # ``compute.mixed_precision``: bf16 / fp16 autocast of the stage
-    cpu: bool = False  # ``compute.cpu``: train on the CPU (several processes: gloo) even where there is a GPU
 
     def load_policy(self):
         """The policy and its tokenizer; with ``lora``, wrapped with fresh trainable adapters."""
@@ -81,6 +83,10 @@ def never(section: TrainingConfig) -> bool:
     return False
 
 
+def no_check(section: TrainingConfig, compute: StageCompute) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class StageSpec:
     name: str
@@ -93,6 +99,9 @@ class StageSpec:
     needs_reference_logps: Callable[[Any], bool] = never
     # Whether its model is a pure function of its config, input model and data (then cached across runs).
     cacheable: bool = False
+    # Raises ValueError when the section cannot run with the compute section (e.g. GRPO's batch
+    # layout over the processes); the experiment config runs it for every enabled stage when it loads.
+    check: Callable[[Any, StageCompute], None] = no_check
 
     @property
     def title(self) -> str:

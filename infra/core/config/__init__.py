@@ -1,13 +1,24 @@
 """The experiment config: one typed schema (pydantic) that is the flow's parameter and the source
-of every stage's trainer arguments. The package's modules split its jobs (the schema, reading YAML
-and overrides, error text, the compute section); callers import from here."""
+of every stage's trainer arguments. The package's modules split its jobs: the sections and the
+experiment (``schema``), the compute section, its hardware checks and launch command
+(``compute``), reading YAML and overrides (``loading``), error text (``errors``) and dotted keys
+of nested dicts (``tree``); callers import from here."""
 
-from infra.core.config.schema import (
+from infra.core.config.compute import (
     ACCELERATE_CONFIG_DIR,
+    ComputeConfig,
+    ComputeError,
+    Hardware,
+    accelerate_config_path,
+    check_compute,
+    compute_device,
+)
+from infra.core.config.errors import config_errors, did_you_mean
+from infra.core.config.loading import load_config, merge_onto, read_yaml
+from infra.core.config.schema import (
     BUILTIN_MODEL_NAMES,
     SCHEMAS,
     AdditionTaskConfig,
-    ComputeConfig,
     DataConfig,
     DatasetSource,
     EvaluationConfig,
@@ -19,15 +30,9 @@ from infra.core.config.schema import (
     ReferenceConfig,
     SafeName,
     TrackingConfig,
-    accelerate_config_path,
-    config_errors,
-    did_you_mean,
-    load_config,
-    merge_onto,
-    read_yaml,
     seeded_fields,
-    set_path,
 )
+from infra.core.config.tree import set_path
 
 __all__ = [
     "ACCELERATE_CONFIG_DIR",
@@ -35,11 +40,13 @@ __all__ = [
     "SCHEMAS",
     "AdditionTaskConfig",
     "ComputeConfig",
+    "ComputeError",
     "DataConfig",
     "DatasetSource",
     "EvaluationConfig",
     "EvaluationRequest",
     "ExperimentConfig",
+    "Hardware",
     "ModelConfig",
     "PeftConfig",
     "PromotionConfig",
@@ -47,6 +54,8 @@ __all__ = [
     "SafeName",
     "TrackingConfig",
     "accelerate_config_path",
+    "check_compute",
+    "compute_device",
     "config_errors",
     "did_you_mean",
     "load_config",

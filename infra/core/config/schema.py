@@ -1,28 +1,27 @@
 """``ExperimentConfig``: the one typed schema of an experiment.
 
-It is loaded from YAML in ``configs/``, overridden from the command line as ``key.sub=value``,
-and is the experiment flow's only parameter (the Prefect UI renders it as a form). Each training
-stage's section comes from its registered :class:`~trainers.stages.StageSpec`; choice fields are
-checked against their registries when the config is validated, so a module listed in ``plugins``
-can register more. Importing this module imports no torch: config errors come back at once.
+It is loaded from YAML in ``configs/``, overridden from the command line as ``key.sub=value``
+(:mod:`infra.core.config.loading`), and is the experiment flow's only parameter (the Prefect UI
+renders it as a form). Each training stage's section comes from its registered
+:class:`~trainers.stages.StageSpec`; choice fields are checked against their registries when the
+config is validated, so a module listed in ``plugins`` can register more. Importing this module
+imports no torch: config errors come back at once.
 """
 
 from __future__ import annotations
 
-import difflib
-import importlib
 import re
-import sys
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal, get_args
+from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import AfterValidator, BaseModel, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, Field, create_model, field_validator, model_validator
 
+from infra.core.config.compute import ComputeConfig
+from infra.core.config.tree import get_path, set_path
 from trainers.lora import LoraSettings
 from trainers.metrics import evaluation_metric_names, per_prompt_metric_names
-from trainers.rewards import allow_module
-from trainers.sections import Section, TrainingConfig, bare_no
+from trainers.plugins import import_plugins
+from trainers.sections import Section, TrainingConfig
 from trainers.stages import STAGES, StageName
 
 # Kept in step with trainers.builtin_model.BUILTIN_MODELS (which imports torch; tests check both agree).
@@ -193,108 +192,6 @@ class PeftConfig(LoraSettings):
         return LoraSettings(**self.model_dump(include=set(LoraSettings.model_fields)))
 
 
-ACCELERATE_CONFIG_DIR = Path(__file__).parents[1] / "accelerate"
-MixedPrecision = Literal["no", "bf16", "fp16"]
-LoadDtype = Literal["auto", "float32", "bfloat16"]
-
-
-def accelerate_config_path(name: str) -> Path:
-    """A shipped accelerate config (``ddp``, ``fsdp``, ``zero2``, ``zero3``: ``infra/core/accelerate/<name>.yaml``)
-    or the path of one's own file."""
-    shipped = ACCELERATE_CONFIG_DIR / f"{name}.yaml"
-    if shipped.is_file():
-        return shipped
-    path = Path(name).expanduser()
-    if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in ACCELERATE_CONFIG_DIR.glob("*.yaml")))
-        raise ValueError(f"accelerate_config: {name!r} is neither a shipped config ({known}) nor an existing file")
-    return path
-
-
-class ComputeConfig(Section):
-    """Where and in what precision the stages, the reference pass and the evaluation run: one
-    policy for all of them. The defaults are today's single process: the GPU where there is one,
-    else the CPU, in the checkpoint's own dtype. Checks that need the hardware (device count,
-    bfloat16 support) run when the flow starts (:func:`trainers.devices.check_compute`)."""
-
-    cpu: bool = Field(
-        False, description="Run on the CPU even where a GPU is present (accelerate's --cpu; processes talk over gloo)."
-    )
-    num_processes: int = Field(1, ge=1, description="Processes in all (over every machine); one per GPU.")
-    num_machines: int = Field(1, ge=1, description="Machines taking part in a multi-process stage.")
-    machine_rank: int = Field(0, ge=0, description="This machine's rank (0 on the machine with main_process_ip).")
-    main_process_ip: str | None = Field(None, description="Address of machine 0; needed when num_machines > 1.")
-    main_process_port: int = Field(29500, ge=1, le=65535, description="Port of the rendezvous on machine 0.")
-    mixed_precision: MixedPrecision = Field(
-        "no", description="Autocast of every training stage: `bf16`, `fp16` (CUDA only) or `no`."
-    )
-    dtype: LoadDtype = Field(
-        "auto",
-        description="dtype the models are loaded in (training, reference pass, evaluation); `auto`: the checkpoint's.",
-    )
-    accelerate_config: str | None = Field(
-        None,
-        description="Accelerate config for FSDP or DeepSpeed: a shipped one (`ddp`, `fsdp`, `zero2`, `zero3`, "
-        "infra/core/accelerate/) or a file.",
-    )
-
-    _yaml_no = field_validator("mixed_precision", mode="before")(bare_no)
-
-    @field_validator("accelerate_config")
-    @classmethod
-    def _known_accelerate_config(cls, name: str | None) -> str | None:
-        if name is not None:
-            accelerate_config_path(name)
-        return name
-
-    @model_validator(mode="after")
-    def _check_machines(self) -> ComputeConfig:
-        if self.machine_rank >= self.num_machines:
-            raise ValueError(f"machine_rank ({self.machine_rank}) must be below num_machines ({self.num_machines})")
-        if self.num_machines > 1 and not self.main_process_ip:
-            raise ValueError("num_machines > 1 needs main_process_ip (the address of machine 0)")
-        if self.num_processes % self.num_machines:
-            raise ValueError(
-                f"num_processes ({self.num_processes}) must be a multiple of num_machines ({self.num_machines}): "
-                "the same number of processes on every machine"
-            )
-        return self
-
-    @property
-    def processes_per_machine(self) -> int:
-        return self.num_processes // self.num_machines
-
-    @property
-    def multi_process(self) -> bool:
-        return self.num_processes > 1 or self.num_machines > 1
-
-    def launch_command(self, spec_path: str | Path, module: str = "trainers.launch") -> list[str]:
-        """The ``accelerate launch`` command of these settings running ``python -m module spec_path``.
-
-        Several processes are launched as ``--multi_gpu`` even on the CPU: ``--cpu`` with
-        ``--num_processes 2`` starts one process (accelerate 1.15); the stage itself asks for the
-        CPU (``use_cpu``) and its processes talk over gloo. An ``accelerate_config`` file (FSDP,
-        DeepSpeed) sets the distributed type; this section's counts override its own."""
-        command = [sys.executable, "-m", "accelerate.commands.launch"]
-        if self.accelerate_config:
-            command += ["--config_file", str(accelerate_config_path(self.accelerate_config))]
-        elif self.multi_process:
-            command += ["--multi_gpu"]
-        options = {
-            "num_processes": self.num_processes,
-            "num_machines": self.num_machines,
-            "machine_rank": self.machine_rank,
-            "main_process_port": self.main_process_port,
-            "mixed_precision": self.mixed_precision,
-            "dynamo_backend": "no",
-            "main_process_ip": self.main_process_ip,
-        }
-        for name, value in options.items():
-            if value is not None:
-                command += [f"--{name}", str(value)]
-        return command + ["-m", module, str(spec_path)]
-
-
 class ReferenceConfig(Section):
     batch_size: int = Field(128, ge=1, description="Pairs per reference forward pass.")
 
@@ -314,6 +211,12 @@ class EvaluationConfig(Section):
         20, ge=0, description="Rows of the samples table (prompt, completion, reward, correct) per model."
     )
     seed: int = Field(0, description="Seed of sampling and of the bootstrap; the same for every model.")
+
+    def generation(self):
+        """These settings as the trainers' evaluation takes them (imports torch)."""
+        from trainers.evaluation import GenerationSpec
+
+        return GenerationSpec(self.max_new_tokens, self.num_samples, self.temperature, self.batch_size, self.seed)
 
 
 class PromotionConfig(Section):
@@ -392,12 +295,7 @@ class ExperimentBase(Section):
     @classmethod
     def _import_plugins(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for module in data.get("plugins") or []:
-                try:
-                    importlib.import_module(module)
-                except ImportError as error:
-                    raise ValueError(f"plugins: cannot import {module!r}: {error}") from None
-                allow_module(module)  # reward import paths may name its functions
+            import_plugins(data.get("plugins") or [])
         return data
 
     @model_validator(mode="after")
@@ -463,6 +361,15 @@ class ExperimentBase(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_stages_with_compute(self) -> ExperimentBase:
+        for stage in self.stages:
+            try:
+                STAGES[stage].check(self.stage(stage), self.compute)
+            except ValueError as error:
+                raise ValueError(f"{stage}: {error}") from None
+        return self
+
     def stage(self, name: str) -> TrainingConfig:
         """The config section of stage ``name``."""
         return getattr(self, name)
@@ -526,163 +433,6 @@ def seeded_fields() -> list[str]:
     and the evaluation's. Not ``data.builtin.seed`` nor ``data.seed``: they choose the task's
     problems and the data mixture, which a comparison over seeds keeps fixed."""
     return ["model.seed", *(f"{name}.seed" for name in STAGES), "evaluation.seed"]
-
-
-def get_path(tree: dict[str, Any], key: str) -> Any:
-    """The value at dotted ``key`` of a nested dict, None where any part is missing."""
-    node: Any = tree
-    for part in key.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return node
-
-
-def set_path(tree: dict[str, Any], key: str, value: Any) -> None:
-    """Set dotted ``key`` (``a.b.c``) of a nested dict to ``value``, creating the sections on the way
-    (new dicts: sections shared with another tree are not changed)."""
-    *parents, leaf = key.split(".")
-    node = tree
-    for part in parents:
-        child = node.get(part, {})
-        if not isinstance(child, dict):
-            raise ValueError(f"{key}: {part!r} is not a section")
-        node[part] = node = dict(child)
-    node[leaf] = value
-
-
-def apply_override(tree: dict[str, Any], override: str) -> None:
-    """Set ``a.b.c=value`` in a nested dict; the value is parsed as YAML (numbers, lists, null)."""
-    key, sep, raw = override.partition("=")
-    if not sep or not key:
-        raise ValueError(f"override {override!r} is not of the form key.sub=value")
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError as error:
-        raise ValueError(f"override {override!r}: {yaml_problem(error)}") from None
-    try:
-        set_path(tree, key, value)
-    except ValueError as error:
-        raise ValueError(f"override {override!r}: {str(error).split(': ', 1)[1]}") from None
-
-
-def yaml_problem(error: yaml.YAMLError) -> str:
-    """``line L, column C: <problem>`` of a YAML error (1-based, as editors count)."""
-    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
-    problem = getattr(error, "problem", None) or str(error)
-    if getattr(error, "context", None) and getattr(error, "problem", None):
-        problem = f"{error.context}, {error.problem}"
-    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark else problem
-
-
-def read_yaml(path: str | Path) -> dict[str, Any]:
-    """The mapping in a YAML file; errors name the file (and line and column)."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ValueError(f"{path}: no such file") from None
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{path}: not UTF-8 text (byte {error.start})") from None
-    except OSError as error:
-        raise ValueError(f"{path}: {error.strerror}") from None
-    try:
-        tree = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise ValueError(f"{path}: {yaml_problem(error)}") from None
-    if tree is None:
-        return {}
-    if not isinstance(tree, dict):
-        raise ValueError(f"{path}: the file must hold a mapping of config keys, not a {type(tree).__name__}")
-    return tree
-
-
-def load_config(
-    path: str | Path | None = None,
-    overrides: list[str] = (),
-    schema: type[Section] | None = None,
-    reader: Callable[[str | Path], dict[str, Any]] = read_yaml,
-) -> Section:
-    """Validate YAML (read by ``reader``) plus ``key.sub=value`` overrides against ``schema`` (default
-    ExperimentConfig)."""
-    tree: dict[str, Any] = {}
-    if path is not None:
-        tree = reader(path)
-    for override in overrides:
-        apply_override(tree, override)
-    return (schema or ExperimentConfig).model_validate(tree)
-
-
-def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    """``base`` with ``update`` written over it, nested dicts merged key by key."""
-    merged = dict(base)
-    for key, value in update.items():
-        merged[key] = (
-            deep_merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
-        )
-    return merged
-
-
-def merge_onto(config: Section, defaults: dict[str, Any]) -> Section:
-    """The fields set explicitly in ``config`` (at any depth) over ``defaults``, a whole config as a
-    dict, validated again. A deployment's run given ``{"dpo": {"beta": 0.2}}`` keeps every other
-    default of the deployment, not the schema's (Prefect merges parameters at the top level only)."""
-    return type(config).model_validate(deep_merge(defaults, config.model_dump(mode="json", exclude_unset=True)))
-
-
-def section_at(schema: type[BaseModel], path: tuple) -> type[BaseModel] | None:
-    """The section model reached by following field names ``path`` from ``schema``."""
-    model = schema
-    for name in path:
-        if isinstance(name, int):  # an item of a list of sections, e.g. data.sft.1
-            continue
-        field = model.model_fields.get(name) if isinstance(name, str) else None
-        if field is None:
-            return None
-        candidates = [field.annotation, *get_args(field.annotation)]
-        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
-        if model is None:
-            return None
-    return model
-
-
-UNION_MEMBER_TAG = re.compile(r"[\w-]+\[.*\]")  # `list[DatasetSource]`, `function-after[…, DatasetSource]`
-
-
-def error_key(loc: tuple) -> list[str | int]:
-    """A pydantic error location without the union members' tags:
-    ``data.sft.list[DatasetSource].1.wieght`` → ``data.sft.1.wieght``."""
-    return [part for part in loc if isinstance(part, int) or not UNION_MEMBER_TAG.fullmatch(part)]
-
-
-def config_errors(error: ValidationError) -> list[tuple[str, str]]:
-    """``(key, message)`` per problem. A field that takes several shapes (one source or a list of
-    them) reports a type mismatch for each shape the input did not take: those are left out when
-    the shape it took has its own error at or below the same key."""
-    items = [
-        (".".join(map(str, error_key(i["loc"]))), i["msg"].removeprefix("Value error, "), i["type"])
-        for i in error.errors()
-    ]
-    specific = [key for key, _, kind in items if not kind.endswith("_type")]
-
-    def shadowed(key: str) -> bool:
-        return any(other == key or other.startswith(f"{key}.") for other in specific)
-
-    return [(key, message) for key, message, kind in items if not (kind.endswith("_type") and shadowed(key))]
-
-
-def did_you_mean(error: ValidationError, schema: type[BaseModel]) -> list[str]:
-    """For each unknown key in ``error``, the known keys of its section that look like it."""
-    hints = []
-    for item in error.errors():
-        if item["type"] != "extra_forbidden":
-            continue
-        loc = error_key(item["loc"])
-        *parents, key = loc
-        section = section_at(schema, tuple(parents))
-        matches = difflib.get_close_matches(str(key), list(section.model_fields) if section else [], n=3)
-        if matches:
-            where = ".".join(map(str, parents))
-            known = ", ".join(f"{where}.{m}" if where else m for m in matches)
-            hints.append(f"unknown key {'.'.join(map(str, loc))}: did you mean {known}?")
-    return hints
 
 
 SCHEMAS: dict[str, type[Section]] = {"ExperimentConfig": ExperimentConfig, "EvaluationRequest": EvaluationRequest}

@@ -1,0 +1,192 @@
+"""GRPO's config section: its fields, their checks (rewards, objective options, and the batch layout
+over the processes), and the key of its completions table in the trainer's logs. No torch here:
+the experiment config and :class:`trainers.grpo.GRPOConfig` both take their GRPO fields from it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from trainers.grpo_losses import (
+    IMPORTANCE_LEVELS,
+    POLICY_OBJECTIVES,
+    GRPOLossName,
+    ImportanceLevelName,
+    PolicyObjectiveName,
+    RewardScaleName,
+)
+from trainers.layout import GenerationLayout, resolve_layout
+from trainers.rewards import resolve_rewards
+from trainers.sections import EvalStrategy, StageCompute, TrainingConfig
+
+COMPLETIONS_LOG_KEY = "completions"  # a table (column -> values) in the trainer's logs; trackers render it
+
+
+class GRPOStageConfig(TrainingConfig):
+    num_train_epochs: float = Field(
+        3.0, gt=0, description="Epochs over the GRPO prompts (each prompt `num_generations` times per epoch)."
+    )
+    per_device_train_batch_size: int = Field(
+        128, ge=1, description="Completions per training step (prompts × `num_generations`)."
+    )
+    learning_rate: float = Field(1.5e-4, gt=0)
+    logging_steps: int = Field(20, ge=1)
+    eval_strategy: EvalStrategy = Field(
+        "no", description="GRPO does not evaluate during training (the evaluation step scores its model): `no`."
+    )
+    num_generations: int = Field(8, ge=2, description="Completions per prompt (G).")
+    steps_per_generation: int | None = Field(
+        None, ge=1, description="Training steps served by one generation batch; default: `gradient_accumulation_steps`."
+    )
+    generation_batch_size: int | None = Field(
+        None,
+        ge=2,
+        description="Completions per generation batch (all processes); alternative to `steps_per_generation`.",
+    )
+    num_iterations: int = Field(1, ge=1, description="Optimisation passes (μ) over each generation batch.")
+    beta: float = Field(0.0, ge=0.0, description="KL coefficient to the starting policy; 0 loads no reference model.")
+    epsilon: float = Field(0.2, ge=0.0, description="Clipping: ρ ≥ 1 − ε.")
+    epsilon_high: float | None = Field(None, ge=0.0, description="Clipping: ρ ≤ 1 + ε_high; default: `epsilon`.")
+    loss_type: GRPOLossName = Field("dapo", description="How token losses are averaged (trainers/grpo_losses.py).")
+    policy_loss: PolicyObjectiveName = Field(
+        "clip",
+        description="Per-token objective (trainers/grpo_losses.py): `clip` (PPO/GRPO clipped surrogate), "
+        "`cispo` (MiniMax-M1), `sapo` (soft gate).",
+    )
+    importance_sampling_level: ImportanceLevelName = Field(
+        "token", description="Importance ratio per token, or per completion, length-normalised (`sequence`: GSPO)."
+    )
+    sequence_epsilon: float = Field(
+        3e-4, ge=0.0, description="GSPO clipping of the sequence ratio: s ≥ 1 − ε (GSPO paper: 3e-4)."
+    )
+    sequence_epsilon_high: float = Field(
+        4e-4, ge=0.0, description="GSPO clipping of the sequence ratio: s ≤ 1 + ε_high (GSPO paper: 4e-4)."
+    )
+    delta: float | None = Field(
+        None,
+        gt=1.0,
+        description="Two-sided clipping (INTELLECT-2) of `clip`: the ratio is capped at δ for negative advantages; "
+        "must exceed 1 + ε_high. Default: off.",
+    )
+    cispo_max_ratio: float | None = Field(
+        None, gt=1.0, description="Cap ρ_max on CISPO's stopped-gradient importance weight; required by `cispo`."
+    )
+    sapo_temperature_pos: float = Field(1.0, gt=0.0, description="SAPO gate temperature τ for advantages > 0.")
+    sapo_temperature_neg: float = Field(1.05, gt=0.0, description="SAPO gate temperature τ for advantages ≤ 0.")
+    use_bias_correction_kl: bool = Field(
+        False,
+        description="Weight k3 by π/π_old with its gradient (DeepSeek-V3.2): optimises KL(π ‖ ref) instead of the "
+        "GRPO paper's plain k3, whose gradient is that of KL(ref ‖ π). Needs beta > 0.",
+    )
+    entropy_coef: float = Field(
+        0.0, ge=0.0, description="Entropy bonus: subtract coef · H_t from each token's loss; 0 computes nothing."
+    )
+    top_entropy_quantile: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="Train the policy term only on this top fraction of tokens by entropy (0.2 in Wang et al. 2025); "
+        "1 = all tokens.",
+    )
+    scale_rewards: RewardScaleName = Field("group", description="Advantage divisor: group std, batch std or none.")
+    reward_funcs: list[str] = Field(
+        default_factory=lambda: ["correctness"],
+        min_length=1,
+        description="Registered reward names or import paths `module:function`.",
+    )
+    reward_weights: list[float] | None = Field(None, description="One weight per reward function; default: all 1.")
+    mask_truncated_completions: bool = Field(False, description="Leave completions without EOS out of the loss.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    generation_seed: int | None = Field(
+        None,
+        description="Sample each completion with its own seed (this, the generation batch and the completion's "
+        "place in it): the same completions whatever the number of processes or the batch shapes; one generate "
+        "call per completion (slower). null: one seeded stream per process.",
+    )
+    max_prompt_length: int | None = Field(
+        None, ge=1, description="Keep the last N prompt tokens; default: as prepared (`data.max_prompt_length`)."
+    )
+    max_completion_length: int = Field(6, ge=1, description="Generated tokens per completion at most.")
+    log_completions_steps: int = Field(
+        100, ge=0, description="Log a table of sample completions every N steps; 0 = never."
+    )
+    num_completions_to_log: int = Field(8, ge=1)
+
+    @model_validator(mode="after")
+    def _check_rewards(self) -> GRPOStageConfig:
+        resolve_rewards(self.reward_funcs, self.reward_weights)
+        return self
+
+    @model_validator(mode="after")
+    def _no_evaluation_during_training(self) -> GRPOStageConfig:
+        if self.eval_strategy != "no" or self.eval_steps is not None:
+            raise ValueError(
+                "GRPO does not evaluate during training (the pipeline's evaluation step scores its model): "
+                "leave eval_strategy: no and eval_steps unset"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_policy_options(self) -> GRPOStageConfig:
+        check_policy_options(self)
+        return self
+
+
+def generation_layout(options: Any, num_processes: int) -> GenerationLayout:
+    """The generation layout of a section or a ``GRPOConfig`` over ``num_processes`` processes in
+    all (:func:`~trainers.layout.resolve_layout`: raises when the batch arithmetic does not divide)."""
+    return resolve_layout(
+        per_device_batch_size=options.per_device_train_batch_size,
+        gradient_accumulation_steps=options.gradient_accumulation_steps,
+        num_generations=options.num_generations,
+        num_processes=num_processes,
+        steps_per_generation=options.steps_per_generation,
+        generation_batch_size=options.generation_batch_size,
+    )
+
+
+def check_generation_layout(section: GRPOStageConfig, compute: StageCompute) -> None:
+    """The stage's load-time check: the layout over ``compute.num_processes``, as the trainer
+    resolves it over its world size, so one that does not divide over the processes is a config
+    error instead of a failure in the ranks after the stages before GRPO have trained."""
+    try:
+        generation_layout(section, compute.num_processes)
+    except ValueError as error:
+        raise ValueError(f"batch layout over compute.num_processes ({compute.num_processes}): {error}") from None
+
+
+def objective_fields() -> set[str]:
+    """The section fields some registered objective or importance level reads."""
+    fields = set().union(*(objective.hyperparameters for objective in POLICY_OBJECTIVES.values()))
+    return fields.union(*(level.clip_range for level in IMPORTANCE_LEVELS.values()))
+
+
+def check_policy_options(options: Any) -> None:
+    """Cross-field checks of the objective options, for the section and for a ``GRPOConfig`` built
+    directly: a hyperparameter the chosen objective (at the chosen importance level) does not
+    read may not be set away from its default, one it requires may not be missing, δ must lie
+    above the clip range, and the KL bias correction needs a KL term."""
+    objective = POLICY_OBJECTIVES.lookup(options.policy_loss)
+    level = IMPORTANCE_LEVELS.lookup(options.importance_sampling_level)
+    unknown = sorted(objective_fields() - GRPOStageConfig.model_fields.keys())
+    if unknown:
+        raise ValueError(f"GRPO objectives or importance levels read {unknown}, which are not fields of the section")
+    reads = set(objective.hyperparameters) | (set(level.clip_range) if objective.clip_range else set())
+    chosen = f"policy_loss {objective.name!r} at importance_sampling_level {level.name!r}"
+    for field in sorted(objective_fields() - reads):
+        value, default = getattr(options, field), GRPOStageConfig.model_fields[field].default
+        if value != default:
+            raise ValueError(f"{field}: {value} has no effect with {chosen}")
+    for field in sorted(objective.required):
+        if getattr(options, field) is None:
+            raise ValueError(f"{chosen} needs {field}")
+    if options.delta is not None:
+        upper = getattr(options, level.clip_range[1])
+        upper = getattr(options, level.clip_range[0]) if upper is None else upper
+        if options.delta <= 1 + upper:
+            raise ValueError(f"delta ({options.delta}) must exceed 1 + {level.clip_range[1]} ({1 + upper})")
+    if options.use_bias_correction_kl and options.beta == 0:
+        raise ValueError("use_bias_correction_kl needs beta > 0 (there is no KL term with beta = 0)")
