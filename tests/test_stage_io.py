@@ -1,0 +1,110 @@
+"""The launch seam's values: a launch spec survives its JSON file as the same typed job (its stage's
+own section type included), a stage folder's layout, and the first failed rank's report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from infra.core.config import ComputeConfig, EvaluationConfig
+from infra.core.handles import ModelHandle, PreparedData
+from infra.core.stage_io import EvaluateJob, StageFolder, TrainInputs, TrainJob, read_spec
+from trainers.dpo_section import DPOStageConfig
+from trainers.launch import RankError
+
+pytestmark = pytest.mark.unit
+
+
+def train_job(tmp_path: Path) -> TrainJob:
+    policy = ModelHandle(path=str(tmp_path / "sft"), fingerprint="f", tokenizer_fingerprint="t", stage="sft")
+    data = PreparedData(
+        path=str(tmp_path / "data"), fingerprint="d", rows={}, dropped={}, token_fingerprints={}, truncation={}
+    )
+    folder = StageFolder(path=tmp_path / "dpo-abc")
+    return TrainJob(
+        plugins=(),
+        launch_dir=folder.launch_dir,
+        stage="dpo",
+        section=DPOStageConfig(beta=0.25, loss_type=["sigmoid", "sft"]),
+        inputs=TrainInputs(policy, data, compute=ComputeConfig(cpu=True, num_processes=2)),
+        folder=folder,
+        model_dir=tmp_path / "dpo-abc" / ".model.tmp-1",
+        run_id="run-1",
+        log_checkpoints="final",
+        checkpoint=tmp_path / "dpo-abc" / "checkpoint-4",
+        final=False,
+    )
+
+
+def test_a_train_job_reads_back_as_the_same_job_with_its_stages_section_type(tmp_path):
+    job = train_job(tmp_path)
+    job.launch_dir.mkdir(parents=True)
+    job.spec_file.write_text(job.model_dump_json())
+    read = read_spec(job.spec_file)
+    assert read == job
+    assert type(read.section) is DPOStageConfig and (read.section.beta, read.section.loss_type) == (
+        0.25,
+        ["sigmoid", "sft"],
+    )
+    assert read.world_size == 2 and read.spec_file == tmp_path / "dpo-abc" / "launch" / "spec.json"
+
+
+def test_a_spec_missing_a_field_or_with_an_unknown_one_is_refused(tmp_path):
+    spec = json.loads(train_job(tmp_path).model_dump_json())
+    (tmp_path / "spec.json").write_text(json.dumps({k: v for k, v in spec.items() if k != "final"}))
+    with pytest.raises(ValidationError, match=r"train\.final\n  Field required"):
+        read_spec(tmp_path / "spec.json")
+    (tmp_path / "spec.json").write_text(json.dumps(spec | {"world_size": 2}))
+    with pytest.raises(ValidationError, match=r"train\.world_size\n  Extra inputs are not permitted"):
+        read_spec(tmp_path / "spec.json")
+
+
+def test_an_evaluate_job_needs_its_beta(tmp_path):
+    fields = dict(
+        plugins=(), launch_dir=tmp_path, model="m", splits=tmp_path, compute=ComputeConfig(), eval_split="eval_prompts"
+    )
+    with pytest.raises(ValidationError, match=r"beta\n  Field required"):
+        EvaluateJob(**fields, evaluation=EvaluationConfig())
+    assert EvaluateJob(**fields, evaluation=EvaluationConfig(), beta=0.1).world_size == 1
+
+
+def test_the_stage_folder_layout(tmp_path, monkeypatch):
+    folder = StageFolder(path=tmp_path / "outputs" / "cfg" / "dpo-k1")
+    assert [
+        p.relative_to(folder.path).as_posix() for p in (folder.model_dir, folder.adapter_dir, folder.finished_file)
+    ] == [
+        "model",
+        "adapter",
+        "model.json",
+    ]
+    assert [p.name for p in (folder.run_id_file, folder.lock_file, folder.launch_dir)] == [
+        "mlflow_run_id",
+        ".lock",
+        "launch",
+    ]
+    assert folder.recorded_run_id() is None
+    for name in ("checkpoint-2", "checkpoint-10", ".model.tmp-ab12", "model"):
+        (folder.path / name).mkdir(parents=True)
+    folder.run_id_file.write_text("r1\n")
+    other = StageFolder(path=tmp_path / "outputs" / "cfg" / "sft-k2")
+    other.path.mkdir()
+    other.run_id_file.write_text("r2")
+    assert [p.name for p in folder.checkpoints()] == ["checkpoint-10", "checkpoint-2"]  # sorted by name
+    assert [p.name for p in folder.model_stagings()] == [".model.tmp-ab12"]
+    assert [f.path.name for f in StageFolder.under(tmp_path / "outputs")] == ["dpo-k1", "sft-k2"]
+    monkeypatch.setenv("ALIGNFLOW_HOME", str(tmp_path))
+    assert StageFolder.of("cfg", "dpo", "k1") == folder
+    assert StageFolder.of_run("cfg", "dpo", "r1") == folder
+    with pytest.raises(FileNotFoundError, match="no sft output folder of MLflow run r1 under outputs/cfg"):
+        StageFolder.of_run("cfg", "sft", "r1")
+
+
+def test_the_first_failed_rank_is_the_one_that_failed_earliest(tmp_path):
+    assert RankError.first(tmp_path) is None
+    for rank, at in ((0, 20.0), (1, 10.0)):
+        report = {"rank": rank, "time": at, "error": "ValueError", "traceback": f"trace {rank}"}
+        RankError.path(tmp_path, rank).write_text(json.dumps(report))
+    assert RankError.first(tmp_path) == RankError(1, 10.0, "ValueError", "trace 1")
