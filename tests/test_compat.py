@@ -195,3 +195,17 @@ def test_a_post_to_a_server_that_does_not_answer_raises_mlflow_exception_at_once
 def test_the_default_allowed_hosts_hold_localhost_and_private_networks():
     hosts = mlflow_compat.default_allowed_hosts()
     assert {"localhost", "127.0.0.1", "10.*", "192.168.*"} <= set(hosts) and all(isinstance(h, str) for h in hosts)
+
+
+def test_the_dataset_context_tag_is_mlflows():
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    assert mlflow_compat.DATASET_CONTEXT_TAG == MLFLOW_DATASET_CONTEXT
+
+
+def test_deleting_artifacts_removes_that_path_only(tmp_path):
+    for name in ("checkpoints/step-1/weights", "model/weights"):
+        (tmp_path / name).parent.mkdir(parents=True)
+        (tmp_path / name).write_text("w")
+    mlflow_compat.delete_artifacts(tmp_path.as_uri(), "checkpoints")
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["model", "model/weights"]

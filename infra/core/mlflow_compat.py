@@ -15,6 +15,9 @@ if TYPE_CHECKING:
 SUPPORTED = ("3.1", "3.18")  # >= the first, < the second: pyproject.toml's "mlflow>=3.1,<3.18"
 # Tracking servers' REST endpoint for a batch of metrics, params and tags (the documented REST API).
 LOG_BATCH_ENDPOINT = "/api/2.0/mlflow/runs/log-batch"
+# The tag of a run's dataset input that says what the dataset was for ("training", "evaluation", …):
+# mlflow.utils.mlflow_tags.MLFLOW_DATASET_CONTEXT.
+DATASET_CONTEXT_TAG = "mlflow.data.context"
 
 
 def rest_poster(tracking_uri: str, timeout: float) -> Callable[[str, dict[str, Any]], Response]:
@@ -42,3 +45,10 @@ def default_allowed_hosts() -> list[str]:
     from mlflow.server.security_utils import get_default_allowed_hosts
 
     return list(get_default_allowed_hosts())
+
+
+def delete_artifacts(artifact_uri: str, path: str) -> None:
+    """Delete ``path`` below a run's artifact root (MlflowClient has no call for it)."""
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    get_artifact_repository(artifact_uri).delete_artifacts(path)
