@@ -24,6 +24,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric
 from mlflow.exceptions import MlflowException
 
+from infra.core.mlflow_compat import LOG_BATCH_ENDPOINT, rest_poster
 from infra.core.settings import redact_url
 
 logger = logging.getLogger("alignflow.metrics")
@@ -32,7 +33,6 @@ MAX_BATCH = 1000  # MLflow's limit of metrics per log_batch request
 REQUEST_TIMEOUT_S = 10.0
 MAX_BACKOFF_S = 10.0
 TRANSIENT_STATUS = {429, 500, 502, 503, 504}
-LOG_BATCH_ENDPOINT = "/api/2.0/mlflow/runs/log-batch"
 # Errors of a store that may pass (e.g. a SQLite store locked by another writer): retried.
 TRANSIENT_CODES = {"TEMPORARILY_UNAVAILABLE", "INTERNAL_ERROR", "REQUEST_LIMIT_EXCEEDED", "DEADLINE_EXCEEDED"}
 
@@ -56,17 +56,13 @@ Send = Callable[[str, list[Metric]], None]
 
 def rest_sender(tracking_uri: str, timeout: float = REQUEST_TIMEOUT_S) -> Send:
     """Post to a tracking server's REST API once per call (no urllib3 retries, ``timeout`` seconds)."""
-    from mlflow.utils.credentials import get_default_host_creds
-    from mlflow.utils.rest_utils import http_request
-
-    credentials = get_default_host_creds(tracking_uri)
+    post = rest_poster(tracking_uri, timeout)
 
     def send(run_id: str, metrics: list[Metric]) -> None:
         items = [{"key": m.key, "value": m.value, "timestamp": m.timestamp, "step": m.step} for m in metrics]
         body = {"run_id": run_id, "metrics": items}
-        response = http_request(
-            credentials, LOG_BATCH_ENDPOINT, "POST", max_retries=0, timeout=timeout, raise_on_status=False, json=body
-        )  # raises MlflowException when the server does not answer: retried
+        # raises MlflowException when the server does not answer: retried
+        response = post(LOG_BATCH_ENDPOINT, body)
         if response.status_code in TRANSIENT_STATUS:
             raise MlflowException(f"{tracking_uri} answered HTTP {response.status_code}")
         if response.status_code != 200:

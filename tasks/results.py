@@ -19,10 +19,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from prefect.serializers import JSONSerializer
-
 from infra.core.fingerprints import hash_paths
 from infra.core.handles import Handle, ModelHandle, PreparedData, ReferenceLogps
+from infra.core.prefect_compat import ENCODED_TYPE_KEYS, default_json_serializer, encoded_object, result_record_parts
 from infra.core.settings import get_settings
 
 logger = logging.getLogger("alignflow.results")
@@ -35,7 +34,6 @@ HANDLE_TYPES: dict[str, type[Handle]] = {
 }
 # The result options of every cached task: ``@task(cache_key_fn=checked_cache_key(key_fn), **CACHED_RESULT)``.
 CACHED_RESULT = {"persist_result": True, "result_serializer": RESULT_SERIALIZER, "result_storage": RESULTS}
-ENCODED_TYPE_KEYS = ("__class__", "__exc_type__")  # what Prefect's JSON decoder imports by name
 
 
 class RejectedResult(ValueError):
@@ -57,24 +55,25 @@ def parse_record(content: bytes) -> Handle:
     """The handle in a record file, read as plain JSON; :class:`RejectedResult` unless the record is
     Prefect's default JSON serializer around one of :data:`HANDLE_TYPES` and nothing else it would import."""
     try:
-        record = json.loads(content)
-        serializer = record["metadata"]["serializer"]
-    except (ValueError, KeyError, TypeError) as error:
-        raise RejectedResult(f"not a JSON result record ({type(error).__name__}: {error})") from None
-    if serializer != JSONSerializer().model_dump(mode="json"):
+        serializer, result = result_record_parts(content)
+    except ValueError as error:
+        raise RejectedResult(f"not a JSON result record ({error})") from None
+    if serializer != default_json_serializer():
         raise RejectedResult(f"written with serializer {serializer!r}, not Prefect's default JSON serializer")
     try:
-        value = json.loads(record["result"])
-    except (ValueError, KeyError, TypeError) as error:
+        value = json.loads(result)
+    except (ValueError, TypeError) as error:
         raise RejectedResult(f"its result is not JSON ({type(error).__name__}: {error})") from None
-    if not isinstance(value, dict) or value.get("__class__") not in HANDLE_TYPES or set(value) != {"__class__", "data"}:
+    obj = encoded_object(value)
+    if obj is None or obj[0] not in HANDLE_TYPES:
         raise RejectedResult(f"holds {str(value)[:80]!r}, not one of {sorted(HANDLE_TYPES)}")
     if nested := decoded_keys(value):
         raise RejectedResult(f"holds encoded objects ({', '.join(nested)}) inside its handle")
+    name, data = obj
     try:
-        return HANDLE_TYPES[value["__class__"]].model_validate(value["data"])
+        return HANDLE_TYPES[name].model_validate(data)
     except ValueError as error:
-        raise RejectedResult(f"its {value['__class__']} does not validate: {error}") from None
+        raise RejectedResult(f"its {name} does not validate: {error}") from None
 
 
 def check_model(handle: ModelHandle) -> None:

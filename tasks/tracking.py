@@ -20,13 +20,13 @@ from mlflow import MlflowClient
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST, ErrorCode
-from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 from prefect import get_run_logger
 from prefect.artifacts import create_link_artifact
 from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_UI_URL
 
+from infra.core.mlflow_compat import DATASET_CONTEXT_TAG
 from infra.core.processes import process_record
 from infra.core.settings import get_settings, redact_url
 from infra.core.stage_io import StageFolder
@@ -104,7 +104,7 @@ def log_dataset_input(
         schema=json.dumps({"mlflow_colspec": [{"name": column, "type": kind} for column, kind in schema.items()]}),
         profile=json.dumps(profile),
     )
-    client().log_inputs(run_id, datasets=[DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])])
+    client().log_inputs(run_id, datasets=[DatasetInput(dataset, tags=[InputTag(DATASET_CONTEXT_TAG, context)])])
 
 
 def flow_run_url() -> str | None:

@@ -21,6 +21,7 @@ from mlflow import MlflowClient
 from prefect.logging import disable_run_logger
 
 from infra.core.config import AdditionTaskConfig, DataConfig, ModelConfig, load_config
+from infra.core.launching import ProcessGroup
 from infra.core.stage_io import TrainInputs
 from infra.ops import servers
 from tasks import stage_trainer
@@ -61,9 +62,9 @@ class TrackingServer:
 
     def kill(self) -> None:
         """SIGKILL to the whole server: an outage, not a shutdown."""
-        pid = servers.read_pid(self.folder)
-        servers.kill_group(pid, signal.SIGKILL)
-        while servers.group_alive(pid):
+        group = ProcessGroup(servers.read_pid(self.folder))
+        assert group.signal(signal.SIGKILL)
+        while group.alive():
             time.sleep(0.05)
 
 

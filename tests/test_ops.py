@@ -13,6 +13,8 @@ import pytest
 from pydantic import ValidationError
 
 from infra.core.config import EvaluationRequest, ExperimentConfig, load_config
+from infra.core.launching import group_alive
+from infra.core.processes import pid_alive
 from infra.ops import servers
 from infra.ops.cli import main
 from infra.ops.deployments import PROJECT_ROOT, config_parameters, schedules, select_deployments, served_deployments
@@ -145,10 +147,10 @@ def sleeper(name: str) -> servers.ServerSpec:
 
 def test_stop_ends_the_whole_process_group_and_forgets_the_pid(tmp_path):
     pid = servers.start(sleeper("sleeper"), tmp_path)
-    assert servers.read_pid(tmp_path) == pid and servers.is_alive(pid)
+    assert servers.read_pid(tmp_path) == pid and pid_alive(pid)
     assert os.getpgid(pid) == pid  # its own group, apart from ours
     assert servers.stop(tmp_path, timeout=5)
-    assert not servers.group_alive(pid)
+    assert not group_alive(pid)
     assert servers.read_pid(tmp_path) is None and not servers.stop(tmp_path)
 
 
@@ -204,10 +206,10 @@ def test_a_group_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path)
     runner = subprocess.Popen([sys.executable, "-c", probe], cwd=PROJECT_ROOT, stdout=subprocess.PIPE, text=True)
     assert runner.stdout.readline().strip() == "ready"
     (group,) = map(int, open(f"/proc/{runner.pid}/task/{runner.pid}/children").read().split())  # its own group
-    assert os.getpgid(group) == group and servers.group_alive(group)
+    assert os.getpgid(group) == group and group_alive(group)
     runner.send_signal(signal.SIGTERM)
     assert runner.wait(timeout=15) == 0
-    assert not servers.group_alive(group)
+    assert not group_alive(group)
 
 
 def test_serve_refuses_names_that_workers_own(prefect_api_url, capsys):

@@ -55,9 +55,9 @@ def test_a_temporary_server_answers_the_api_and_leaves_nothing_when_stopped(tmp_
         assert answered - step_ends[-1] < 1.0  # one health check after the last step, not another step
     finally:
         server.stop()
-    assert server.process.poll() is not None
+    assert server.group.poll() is not None
     with pytest.raises(ProcessLookupError):
-        os.killpg(server.process.pid, 0)  # its process group is gone
+        os.killpg(server.group.pgid, 0)  # its process group is gone
 
 
 def test_a_temporary_server_stops_when_the_process_that_started_it_is_killed(tmp_path, state_dir):
@@ -69,7 +69,7 @@ def test_a_temporary_server_stops_when_the_process_that_started_it_is_killed(tmp
             "import sys, time\n"
             "from infra.ops.prefect_api import TemporaryServer, free_port\n"
             f"server = TemporaryServer(free_port(), __import__('pathlib').Path({str(tmp_path / 'server.log')!r}))\n"
-            "server.launch(); server.wait_ready(120); print(server.process.pid, flush=True); time.sleep(600)\n",
+            "server.launch(); server.wait_ready(120); print(server.group.pgid, flush=True); time.sleep(600)\n",
         ],
         cwd=PROJECT,
         stdout=subprocess.PIPE,

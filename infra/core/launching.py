@@ -1,11 +1,13 @@
-"""Run a launcher command (``accelerate launch``) as a process group of its own, tied to this process.
+"""Process groups started in a session of their own (:class:`ProcessGroup`): a launcher command
+(``accelerate launch``, :func:`run_process_group`), the servers of ``alignflow servers``, the
+temporary Prefect server and ``alignflow worker``'s worker.
 
-Its output (stdout and stderr) is handed over line by line while it runs. The launcher starts in
-a session of its own, so that a Ctrl-C or a signal to this process's group reaches this process
-first, which then stops the launcher's whole group (SIGTERM, then SIGKILL after a grace period)
-whenever it stops waiting for it: an exception, a cancellation (Prefect's ``TerminationSignal``),
-an interrupt. Should this process die without that (SIGKILL), Linux sends the launcher SIGTERM
-(``PR_SET_PDEATHSIG``, :func:`stop_with_parent`).
+A launch is tied to this process. Its output (stdout and stderr) is handed over line by line
+while it runs. The launcher starts in a session of its own, so that a Ctrl-C or a signal to this
+process's group reaches this process first, which then stops the launcher's whole group (SIGTERM,
+then SIGKILL after a grace period) whenever it stops waiting for it: an exception, a cancellation
+(Prefect's ``TerminationSignal``), an interrupt. Should this process die without that (SIGKILL),
+Linux sends the launcher SIGTERM (``PR_SET_PDEATHSIG``, :func:`stop_with_parent`).
 
 torch's launcher starts each rank in a session of its own and stops them itself on SIGTERM; a
 rank started through it calls :func:`stop_with_parent` too, for a launcher that was SIGKILLed.
@@ -22,12 +24,16 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import IO, Callable, Sequence, Union
+
+from infra.core.processes import group_members
 
 STOP_GRACE_S = 15.0  # below the 30 s a Prefect runner waits before it SIGKILLs a cancelled flow run's process
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+POLL_S = 0.05
+Stream = Union[int, IO, None]  # what subprocess.Popen takes for stdin, stdout, stderr
 
 
 def stop_with_parent() -> None:
@@ -44,31 +50,111 @@ class Finished:
     tail: list[str]  # the last lines of its output
 
 
+@dataclass(frozen=True)
+class ProcessGroup:
+    """A process group; its id is its leader's pid. Either started here (:meth:`start`: ``process``
+    is the leader, which this process reaps) or known by its id only (a pid file's)."""
+
+    pgid: int
+    process: subprocess.Popen | None = None
+
+    @classmethod
+    def start(
+        cls,
+        command: Sequence[str],
+        *,
+        cwd: Path | str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: Stream = subprocess.DEVNULL,
+        stdout: Stream = None,
+        stderr: Stream = None,
+        text: bool = False,
+        tied_to_parent: bool = True,
+    ) -> ProcessGroup:
+        """Start ``command`` as the leader of a new session (so of a new process group). ``text``: its
+        pipes carry lines of text (undecodable bytes replaced). ``tied_to_parent``: it gets SIGTERM when
+        this process dies (:func:`stop_with_parent`); False for a server meant to outlive its starter."""
+        process = subprocess.Popen(
+            list(command),
+            cwd=cwd,
+            env=env,
+            stdin=stdin,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,
+            preexec_fn=stop_with_parent if tied_to_parent else None,
+            **({"text": True, "errors": "replace", "bufsize": 1} if text else {}),
+        )
+        return cls(process.pid, process)
+
+    def poll(self) -> int | None:
+        """The leader's exit status once it has exited (reaping it), else None; None for a group not started here."""
+        return self.process.poll() if self.process is not None else None
+
+    def alive(self) -> bool:
+        """True while a live process is left in the group. A zombie still counts as a member of its group
+        (a signal to the group reaches it) until its parent reaps it: the leader, if it is ours, is reaped
+        first, and zombies left (whose parents are outside the group) count as gone."""
+        self.poll()
+        try:
+            os.killpg(self.pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass  # another user's group: it has members
+        members = group_members(self.pgid)
+        return True if members is None else bool(members)  # None: no /proc; killpg found members
+
+    def signal(self, signum: int) -> bool:
+        """Send ``signum`` to every member; False when the group is gone."""
+        try:
+            os.killpg(self.pgid, signum)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def wait_gone(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until no live member is left; True if none is."""
+        deadline = time.monotonic() + timeout
+        while self.alive():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.pause(min(POLL_S, left))
+        return True
+
+    def pause(self, seconds: float) -> None:
+        """Sleep ``seconds``, or less when the leader (ours, still running) exits meanwhile."""
+        if self.process is not None and self.process.returncode is None:
+            try:
+                self.process.wait(timeout=seconds)
+            except subprocess.TimeoutExpired:
+                pass
+        else:
+            time.sleep(seconds)
+
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
+        """SIGTERM to the group; SIGKILL to what is left of it after ``grace`` seconds; then wait, up to
+        ``grace`` seconds again, until no member is left (the leader, if ours, reaped)."""
+        if not self.signal(signal.SIGTERM):
+            self.poll()
+            return
+        if self.wait_gone(grace):
+            return
+        self.signal(signal.SIGKILL)
+        self.wait_gone(grace)
+        if self.process is not None:
+            self.process.wait()
+
+
 def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+    """:meth:`ProcessGroup.alive` of the group ``pgid``."""
+    return ProcessGroup(pgid).alive()
 
 
 def stop_group(process: subprocess.Popen, grace: float = STOP_GRACE_S) -> None:
-    """SIGTERM to the process's group; SIGKILL to what is left of it after ``grace`` seconds."""
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        process.poll()  # reap the leader: a zombie still counts as a member of its group
-        if not group_alive(process.pid):
-            return
-        time.sleep(0.1)
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait()
+    """:meth:`ProcessGroup.stop` of the group that ``process`` (started in a session of its own) leads."""
+    ProcessGroup(process.pid, process).stop(grace)
 
 
 def run_process_group(
@@ -81,19 +167,8 @@ def run_process_group(
 ) -> Finished:
     """Run ``command`` to its end, calling ``on_line`` with each line of its output; its group is
     stopped however this returns or raises."""
-    process = subprocess.Popen(
-        list(command),
-        cwd=cwd,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        errors="replace",
-        bufsize=1,
-        start_new_session=True,
-        preexec_fn=stop_with_parent,
-    )
+    group = ProcessGroup.start(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = group.process
     tail: deque[str] = deque(maxlen=tail_lines)
     try:
         for line in process.stdout:
@@ -102,6 +177,6 @@ def run_process_group(
             on_line(line)
         process.wait()
     finally:
-        stop_group(process)  # a cancelled wait, or members left behind by a launcher that exited
+        group.stop()  # a cancelled wait, or members left behind by a launcher that exited
         process.stdout.close()
     return Finished(process.returncode, list(tail))

@@ -1,4 +1,5 @@
-"""Which process runs a run, recorded so that a later process can tell whether it is still alive.
+"""What Linux's ``/proc`` tells of processes (the one place that reads it), and which process runs a
+run, recorded so that a later process can tell whether it is still alive.
 
 A record is the host name, the pid, the process's start time (field 22 of ``/proc/<pid>/stat``:
 clock ticks after boot) and the boot id. A pid is reused after its process exits; the start time
@@ -13,7 +14,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 TAG_PREFIX = "alignflow.process."
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+PROC = Path("/proc")
+BOOT_ID = PROC / "sys/kernel/random/boot_id"
+LISTEN = "0A"  # TCP_LISTEN, the state column ("st") of /proc/net/tcp
 
 
 @dataclass(frozen=True)
@@ -47,10 +50,103 @@ class ProcessRecord:
 def stat_fields(pid: int) -> list[str] | None:
     """The fields of ``/proc/<pid>/stat`` after the command name (field 3 first); None if there is no such process."""
     try:
-        text = Path(f"/proc/{pid}/stat").read_text()
+        text = (PROC / str(pid) / "stat").read_text()
     except OSError:
         return None
     return text.rsplit(")", 1)[1].split()  # the command name may hold spaces and parentheses
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    """The fields of ``/proc/<pid>/stat`` that alignflow reads."""
+
+    pid: int
+    state: str  # field 3: R, S, D, … Z for a zombie (exited, not yet reaped by its parent)
+    ppid: int  # field 4
+    pgid: int  # field 5
+    start_ticks: int  # field 22: clock ticks after boot
+
+    @property
+    def zombie(self) -> bool:
+        return self.state == "Z"
+
+
+def proc_stat(pid: int) -> ProcStat | None:
+    """Process ``pid``'s :class:`ProcStat`; None if there is no such process."""
+    fields = stat_fields(pid)
+    if fields is None:
+        return None
+    return ProcStat(pid, fields[0], int(fields[1]), int(fields[2]), int(fields[19]))
+
+
+def all_pids() -> list[int] | None:
+    """Every process's pid; None where there is no ``/proc`` (not Linux)."""
+    try:
+        return [int(entry.name) for entry in PROC.iterdir() if entry.name.isdigit()]
+    except OSError:
+        return None
+
+
+def group_members(pgid: int) -> list[ProcStat] | None:
+    """The live processes of process group ``pgid``: zombies excluded; None where there is no ``/proc``."""
+    pids = all_pids()
+    if pids is None:
+        return None
+    stats = (proc_stat(pid) for pid in pids)
+    return [stat for stat in stats if stat is not None and stat.pgid == pgid and not stat.zombie]
+
+
+def pid_alive(pid: int) -> bool:
+    """True for a live process (another user's too); a zombie counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    stat = proc_stat(pid)
+    return stat is None or not stat.zombie  # None: no /proc to tell a zombie by
+
+
+def command_line(pid: int) -> list[bytes] | None:
+    """The arguments of process ``pid``; None if it is gone or not readable."""
+    try:
+        return (PROC / str(pid) / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+
+
+def environment(pid: int) -> set[bytes] | None:
+    """The ``NAME=value`` entries of process ``pid``'s environment; None if it is gone or another user's."""
+    try:
+        return set((PROC / str(pid) / "environ").read_bytes().split(b"\0"))
+    except OSError:
+        return None
+
+
+def listening_pids(port: int) -> set[int] | None:
+    """Processes with a TCP socket listening on ``port``; None when that cannot be told."""
+    inodes = set()
+    for table in ("net/tcp", "net/tcp6"):
+        try:
+            lines = (PROC / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    if not inodes:
+        return None
+    pids = set()
+    for pid in all_pids() or []:
+        try:
+            fds = list((PROC / str(pid) / "fd").iterdir())
+            if any(os.readlink(fd) in inodes for fd in fds):
+                pids.add(pid)
+        except OSError:
+            continue
+    return pids
 
 
 def boot_id() -> str:
@@ -63,10 +159,10 @@ def boot_id() -> str:
 def process_record(pid: int | None = None) -> ProcessRecord:
     """The record of process ``pid`` (default: this process)."""
     pid = pid or os.getpid()
-    fields = stat_fields(pid)
-    if fields is None:
+    stat = proc_stat(pid)
+    if stat is None:
         raise ProcessLookupError(f"no process {pid}")
-    return ProcessRecord(host=socket.gethostname(), pid=pid, start_ticks=int(fields[19]), boot_id=boot_id())
+    return ProcessRecord(host=socket.gethostname(), pid=pid, start_ticks=stat.start_ticks, boot_id=boot_id())
 
 
 def is_this_host(record: ProcessRecord) -> bool:
@@ -78,5 +174,5 @@ def is_alive(record: ProcessRecord) -> bool:
     the recorded tick (else the pid was reused). Only meaningful for a record of this host."""
     if record.boot_id != boot_id():
         return False
-    fields = stat_fields(record.pid)
-    return fields is not None and fields[0] != "Z" and int(fields[19]) == record.start_ticks
+    stat = proc_stat(record.pid)
+    return stat is not None and not stat.zombie and stat.start_ticks == record.start_ticks

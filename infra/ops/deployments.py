@@ -5,11 +5,15 @@ workers to run; ``alignflow serve`` serves them, with their schedules, from one 
 deployment's default parameters come from a config file in ``configs/`` through the
 ``config_parameters`` build step, so ``prefect deploy`` reads the same file the same way.
 Entrypoints and config paths in a deployments file are relative to the project root.
+
+``alignflow deploy`` runs ``prefect deploy`` itself. ``alignflow serve`` builds the deployments with
+the public ``flow.to_deployment``; Prefect has no public API that reads a deployments file for
+``prefect.serve``, so their parameters come from the build steps run as ``prefect deploy`` runs them
+(:func:`infra.core.prefect_compat.run_build_steps`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
@@ -21,6 +25,7 @@ import yaml
 from pydantic import TypeAdapter
 
 from infra.core.config import SCHEMAS, load_config
+from infra.core.prefect_compat import apply_step_outputs, run_build_steps
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PREFECT_FILE = PROJECT_ROOT / "prefect.yaml"
@@ -58,12 +63,8 @@ def work_pools(deployments: list[dict[str, Any]]) -> list[str]:
 
 def resolved_parameters(entry: dict[str, Any], project: dict[str, Any]) -> dict[str, Any]:
     """The deployment's parameters after its build steps ran, as ``prefect deploy`` resolves them."""
-    from prefect.deployments.steps.core import run_steps
-    from prefect.utilities.templating import apply_values
-
-    steps = entry.get("build", project.get("build")) or []
-    outputs = asyncio.run(run_steps(steps, print_function=lambda *args, **kwargs: None)) if steps else {}
-    return apply_values(entry.get("parameters") or {}, outputs)
+    outputs = run_build_steps(entry.get("build", project.get("build")) or [])
+    return apply_step_outputs(entry.get("parameters") or {}, outputs)
 
 
 def schedules(entry: dict[str, Any]) -> list:

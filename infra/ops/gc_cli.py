@@ -52,8 +52,8 @@ def finished_stage_runs_with_checkpoints(client) -> list:
 
 def gc_command(args: argparse.Namespace) -> int:
     from mlflow.exceptions import MlflowException
-    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
+    from infra.core import mlflow_compat
     from infra.core.refcache import parse_duration
     from infra.core.storage import LIVE_STATUSES, folder_size, plan_removals, remove, stage_folders
     from tasks.tracking import client
@@ -88,7 +88,7 @@ def gc_command(args: argparse.Namespace) -> int:
         for run in finished_stage_runs_with_checkpoints(client()):
             print(f"{verb} MLflow checkpoints/ of stage run {run.info.run_id} ({run.info.run_name})")
             if not args.dry_run:
-                get_artifact_repository(run.info.artifact_uri).delete_artifacts("checkpoints")
+                mlflow_compat.delete_artifacts(run.info.artifact_uri, "checkpoints")
     kept = len(folders) - sum(r.whole_stage for r in removals)
     live = sum(f.status in LIVE_STATUSES for f in folders)
     print(f"{verb} {human_size(freed)} from outputs/; kept {kept} stage folders ({live} live)")

@@ -14,14 +14,14 @@ import atexit
 import os
 import socket
 import subprocess
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from infra.core.launching import stop_with_parent
+from infra.core.launching import ProcessGroup
+from infra.core.prefect_compat import TEMPORARY_SERVER_ENV, temporary_server_command
 from infra.core.settings import get_settings
 from infra.ops.servers import is_healthy, server_status, servers_dir
 
@@ -39,11 +39,11 @@ def free_port() -> int:
 @dataclass
 class TemporaryServer:
     """Prefect's temporary API server (the command Prefect's ``SubprocessASGIServer`` runs: the API
-    app on SQLite under ``PREFECT_HOME``, no UI), started in its own process group."""
+    app on SQLite under ``PREFECT_HOME``, no UI), a process group tied to this process."""
 
     port: int
     log: Path
-    process: subprocess.Popen | None = None
+    group: ProcessGroup | None = None
 
     @classmethod
     def of_state_folder(cls) -> "TemporaryServer":
@@ -55,20 +55,13 @@ class TemporaryServer:
         return f"http://127.0.0.1:{self.port}/api"
 
     def launch(self) -> None:
+        """Start it (a Ctrl-C reaches the run, which still reports to the server, not the server)."""
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app"]
-        command += ["--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"]
-        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+        env = {**os.environ, **TEMPORARY_SERVER_ENV}
         env.pop("PREFECT_API_URL", None)
         with self.log.open("ab") as log:
-            self.process = subprocess.Popen(
-                command,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,  # a Ctrl-C reaches the run, which still reports to the server
-                preexec_fn=stop_with_parent,
+            self.group = ProcessGroup.start(
+                temporary_server_command(self.port), env=env, stdout=log, stderr=subprocess.STDOUT
             )
 
     def wait_ready(self, timeout: float | None = None, meanwhile: Iterable[Callable[[], object]] = ()) -> None:
@@ -81,11 +74,11 @@ class TemporaryServer:
         while time.monotonic() < deadline:
             if is_healthy(f"{self.api_url}/health"):
                 return
-            if self.process.poll() == PORT_IN_USE_EXIT:
+            if self.group.poll() == PORT_IN_USE_EXIT:
                 self.port = free_port()
                 os.environ["PREFECT_API_URL"] = self.api_url
                 self.launch()
-            elif self.process.poll() is not None:
+            elif self.group.poll() is not None:
                 break
             elif (step := next(steps, None)) is not None:
                 step()
@@ -93,19 +86,14 @@ class TemporaryServer:
             time.sleep(0.05)
         tail = self.log.read_text(errors="replace").splitlines()[-15:] if self.log.exists() else []
         raise RuntimeError(
-            f"the temporary Prefect API server did not start (exit code {self.process.poll()}); "
+            f"the temporary Prefect API server did not start (exit code {self.group.poll()}); "
             f"its log, {self.log}:\n" + "\n".join(tail)
         )
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=STOP_GRACE_S)  # nothing to finish: every state was written already
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, 9)
-            self.process.wait()
+        """Stop its group: nothing to finish, every state was written already."""
+        if self.group is not None and self.group.poll() is None:
+            self.group.stop(grace=STOP_GRACE_S)
 
 
 def servers_up_api_url() -> str | None:

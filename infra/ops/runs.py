@@ -14,10 +14,10 @@ import argparse
 import os
 import signal
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterator
 
-from infra.core.processes import ProcessRecord, is_alive, is_this_host, stat_fields
+from infra.core.prefect_compat import EPHEMERAL_MARK, runs_server_app
+from infra.core.processes import ProcessRecord, all_pids, command_line, environment, is_alive, is_this_host, proc_stat
 
 REASON_TAG = "alignflow.failure_reason"
 PAGE = 200
@@ -132,26 +132,20 @@ def crash_flow_run(prefect, finding: Finding) -> int:
     return len(task_runs)
 
 
-TEMPORARY_SERVER_APP = b"prefect.server.api.server:create_app"
-
-
 def orphaned_temporary_servers(prefect_home: str) -> list[int]:
     """Temporary Prefect servers of this state folder whose ``alignflow`` process is gone: processes
     running Prefect's server app with ``PREFECT__SERVER_EPHEMERAL=1`` and this ``PREFECT_HOME`` in their
     environment, re-parented to init (Prefect's own temporary server outlives a killed process; the one
     alignflow starts gets a parent-death signal)."""
-    wanted = {b"PREFECT__SERVER_EPHEMERAL=1", f"PREFECT_HOME={prefect_home}".encode()}
+    wanted = {EPHEMERAL_MARK, f"PREFECT_HOME={prefect_home}".encode()}
     found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if TEMPORARY_SERVER_APP not in (proc / "cmdline").read_bytes().split(b"\0"):
-                continue
-            environment = set((proc / "environ").read_bytes().split(b"\0"))
-        except OSError:  # gone meanwhile, or another user's
+    for pid in all_pids() or []:
+        if not runs_server_app(command_line(pid) or []):
             continue
-        fields = stat_fields(int(proc.name))
-        if wanted <= environment and fields is not None and fields[1] == "1":
-            found.append(int(proc.name))
+        env = environment(pid)  # None: gone meanwhile, or another user's
+        stat = proc_stat(pid)
+        if env is not None and wanted <= env and stat is not None and stat.ppid == 1:
+            found.append(pid)
     return sorted(found)
 
 

@@ -1,0 +1,54 @@
+"""Every use of an MLflow internal (outside its documented client API) in alignflow, in one place.
+
+Supported: MLflow :data:`SUPPORTED` (pyproject.toml's range); ``tests/test_compat.py`` checks that
+each name below still exists and behaves as this module assumes. When MLflow moves one, this
+module and that test are what change. MLflow is imported on use only: importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from requests import Response
+
+SUPPORTED = ("3.1", "3.18")  # >= the first, < the second: pyproject.toml's "mlflow>=3.1,<3.18"
+# Tracking servers' REST endpoint for a batch of metrics, params and tags (the documented REST API).
+LOG_BATCH_ENDPOINT = "/api/2.0/mlflow/runs/log-batch"
+# The tag of a run's dataset input that says what the dataset was for ("training", "evaluation", …):
+# mlflow.utils.mlflow_tags.MLFLOW_DATASET_CONTEXT.
+DATASET_CONTEXT_TAG = "mlflow.data.context"
+
+
+def rest_poster(tracking_uri: str, timeout: float) -> Callable[[str, dict[str, Any]], Response]:
+    """``post(endpoint, body)``: POST ``body`` as JSON to the tracking server's REST ``endpoint``, once
+    (no urllib3 retries; MLflow's client would retry for minutes), for at most ``timeout`` seconds,
+    returning the answer whatever its status; ``MlflowException`` when the server does not answer.
+    The credentials are MLflow's for that URI (``MLFLOW_TRACKING_USERNAME``/``_PASSWORD``/``_TOKEN``, …),
+    read once."""
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+
+    credentials = get_default_host_creds(tracking_uri)
+
+    def post(endpoint: str, body: dict[str, Any]) -> Response:
+        return http_request(
+            credentials, endpoint, "POST", max_retries=0, timeout=timeout, raise_on_status=False, json=body
+        )
+
+    return post
+
+
+def default_allowed_hosts() -> list[str]:
+    """The Host headers ``mlflow server`` answers by default (localhost, private networks), to which
+    ``--allowed-hosts`` adds names: giving that option replaces the defaults."""
+    from mlflow.server.security_utils import get_default_allowed_hosts
+
+    return list(get_default_allowed_hosts())
+
+
+def delete_artifacts(artifact_uri: str, path: str) -> None:
+    """Delete ``path`` below a run's artifact root (MlflowClient has no call for it)."""
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    get_artifact_repository(artifact_uri).delete_artifacts(path)

@@ -1,0 +1,211 @@
+"""The contracts of infra.core.prefect_compat and infra.core.mlflow_compat: the installed Prefect and
+MLflow are within the ranges those modules support (pyproject.toml's), and every internal they rely
+on still exists and behaves as they assume. When Prefect or MLflow moves, a test here says which."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path, PurePosixPath
+
+import pytest
+import tomllib
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from infra.core import mlflow_compat, prefect_compat
+from infra.core.handles import ModelHandle
+
+pytestmark = pytest.mark.unit
+
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+MODEL = ModelHandle(path="org/model", fingerprint="f", tokenizer_fingerprint="t", stage="sft")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize("package, module", [("prefect", prefect_compat), ("mlflow", mlflow_compat)])
+def test_the_installed_version_is_within_the_supported_range_which_is_pyprojects(package, module):
+    low, high = module.SUPPORTED
+    assert Version(low) <= Version(importlib.metadata.version(package)) < Version(high)
+    dependencies = [Requirement(line) for line in tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]]
+    (declared,) = [requirement.specifier for requirement in dependencies if requirement.name == package]
+    assert declared == SpecifierSet(f">={low},<{high}")
+
+
+# Prefect: the temporary server
+
+
+def test_the_temporary_server_runs_as_prefects_own_subprocess_server(monkeypatch):
+    """The same app, options and private variables as ``SubprocessASGIServer`` (Popen caught, nothing starts)."""
+    from prefect.server.api import server
+
+    started = []
+    monkeypatch.setattr(server.subprocess, "Popen", lambda args, env, **kwargs: started.append((args, env)))
+    port = free_port()
+    server.SubprocessASGIServer(port=port)._run_uvicorn_command()
+    ((args, env),) = started
+    app_dir = args.index("--app-dir")  # Prefect's own package folder: on the path of ours anyway
+    assert args[:app_dir] + args[app_dir + 2 :] == prefect_compat.temporary_server_command(port)
+    assert {name: env[name] for name in prefect_compat.TEMPORARY_SERVER_ENV} == prefect_compat.TEMPORARY_SERVER_ENV
+    assert prefect_compat.EPHEMERAL_MARK.decode() in {f"{name}={value}" for name, value in env.items()}
+
+
+def test_the_app_factory_exists_and_reads_the_private_variables():
+    from prefect.server.api import server
+
+    module, name = prefect_compat.TEMPORARY_SERVER_APP.split(":")
+    assert getattr(importlib.import_module(module), name) is server.create_app
+    source = inspect.getsource(server.create_app)
+    for variable in ("PREFECT__SERVER_EPHEMERAL", "PREFECT__SERVER_FINAL"):
+        assert f'os.getenv("{variable}")' in source
+
+
+def test_a_temporary_servers_arguments_are_told_from_others():
+    command = [argument.encode() for argument in prefect_compat.temporary_server_command(4200)]
+    assert prefect_compat.runs_server_app(command)
+    assert not prefect_compat.runs_server_app([b"python", b"-m", b"prefect", b"server", b"start"])
+
+
+# Prefect: result records
+
+
+def test_a_record_written_by_prefects_serializer_reads_back_as_plain_parts():
+    from prefect.results import ResultRecord, ResultRecordMetadata
+    from prefect.serializers import JSONSerializer
+
+    metadata = ResultRecordMetadata(serializer=JSONSerializer(), storage_key="key")
+    content = ResultRecord(metadata=metadata, result=MODEL).serialize()
+    parts = prefect_compat.result_record_parts(content)
+    assert parts.serializer == prefect_compat.default_json_serializer() == {"type": "json"} | parts.serializer
+    assert prefect_compat.encoded_object(json.loads(parts.result)) == (
+        "infra.core.handles.ModelHandle",
+        MODEL.model_dump(mode="json"),
+    )
+    assert ResultRecord.deserialize(content).result == MODEL  # Prefect's own reading agrees
+
+
+def test_the_json_serializer_encodes_and_imports_objects_by_the_keys_the_reader_refuses():
+    from prefect.serializers import JSONSerializer
+
+    encoded = json.loads(JSONSerializer().dumps({"error": ValueError("x"), "model": MODEL}))
+    assert "__exc_type__" in encoded["error"] and set(prefect_compat.ENCODED_TYPE_KEYS) == {"__class__", "__exc_type__"}
+    assert prefect_compat.encoded_object(encoded["model"])[0] == "infra.core.handles.ModelHandle"
+    imported = JSONSerializer().loads(json.dumps({"__class__": "pathlib.PurePosixPath", "data": "x"}).encode())
+    assert imported == PurePosixPath("x")  # the decoder imports what "__class__" names: why it never reads a record
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"\x80\x04K\x01.", b"[]", json.dumps({"result": "1"}).encode(), json.dumps({"metadata": {}}).encode()],
+)
+def test_what_is_not_a_record_of_that_layout_is_a_value_error(content):
+    with pytest.raises(ValueError):
+        prefect_compat.result_record_parts(content)
+
+
+def test_only_exactly_one_encoded_object_is_one():
+    assert prefect_compat.encoded_object({"__class__": "a.B", "data": 1}) == ("a.B", 1)
+    for value in ({"__class__": "a.B", "data": 1, "x": 2}, {"__class__": ["a"], "data": 1}, [1], "a.B"):
+        assert prefect_compat.encoded_object(value) is None
+
+
+# Prefect: deployment build steps
+
+
+def test_build_steps_resolve_parameters_as_prefect_deploy_runs_them():
+    from prefect.cli.deploy import _core
+    from prefect.deployments.steps.core import run_steps
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    assert "print_function" in inspect.signature(run_steps).parameters
+    assert _core.run_steps is run_steps  # what `prefect deploy` runs its build steps with
+    step = {"infra.ops.deployments.config_parameters": {"id": "c", "path": "configs/minimal.yaml", "overrides": []}}
+    # A step's client is asked only for the blocks and variables it names (none): an API where nothing
+    # listens keeps Prefect from starting a temporary server of its own.
+    with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{free_port()}/api"}):
+        outputs = prefect_compat.run_build_steps([step])
+    assert outputs["c"]["config"]["name"] == "minimal"
+    resolved = prefect_compat.apply_step_outputs({"config": "{{ c.config }}", "n": 1}, outputs)
+    assert resolved == {"config": outputs["c"]["config"], "n": 1}
+    assert prefect_compat.run_build_steps([]) == {}
+
+
+# MLflow
+
+
+def test_the_rest_helper_still_takes_what_rest_poster_passes():
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+
+    parameters = inspect.signature(http_request).parameters
+    assert list(parameters)[:3] == ["host_creds", "endpoint", "method"]
+    assert {"max_retries", "timeout", "raise_on_status"} <= set(parameters)
+    assert any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())  # json= reaches requests
+    assert get_default_host_creds("http://127.0.0.1:1").host == "http://127.0.0.1:1"
+
+
+class Answers503(BaseHTTPRequestHandler):
+    requests: list[dict] = []
+
+    def do_POST(self):
+        Answers503.requests.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        self.send_response(503)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_post_is_sent_once_and_returns_any_answer():
+    """No retries of a 503 (MLflow's client retries it for minutes): the answer comes back at once."""
+    stub = HTTPServer(("127.0.0.1", 0), Answers503)  # in this process, on a thread
+    threading.Thread(target=stub.serve_forever, daemon=True).start()
+    try:
+        post = mlflow_compat.rest_poster(f"http://127.0.0.1:{stub.server_port}", timeout=5)
+        body = {"run_id": "r", "metrics": []}
+        assert post(mlflow_compat.LOG_BATCH_ENDPOINT, body).status_code == 503
+        assert Answers503.requests == [body]
+    finally:
+        stub.shutdown()
+        stub.server_close()
+
+
+def test_a_post_to_a_server_that_does_not_answer_raises_mlflow_exception_at_once():
+    from mlflow.exceptions import MlflowException
+
+    post = mlflow_compat.rest_poster(f"http://127.0.0.1:{free_port()}", timeout=5)
+    started = time.monotonic()
+    with pytest.raises(MlflowException):
+        post(mlflow_compat.LOG_BATCH_ENDPOINT, {"run_id": "r", "metrics": []})
+    assert time.monotonic() - started < 5
+
+
+def test_the_default_allowed_hosts_hold_localhost_and_private_networks():
+    hosts = mlflow_compat.default_allowed_hosts()
+    assert {"localhost", "127.0.0.1", "10.*", "192.168.*"} <= set(hosts) and all(isinstance(h, str) for h in hosts)
+
+
+def test_the_dataset_context_tag_is_mlflows():
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    assert mlflow_compat.DATASET_CONTEXT_TAG == MLFLOW_DATASET_CONTEXT
+
+
+def test_deleting_artifacts_removes_that_path_only(tmp_path):
+    for name in ("checkpoints/step-1/weights", "model/weights"):
+        (tmp_path / name).parent.mkdir(parents=True)
+        (tmp_path / name).write_text("w")
+    mlflow_compat.delete_artifacts(tmp_path.as_uri(), "checkpoints")
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["model", "model/weights"]
