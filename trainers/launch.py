@@ -4,21 +4,21 @@ the module each rank runs are ``infra.core.stage_io`` and ``tasks.launched_rank`
 
 :func:`run_as_launched_process` runs the job, writes the rank's error report when it raises (the
 parent shows the first failed rank's traceback), destroys the process group and ends the process
-without interpreter teardown. :func:`check_world_size` makes a launch that silently ran fewer
-processes than asked fail (``accelerate launch --cpu --num_processes 2`` starts one).
+without interpreter teardown (:mod:`trainers.fast_exit`). :func:`check_world_size` makes a launch
+that silently ran fewer processes than asked fail (``accelerate launch --cpu --num_processes 2`` starts one).
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
-import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
+
+from trainers.fast_exit import end_at_exit_without_teardown
 
 
 def rank() -> int:
@@ -55,7 +55,7 @@ class RankError:
 
 def end_process_group() -> None:
     """Destroy the launch's process group once the job is done, as torch asks of a process before
-    it exits. (Alone it did not stop the aborts at exit: :func:`end_without_teardown`.)"""
+    it exits. (Alone it did not stop the aborts at exit: :mod:`trainers.fast_exit`.)"""
     import torch.distributed
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -65,26 +65,15 @@ def end_process_group() -> None:
 EXIT_CODE = 1  # of a launched process, until its job has returned (:func:`run_as_launched_process`)
 
 
-def end_without_teardown() -> None:
-    """The exit hook of a launched process (:func:`run_as_launched_process`): end it without the
-    interpreter's teardown. After a finished run, with its results written and its process
-    group destroyed, that teardown now and then aborted the process in torch's C++ state (SIGABRT,
-    "terminate called without an active exception": 1 run in about 12 of the FSDP test)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(EXIT_CODE)
-
-
 def run_as_launched_process(job: Callable[[], None], error_folder: Path | None = None) -> None:
     """Run ``job`` as the body of this launched process, which then exits 0, or 1 when it raised
     (after the traceback, and this rank's :class:`RankError` in ``error_folder``), without
-    interpreter teardown. The exit hooks registered after this call (torch's, transformers', those
-    of what the job imports) run first; those registered before it do not run: in
-    ``tasks.launched_rank``, from its imports, logging's shutdown, multiprocessing's exit function
-    and MLflow's end of a fluent run. A rank needs none of them: it logs to stderr, starts no
-    multiprocessing children and no fluent run, and closes its metrics sender when training ends."""
+    interpreter teardown (:mod:`trainers.fast_exit`). The exit hooks registered before this call
+    do not run: in ``tasks.launched_rank``, from its imports, multiprocessing's exit function and
+    MLflow's end of a fluent run. A rank needs neither: it starts no multiprocessing children and
+    no fluent run, and closes its metrics sender when training ends."""
     global EXIT_CODE
-    atexit.register(end_without_teardown)
+    end_at_exit_without_teardown(lambda: EXIT_CODE)
     try:
         job()
     except BaseException as error:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import atexit
 import importlib
 import importlib.metadata
 import logging
@@ -22,6 +21,7 @@ from infra.ops.cache_cli import add_cache_parser, cache_command
 from infra.ops.databases import first_time_setup, prepare_databases
 from infra.ops.gc_cli import add_gc_parser, gc_command
 from infra.ops.runs import add_runs_parser, cleanup, runs_command
+from trainers.fast_exit import end_at_exit_without_teardown
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,16 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
 DEBUG = False  # --debug: tracebacks on the terminal too
 STANDALONE = False  # this process is the `alignflow` command (cli()), not a caller of main()
 EXIT_CODE = 0
-
-
-def end_without_teardown() -> None:
-    """The last exit hook of a flow command: once Prefect, MLflow and the temporary server have run
-    their exit hooks, tearing down an interpreter that imported torch, transformers, Prefect and
-    MLflow only frees memory, and took 4-7 s on the 2-core machine; end the process instead."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(EXIT_CODE)
 
 
 def write_traceback(error: BaseException) -> Path:
@@ -250,7 +240,7 @@ def run_flow(module: str, name: str, *args, check=None, before_run=None, preload
     ``alignflow`` process (not when :func:`main` is called in-process), the Prefect API is chosen
     before the import, so that a temporary server boots meanwhile (:mod:`infra.ops.prefect_api`;
     on a fresh state folder under the first-time set-up lock), and the process ends without
-    interpreter teardown (:func:`end_without_teardown`). The flows import torch only where a task
+    interpreter teardown (:mod:`trainers.fast_exit`). The flows import torch only where a task
     computes. While the process waits for the temporary server, it imports the modules ``preload``
     one at a time, for as long as the server is not up: all of them on a fresh state folder (the
     server migrates a new database), else only the first (torch), which about fills the wait on
@@ -263,7 +253,7 @@ def run_flow(module: str, name: str, *args, check=None, before_run=None, preload
         prepare_databases()
         flow = getattr(importlib.import_module(module), name)
     else:
-        atexit.register(end_without_teardown)  # first registered: runs after every other exit hook
+        end_at_exit_without_teardown(lambda: EXIT_CODE)  # first registered: runs after every other exit hook
         api_url = configured_prefect_api()
         with first_time_setup(temporary_prefect=api_url is None) as setup:
             if api_url is not None:
