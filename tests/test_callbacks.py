@@ -6,6 +6,8 @@ import pytest
 
 from trainers.callbacks import ProgressLineCallback, duration, progress_line
 
+pytestmark = pytest.mark.unit
+
 
 def test_progress_line_shows_the_stage_step_key_metrics_rate_and_eta():
     logs = {"loss": 0.2149, "grad_norm": 1.3, "rewards/accuracies": 0.93125, "learning_rate": 5e-4, "epoch": 1.2}

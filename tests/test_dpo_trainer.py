@@ -15,6 +15,8 @@ from trainers.reference import reference_logps
 from trainers.stages.dpo import DPOStageConfig
 from trainers.synthetic import AdditionTask, generate_addition
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def pairs(tiny):

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from infra.core.config import AdditionTaskConfig, DataConfig
 from infra.core.fingerprints import code_fingerprint, imported_modules
 from infra.core.handles import ModelHandle, PreparedData
@@ -47,6 +49,7 @@ def edit_function(path: Path, function: str, statement: str) -> None:
     path.write_text(head + sep + body[:docstring_end] + f"    {statement}\n" + body[docstring_end:])
 
 
+@pytest.mark.slow
 def test_editing_a_function_misses_exactly_the_caches_built_from_it(tmp_path):
     for package in ("trainers", "tasks"):
         shutil.copytree(PROJECT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
@@ -65,6 +68,7 @@ def test_editing_a_function_misses_exactly_the_caches_built_from_it(tmp_path):
     assert after_collators["data"] == original["data"]
 
 
+@pytest.mark.unit
 def test_the_keys_of_every_cache_include_their_code_fingerprint():
     handle = ModelHandle(path="m", fingerprint="f", tokenizer_fingerprint="t", stage="base")
     data = PreparedData(path="d", fingerprint="x", rows={}, dropped={}, token_fingerprints={}, truncation={})
@@ -73,6 +77,7 @@ def test_the_keys_of_every_cache_include_their_code_fingerprint():
     assert data_fingerprint(config, handle) != data_fingerprint(config.model_copy(update={"max_length": 31}), handle)
 
 
+@pytest.mark.unit
 def test_imports_in_function_bodies_count_and_from_imports_name_submodules():
     import ast
 

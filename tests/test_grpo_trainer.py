@@ -17,6 +17,8 @@ from trainers.samplers import RepeatSampler
 from trainers.stages.grpo import GRPOStageConfig
 from trainers.synthetic import AdditionTask, generate_addition
 
+pytestmark = pytest.mark.unit
+
 
 def code_point_sum(prompts, completions, **columns):
     """A reward that varies between samples of an untrained model, so advantages are not zero."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import MINIMAL, run_flow, task_states
 from killing import (
     STAGES,
     Kill,
@@ -27,7 +28,8 @@ from killing import (
 )
 from prefect.client.orchestration import get_client
 from safetensors.torch import load_file
-from test_pipeline import task_states
+
+pytestmark = pytest.mark.flow
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +107,6 @@ def flaky(prompts, completions, **columns):
 def test_a_prefect_retry_resumes_the_failed_stage_from_its_checkpoint(prefect_api_url, tmp_path, monkeypatch):
     """The train task's retry (``retries=1``) after a failure at step 5 resumes from checkpoint-4, in the
     same MLflow run, and ends with the weights of a run that never failed."""
-    from test_pipeline import MINIMAL, run_flow
-
     from infra.core.config import load_config
     from infra.core.settings import get_settings
     from tasks.tracking import client
@@ -144,8 +144,6 @@ def test_a_prefect_retry_resumes_the_failed_stage_from_its_checkpoint(prefect_ap
 def test_a_stage_stopped_between_saving_its_model_and_recording_it_saves_it_again(prefect_api_url):
     """``model/`` without ``model.json`` is not trusted (here it was also changed since): the rerun
     saves the model again from the final checkpoint, in the same run, without training a step."""
-    from test_pipeline import MINIMAL, run_flow
-
     from infra.core.config import load_config
     from infra.core.settings import get_settings
     from tasks.tracking import client
