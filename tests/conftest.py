@@ -32,7 +32,11 @@ from infra.core.settings import configure_environment  # noqa: E402
 
 configure_environment()
 
+import platform  # noqa: E402
+
 import torch  # noqa: E402
+
+platform.processor()  # runs `uname -p` once, then cached: not in the unit test that first asks (MLflow does)
 
 # Two threads on this project's 2-core machines; OMP_NUM_THREADS=1 when sharing the cores (a suite
 # next to other work: more runnable threads than cores make torch's threads spin-wait on each other).

@@ -167,8 +167,12 @@ def test_bad_input_fails_at_load_naming_the_place_and_leaves_nothing_behind(case
 
 
 @pytest.mark.unit
-def test_the_table_is_large_enough():
-    assert len(CASES) >= 25
+def test_each_case_is_another_input_of_a_command_that_loads_a_config():
+    """No case repeats another's input (a copy that tests nothing new); every case runs `alignflow
+    run` or `alignflow evaluate`, the commands that load a config file with overrides."""
+    inputs = [tuple(argv) for argv, _ in CASES.values()]
+    assert [argv for argv in inputs if inputs.count(argv) > 1] == []
+    assert sorted({argv[0] for argv in inputs}) == ["evaluate", "run"]
 
 
 @pytest.mark.unit

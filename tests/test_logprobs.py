@@ -8,12 +8,17 @@ import pytest
 import torch
 
 from trainers.collators import PreferenceCollator, prompt_completion_batch
-from trainers.grpo_losses import token_entropy
 from trainers.logprobs import TargetLogProbs, completion_logps, next_token_logps, plan_chunks
 
 
 def naive_token_logps(logits, targets):
     return torch.log_softmax(logits.float(), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def naive_entropy(logits):
+    """H = −Σ_v p_v log p_v over the whole vocabulary, from a plain log_softmax."""
+    log_p = torch.log_softmax(logits, -1)
+    return -(log_p.exp() * log_p).sum(-1)
 
 
 @pytest.mark.unit
@@ -58,8 +63,8 @@ PLANS = {"dense": 1 << 30, "skip_gaps": 0, "sliced": 1 << 30}
 @pytest.mark.parametrize("plan", PLANS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_entropy_and_logprobs_equal_the_full_vocabulary_forms_for_every_chunk_plan(plan, dtype):
-    """Entropy from the chunked pass equals ``token_entropy`` (GRPO's old full-vocabulary form) to
-    1e-6, log-probs equal log_softmax + gather; the gradients of both outputs match the naive ones."""
+    """Entropy from the chunked pass equals −Σ p log p over the full vocabulary to 1e-6, log-probs
+    equal log_softmax + gather; the gradients of both outputs match the naive ones."""
     torch.manual_seed(0)
     if plan == "sliced":
         full = (4 * torch.randn(3, 11, 301)).to(dtype).requires_grad_()
@@ -82,7 +87,7 @@ def test_entropy_and_logprobs_equal_the_full_vocabulary_forms_for_every_chunk_pl
     # to bf16 before adding them; ours adds in float32 and rounds once.
     reference = logits.detach().float().requires_grad_()
     want = naive_token_logps(reference, targets)[rows, cols]
-    want_entropy = token_entropy(reference)[rows, cols]
+    want_entropy = naive_entropy(reference)[rows, cols]
     (want * weights + want_entropy * entropy_weights).sum().backward()
 
     assert entropy.dtype == torch.float32
@@ -116,7 +121,7 @@ def test_logprobs_and_entropy_pass_gradcheck_in_float64(merge, temperature):
         logps, _, entropy = outputs(logits)
     scaled = logits[rows, cols] / temperature
     assert torch.allclose(logps, torch.log_softmax(scaled, -1).gather(-1, targets[:, None]).squeeze(-1), atol=1e-12)
-    assert torch.allclose(entropy, token_entropy(scaled), atol=1e-12)
+    assert torch.allclose(entropy, naive_entropy(scaled), atol=1e-12)
 
 
 @pytest.mark.unit
@@ -191,7 +196,7 @@ def test_completion_logps_equals_naive_sum_over_completion_tokens(tiny):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_next_token_logps_scores_completion_positions_only_with_the_old_values_and_gradients(tiny, temperature):
     """GRPO's per-token log-probs and entropies: at completion positions equal to the old form (full
-    projection of every position, log_softmax + gather, ``token_entropy``), 0 elsewhere; the model is
+    projection of every position, log_softmax + gather, −Σ p log p), 0 elsewhere; the model is
     asked for ``logits_to_keep``, and a model without it gives the same values. Gradients of
     ``Σ w·logp + Σ u·H`` equal the old form's."""
     model, tokenizer = tiny
@@ -211,7 +216,7 @@ def test_next_token_logps_scores_completion_positions_only_with_the_old_values_a
 
     def old_form():
         logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1] / temperature
-        return naive_token_logps(logits, ids[:, 1:]), token_entropy(logits)
+        return naive_token_logps(logits, ids[:, 1:]), naive_entropy(logits)
 
     spy = LogitsToKeepSpy(model)
     (logps, entropy), ours = gradients(lambda: next_token_logps(spy, ids, attention, mask, temperature, entropy=True))
@@ -219,7 +224,10 @@ def test_next_token_logps_scores_completion_positions_only_with_the_old_values_a
     (want_logps, want_entropy), reference = gradients(old_form)
     assert logps.shape == entropy.shape == scored.shape
     assert torch.allclose(logps[scored], want_logps[scored], atol=1e-5, rtol=0)
-    assert (entropy[scored] - want_entropy[scored]).abs().max() <= 1e-6
+    # float32 entropies near 4.6 summed in another order: within 4 ulps (2.2e-6; 1.4e-6 seen at 0.7 on one thread)
+    ulp = want_entropy[scored].abs() * torch.finfo(torch.float32).eps
+    ulps = (entropy[scored] - want_entropy[scored]).abs() / ulp
+    assert ulps.max() <= 4
     assert logps[~scored].abs().max() == 0 and entropy[~scored].abs().max() == 0
     for got, want in zip(ours, reference):
         assert torch.allclose(got, want, atol=1e-5)

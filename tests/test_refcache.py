@@ -16,6 +16,7 @@ import time
 import uuid
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from types import SimpleNamespace
 
 import fsspec
 import numpy as np
@@ -52,7 +53,11 @@ def store(request, tmp_path) -> ReferenceCache:
 
 
 @pytest.mark.unit
-def test_entry_is_written_once_with_manifest_checksums_and_read_back(store):
+def test_entry_is_written_once_with_manifest_checksums_and_read_back(store, monkeypatch):
+    from infra.core import refcache
+
+    clock = iter([10.0, 11.5])  # the computation's start and end: 1.5 s for its 6 pairs
+    monkeypatch.setattr(refcache, "time", SimpleNamespace(perf_counter=lambda: next(clock)))  # its clock only
     compute = Counter()
     entry, computed = store.get_or_compute(
         "k1", compute, inputs={"weights": "abc"}, producer={"mlflow_run_id": "run-1"}
@@ -72,7 +77,7 @@ def test_entry_is_written_once_with_manifest_checksums_and_read_back(store):
             "rows": rows,
             "sha256": hashlib.sha256(data).hexdigest(),
         }
-    assert manifest["timing"]["pairs"] == 6 and manifest["timing"]["compute_seconds"] >= 0
+    assert manifest["timing"] == {"compute_seconds": 1.5, "pairs": 6, "pairs_per_second": 4.0}
     assert datetime.now(timezone.utc) - datetime.fromisoformat(manifest["created_at"]) < timedelta(minutes=5)
     assert entry.digest == manifest["digest"] and entry.uri == f"{store.root}/k1"
 
