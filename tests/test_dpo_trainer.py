@@ -15,7 +15,7 @@ from trainers.reference import reference_logps
 from trainers.stages.dpo import DPOStageConfig
 from trainers.synthetic import AdditionTask, generate_addition
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.slow  # training: seconds a test
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from trainers.samplers import RepeatSampler
 from trainers.stages.grpo import GRPOStageConfig
 from trainers.synthetic import AdditionTask, generate_addition
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.slow  # training: seconds a test
 
 
 def code_point_sum(prompts, completions, **columns):

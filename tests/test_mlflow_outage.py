@@ -169,7 +169,7 @@ def test_backoff_doubles_from_half_a_second_up_to_its_cap():
     assert [backoff_seconds(n, cap=10.0) for n in range(1, 8)] == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
 
 
-@pytest.mark.unit
+@pytest.mark.slow
 def test_a_store_that_fails_twice_still_gets_every_metric_once():
     from tasks.tracking import client, experiment_id
 
@@ -192,7 +192,7 @@ def test_a_store_that_fails_twice_still_gets_every_metric_once():
     assert calls[2:] and sum(calls[2:]) == 5 and sender.failures == 0
 
 
-@pytest.mark.unit
+@pytest.mark.slow
 def test_metrics_the_store_rejects_are_reported_at_close():
     from tasks.tracking import client, experiment_id
 

@@ -25,7 +25,7 @@ from trainers.checkpoints import (
 )
 from trainers.stages import STAGES
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.slow  # training: seconds a test
 
 
 def build(stage: str, overrides: list[str], handles, output_dir: Path):

@@ -272,7 +272,7 @@ def test_two_runs_started_at_once_on_a_fresh_state_folder_both_finish(tmp_path):
     assert ready == {"mlflow": importlib.metadata.version("mlflow"), "prefect": importlib.metadata.version("prefect")}
 
 
-@pytest.mark.unit
+@pytest.mark.slow
 def test_a_ready_state_folder_skips_the_set_up_lock_and_a_fresh_one_waits_for_it(tmp_path, monkeypatch):
     settings = Settings(home=tmp_path / "home")
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # a Prefect server: no local Prefect database

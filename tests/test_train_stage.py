@@ -13,7 +13,7 @@ from tasks.train import TrainInputs
 from trainers.callbacks import SyncReferenceCallback
 from trainers.stages import STAGES
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.slow  # training: seconds a test
 
 # Section fields whose TrainingArguments field has another name (the one mapping's translations).
 ARGUMENT_NAMES = {"warmup_ratio": "warmup_steps"}
