@@ -12,7 +12,7 @@ import sys
 import mlflow
 import pytest
 import torch
-from helpers import MINIMAL, mlflow_client, run_flow, task_states
+from helpers import MINIMAL, PROJECT, mlflow_client, run_flow, task_states
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
@@ -53,7 +53,8 @@ def test_flow_logs_parent_child_runs_metrics_checkpoints_and_a_loadable_model(fi
     assert parent.data.params["dpo.beta"] == "0.5"
     assert parent.data.params["model.source"] == "builtin:tiny-llama"
     assert parent.data.tags["alignflow.config_hash"] == load_config(MINIMAL, UNIQUE).content_hash()
-    assert len(parent.data.tags["mlflow.source.git.commit"]) in (40, len("unknown"))
+    checkout = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT, capture_output=True, text=True, check=True)
+    assert parent.data.tags["mlflow.source.git.commit"] == checkout.stdout.strip()  # this checkout's commit
 
     dpo = children["dpo"].info.run_id
     assert len(client.get_metric_history(dpo, "loss")) >= 2
