@@ -1,5 +1,5 @@
 # Two commands: `make run` (default experiment) and `make test` (the whole suite: lint, then every
-# test tier). `make test-fast` is the quick loop: lint and the unit tier, no root, no services.
+# test tier). `make test-fast` is the quick loop: lint and the unit tier, no server, no subprocess.
 # Each creates .venv and installs what it needs on first use.
 VENV ?= .venv
 PYTHON ?= python3
@@ -30,10 +30,18 @@ lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Every tier (tests/conftest.py describes them). unit and slow on two pytest workers, one torch thread
+# each: each worker has its own state folder, and these tests start no shared server and take their
+# ports from free_port. flow and services on one: their kills, cancellations and outages wait on
+# wall-clock deadlines, and the services tests share one PostgreSQL. Both runs run; either failing fails.
 test: lint
-	bash infra/ops/with-test-services.sh $(PY) -m pytest $(PYTEST_ARGS)
+	@status=0; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m "unit or slow" -n 2 $(PYTEST_ARGS) || status=$$?; \
+	bash infra/ops/with-test-services.sh $(PY) -m pytest -m "flow or services" $(PYTEST_ARGS) || status=$$?; \
+	exit $$status
 
-# Two pytest workers, one torch thread each: the unit tier in about half the time on 2 cores.
+# The quick loop: lint and the unit tier (no server, no subprocess, no root) on two workers, one
+# torch thread each.
 test-fast: lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -m unit -n 2 $(PYTEST_ARGS)
 

@@ -1,12 +1,22 @@
-"""Test session setup: an isolated run-state folder, one Prefect test server for the session, and
-the tiers: ``services`` (PostgreSQL, Chromium, real servers: marked in their modules), ``flow``
-(needs the session's Prefect server: every test that uses ``prefect_api_url``, directly or through
-a fixture) and ``unit`` (everything else: no server, no root)."""
+"""Test session setup: an isolated run-state folder, one Prefect test server and one ``alignflow
+serve`` for the session, and the tiers.
+
+Every test declares its tier, in its module (``pytestmark = pytest.mark.unit``) or on itself; a test
+with none, or with two, is a collection error. The tiers (``pyproject.toml`` describes them too):
+
+- ``unit``: no server, no subprocess, no root (``make test-fast``). Starting a subprocess fails the
+  test (``unit_tests_start_no_subprocess``), and so does asking for a fixture that starts a server.
+- ``slow``: subprocesses of their own (``accelerate launch`` ranks, ``alignflow`` commands, servers
+  started by the test) or training heavy enough to keep out of the quick loop; no session server.
+- ``flow``: the session's Prefect server (``prefect_api_url``) or ``alignflow serve`` (``served_smoke``).
+- ``services``: PostgreSQL, Chromium and real Prefect/MLflow servers (``make test`` starts them).
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -22,7 +32,11 @@ from infra.core.settings import configure_environment  # noqa: E402
 
 configure_environment()
 
+import platform  # noqa: E402
+
 import torch  # noqa: E402
+
+platform.processor()  # runs `uname -p` once, then cached: not in the unit test that first asks (MLflow does)
 
 # Two threads on this project's 2-core machines; OMP_NUM_THREADS=1 when sharing the cores (a suite
 # next to other work: more runnable threads than cores make torch's threads spin-wait on each other).
@@ -81,10 +95,61 @@ def handles(tiny_checkpoint):
     return policy, data, reference_logps
 
 
+@pytest.fixture(scope="session")
+def served_smoke(prefect_api_url, state_dir):
+    """One ``alignflow serve --name smoke`` for the session, on its Prefect server and state folder,
+    polling for flow runs every second: the served deployment is ``helpers.SMOKE``."""
+    from helpers import ALIGNFLOW, PROJECT, SMOKE, wait_for_deployment
+
+    from infra.core.launching import stop_group
+
+    env = {**os.environ, "ALIGNFLOW_HOME": str(state_dir), "PREFECT_API_URL": prefect_api_url, "OMP_NUM_THREADS": "1"}
+    env["PREFECT_RUNNER_POLL_FREQUENCY"] = "1"
+    server = subprocess.Popen(
+        [*ALIGNFLOW, "serve", "--name", "smoke"],
+        cwd=PROJECT,
+        env=env,
+        start_new_session=True,
+        stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_deployment(SMOKE, server)
+        yield server
+    finally:
+        stop_group(server)
+
+
+TIERS = ("unit", "slow", "flow", "services")
+SERVER_FIXTURES = ("prefect_api_url", "served_smoke")  # what a unit test may not ask for
+
+
 def pytest_collection_modifyitems(config, items):
+    """Each test has exactly one tier marker, declared in its module or on itself (never inferred)."""
+    problems = []
     for item in items:
-        if item.get_closest_marker("services") is None:
-            item.add_marker(pytest.mark.flow if "prefect_api_url" in item.fixturenames else pytest.mark.unit)
+        tiers = sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})
+        if len(tiers) != 1:
+            problems.append(f"{item.nodeid}: {'tier markers ' + ', '.join(tiers) if tiers else 'no tier marker'}")
+        elif tiers == ["unit"] and (servers := [f for f in SERVER_FIXTURES if f in item.fixturenames]):
+            problems.append(f"{item.nodeid}: a unit test uses {', '.join(servers)} (a server): mark it flow")
+    if problems:
+        raise pytest.UsageError(
+            f"every test needs exactly one tier marker of {', '.join(TIERS)} "
+            "(pytestmark = pytest.mark.<tier> in its module, or on the test):\n  " + "\n  ".join(problems)
+        )
+
+
+@pytest.fixture(autouse=True)
+def unit_tests_start_no_subprocess(request, monkeypatch):
+    """The unit tier's promise, checked: a unit test that starts a subprocess fails, naming it."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+
+    def refuse(self, args, *rest, **options):
+        raise RuntimeError(f"a unit test starts no subprocess, and this one started {args!r}: mark it slow")
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
 
 
 def pytest_sessionfinish(session, exitstatus):

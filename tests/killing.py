@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from helpers import mlflow_client
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,12 +144,6 @@ def max_weight_difference(a: Path, b: Path, stage: str) -> float:
 
 def stage_run_id(home: Path, stage: str) -> str:
     return (stage_dir(home, stage) / "mlflow_run_id").read_text().strip()
-
-
-def mlflow_client(home: Path):
-    from mlflow import MlflowClient
-
-    return MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
 
 
 def metric_histories(home: Path, stage: str) -> dict[str, list[tuple[int, float]]]:

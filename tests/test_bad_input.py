@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from infra.core.config import BUILTIN_MODEL_NAMES, load_config
+from infra.core.processes import listening_pids, pid_alive
 from infra.core.settings import Settings, StateFolderError, configure_environment, prepare_state_folder, redact_url
 from infra.ops import cli
 
@@ -151,6 +152,7 @@ def snapshot(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if "prefect" not in p.parts)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_bad_input_fails_at_load_naming_the_place_and_leaves_nothing_behind(case, files, state_dir, capsys):
     argv, expected = CASES[case]
@@ -165,10 +167,16 @@ def test_bad_input_fails_at_load_naming_the_place_and_leaves_nothing_behind(case
     assert snapshot(state_dir) == before  # no cache entry, no staging folder, no output, no MLflow store
 
 
-def test_the_table_is_large_enough():
-    assert len(CASES) >= 25
+@pytest.mark.unit
+def test_each_case_is_another_input_of_a_command_that_loads_a_config():
+    """No case repeats another's input (a copy that tests nothing new); every case runs `alignflow
+    run` or `alignflow evaluate`, the commands that load a config file with overrides."""
+    inputs = [tuple(argv) for argv, _ in CASES.values()]
+    assert [argv for argv in inputs if inputs.count(argv) > 1] == []
+    assert sorted({argv[0] for argv in inputs}) == ["evaluate", "run"]
 
 
+@pytest.mark.unit
 def test_naming_a_reward_by_import_path_imports_nothing_outside_plugins(files):
     sys.modules.pop("this", None)
     with pytest.raises(ValueError, match="module 'this' is not listed in plugins"):
@@ -178,12 +186,14 @@ def test_naming_a_reward_by_import_path_imports_nothing_outside_plugins(files):
     assert config.grpo.reward_funcs == ["alignflow_bad_rewards:good"]
 
 
+@pytest.mark.unit
 def test_builtin_model_names_agree_with_the_builtin_models():
     from trainers.builtin_model import BUILTIN_MODELS
 
     assert set(BUILTIN_MODEL_NAMES) == set(BUILTIN_MODELS)
 
 
+@pytest.mark.unit
 def test_every_metric_the_evaluation_produces_is_a_valid_promotion_metric(tiny):
     from trainers.evaluation import GenerationSpec, answer_metrics, score_prompts
     from trainers.metrics import evaluation_metric_names
@@ -197,6 +207,7 @@ def test_every_metric_the_evaluation_produces_is_a_valid_promotion_metric(tiny):
         load_config(MINIMAL, [f"promotion.metric={metric}", "evaluation.pass_k=[1, 2, 4]"])
 
 
+@pytest.mark.unit
 def test_the_state_folder_is_created_0700(tmp_path):
     root = tmp_path / "state" / "nested"
     old = os.umask(0o022)
@@ -210,6 +221,7 @@ def test_the_state_folder_is_created_0700(tmp_path):
     assert stat.S_IMODE(root.stat().st_mode) == 0o750
 
 
+@pytest.mark.unit
 def test_a_read_only_state_folder_fails_at_once_with_the_cause(tmp_path, monkeypatch, capsys):
     root = tmp_path / "read-only"
     root.mkdir()
@@ -227,6 +239,7 @@ def test_a_read_only_state_folder_fails_at_once_with_the_cause(tmp_path, monkeyp
     assert f"alignflow: state folder {root}: not writable" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_credentials_are_redacted_in_urls():
     assert redact_url("http://alice:s3cret@mlflow:5000/#/x") == "http://alice:***@mlflow:5000/#/x"
     assert redact_url("https://token@host/") == "https://***@host/"
@@ -234,6 +247,7 @@ def test_credentials_are_redacted_in_urls():
     assert redact_url("http://mlflow:5000/#/experiments/1@2") == "http://mlflow:5000/#/experiments/1@2"
 
 
+@pytest.mark.unit
 def test_mlflow_links_stored_in_prefect_carry_no_password(monkeypatch):
     from tasks.tracking import mlflow_run_url
 
@@ -246,12 +260,14 @@ def test_mlflow_links_stored_in_prefect_carry_no_password(monkeypatch):
     assert "pw" not in mlflow_run_url("1", "abc")
 
 
+@pytest.mark.unit
 def test_mlflow_does_not_print_a_tracking_uri_with_credentials(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", raising=False)
     configure_environment(Settings(home=tmp_path, tracking_uri="http://alice:s3cret@mlflow:5000"))
     assert os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] == "true"
 
 
+@pytest.mark.unit
 def test_a_failing_command_prints_one_line_and_where_the_traceback_is(monkeypatch, state_dir, capsys):
     def broken(args):
         raise RuntimeError("the disk is full\nsecond line")
@@ -267,6 +283,7 @@ def test_a_failing_command_prints_one_line_and_where_the_traceback_is(monkeypatc
     assert "Traceback (most recent call last)" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_local_model_folders_are_checked_at_resolve_naming_folder_and_file(tiny, tmp_path):
     from infra.core.config import ModelConfig
     from tasks.models import resolve_model
@@ -286,6 +303,7 @@ def test_local_model_folders_are_checked_at_resolve_naming_folder_and_file(tiny,
         resolve_model.fn(ModelConfig(source=str(folder)))
 
 
+@pytest.mark.unit
 def test_servers_up_refuses_a_port_another_process_listens_on(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("ALIGNFLOW_HOME", str(tmp_path))
     with socket.socket() as other:
@@ -299,19 +317,21 @@ def test_servers_up_refuses_a_port_another_process_listens_on(tmp_path, monkeypa
     assert not (tmp_path / "servers" / "prefect" / "pid").exists()  # nothing was started
 
 
+@pytest.mark.slow
 def test_servers_report_a_dead_server_even_if_its_port_answers(tmp_path, monkeypatch):
     """Its own server failed ("address already in use") while another process answers the health URL."""
     from infra.ops import servers
 
     spec = servers.ServerSpec("dies", "", "http://127.0.0.1:9/none", ["sh", "-c", "echo in use; exit 1"], {}, {}, "")
     pid = servers.start(spec, tmp_path)
-    while servers.is_alive(pid):
+    while pid_alive(pid):
         time.sleep(0.05)
     monkeypatch.setattr(servers, "is_healthy", lambda url: True)  # the other process answers
     assert servers.wait_healthy({"dies": spec}, {"dies": tmp_path}, timeout=30) == ["dies"]
     assert "in use" in servers.log_tail(tmp_path)
 
 
+@pytest.mark.slow
 def test_servers_up_does_not_take_another_process_answer_for_its_own_server(tmp_path, monkeypatch):
     """Its own server runs (not yet listening) while another process listens and answers on its port."""
     from infra.ops import servers
@@ -324,13 +344,14 @@ def test_servers_up_does_not_take_another_process_answer_for_its_own_server(tmp_
         servers.start(spec, tmp_path)
         try:
             monkeypatch.setattr(servers, "is_healthy", lambda url: True)  # the other process answers
-            if servers.listening_pids(other.getsockname()[1]) is None:
+            if listening_pids(other.getsockname()[1]) is None:
                 pytest.skip("no /proc to tell who listens")
             assert servers.wait_healthy({"ours": spec}, {"ours": tmp_path}, timeout=30) == ["ours"]
         finally:
             servers.stop(tmp_path, timeout=5)
 
 
+@pytest.mark.unit
 def test_log_records_with_credentials_are_redacted_and_lose_their_traceback_on_the_terminal():
     record = logging.LogRecord("prefect", logging.ERROR, __file__, 1, "View at %s", ("http://u:pw@ui/runs/1",), None)
     assert cli.RedactUrls().filter(record) and record.getMessage() == "View at http://u:***@ui/runs/1"

@@ -10,10 +10,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers import MINIMAL, run_flow, task_states
 from killing import latest_flow_run_id, mlflow_client, run
 from prefect.results import ResultRecord
 from prefect.serializers import JSONSerializer, PickleSerializer
-from test_pipeline import MINIMAL, run_flow, task_states
 
 from infra.core.config import load_config
 from infra.core.handles import HOME, ModelHandle, PreparedData
@@ -36,6 +36,7 @@ def handle_json(handle) -> str:
 MODEL = ModelHandle(path="org/model", fingerprint="f", tokenizer_fingerprint="t", stage="base")
 
 
+@pytest.mark.unit
 def test_a_json_record_of_a_handle_is_parsed_as_plain_data():
     assert parse_record(record(handle_json(MODEL))) == MODEL
 
@@ -71,6 +72,7 @@ TAMPERED = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("case", sorted(TAMPERED))
 def test_a_record_that_prefect_would_decode_by_importing_or_unpickling_is_rejected(case, tmp_path):
     with pytest.raises(RejectedResult):
@@ -78,6 +80,7 @@ def test_a_record_that_prefect_would_decode_by_importing_or_unpickling_is_reject
     assert not (tmp_path / "ran").exists()
 
 
+@pytest.mark.unit
 def test_paths_below_the_state_folder_are_stored_relative_to_it_and_resolved_on_use(monkeypatch, tmp_path):
     root = get_settings().root
     data = PreparedData(
@@ -90,6 +93,7 @@ def test_paths_below_the_state_folder_are_stored_relative_to_it_and_resolved_on_
     assert PreparedData.model_validate(stored).path == str(tmp_path / "copy" / "cache/data/x/data")
 
 
+@pytest.mark.unit
 def test_validation_moves_a_rejected_record_aside_with_a_warning(tmp_path, caplog):
     (tmp_path / "key").write_bytes(TAMPERED["pickle"](tmp_path / "ran"))
     (tmp_path / "kept").write_bytes(record(handle_json(MODEL)))
@@ -119,6 +123,7 @@ def rejected(path: Path) -> list[Path]:
     return list(path.parent.glob(f"{path.name}.rejected-*"))
 
 
+@pytest.mark.flow
 def test_a_tampered_result_is_never_run_and_is_computed_again(fresh_sft, tmp_path):
     config, path = fresh_sft(21)
     handle = parse_record(path.read_bytes())
@@ -135,6 +140,7 @@ def test_a_tampered_result_is_never_run_and_is_computed_again(fresh_sft, tmp_pat
     assert len(rejected(path)) == 1
 
 
+@pytest.mark.flow
 def test_a_cached_model_whose_folder_was_removed_is_trained_again(fresh_sft):
     config, path = fresh_sft(22)
     handle = parse_record(path.read_bytes())
@@ -147,6 +153,7 @@ def test_a_cached_model_whose_folder_was_removed_is_trained_again(fresh_sft):
     assert again.mlflow_run_id != handle.mlflow_run_id
 
 
+@pytest.mark.flow
 def test_a_cached_model_whose_weights_changed_is_saved_again_from_its_last_checkpoint(fresh_sft):
     config, path = fresh_sft(23, "tracking.keep_checkpoints=true")  # else a finished stage's are pruned
     handle = parse_record(path.read_bytes())
@@ -162,6 +169,7 @@ def test_a_cached_model_whose_weights_changed_is_saved_again_from_its_last_check
     assert tags["alignflow.resumed_from_step"] == "6"  # the final checkpoint: nothing retrained
 
 
+@pytest.mark.flow
 def test_a_copied_state_folder_uses_its_own_models(prefect_api_url, tmp_path):
     original, copy = tmp_path / "original", tmp_path / "copy"
     overrides = ["stages=[sft, dpo]", "evaluation.num_prompts=4", "sft.seed=24"]

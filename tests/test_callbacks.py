@@ -7,6 +7,7 @@ import pytest
 from trainers.callbacks import ProgressLineCallback, duration, progress_line
 
 
+@pytest.mark.unit
 def test_progress_line_shows_the_stage_step_key_metrics_rate_and_eta():
     logs = {"loss": 0.2149, "grad_norm": 1.3, "rewards/accuracies": 0.93125, "learning_rate": 5e-4, "epoch": 1.2}
     line = progress_line("dpo", 120, 345, logs, seconds=57.14, steps_done=120)
@@ -14,11 +15,13 @@ def test_progress_line_shows_the_stage_step_key_metrics_rate_and_eta():
     assert progress_line("grpo", 0, 10, {"reward": 0.5}, seconds=0.0, steps_done=0) == "grpo 0/10 · reward 0.5"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("seconds, text", [(0, "0:00"), (59.6, "1:00"), (107, "1:47"), (3600 + 62, "1:01:02")])
 def test_durations_are_minutes_and_seconds_then_hours(seconds, text):
     assert duration(seconds) == text
 
 
+@pytest.mark.unit
 def test_the_callback_prints_one_line_per_log_and_a_closing_line(capsys):
     callback = ProgressLineCallback("sft")
     state = SimpleNamespace(is_world_process_zero=True, global_step=0, max_steps=4)
@@ -33,6 +36,8 @@ def test_the_callback_prints_one_line_per_log_and_a_closing_line(capsys):
     assert last == "sft done: 4 steps in 0:00"
 
 
+@pytest.mark.slow
+# the session's first MLflow store: its migrations take seconds
 def test_checkpoints_reach_mlflow_only_when_asked(tmp_path):
     from tasks.tracking import client, experiment_id
     from tasks.trainer_callback import MlflowTrainerCallback

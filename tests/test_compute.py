@@ -41,6 +41,7 @@ def config_error(*overrides: str) -> str:
     return str(caught.value)
 
 
+@pytest.mark.unit
 def test_the_defaults_are_one_process_in_the_checkpoints_dtype():
     compute = ExperimentConfig().compute
     assert (compute.num_processes, compute.num_machines, compute.machine_rank) == (1, 1, 0)
@@ -54,6 +55,7 @@ def test_the_defaults_are_one_process_in_the_checkpoints_dtype():
     assert load_config(None, ["compute.mixed_precision=no"]).compute.mixed_precision == "no"  # YAML's bare `no`
 
 
+@pytest.mark.unit
 def test_bad_compute_settings_are_config_errors_naming_the_field():
     assert "compute.accelerate_config" in (message := config_error("compute.accelerate_config=zero4"))
     assert "'zero4' is neither a shipped config (ddp, fsdp, zero2, zero3) nor an existing file" in message
@@ -72,6 +74,7 @@ def test_bad_compute_settings_are_config_errors_naming_the_field():
     assert "compute.mixed_precision (bf16) applies to every stage; dpo.bf16 sets it again" in message
 
 
+@pytest.mark.unit
 def test_shipped_accelerate_configs_load_with_accelerate():
     from accelerate.commands.config.config_args import load_config_from_file
 
@@ -90,6 +93,7 @@ def test_shipped_accelerate_configs_load_with_accelerate():
     assert [kinds[name].deepspeed_config["zero_stage"] for name in ("zero2", "zero3")] == [2, 3]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "settings, hardware, message",
     [
@@ -105,6 +109,7 @@ def test_settings_the_hardware_cannot_run_are_refused(settings, hardware, messag
         check_compute(ComputeConfig(**settings), hardware)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "settings, hardware",
     [
@@ -119,6 +124,7 @@ def test_settings_the_hardware_can_run_pass(settings, hardware):
     check_compute(ComputeConfig(**settings), hardware, launched=True)
 
 
+@pytest.mark.unit
 def test_several_processes_need_a_flow_that_launches_them_on_machine_0():
     with pytest.raises(ComputeError, match="this flow runs in one process; only the experiment flow's training"):
         check_compute(ComputeConfig(num_processes=2, cpu=True), CPU_ONLY)
@@ -129,6 +135,7 @@ def test_several_processes_need_a_flow_that_launches_them_on_machine_0():
         check_compute(two_machines, TWO_GPUS, launched=True)
 
 
+@pytest.mark.unit
 def test_the_cli_refuses_more_processes_than_devices_before_anything_starts(capsys):
     if torch.cuda.device_count() >= 8:
         pytest.skip("this machine has 8 GPUs: 8 processes are fine here")
@@ -141,6 +148,7 @@ def test_the_cli_refuses_more_processes_than_devices_before_anything_starts(caps
     )
 
 
+@pytest.mark.unit
 def test_the_loader_takes_the_dtype_and_the_device(tiny_checkpoint):
     model, _ = load_causal_lm(tiny_checkpoint.path, dtype="bfloat16", device="cpu")
     assert model_dtype(model) == "bfloat16" and model.device == torch.device("cpu")
@@ -163,6 +171,7 @@ def prepared():
     return base, data
 
 
+@pytest.mark.unit
 def test_the_reference_key_records_the_dtype_the_forward_runs_in(prepared):
     base, data = prepared
     assert reference_dtype(base, ComputeConfig()) == "float32"  # today's key, unchanged on the CPU
@@ -180,6 +189,7 @@ def test_the_reference_key_records_the_dtype_the_forward_runs_in(prepared):
     assert torch.allclose(bf16_chosen, fp32_chosen, rtol=0.05)
 
 
+@pytest.mark.unit
 def test_a_key_that_names_a_label_instead_of_the_models_dtype_is_refused(prepared):
     base, data = prepared
     ref = ReferenceLogps(key="k", root="/unused", data=data, reference=base, batch_size=64, dtype="auto")
@@ -187,6 +197,7 @@ def test_a_key_that_names_a_label_instead_of_the_models_dtype_is_refused(prepare
         compute_columns(ref)
 
 
+@pytest.mark.unit
 def test_preference_rewards_of_a_bfloat16_model_match_float32(tiny_checkpoint, prepared):
     _, data = prepared
     import datasets
@@ -199,6 +210,7 @@ def test_preference_rewards_of_a_bfloat16_model_match_float32(tiny_checkpoint, p
     assert bf16["logratios/margins"] == pytest.approx(fp32["logratios/margins"], rel=0.05, abs=0.05)
 
 
+@pytest.mark.slow
 def test_the_gpu_check_refuses_to_run_without_a_gpu_and_its_cpu_smoke_runs_every_stage():
     import subprocess
     import sys
@@ -227,6 +239,7 @@ def test_the_gpu_check_refuses_to_run_without_a_gpu_and_its_cpu_smoke_runs_every
     assert "the reference pass and the evaluation ran on cpu" in done.stdout
 
 
+@pytest.mark.unit
 def test_the_cli_refuses_several_processes_for_the_evaluation_flow(capsys):
     with pytest.raises(SystemExit) as stop:
         cli.main(["evaluate", "configs/evaluate.yaml", "compute.cpu=true", "compute.num_processes=2"])
@@ -234,6 +247,7 @@ def test_the_cli_refuses_several_processes_for_the_evaluation_flow(capsys):
     assert "compute.num_processes / num_machines: this flow runs in one process" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_a_stage_takes_the_compute_sections_dtype_and_mixed_precision(tiny_checkpoint, tmp_path):
     from transformers import TrainingArguments
 

@@ -9,6 +9,8 @@ from infra.ops.cli import main
 from trainers.losses import PREFERENCE_LOSSES
 from trainers.rewards import REWARD_FUNCTIONS
 
+pytestmark = pytest.mark.unit
+
 
 def test_yaml_and_cli_overrides():
     config = load_config("configs/default.yaml", ["dpo.beta=0.2", "sft.num_train_epochs=3", "stages=[sft]"])

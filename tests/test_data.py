@@ -7,6 +7,8 @@ from trainers.collators import IGNORE_INDEX, CompletionOnlyCollator, PreferenceC
 from trainers.data import DataValidationError, Truncation, load_rows, tokenize_split, validate_rows
 from trainers.synthetic import AdditionTask, generate_addition
 
+pytestmark = pytest.mark.unit
+
 
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

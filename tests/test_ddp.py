@@ -17,6 +17,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from helpers import free_port
 from safetensors.torch import load_file
 
 from infra.core.config import ComputeConfig, EvaluationConfig
@@ -35,14 +36,6 @@ REWARD_PLUGIN = """
 def first_code_point(prompts, completions, **columns):
     return [None if not c else float(ord(c[0]) % 5) for c in completions]
 """
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def cpu(processes: int) -> ComputeConfig:
@@ -114,6 +107,7 @@ def workdir(tmp_path_factory, tiny_checkpoint, tiny):
         yield {"model": tiny_checkpoint.path, "splits": folder / "splits", "policy": policy, "data": data}, folder
 
 
+@pytest.mark.slow
 def test_a_launch_that_runs_fewer_processes_than_asked_fails(workdir):
     spec, folder = workdir
     dpo = {"per_device_train_batch_size": 4, "max_steps": 1, "eval_strategy": "no"}
@@ -128,6 +122,7 @@ def test_a_launch_that_runs_fewer_processes_than_asked_fails(workdir):
     assert not (folder / "short" / "model").exists()
 
 
+@pytest.mark.slow
 def test_dpo_on_two_processes_of_two_pairs_equals_one_process_of_four(workdir):
     spec, folder = workdir
     section = {
@@ -152,6 +147,7 @@ def test_dpo_on_two_processes_of_two_pairs_equals_one_process_of_four(workdir):
     assert_same_weights(folder / "dpo1", folder / "dpo2", spec["model"], 1e-5)
 
 
+@pytest.mark.slow
 def test_grpo_on_two_processes_equals_one_process_with_a_group_across_ranks(workdir):
     spec, folder = workdir
     section = {
@@ -181,6 +177,7 @@ def test_grpo_on_two_processes_equals_one_process_with_a_group_across_ranks(work
     assert_same_weights(folder / "grpo1", folder / "grpo2", spec["model"], 1e-4)
 
 
+@pytest.mark.unit
 def test_the_launch_command_is_built_from_the_compute_section():
     from infra.core.config import ACCELERATE_CONFIG_DIR
 
@@ -223,6 +220,7 @@ def test_the_launch_command_is_built_from_the_compute_section():
     assert "--multi_gpu" not in ComputeConfig().launch_command("spec.json", RANK_MODULE)
 
 
+@pytest.mark.unit
 def test_a_group_may_straddle_processes_but_a_generation_batch_holds_whole_groups():
     from trainers.grpo import completion_seed
     from trainers.layout import resolve_layout
@@ -239,6 +237,7 @@ def test_a_group_may_straddle_processes_but_a_generation_batch_holds_whole_group
     assert len(seeds) == 8
 
 
+@pytest.mark.slow
 def test_the_reference_pass_sharded_over_two_processes_gives_the_same_cache_entry(workdir, tmp_path):
     from infra.core.refcache import ReferenceCache
 
@@ -266,6 +265,7 @@ def test_the_reference_pass_sharded_over_two_processes_gives_the_same_cache_entr
     assert digests[0] == digests[1]
 
 
+@pytest.mark.slow
 def test_the_evaluation_sharded_over_two_processes_gives_the_same_table(workdir):
     spec, folder = workdir
     # 8 prompts with answers: 3 batches, 2 + 1 over the processes
@@ -292,6 +292,7 @@ def test_the_evaluation_sharded_over_two_processes_gives_the_same_table(workdir)
     assert len({tuple(s["text"] for s in r["samples"]) for r in one["results"]}) > 1
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "items, processes, bounds",
     [(6, 2, [(0, 3), (3, 6)]), (3, 2, [(0, 2), (2, 3)]), (1, 2, [(0, 1), (1, 1)]), (7, 3, [(0, 3), (3, 5), (5, 7)])],

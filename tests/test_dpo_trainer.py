@@ -15,6 +15,8 @@ from trainers.losses import PREFERENCE_LOSSES
 from trainers.reference import reference_logps
 from trainers.synthetic import AdditionTask, generate_addition
 
+pytestmark = pytest.mark.slow  # training: seconds a test
+
 
 @pytest.fixture(scope="module")
 def pairs(tiny):

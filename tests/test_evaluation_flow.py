@@ -6,10 +6,11 @@ import copy
 
 import matplotlib.image
 import pytest
-from mlflow import MlflowClient
+from helpers import mlflow_client
 
 from infra.core.config import EvaluationRequest, load_config
-from infra.core.settings import get_settings
+
+pytestmark = pytest.mark.flow
 
 EXPERIMENT = "promotion-test"
 REGISTERED = "promotion-test-model"
@@ -31,7 +32,7 @@ def run(*overrides):
 
 
 def parent_run(flow_run_id, experiment=EXPERIMENT):
-    client = MlflowClient(get_settings().mlflow_tracking_uri)
+    client = mlflow_client()
     (parent,) = client.search_runs(
         [client.get_experiment_by_name(experiment).experiment_id],
         f"tags.`prefect.flow_run_id` = '{flow_run_id}' and tags.`alignflow.kind` = 'experiment'",
@@ -50,7 +51,7 @@ def three_runs(prefect_api_url):
 
 def test_promotion_gate_promotes_better_runs_only(three_runs):
     (weak_id, weak), (strong_id, strong), (again_id, again) = three_runs
-    client = MlflowClient(get_settings().mlflow_tracking_uri)
+    client = mlflow_client()
     assert "champion" not in weak.rows
     assert parent_run(weak_id).data.tags["alignflow.promotion"].startswith("promoted: promotion-test-model version 1")
 
@@ -78,7 +79,7 @@ def test_a_champion_with_another_tokenizer_is_neither_scored_nor_replaced(three_
     tokenizer.chat_template = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
     model.save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")
-    client = MlflowClient(get_settings().mlflow_tracking_uri)
+    client = mlflow_client()
     before = client.get_model_version_by_alias(REGISTERED, "champion").version
 
     flow_run_id, report = run(
@@ -96,7 +97,7 @@ def test_a_champion_with_another_tokenizer_is_neither_scored_nor_replaced(three_
 
 
 def parent_child(flow_run_id, stage):
-    client = MlflowClient(get_settings().mlflow_tracking_uri)
+    client = mlflow_client()
     parent = parent_run(flow_run_id)
     (child,) = client.search_runs(
         [parent.info.experiment_id],
@@ -148,7 +149,7 @@ def test_compare_three_runs_writes_table_and_plots(three_runs):
     bars = matplotlib.image.imread(folder / "eval_metrics.png")
     assert curves.shape[1] > 2 * curves.shape[0]  # one panel per curve metric (loss, rewards/accuracies)
     assert bars.shape[0] > 300
-    client = MlflowClient(get_settings().mlflow_tracking_uri)
+    client = mlflow_client()
     logged = {a.path for a in client.list_artifacts(report.mlflow_run_id)}
     assert {"table.md", "table.json", "training_curves.png", "eval_metrics.png"} <= logged
 

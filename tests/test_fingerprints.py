@@ -8,6 +8,9 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 from infra.core.config import AdditionTaskConfig, DataConfig
 from infra.core.fingerprints import code_fingerprint, imported_modules
@@ -47,6 +50,7 @@ def edit_function(path: Path, function: str, statement: str) -> None:
     path.write_text(head + sep + body[:docstring_end] + f"    {statement}\n" + body[docstring_end:])
 
 
+@pytest.mark.slow
 def test_editing_a_function_misses_exactly_the_caches_built_from_it(tmp_path):
     for package in ("trainers", "tasks"):
         shutil.copytree(PROJECT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
@@ -65,14 +69,60 @@ def test_editing_a_function_misses_exactly_the_caches_built_from_it(tmp_path):
     assert after_collators["data"] == original["data"]
 
 
-def test_the_keys_of_every_cache_include_their_code_fingerprint():
+@pytest.mark.unit
+def test_the_key_of_every_cache_changes_with_the_fingerprint_of_its_code(monkeypatch, tmp_path):
+    """Each cache's key is a function of the fingerprint of the code that computes its content,
+    rooted where named here: the reference log-probs, the prepared data, a trained stage's model
+    (with the plugins it imports), the evaluation's scores and the built-in model's folder."""
+    import tasks.data
+    import tasks.evaluate
+    import tasks.models
+    import tasks.reference
+    import tasks.train
+    from infra.core.config import EvaluationConfig, ModelConfig
+
     handle = ModelHandle(path="m", fingerprint="f", tokenizer_fingerprint="t", stage="base")
     data = PreparedData(path="d", fingerprint="x", rows={}, dropped={}, token_fingerprints={}, truncation={})
+    inputs = tasks.train.TrainInputs(policy=handle, data=data)
+    keys = {  # cache: (the module whose code_fingerprint it calls, its key, the roots of its code)
+        "reference": (tasks.reference, lambda: tasks.reference.reference_key(data, handle), ("tasks.reference",)),
+        "data": (
+            tasks.data,
+            lambda: data_fingerprint(DataConfig(builtin=AdditionTaskConfig()), handle),
+            ("tasks.data",),
+        ),
+        "sft": (
+            tasks.train,
+            lambda: tasks.train.stage_key("sft", STAGES["sft"].section(), inputs, ("alignflow_plugin",)),
+            (STAGES["sft"].build.__module__, "alignflow_plugin"),
+        ),
+        "scores": (
+            tasks.evaluate,
+            lambda: tasks.evaluate.scores_key(handle, data, None, EvaluationConfig(), None),
+            ("tasks.evaluate",),
+        ),
+        "builtin model": (
+            tasks.models,
+            lambda: tasks.models.resolve_model.fn(ModelConfig()),  # its folder (checkpoint_handle below)
+            ("trainers.builtin_model",),
+        ),
+    }
+    model_cache = SimpleNamespace(model_cache=tmp_path)
+    for cache, (module, key, roots) in keys.items():
+        # the built-in model's folder in a model cache of this test's, neither built nor saved
+        monkeypatch.setattr(tasks.models, "get_settings", lambda: model_cache)
+        monkeypatch.setattr(tasks.models, "save_builtin_model", lambda source, seed, folder: None)
+        monkeypatch.setattr(tasks.models, "checkpoint_handle", lambda folder, stage: folder)
+        before, asked = key(), []
+        monkeypatch.setattr(module, "code_fingerprint", lambda *names, asked=asked: asked.append(names) or "edited")
+        assert (key() != before, asked) == (True, [roots]), cache
+        monkeypatch.undo()
     assert reference_key_inputs(data, handle)["code"] == code_fingerprint("tasks.reference")
     config = DataConfig(builtin=AdditionTaskConfig())
     assert data_fingerprint(config, handle) != data_fingerprint(config.model_copy(update={"max_length": 31}), handle)
 
 
+@pytest.mark.unit
 def test_imports_in_function_bodies_count_and_from_imports_name_submodules():
     import ast
 

@@ -29,6 +29,8 @@ from trainers.grpo_losses import (
 )
 from trainers.rewards import REWARD_FUNCTIONS, allow_module, get_reward, score_completions
 
+pytestmark = pytest.mark.unit
+
 F64 = torch.float64
 REWARDS = [1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0, 0.0, 0.0, 0.0, 3.0]  # 3 prompts x G = 4
 

@@ -6,6 +6,8 @@ from accelerate.data_loader import prepare_data_loader
 from trainers.layout import GenerationLayout, resolve_layout
 from trainers.samplers import RepeatSampler, generation_dataloader
 
+pytestmark = pytest.mark.unit
+
 
 def test_unshuffled_order_repeats_and_drops_the_incomplete_chunk():
     sampler = RepeatSampler(5, num_generations=2, prompts_per_chunk=2, repeats=2, shuffle=False)

@@ -1,7 +1,8 @@
 """Acceptance of issue 11: ``kill -9`` of a real ``alignflow run`` during each stage, once a
 checkpoint of the stage exists, then the identical rerun. The rerun resumes the killed stage from
 its latest complete checkpoint, in the same MLflow run, and reuses the stages that had finished;
-the final weights equal an uninterrupted run's. Three random kills per stage:
+the final weights equal an uninterrupted run's. One chain of kills covers the three stages (each
+rerun is killed in the next stage: ``killed_in_every_stage``). Three random kills per stage:
 ``benchmarks/kill_resume.py``."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import MINIMAL, run_flow, task_states
 from killing import (
     STAGES,
     Kill,
@@ -27,7 +29,8 @@ from killing import (
 )
 from prefect.client.orchestration import get_client
 from safetensors.torch import load_file
-from test_pipeline import task_states
+
+pytestmark = pytest.mark.flow
 
 
 @pytest.fixture(scope="module")
@@ -39,48 +42,80 @@ def uninterrupted(prefect_api_url, tmp_path_factory):
     return config, folder / "home"
 
 
+@pytest.fixture(scope="module")
+def killed_in_every_stage(uninterrupted, prefect_api_url, tmp_path_factory):
+    """One state folder through one chain of kills, shared by the kill tests: the run is killed in
+    SFT once it has a checkpoint; its rerun resumes SFT and is killed in DPO; the next resumes DPO
+    and is killed in GRPO; the last resumes GRPO and finishes. Per stage: the kill, the stage's
+    MLflow run when it was killed, the flow run that resumed it, and what the stages before it
+    were before that rerun (they had finished) and after it."""
+    config, _ = uninterrupted
+    home = tmp_path_factory.mktemp("killed") / "home"
+    kills = {STAGES[0]: run_and_kill(config, home, prefect_api_url, Kill(STAGES[0], after_step=3))}
+    killed_flow_runs = [latest_flow_run_id(home)]
+    chain = {}
+    for stage, next_stage in zip(STAGES, [*STAGES[1:], None]):
+        killed_run = stage_run_id(home, stage)
+        earlier = STAGES[: STAGES.index(stage)]
+        before = {name: stage_snapshot(home, name) for name in earlier}
+        if next_stage is None:
+            run(config, home, prefect_api_url)
+        else:
+            kills[next_stage] = run_and_kill(config, home, prefect_api_url, Kill(next_stage, after_step=3))
+            killed_flow_runs.append(latest_flow_run_id(home))
+        resumed_by = latest_flow_run_id(home)
+        after = {name: stage_snapshot(home, name) for name in earlier}
+        chain[stage] = dict(kill=kills[stage], killed_run=killed_run, resumed_by=resumed_by, before=before, after=after)
+    return home, chain, killed_flow_runs
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_a_stage_killed_after_a_checkpoint_resumes_to_the_uninterrupted_result(
-    stage, uninterrupted, prefect_api_url, tmp_path
+    stage, killed_in_every_stage, uninterrupted
 ):
-    config, reference = uninterrupted
-    home = tmp_path / "home"
-    kill = run_and_kill(config, home, prefect_api_url, Kill(stage, after_step=3))
-    earlier = STAGES[: STAGES.index(stage)]
-    before = {name: stage_snapshot(home, name) for name in earlier}
-    killed_run = stage_run_id(home, stage)
-
-    run(config, home, prefect_api_url)
-
-    for name in STAGES:
-        assert max_weight_difference(home, reference, name) <= 1e-6, name
-    # the same MLflow run, finished, tagged as resumed from the latest complete checkpoint by this flow run
+    _, reference = uninterrupted
+    home, chain, _ = killed_in_every_stage
+    kill, killed_run, resumed_by = chain[stage]["kill"], chain[stage]["killed_run"], chain[stage]["resumed_by"]
+    assert max_weight_difference(home, reference, stage) <= 1e-6
+    # the same MLflow run, finished, tagged as resumed from the latest complete checkpoint by the rerun
     assert stage_run_id(home, stage) == killed_run
     tags = stage_run_tags(home, stage)
     assert tags["alignflow.resumed"] == "true"
     assert int(tags["alignflow.resumed_from_step"]) == max(kill.checkpoints_at_kill)
-    assert tags["alignflow.resumed_by_flow_run_id"] == latest_flow_run_id(home)
+    assert tags["alignflow.resumed_by_flow_run_id"] == resumed_by
     assert mlflow_client(home).get_run(killed_run).info.status == "FINISHED"
-    # no run left RUNNING: the rerun's start marked the killed attempt's runs (`alignflow runs cleanup`)
-    client = mlflow_client(home)
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
-    assert [r.info.run_name for r in runs if r.info.status == "RUNNING"] == []
-    killed_parents = [r for r in runs if r.info.status == "FAILED" and "mlflow.parentRunId" not in r.data.tags]
-    (killed_parent,) = killed_parents
-    assert killed_parent.data.tags["alignflow.failure_reason"].startswith("process gone")
-    killed_flow_run = killed_parent.data.tags["prefect.flow_run_id"]
-    with get_client(sync_client=True) as prefect:
-        assert prefect.read_flow_run(killed_flow_run).state.type.value == "CRASHED"
     # every metric once per step, at the steps and with the values of the uninterrupted run
     histories = metric_histories(home, stage)
     assert duplicate_steps(histories) == {}
     assert compare_metrics(histories, metric_histories(reference, stage)) == []
-    # stages that had finished were reused: no new checkpoint, model or run; SFT is a Prefect cache hit
-    for name in earlier:
-        assert stage_snapshot(home, name) == before[name], name
-        assert "alignflow.resumed" not in stage_run_tags(home, name), name
+    # stages that had finished were reused by the rerun: no new checkpoint, model or run; SFT is a Prefect cache hit
+    earlier = STAGES[: STAGES.index(stage)]
+    assert chain[stage]["after"] == chain[stage]["before"]
+    for name in earlier:  # resumed by the rerun after their own kill, not by this one
+        assert stage_run_tags(home, name)["alignflow.resumed_by_flow_run_id"] == chain[name]["resumed_by"] != resumed_by
     if earlier:
-        assert task_states(latest_flow_run_id(home))["train-sft"] == "Cached"
+        assert task_states(resumed_by)["train-sft"] == "Cached"
+
+
+def test_each_killed_run_is_marked_failed_and_crashed_by_the_next_run_and_none_is_left_running(
+    killed_in_every_stage, uninterrupted
+):
+    """The rerun's start marked the killed attempt's runs (`alignflow runs cleanup`): each killed
+    flow run's MLflow parent run FAILED with the reason, its Prefect flow run CRASHED; the final
+    weights of every stage equal the uninterrupted run's."""
+    _, reference = uninterrupted
+    home, _, killed_flow_runs = killed_in_every_stage
+    for name in STAGES:
+        assert max_weight_difference(home, reference, name) <= 1e-6, name
+    client = mlflow_client(home)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [r.info.run_name for r in runs if r.info.status == "RUNNING"] == []
+    killed_parents = [r for r in runs if r.info.status == "FAILED" and "mlflow.parentRunId" not in r.data.tags]
+    assert sorted(r.data.tags["prefect.flow_run_id"] for r in killed_parents) == sorted(killed_flow_runs)
+    for parent in killed_parents:
+        assert parent.data.tags["alignflow.failure_reason"].startswith("process gone")
+    with get_client(sync_client=True) as prefect:
+        assert [prefect.read_flow_run(f).state.type.value for f in killed_flow_runs] == ["CRASHED"] * len(STAGES)
 
 
 FLAKY_REWARD = '''
@@ -105,8 +140,6 @@ def flaky(prompts, completions, **columns):
 def test_a_prefect_retry_resumes_the_failed_stage_from_its_checkpoint(prefect_api_url, tmp_path, monkeypatch):
     """The train task's retry (``retries=1``) after a failure at step 5 resumes from checkpoint-4, in the
     same MLflow run, and ends with the weights of a run that never failed."""
-    from test_pipeline import MINIMAL, run_flow
-
     from infra.core.config import load_config
     from infra.core.settings import get_settings
     from tasks.tracking import client
@@ -144,8 +177,6 @@ def test_a_prefect_retry_resumes_the_failed_stage_from_its_checkpoint(prefect_ap
 def test_a_stage_stopped_between_saving_its_model_and_recording_it_saves_it_again(prefect_api_url):
     """``model/`` without ``model.json`` is not trusted (here it was also changed since): the rerun
     saves the model again from the final checkpoint, in the same run, without training a step."""
-    from test_pipeline import MINIMAL, run_flow
-
     from infra.core.config import load_config
     from infra.core.settings import get_settings
     from tasks.tracking import client

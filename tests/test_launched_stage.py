@@ -19,19 +19,17 @@ import time
 from pathlib import Path
 
 import pytest
-from mlflow import MlflowClient
+from helpers import SMOKE, free_port, mlflow_client
 from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 from prefect.logging import disable_run_logger
 from prefect.logging.handlers import APILogHandler
 from safetensors.torch import load_file
-from test_sweep import stop_group, wait_for_deployment
 
 from infra.core.config import ComputeConfig, TrackingConfig, load_config
 from infra.core.settings import get_settings
 from infra.core.stage_io import TrainInputs
-from infra.ops.prefect_api import free_port
 from tasks.launch import LaunchFailed
 from tasks.tracking import experiment_id
 from tasks.train import train
@@ -47,12 +45,8 @@ if os.environ.get("RANK") == "1":
 """
 
 
-def mlflow() -> MlflowClient:
-    return MlflowClient(get_settings().mlflow_tracking_uri)
-
-
 def parent_run(name: str) -> str:
-    return mlflow().create_run(experiment_id("launched-stages"), run_name=name).info.run_id
+    return mlflow_client().create_run(experiment_id("launched-stages"), run_name=name).info.run_id
 
 
 def dpo_section(**fields):
@@ -104,6 +98,7 @@ def wait_until_gone(pids: list[int], marker: str, timeout: float = 90) -> list[i
     return left
 
 
+@pytest.mark.flow
 def test_two_processes_from_the_task_equal_one_process_in_it_and_resume_from_a_checkpoint(handles, prefect_api_url):
     policy, data, reference_logps = handles
     tracking = TrackingConfig(keep_checkpoints=True)
@@ -127,7 +122,7 @@ def test_two_processes_from_the_task_equal_one_process_in_it_and_resume_from_a_c
     assert is_complete(folder / "checkpoint-2") and (folder / "checkpoint-2" / COMPLETE_MARKER).is_file()
     assert not list(folder.glob(".model.tmp-*"))
 
-    client = mlflow()
+    client = mlflow_client()
     run = client.get_run(double.mlflow_run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["dpo.per_device_train_batch_size"] == "2"
@@ -162,6 +157,7 @@ def test_two_processes_from_the_task_equal_one_process_in_it_and_resume_from_a_c
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3]  # step 3 not twice
 
 
+@pytest.mark.slow
 def test_a_failing_rank_fails_the_task_with_its_traceback_and_leaves_nothing(handles, tmp_path, monkeypatch):
     policy, data, reference_logps = handles
     (tmp_path / "fails_on_rank_1.py").write_text(textwrap.dedent(FAILS_ON_RANK_1))
@@ -179,7 +175,7 @@ def test_a_failing_rank_fails_the_task_with_its_traceback_and_leaves_nothing(han
     assert not (folder / "model.json").exists() and not (folder / "model").exists()
     assert not list(folder.glob(".model.tmp-*"))
     run_id = (folder / "mlflow_run_id").read_text().strip()
-    assert mlflow().get_run(run_id).info.status == "FAILED"
+    assert mlflow_client().get_run(run_id).info.status == "FAILED"
     assert launched_pids(str(folder)) == []
 
 
@@ -192,6 +188,7 @@ run_process_group(command, lambda line: print(line, flush=True))
 """
 
 
+@pytest.mark.slow
 def test_a_sigkilled_parent_takes_its_launch_with_it(tmp_path):
     """PR_SET_PDEATHSIG: the launch (in a session of its own) gets SIGTERM when its parent dies."""
     marker = str(tmp_path / "sleeper")
@@ -206,8 +203,9 @@ def test_a_sigkilled_parent_takes_its_launch_with_it(tmp_path):
     assert wait_until_gone([child], marker, timeout=10) == []
 
 
-def test_cancelling_a_flow_run_of_a_served_deployment_kills_every_rank(prefect_api_url, state_dir, tmp_path):
-    """`alignflow serve` runs the flow run; once the 2-process DPO stage has a checkpoint, the flow
+@pytest.mark.flow
+def test_cancelling_a_flow_run_of_a_served_deployment_kills_every_rank(served_smoke, state_dir):
+    """`alignflow serve` (the session's) runs the flow run; once the 2-process DPO stage has a checkpoint, the flow
     run is cancelled through the Prefect API: the runner's SIGTERM reaches the flow process, whose
     train task stops the launch. No launcher or rank is left, and the flow run ends Cancelled."""
     from prefect.client.schemas.objects import StateType
@@ -226,39 +224,23 @@ def test_cancelling_a_flow_run_of_a_served_deployment_kills_every_rank(prefect_a
         "tracking.experiment_name=launch-cancel",
     ]
     config = load_config("configs/minimal.yaml", overrides).model_dump(mode="json")
-    env = {**os.environ, "ALIGNFLOW_HOME": str(state_dir), "PREFECT_API_URL": prefect_api_url, "OMP_NUM_THREADS": "1"}
-    env["PREFECT_RUNNER_POLL_FREQUENCY"] = "1"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "infra.ops.cli", "serve", "--name", "smoke"],
-        cwd=REPO,
-        env=env,
-        start_new_session=True,
-        stderr=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-    )
     outputs = state_dir / "outputs" / "launch-cancel"
-    try:
-        wait_for_deployment("alignflow-experiment/smoke", server)
-        flow_run = run_deployment("alignflow-experiment/smoke", parameters={"config": config}, timeout=0)
-        deadline = time.monotonic() + 400
-        while not list(outputs.glob(f"dpo-*/checkpoint-*/{COMPLETE_MARKER}")):
-            assert time.monotonic() < deadline and server.poll() is None, "the launched stage never checkpointed"
-            time.sleep(0.5)
-        pids = launched_pids(str(outputs))
-        assert len(pids) == 3, pids  # the launcher and its two ranks
-        with get_client(sync_client=True) as client:
-            client.set_flow_run_state(flow_run.id, Cancelling(message="cancelled by the test"))
-            # gone before the runner's 30 s grace ends: the task stopped the launch (seen: ~1 s with the
-            # runner polling every second), not the runner's SIGKILL of the flow process
-            assert wait_until_gone(pids, str(outputs), timeout=25) == []
-            deadline = time.monotonic() + 120
-            while (final := client.read_flow_run(flow_run.id).state).type not in (
-                StateType.CANCELLED,
-                StateType.CRASHED,
-            ):
-                assert time.monotonic() < deadline, f"the flow run is still {final.type}"
-                time.sleep(1)
-    finally:
-        stop_group(server)
+    flow_run = run_deployment(SMOKE, parameters={"config": config}, timeout=0)
+    deadline = time.monotonic() + 400
+    while not list(outputs.glob(f"dpo-*/checkpoint-*/{COMPLETE_MARKER}")):
+        assert time.monotonic() < deadline and served_smoke.poll() is None, "the launched stage never checkpointed"
+        time.sleep(0.5)
+    pids = launched_pids(str(outputs))
+    assert len(pids) == 3, pids  # the launcher and its two ranks
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(flow_run.id, Cancelling(message="cancelled by the test"))
+        # gone before the runner's 30 s grace ends: the task stopped the launch (seen: ~1 s with the
+        # runner polling every second), not the runner's SIGKILL of the flow process
+        assert wait_until_gone(pids, str(outputs), timeout=25) == []
+        deadline = time.monotonic() + 120
+        while (final := client.read_flow_run(flow_run.id).state).type not in (StateType.CANCELLED, StateType.CRASHED):
+            assert time.monotonic() < deadline, f"the flow run is still {final.type}"
+            time.sleep(1)
+    assert served_smoke.poll() is None  # the runner goes on serving
     assert final.type == StateType.CANCELLED, final
     assert not list(outputs.glob("dpo-*/model.json"))

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from infra.core.fingerprints import imported_modules
 from trainers.stages import STAGES
 
@@ -31,14 +33,17 @@ def loaded_after(statement: str, watched: tuple[str, ...]) -> list[str]:
     return json.loads(result.stdout)
 
 
+@pytest.mark.slow
 def test_validating_a_config_imports_no_torch_transformers_prefect_or_mlflow():
     assert loaded_after("from infra.core.config import load_config; load_config('configs/default.yaml')", HEAVY) == []
 
 
+@pytest.mark.slow
 def test_importing_the_flows_imports_no_torch_or_transformers():
     assert loaded_after("import flows.pipeline, flows.evaluation", COMPUTE) == []
 
 
+@pytest.mark.flow
 def test_a_run_that_finds_everything_cached_imports_no_torch_or_transformers(tmp_path, prefect_api_url):
     """The second identical run of a config reuses every stage, reference entry and score: the
     process (``alignflow run`` as ``main()``, on the session's Prefect API) never imports either
@@ -89,6 +94,7 @@ def layer_of(module: str) -> str | None:
     return max(matches, key=len, default=None)
 
 
+@pytest.mark.unit
 def test_each_layer_imports_only_the_layers_below_it():
     modules = project_modules()
     unplaced = sorted(m for m in modules if layer_of(m) is None and m != "infra")
@@ -164,6 +170,7 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
+@pytest.mark.unit
 def test_the_cycle_finder_finds_a_cycle_through_a_lazy_import():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_cycles(graph) == [["a", "b", "c"]]
@@ -171,10 +178,12 @@ def test_the_cycle_finder_finds_a_cycle_through_a_lazy_import():
     assert imports_of(lazy) == {"trainers.dpo"}
 
 
+@pytest.mark.unit
 def test_no_import_cycles_among_project_modules():
     assert import_cycles(project_import_graph()) == []
 
 
+@pytest.mark.unit
 def test_the_experiment_flow_names_no_stage():
     tree = ast.parse((PROJECT / "flows" / "pipeline.py").read_text())
     strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from trainers.collators import PreferenceCollator, prompt_completion_batch
-from trainers.grpo_losses import token_entropy
 from trainers.logprobs import TargetLogProbs, completion_logps, next_token_logps, plan_chunks
 
 
@@ -16,6 +15,13 @@ def naive_token_logps(logits, targets):
     return torch.log_softmax(logits.float(), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+def naive_entropy(logits):
+    """H = −Σ_v p_v log p_v over the whole vocabulary, from a plain log_softmax."""
+    log_p = torch.log_softmax(logits, -1)
+    return -(log_p.exp() * log_p).sum(-1)
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_target_logprobs_equal_log_softmax_gather_values_and_gradients(dtype):
     torch.manual_seed(0)
@@ -39,6 +45,7 @@ def test_target_logprobs_equal_log_softmax_gather_values_and_gradients(dtype):
     assert got_grad[~mask].abs().max() == 0  # unscored positions get no gradient
 
 
+@pytest.mark.unit
 def test_target_logprobs_backward_passes_gradcheck_in_float64():
     torch.manual_seed(1)
     logits = torch.randn(2, 5, 7, dtype=torch.float64, requires_grad=True)
@@ -52,11 +59,12 @@ def test_target_logprobs_backward_passes_gradcheck_in_float64():
 PLANS = {"dense": 1 << 30, "skip_gaps": 0, "sliced": 1 << 30}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("plan", PLANS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_entropy_and_logprobs_equal_the_full_vocabulary_forms_for_every_chunk_plan(plan, dtype):
-    """Entropy from the chunked pass equals ``token_entropy`` (GRPO's old full-vocabulary form) to
-    1e-6, log-probs equal log_softmax + gather; the gradients of both outputs match the naive ones."""
+    """Entropy from the chunked pass equals −Σ p log p over the full vocabulary to 1e-6, log-probs
+    equal log_softmax + gather; the gradients of both outputs match the naive ones."""
     torch.manual_seed(0)
     if plan == "sliced":
         full = (4 * torch.randn(3, 11, 301)).to(dtype).requires_grad_()
@@ -79,7 +87,7 @@ def test_entropy_and_logprobs_equal_the_full_vocabulary_forms_for_every_chunk_pl
     # to bf16 before adding them; ours adds in float32 and rounds once.
     reference = logits.detach().float().requires_grad_()
     want = naive_token_logps(reference, targets)[rows, cols]
-    want_entropy = token_entropy(reference)[rows, cols]
+    want_entropy = naive_entropy(reference)[rows, cols]
     (want * weights + want_entropy * entropy_weights).sum().backward()
 
     assert entropy.dtype == torch.float32
@@ -96,6 +104,7 @@ def test_entropy_and_logprobs_equal_the_full_vocabulary_forms_for_every_chunk_pl
     assert got_grad[unscored].abs().max() == 0  # unscored positions get exactly zero gradient
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("merge, temperature", [(0, 1.0), (1 << 30, 1.0), (1 << 30, 0.7)])
 def test_logprobs_and_entropy_pass_gradcheck_in_float64(merge, temperature):
     torch.manual_seed(1)
@@ -112,9 +121,10 @@ def test_logprobs_and_entropy_pass_gradcheck_in_float64(merge, temperature):
         logps, _, entropy = outputs(logits)
     scaled = logits[rows, cols] / temperature
     assert torch.allclose(logps, torch.log_softmax(scaled, -1).gather(-1, targets[:, None]).squeeze(-1), atol=1e-12)
-    assert torch.allclose(entropy, token_entropy(scaled), atol=1e-12)
+    assert torch.allclose(entropy, naive_entropy(scaled), atol=1e-12)
 
 
+@pytest.mark.unit
 def test_chunk_plan_spans_small_gaps_and_skips_large_ones():
     logits = torch.empty(2, 10, 100)
     rows, cols = torch.tensor([0, 0, 0, 1, 1]), torch.tensor([1, 2, 4, 7, 8])
@@ -154,6 +164,7 @@ class FullLogitsOnly(torch.nn.Module):
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache)
 
 
+@pytest.mark.unit
 def test_completion_logps_equals_naive_sum_over_completion_tokens(tiny):
     model, tokenizer = tiny
     pad = tokenizer.pad_token_id
@@ -181,10 +192,11 @@ def test_completion_logps_equals_naive_sum_over_completion_tokens(tiny):
             assert abs(got.logit_sums[row].item() - mean_logits.item()) <= 1e-5
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_next_token_logps_scores_completion_positions_only_with_the_old_values_and_gradients(tiny, temperature):
     """GRPO's per-token log-probs and entropies: at completion positions equal to the old form (full
-    projection of every position, log_softmax + gather, ``token_entropy``), 0 elsewhere; the model is
+    projection of every position, log_softmax + gather, −Σ p log p), 0 elsewhere; the model is
     asked for ``logits_to_keep``, and a model without it gives the same values. Gradients of
     ``Σ w·logp + Σ u·H`` equal the old form's."""
     model, tokenizer = tiny
@@ -204,7 +216,7 @@ def test_next_token_logps_scores_completion_positions_only_with_the_old_values_a
 
     def old_form():
         logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1] / temperature
-        return naive_token_logps(logits, ids[:, 1:]), token_entropy(logits)
+        return naive_token_logps(logits, ids[:, 1:]), naive_entropy(logits)
 
     spy = LogitsToKeepSpy(model)
     (logps, entropy), ours = gradients(lambda: next_token_logps(spy, ids, attention, mask, temperature, entropy=True))
@@ -212,7 +224,10 @@ def test_next_token_logps_scores_completion_positions_only_with_the_old_values_a
     (want_logps, want_entropy), reference = gradients(old_form)
     assert logps.shape == entropy.shape == scored.shape
     assert torch.allclose(logps[scored], want_logps[scored], atol=1e-5, rtol=0)
-    assert (entropy[scored] - want_entropy[scored]).abs().max() <= 1e-6
+    # float32 entropies near 4.6 summed in another order: within 4 ulps (2.2e-6; 1.4e-6 seen at 0.7 on one thread)
+    ulp = want_entropy[scored].abs() * torch.finfo(torch.float32).eps
+    ulps = (entropy[scored] - want_entropy[scored]).abs() / ulp
+    assert ulps.max() <= 4
     assert logps[~scored].abs().max() == 0 and entropy[~scored].abs().max() == 0
     for got, want in zip(ours, reference):
         assert torch.allclose(got, want, atol=1e-5)
@@ -221,6 +236,7 @@ def test_next_token_logps_scores_completion_positions_only_with_the_old_values_a
     model.zero_grad()
 
 
+@pytest.mark.unit
 def test_completion_logps_options_weight_tokens_and_give_wpo_terms_and_are_off_by_default(tiny):
     """``token_weights`` of ones is bit-identical to none; other weights scale each token's
     log-prob; ``wpo_terms`` gives, per row, the mean of log p(y_t) − log Σ_v p_v² (chunked like the
@@ -251,6 +267,7 @@ def test_completion_logps_options_weight_tokens_and_give_wpo_terms_and_are_off_b
             assert abs(got.wpo_logweights[row].item() - wpo) <= 1e-5
 
 
+@pytest.mark.unit
 def test_completion_logps_gradient_equals_naive_gradient(tiny):
     model, tokenizer = tiny
     batch = prompt_completion_batch([[10, 11, 12], [13]], [[20, 21], [22, 23, 24, 2]], tokenizer.pad_token_id)
@@ -274,6 +291,7 @@ def test_completion_logps_gradient_equals_naive_gradient(tiny):
         assert torch.allclose(ours[name], reference[name], atol=1e-5), name
 
 
+@pytest.mark.unit
 def test_preference_collator_stacks_chosen_then_rejected(tiny):
     _, tokenizer = tiny
     pad = tokenizer.pad_token_id
@@ -361,6 +379,7 @@ def peak_growth_mib(*forms: str) -> list[float]:
     return [int(line) / 1024 for line in result.stdout.split()]
 
 
+@pytest.mark.slow
 def test_peak_memory_is_below_the_naive_form_on_a_large_vocabulary():
     """bf16 logits of 4 × 128 × 32768 (32 MiB; a float32 copy is 64 MiB), forward and backward.
 
@@ -374,6 +393,7 @@ def test_peak_memory_is_below_the_naive_form_on_a_large_vocabulary():
     assert naive - ours > float32_copy, (naive, ours)  # at least one full float32 logits copy less
 
 
+@pytest.mark.slow
 def test_grpo_entropy_from_the_chunked_pass_saves_the_full_vocabulary_copies():
     """GRPO: log-probs with backward plus the entropy metric, on bf16 logits of 2 × 128 × 32768
     (16 MiB; a float32 copy is 32 MiB). The former metric (softmax and log_softmax of float32 copies,

@@ -69,6 +69,7 @@ def lora_count(layers, hidden, intermediate, r, kv_hidden=None):
     return layers * r * (attention + mlp)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "target_modules, expected",
     [
@@ -92,6 +93,7 @@ def load_copy(model):
     return copy.deepcopy(model)
 
 
+@pytest.mark.slow
 def test_the_adapter_disabled_reference_gives_the_base_models_log_probs(tiny, handles):
     model, _ = tiny
     _, data = handles
@@ -111,6 +113,7 @@ def test_the_adapter_disabled_reference_gives_the_base_models_log_probs(tiny, ha
     assert torch.allclose(ref.logps, base, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_dpo_with_lora_and_a_live_reference_holds_no_second_model_and_its_reference_is_the_base(
     tiny, handles, tmp_path
 ):
@@ -129,6 +132,7 @@ def test_dpo_with_lora_and_a_live_reference_holds_no_second_model_and_its_refere
     assert (policy.logps - base.logps).abs().max() > 1e-4  # two steps moved the adapters
 
 
+@pytest.mark.slow
 def test_grpo_with_lora_anchors_its_kl_to_the_base_model(tiny, handles, tmp_path):
     model, tokenizer = tiny
     overrides = ["grpo.beta=0.1", "grpo.per_device_train_batch_size=4", "grpo.num_generations=2"]
@@ -143,6 +147,7 @@ def test_grpo_with_lora_anchors_its_kl_to_the_base_model(tiny, handles, tmp_path
     assert torch.allclose(slices[0]["ref_logps"], base.logps, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_the_saved_adapter_and_the_merged_copy_give_the_trained_policys_logits(handles, tmp_path):
     overrides = ["dpo.max_steps=2", "dpo.per_device_train_batch_size=4", "dpo.reference=live"]
     overrides.append("dpo.gradient_checkpointing=true")
@@ -174,6 +179,7 @@ def test_the_saved_adapter_and_the_merged_copy_give_the_trained_policys_logits(h
         check_model_folder(adapter_dir)
 
 
+@pytest.mark.slow
 def test_sft_logs_its_eval_loss_on_the_held_out_split_at_eval_steps(tiny, handles, tmp_path):
     import datasets
 
@@ -193,6 +199,7 @@ def test_sft_logs_its_eval_loss_on_the_held_out_split_at_eval_steps(tiny, handle
     assert evaluations[-1]["eval_loss"] == pytest.approx(expected, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_knobs_reach_the_trainer_arguments(handles, tmp_path):
     from trainers.dpo import DPOConfig
 
@@ -207,6 +214,7 @@ def test_knobs_reach_the_trainer_arguments(handles, tmp_path):
     assert args.eval_strategy == "no"  # no held-out split given to training_arguments: no evaluation
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -227,6 +235,7 @@ def test_bad_peft_and_knob_settings_are_config_errors(overrides, message):
         load_config(None, overrides)
 
 
+@pytest.mark.slow
 def test_peft_is_off_by_default_and_picks_its_stages():
     assert load_config(None).peft.for_stage("dpo") is None
     chosen = load_config(None, ["peft.enabled=true", "peft.stages=[dpo, grpo]", "peft.r=4"]).peft
@@ -235,6 +244,7 @@ def test_peft_is_off_by_default_and_picks_its_stages():
     assert PeftConfig(enabled=True).for_stage("sft") == LoraSettings()
 
 
+@pytest.mark.flow
 def test_the_default_chain_trains_lora_adapters_in_every_stage_and_evaluates_the_saved_adapter(prefect_api_url):
     """SFT(LoRA) → cached reference → DPO(LoRA) → GRPO(LoRA, KL to its adapter-disabled self): each
     stage starts from the previous stage's merged copy, logs adapter and model, and the adapter
@@ -242,7 +252,7 @@ def test_the_default_chain_trains_lora_adapters_in_every_stage_and_evaluates_the
     import json
     from pathlib import Path
 
-    from mlflow import MlflowClient
+    from helpers import mlflow_client
 
     from flows.evaluation import evaluation
     from flows.pipeline import experiment
@@ -252,7 +262,7 @@ def test_the_default_chain_trains_lora_adapters_in_every_stage_and_evaluates_the
     overrides = ["name=lora", "peft.enabled=true", "peft.r=4", "grpo.beta=0.1", "sft.seed=23"]
     config = load_config("configs/minimal.yaml", overrides)
     report = experiment(config)
-    client = MlflowClient(get_settings().mlflow_tracking_uri)
+    client = mlflow_client()
     (parent,) = client.search_runs(
         [client.get_experiment_by_name("alignflow").experiment_id], "tags.`mlflow.runName` = 'lora'"
     )
@@ -295,10 +305,12 @@ def test_the_default_chain_trains_lora_adapters_in_every_stage_and_evaluates_the
     assert merged["greedy_accuracy"] == adapter["greedy_accuracy"] == report.rows["grpo"]["greedy_accuracy"]
 
 
+@pytest.mark.slow
 def test_a_bare_yaml_no_turns_evaluation_off():
     assert load_config(None, ["dpo.eval_strategy=no"]).dpo.eval_strategy == "no"
 
 
+@pytest.mark.slow
 def test_the_0_5b_example_has_qwen_0_5b_s_parameter_count_and_trains_lora_with_the_memory_knobs():
     """Counted on the meta device (no memory, no init): the shape's parameters by hand, and its
     LoRA parameters; the config turns on LoRA, checkpointing and bf16 (auto) in every stage."""
@@ -322,6 +334,7 @@ def test_the_0_5b_example_has_qwen_0_5b_s_parameter_count_and_trains_lora_with_t
     assert trainable_parameters(wrapped) == lora_count(layers, hidden, mlp, 16, kv_hidden=kv) == 8_798_208
 
 
+@pytest.mark.slow
 def test_lora_with_a_live_reference_peaks_below_full_fine_tuning_by_the_reference_gradients_and_moments():
     """Peak RSS of DPO with ``reference: live`` in fresh processes (benchmarks/lora_memory.py, a
     12M Llama): full fine-tuning holds a reference copy, gradients and two AdamW moments (4× the
@@ -359,6 +372,7 @@ STAGE_STEPS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", list(STAGE_STEPS))
 def test_every_stage_trains_its_adapters_with_gradient_checkpointing_and_bf16(stage, handles, tmp_path):
     """One step with LoRA, checkpointing and bf16 autocast (on CPU here): every B matrix, zero at

@@ -18,6 +18,8 @@ from trainers.losses import (
     sigmoid_loss,
 )
 
+pytestmark = pytest.mark.unit
+
 # (π_c, π_r, ref_c, ref_r, |y_c|, |y_r|) per pair: policy / reference summed log-probs and lengths.
 PAIRS = [
     (-3.0, -5.0, -4.0, -4.5, 2, 3),

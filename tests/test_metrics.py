@@ -22,6 +22,8 @@ from trainers.metrics import bootstrap_ci, pass_at_k
 from trainers.reference import reference_logps
 from trainers.synthetic import AdditionTask, generate_addition
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     "n, c, k, expected",

@@ -6,10 +6,8 @@ a stage whose metrics cannot be delivered fails, it is never reported as a succe
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +15,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+from helpers import environment_without_services, free_port
 from mlflow import MlflowClient
 from prefect.logging import disable_run_logger
 
@@ -37,12 +36,6 @@ MAX_STEPS = 30
 STOP_AT, RESTART_AT = 4, 12
 STARTUP_TIMEOUT_S = 180
 STALL_S = 5.0  # a step of the tiny model takes milliseconds; MLflow's own retries would take minutes
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class TrackingServer:
@@ -127,6 +120,7 @@ def slowest_step_during_outage(notes: dict) -> float:
     return max(ends[step] - ends[step - 1] for step in range(STOP_AT + 1, MAX_STEPS + 1))
 
 
+@pytest.mark.slow
 def test_training_goes_on_through_an_outage_and_every_metric_step_arrives_after_the_restart(
     server, inputs, monkeypatch
 ):
@@ -143,6 +137,7 @@ def test_training_goes_on_through_an_outage_and_every_metric_step_arrives_after_
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == [MAX_STEPS]
 
 
+@pytest.mark.slow
 def test_a_server_that_never_comes_back_fails_the_stage_and_it_is_not_finished(server, inputs, monkeypatch):
     monkeypatch.setenv("ALIGNFLOW_METRICS_FLUSH_TIMEOUT", "3")
     # the stage's other MLflow calls (marking the run FAILED) fail fast too, instead of retrying for minutes
@@ -171,10 +166,12 @@ def test_a_server_that_never_comes_back_fails_the_stage_and_it_is_not_finished(s
     assert reported and 1 <= int(reported[1]) <= len(delivered) + 1, str(failure.value)
 
 
+@pytest.mark.unit
 def test_backoff_doubles_from_half_a_second_up_to_its_cap():
     assert [backoff_seconds(n, cap=10.0) for n in range(1, 8)] == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
 
 
+@pytest.mark.slow
 def test_a_store_that_fails_twice_still_gets_every_metric_once():
     from tasks.tracking import client, experiment_id
 
@@ -197,6 +194,7 @@ def test_a_store_that_fails_twice_still_gets_every_metric_once():
     assert calls[2:] and sum(calls[2:]) == 5 and sender.failures == 0
 
 
+@pytest.mark.slow
 def test_metrics_the_store_rejects_are_reported_at_close():
     from tasks.tracking import client, experiment_id
 
@@ -208,9 +206,9 @@ def test_metrics_the_store_rejects_are_reported_at_close():
         sender.close(timeout=30)
 
 
+@pytest.mark.flow
 def test_alignflow_run_fails_with_one_clear_line_when_mlflow_dies_for_good(server, tmp_path, prefect_api_url):
-    keep = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "ALIGNFLOW_"))}
-    env = keep | {
+    env = environment_without_services("ALIGNFLOW_") | {
         "ALIGNFLOW_HOME": str(tmp_path / "home"),
         "PREFECT_API_URL": prefect_api_url,
         "MLFLOW_TRACKING_URI": server.spec.url,

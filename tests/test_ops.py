@@ -10,6 +10,7 @@ import sys
 from datetime import timedelta
 
 import pytest
+from helpers import ALIGNFLOW, environment_without_services
 from pydantic import ValidationError
 
 from infra.core.config import EvaluationRequest, ExperimentConfig, load_config
@@ -22,6 +23,7 @@ from tasks.tracking import flow_run_url
 from trainers.dpo_section import DPOStageConfig
 
 
+@pytest.mark.unit
 def test_config_parameters_build_step_loads_and_validates_a_config_file():
     assert config_parameters("configs/minimal.yaml") == {
         "config": load_config("configs/minimal.yaml").model_dump(mode="json")
@@ -32,6 +34,7 @@ def test_config_parameters_build_step_loads_and_validates_a_config_file():
         config_parameters("configs/minimal.yaml", ["dpo.beta=-1"])
 
 
+@pytest.mark.flow
 def test_served_deployments_mirror_prefect_yaml(prefect_api_url):  # build steps resolve templates through the API
     nightly, smoke, evaluate, compare = served_deployments()
     assert (nightly.name, smoke.name, evaluate.name, compare.name) == (
@@ -55,6 +58,7 @@ def test_served_deployments_mirror_prefect_yaml(prefect_api_url):  # build steps
     assert nightly.tags == ["alignflow", "experiment"]
 
 
+@pytest.mark.unit
 def test_schedules_accept_seconds_iso_durations_and_cron():
     parsed = schedules(
         {
@@ -70,11 +74,13 @@ def test_schedules_accept_seconds_iso_durations_and_cron():
     assert (parsed[2].cron, parsed[2].timezone) == ("*/5 * * * *", "Europe/Berlin")
 
 
+@pytest.mark.unit
 def test_an_unknown_deployment_name_is_a_clear_error():
     with pytest.raises(ValueError, match=r"no deployment named weekly \(known: nightly, smoke\)"):
         select_deployments({"deployments": [{"name": "nightly"}, {"name": "smoke"}]}, ["weekly"])
 
 
+@pytest.mark.unit
 def test_form_hints_keep_declaration_order_and_title_sections():
     schema = ExperimentConfig.model_json_schema()
     top = schema["properties"]
@@ -97,6 +103,7 @@ def test_form_hints_keep_declaration_order_and_title_sections():
     assert sorted(dpo, key=lambda name: dpo[name]["position"]) == list(DPOStageConfig.model_fields)
 
 
+@pytest.mark.unit
 def test_server_specs_default_to_sqlite_and_take_postgres_urls_with_their_drivers(tmp_path):
     prefect = servers.prefect_server(servers.ServerOptions(), tmp_path)
     assert prefect.env["PREFECT_API_DATABASE_CONNECTION_URL"] == f"sqlite+aiosqlite:///{tmp_path / 'prefect.db'}"
@@ -126,6 +133,7 @@ def test_server_specs_default_to_sqlite_and_take_postgres_urls_with_their_driver
     )
 
 
+@pytest.mark.unit
 def test_a_wildcard_bind_is_advertised_by_name_and_mlflow_allows_that_name(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_SERVER_ALLOWED_HOSTS", raising=False)
     options = servers.ServerOptions(host="0.0.0.0")
@@ -145,6 +153,7 @@ def sleeper(name: str) -> servers.ServerSpec:
     return servers.ServerSpec(name, "", "http://127.0.0.1:9/none", ["sh", "-c", "sleep 300 & sleep 300"], {}, {}, "")
 
 
+@pytest.mark.slow
 def test_stop_ends_the_whole_process_group_and_forgets_the_pid(tmp_path):
     pid = servers.start(sleeper("sleeper"), tmp_path)
     assert servers.read_pid(tmp_path) == pid and pid_alive(pid)
@@ -154,6 +163,7 @@ def test_stop_ends_the_whole_process_group_and_forgets_the_pid(tmp_path):
     assert servers.read_pid(tmp_path) is None and not servers.stop(tmp_path)
 
 
+@pytest.mark.slow
 def test_wait_healthy_gives_up_at_once_on_a_server_that_died(tmp_path):
     spec = servers.ServerSpec(
         "dies", "", "http://127.0.0.1:9/none", ["sh", "-c", "echo cannot bind; exit 3"], {}, {}, ""
@@ -163,6 +173,7 @@ def test_wait_healthy_gives_up_at_once_on_a_server_that_died(tmp_path):
     assert "cannot bind" in servers.log_tail(tmp_path)
 
 
+@pytest.mark.unit
 def test_servers_status_of_nothing_started_is_stopped_with_exit_3(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("ALIGNFLOW_HOME", str(tmp_path))
     assert main(["servers", "status"]) == 3
@@ -171,11 +182,11 @@ def test_servers_status_of_nothing_started_is_stopped_with_exit_3(tmp_path, monk
         main(["servers", "status", "redis"])
 
 
+@pytest.mark.slow
 def test_deploy_without_a_prefect_server_says_how_to_get_one(tmp_path):
-    env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_API")}
     result = subprocess.run(
-        [sys.executable, "-m", "infra.ops.cli", "deploy"],
-        env={**env, "PREFECT_HOME": str(tmp_path)},
+        [*ALIGNFLOW, "deploy"],
+        env=environment_without_services() | {"PREFECT_HOME": str(tmp_path)},
         capture_output=True,
         text=True,
         timeout=120,
@@ -184,6 +195,7 @@ def test_deploy_without_a_prefect_server_says_how_to_get_one(tmp_path):
     assert "this needs a Prefect server: set PREFECT_API_URL" in result.stderr
 
 
+@pytest.mark.unit
 def test_no_flow_run_url_outside_a_flow_run():
     assert flow_run_url() is None
 
@@ -196,6 +208,7 @@ STUBBORN = (
 )
 
 
+@pytest.mark.slow
 def test_a_group_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path):
     """`alignflow worker` runs the worker this way: SIGTERM reaches the whole group, and whatever is
     left after --grace seconds is killed; the command returns 0."""
@@ -212,6 +225,7 @@ def test_a_group_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path)
     assert not group_alive(group)
 
 
+@pytest.mark.flow
 def test_serve_refuses_names_that_workers_own(prefect_api_url, capsys):
     """`alignflow serve` would replace the pull steps of a deployment that `alignflow deploy` made
     for a work pool; its workers' next runs would then fail. It refuses, naming the deployment."""
@@ -221,10 +235,10 @@ def test_serve_refuses_names_that_workers_own(prefect_api_url, capsys):
     with get_client(sync_client=True) as client:
         client.create_work_pool(WorkPoolCreate(name="serve-test-pool", type="process"))
         flow_id = client.create_flow_from_name("alignflow-experiment")
-        deployment_id = client.create_deployment(flow_id=flow_id, name="smoke", work_pool_name="serve-test-pool")
-    try:
-        assert main(["serve", "--name", "smoke"]) == 2
-        assert "alignflow-experiment/smoke (work pool serve-test-pool) already deployed for workers" in (
+        deployment_id = client.create_deployment(flow_id=flow_id, name="nightly", work_pool_name="serve-test-pool")
+    try:  # nightly: smoke is the session's served deployment (served_smoke), which this one would replace
+        assert main(["serve", "--name", "nightly"]) == 2
+        assert "alignflow-experiment/nightly (work pool serve-test-pool) already deployed for workers" in (
             capsys.readouterr().err
         )
     finally:

@@ -12,7 +12,7 @@ import sys
 import mlflow
 import pytest
 import torch
-from mlflow import MlflowClient
+from helpers import MINIMAL, PROJECT, mlflow_client, run_flow, task_states
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
@@ -21,24 +21,11 @@ from infra.core.refcache import ReferenceCache
 from infra.core.settings import get_settings
 from infra.ops.cli import main
 
-MINIMAL = "configs/minimal.yaml"
+pytestmark = pytest.mark.flow
+
 # SFT is cached across flow runs by content; a seed of its own keeps this module's first run a miss
 # whatever other test modules ran before.
 UNIQUE = ["sft.seed=11"]
-
-
-def task_states(flow_run_id) -> dict[str, str]:
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return {run.name: run.state.name for run in runs}
-
-
-def run_flow(config):
-    from flows.pipeline import experiment
-
-    state = experiment(config, return_state=True)
-    assert state.is_completed(), state.message
-    return state.state_details.flow_run_id, state.result()
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +34,7 @@ def first_run(prefect_api_url):
 
 
 def parent_and_children(flow_run_id):
-    client = MlflowClient(get_settings().mlflow_tracking_uri)
+    client = mlflow_client()
     experiment = client.get_experiment_by_name("alignflow")
     (parent,) = client.search_runs(
         [experiment.experiment_id],
@@ -66,7 +53,8 @@ def test_flow_logs_parent_child_runs_metrics_checkpoints_and_a_loadable_model(fi
     assert parent.data.params["dpo.beta"] == "0.5"
     assert parent.data.params["model.source"] == "builtin:tiny-llama"
     assert parent.data.tags["alignflow.config_hash"] == load_config(MINIMAL, UNIQUE).content_hash()
-    assert len(parent.data.tags["mlflow.source.git.commit"]) in (40, len("unknown"))
+    checkout = subprocess.run(["git", "rev-parse", "HEAD"], cwd=PROJECT, capture_output=True, text=True, check=True)
+    assert parent.data.tags["mlflow.source.git.commit"] == checkout.stdout.strip()  # this checkout's commit
 
     dpo = children["dpo"].info.run_id
     assert len(client.get_metric_history(dpo, "loss")) >= 2
@@ -174,8 +162,7 @@ def test_a_new_dpo_setting_trains_dpo_again_on_the_same_reference_entry(first_ru
     _, _, children = parent_and_children(flow_run_id)
     assert set(children) == {"dpo", "grpo", "evaluate"}  # GRPO starts from the new DPO model
     first_dpo, second_dpo = (
-        MlflowClient(get_settings().mlflow_tracking_uri).get_run(parent_and_children(run)[2]["dpo"].info.run_id)
-        for run in (first_run[0], flow_run_id)
+        mlflow_client().get_run(parent_and_children(run)[2]["dpo"].info.run_id) for run in (first_run[0], flow_run_id)
     )
     assert (
         reference_input(second_dpo)[0].digest == reference_input(first_dpo)[0].digest
@@ -300,7 +287,7 @@ def test_bad_input_fails_the_cli_and_leaves_nothing_behind(prefect_api_url, stat
     assert "full traceback: " in result.stderr and "(or run with --debug)" in result.stderr
     assert sorted(p.name for p in get_settings().data_cache.glob("*")) == cache_before  # no entry, no staging folder
 
-    client = MlflowClient(get_settings().mlflow_tracking_uri)
+    client = mlflow_client()
     experiment = client.get_experiment_by_name(experiment_name)
     (run,) = client.search_runs([experiment.experiment_id])
     assert run.info.status == "FAILED"

@@ -11,13 +11,15 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from helpers import environment_without_services, free_port
 
 from infra.ops import prefect_api
-from infra.ops.prefect_api import TemporaryServer, configured_prefect_api, free_port
+from infra.ops.prefect_api import TemporaryServer, configured_prefect_api
 
 PROJECT = Path(__file__).parents[1]
 
 
+@pytest.mark.unit
 def test_a_configured_api_url_comes_first_then_a_servers_up_server(monkeypatch):
     monkeypatch.setattr(prefect_api, "servers_up_api_url", lambda: "http://127.0.0.1:4200/api")
     monkeypatch.setenv("PREFECT_API_URL", "http://prefect.example:4200/api")
@@ -28,6 +30,7 @@ def test_a_configured_api_url_comes_first_then_a_servers_up_server(monkeypatch):
     assert configured_prefect_api() is None  # a temporary server is needed
 
 
+@pytest.mark.unit
 def test_servers_up_api_url_reads_a_healthy_record_only(tmp_path, monkeypatch, state_dir):
     folder = state_dir / "servers" / "prefect"
     folder.mkdir(parents=True, exist_ok=True)
@@ -41,6 +44,7 @@ def test_servers_up_api_url_reads_a_healthy_record_only(tmp_path, monkeypatch, s
             (folder / name).unlink()
 
 
+@pytest.mark.slow
 def test_a_temporary_server_answers_the_api_and_leaves_nothing_when_stopped(tmp_path, state_dir):
     """While it starts, the waiting process runs its steps one at a time, and none once it answers."""
     server = TemporaryServer(free_port(), tmp_path / "server.log")
@@ -60,6 +64,7 @@ def test_a_temporary_server_answers_the_api_and_leaves_nothing_when_stopped(tmp_
         os.killpg(server.group.pgid, 0)  # its process group is gone
 
 
+@pytest.mark.slow
 def test_a_temporary_server_stops_when_the_process_that_started_it_is_killed(tmp_path, state_dir):
     """kill -9 of a run leaves no server: it gets SIGTERM when its parent dies."""
     starter = subprocess.Popen(
@@ -87,6 +92,7 @@ def test_a_temporary_server_stops_when_the_process_that_started_it_is_killed(tmp
         raise AssertionError("the temporary server outlived the process that started it")
 
 
+@pytest.mark.slow
 def test_a_server_that_cannot_start_is_reported_at_once_with_its_log(tmp_path, monkeypatch):
     fake = tmp_path / "fake" / "uvicorn"  # a uvicorn that fails at start, first on the path
     fake.mkdir(parents=True)
@@ -99,10 +105,11 @@ def test_a_server_that_cannot_start_is_reported_at_once_with_its_log(tmp_path, m
         server.wait_ready(timeout=60)
 
 
+@pytest.mark.slow
 def test_the_command_exits_with_the_flow_code_after_a_failed_run_and_leaves_no_server(tmp_path):
     """`alignflow run` on the embedded default: its own temporary server, the run's exit code
     through the teardown-free exit, and no server process afterwards."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env = environment_without_services()
     env["ALIGNFLOW_HOME"] = str(tmp_path)
     bad = tmp_path / "pairs.jsonl"
     bad.write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n{"prompt": "2+2=", "chosen": "4"}\n')

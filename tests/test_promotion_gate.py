@@ -5,6 +5,8 @@ from infra.core.handles import ModelHandle, PreparedData
 from tasks.evaluate import NOTHING_EVALUATED, EvalReport
 from tasks.promote import EVAL_PROMPTS_TAG, Champion, comparability, gate, significant_gain
 
+pytestmark = pytest.mark.unit
+
 
 def handle(tokenizer: str = "tok") -> ModelHandle:
     return ModelHandle(path="m", fingerprint="w", tokenizer_fingerprint=tokenizer, stage="champion")

@@ -16,6 +16,7 @@ import time
 import uuid
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from types import SimpleNamespace
 
 import fsspec
 import numpy as np
@@ -51,7 +52,12 @@ def store(request, tmp_path) -> ReferenceCache:
     return ReferenceCache(roots[request.param])
 
 
-def test_entry_is_written_once_with_manifest_checksums_and_read_back(store):
+@pytest.mark.unit
+def test_entry_is_written_once_with_manifest_checksums_and_read_back(store, monkeypatch):
+    from infra.core import refcache
+
+    clock = iter([10.0, 11.5])  # the computation's start and end: 1.5 s for its 6 pairs
+    monkeypatch.setattr(refcache, "time", SimpleNamespace(perf_counter=lambda: next(clock)))  # its clock only
     compute = Counter()
     entry, computed = store.get_or_compute(
         "k1", compute, inputs={"weights": "abc"}, producer={"mlflow_run_id": "run-1"}
@@ -71,7 +77,7 @@ def test_entry_is_written_once_with_manifest_checksums_and_read_back(store):
             "rows": rows,
             "sha256": hashlib.sha256(data).hexdigest(),
         }
-    assert manifest["timing"]["pairs"] == 6 and manifest["timing"]["compute_seconds"] >= 0
+    assert manifest["timing"] == {"compute_seconds": 1.5, "pairs": 6, "pairs_per_second": 4.0}
     assert datetime.now(timezone.utc) - datetime.fromisoformat(manifest["created_at"]) < timedelta(minutes=5)
     assert entry.digest == manifest["digest"] and entry.uri == f"{store.root}/k1"
 
@@ -99,6 +105,7 @@ DAMAGE = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_corrupt_or_partial_entry_is_detected_and_rebuilt_with_a_warning(store, damage, caplog):
     compute = Counter()
@@ -116,6 +123,7 @@ def test_corrupt_or_partial_entry_is_detected_and_rebuilt_with_a_warning(store, 
     assert store.read("k1").digest == first.digest
 
 
+@pytest.mark.unit
 def test_entry_whose_rows_differ_from_the_prepared_data_is_rebuilt(tmp_path):
     store = ReferenceCache(str(tmp_path))
     store.get_or_compute("k1", Counter({"preference": (CHOSEN[:3], REJECTED[:3])}), inputs={})
@@ -126,6 +134,7 @@ def test_entry_whose_rows_differ_from_the_prepared_data_is_rebuilt(tmp_path):
     assert computed and compute.calls == 1 and entry.rows == {"preference": 4, "preference_eval": 2}
 
 
+@pytest.mark.unit
 def test_failed_computation_leaves_no_entry_and_no_staging(tmp_path):
     store = ReferenceCache(str(tmp_path))
 
@@ -152,6 +161,7 @@ def request_entry(root: str, barrier, calls_file: str, results) -> None:
     results.put((computed, entry.digest, entry.tables["preference"].column("ref_chosen_logps").to_pylist()))
 
 
+@pytest.mark.slow
 def test_two_processes_requesting_one_key_compute_it_once_and_read_the_same_values(tmp_path):
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(2), context.Queue()
@@ -171,6 +181,7 @@ def test_two_processes_requesting_one_key_compute_it_once_and_read_the_same_valu
     assert outcomes[0][1:] == outcomes[1][1:]
 
 
+@pytest.mark.unit
 def test_two_threads_on_a_memory_store_compute_once_through_the_lease_lock():
     store = ReferenceCache(f"memory://lease-{uuid.uuid4().hex}", lease_seconds=0.3)
     calls, outcomes = [], []
@@ -198,6 +209,7 @@ HOLD_LOCK = (
 )
 
 
+@pytest.mark.slow
 def test_local_lock_of_a_killed_holder_is_free_at_once(tmp_path):
     path = tmp_path / "locks" / "k.lock"
     holder = subprocess.Popen(
@@ -217,6 +229,7 @@ def test_local_lock_of_a_killed_holder_is_free_at_once(tmp_path):
         holder.wait()
 
 
+@pytest.mark.unit
 def test_lease_lock_breaks_a_stale_lease_and_times_out_on_a_live_one(caplog):
     fs = fsspec.filesystem("memory")
     path = f"/leases-{uuid.uuid4().hex}/k.lock"
@@ -238,6 +251,7 @@ def age_entry(store: ReferenceCache, key: str, days: float) -> None:
     store.fs.pipe_file(path, json.dumps(manifest).encode())
 
 
+@pytest.mark.unit
 def test_gc_removes_entries_and_staging_older_than_the_limit(tmp_path):
     store = ReferenceCache(str(tmp_path))
     for key in ("old", "new"):
@@ -252,6 +266,7 @@ def test_gc_removes_entries_and_staging_older_than_the_limit(tmp_path):
     assert store.read("new").rows == {"preference": 4, "preference_eval": 2}
 
 
+@pytest.mark.unit
 def test_parse_duration():
     assert parse_duration("7d") == timedelta(days=7)
     assert parse_duration("12h") == timedelta(hours=12)
@@ -260,6 +275,7 @@ def test_parse_duration():
         parse_duration("7 days")
 
 
+@pytest.mark.unit
 def test_cache_cli_ls_show_verify_gc(tmp_path, capsys):
     from infra.ops.cli import main
 
@@ -295,6 +311,7 @@ def test_cache_cli_ls_show_verify_gc(tmp_path, capsys):
     assert main(["cache", "show", "zzz", *root]) == 1
 
 
+@pytest.mark.unit
 def test_values_survive_as_float32():
     """float32 log-probs (what the reference pass produces) are stored without rounding."""
     values = np.float32([-1.2345678, -0.1, -33.3]).tolist()

@@ -20,6 +20,8 @@ from tasks.models import checkpoint_handle, resolve_model
 from tasks.reference import cache_ref_logps, join_columns, reference_key, with_reference_columns
 from trainers.modeling import load_causal_lm
 
+pytestmark = pytest.mark.unit
+
 PAIRS = [
     {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
     for a, b in [(1, 2), (3, 4), (10, 5), (7, 7)]

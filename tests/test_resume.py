@@ -25,6 +25,8 @@ from trainers.checkpoints import (
 )
 from trainers.stages import STAGES
 
+pytestmark = pytest.mark.slow  # training: seconds a test
+
 
 def build(stage: str, overrides: list[str], handles, output_dir: Path):
     policy, data, reference_logps = handles

@@ -21,6 +21,8 @@ from pathlib import Path
 from uuid import UUID
 
 import pytest
+from helpers import ALIGNFLOW, environment_without_services, mlflow_client
+from helpers import PROJECT as PROJECT_ROOT
 from mlflow import MlflowClient
 from prefect import flow
 from prefect.client.orchestration import get_client
@@ -34,8 +36,6 @@ from infra.ops import databases
 from infra.ops.databases import READY_FILE
 from infra.ops.runs import REASON_TAG, gone_reason, orphaned_temporary_servers, verdict
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-ALIGNFLOW = [sys.executable, "-m", "infra.ops.cli"]
 SHORT_RUN = ["configs/minimal.yaml", "stages=[sft]", "sft.max_steps=2", "evaluation.num_prompts=4"]
 START_TIMEOUT_S = 240
 
@@ -43,8 +43,7 @@ START_TIMEOUT_S = 240
 def fresh_state_env(home: Path) -> dict[str, str]:
     """Environment of an `alignflow` subprocess with its own state folder ``home`` (and nothing of
     this session's: its Prefect home, API URL and tracking URI)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_HOME", "PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
-    return env | {"ALIGNFLOW_HOME": str(home), "OMP_NUM_THREADS": "1"}
+    return environment_without_services() | {"ALIGNFLOW_HOME": str(home), "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture
@@ -57,10 +56,6 @@ def alignflow(env: dict, *args: str, timeout: float = 300) -> subprocess.Complet
     return subprocess.run(
         [*ALIGNFLOW, *args], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
-
-
-def mlflow_client(env: dict) -> MlflowClient:
-    return MlflowClient(f"sqlite:///{env['ALIGNFLOW_HOME']}/mlflow.db")
 
 
 def runs_by_name(client: MlflowClient) -> dict[str, object]:
@@ -145,9 +140,10 @@ def status(client: MlflowClient, run_id: str) -> tuple[str, str | None]:
     return run.info.status, run.data.tags.get(REASON_TAG)
 
 
+@pytest.mark.flow
 def test_a_killed_run_is_marked_failed_and_crashed_and_live_runs_are_left_alone(home, tmp_path):
     runner, killed = kill_while_training(home, tmp_path / "run.log", step=4)  # metrics logged by then
-    client = mlflow_client(home)
+    client = mlflow_client(home["ALIGNFLOW_HOME"])
     killed_runs = runs_by_name(client)
     parent, stage = killed_runs["minimal"], killed_runs["sft"]
     assert (parent.info.status, stage.info.status) == ("RUNNING", "RUNNING")  # what the kill left behind
@@ -205,9 +201,10 @@ def test_a_killed_run_is_marked_failed_and_crashed_and_live_runs_are_left_alone(
     assert "0 run(s) whose process is gone" in again.stdout.splitlines()[-1]
 
 
+@pytest.mark.flow
 def test_the_next_alignflow_run_marks_runs_of_dead_processes_first(home, tmp_path):
     dead = dead_process_record()
-    client = mlflow_client(home)
+    client = mlflow_client(home["ALIGNFLOW_HOME"])
     from infra.ops.databases import create_mlflow_store
 
     create_mlflow_store(client.tracking_uri)
@@ -218,14 +215,16 @@ def test_the_next_alignflow_run_marks_runs_of_dead_processes_first(home, tmp_pat
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"alignflow: marked FAILED: MLflow run dead ({parent}): {dead}" in result.stderr.splitlines()
     assert f"alignflow: marked FAILED: MLflow run dead-child ({child}): {dead}" in result.stderr.splitlines()
-    assert (status(client, parent), status(client, child)) == (("FAILED", gone_reason(dead)),) * 2
+    reason = f"process gone: {dead} no longer runs (found by alignflow runs cleanup)"
+    assert (status(client, parent), status(client, child)) == (("FAILED", reason),) * 2
     crashed, _ = flow_run_states(dead_flow_run)
-    assert (crashed.state.type.value, crashed.state.message) == ("CRASHED", gone_reason(dead))
+    assert (crashed.state.type.value, crashed.state.message) == ("CRASHED", reason)
     new_runs = runs_by_name(client)
     assert (new_runs["minimal"].info.status, new_runs["sft"].info.status) == ("FINISHED", "FINISHED")
     assert REASON_TAG not in new_runs["minimal"].data.tags
 
 
+@pytest.mark.slow
 def test_a_reused_pid_a_zombie_and_another_boot_are_not_the_recorded_process():
     me = process_record()
     assert me.pid == os.getpid() and is_alive(me)
@@ -240,6 +239,7 @@ def test_a_reused_pid_a_zombie_and_another_boot_are_not_the_recorded_process():
     assert not is_alive(record) and stat_fields(exited.pid) is None
 
 
+@pytest.mark.slow
 def test_runs_are_judged_by_their_record_and_only_on_their_host():
     me = process_record()
     assert ProcessRecord.from_tags(me.tags()) == me
@@ -251,7 +251,7 @@ def test_runs_are_judged_by_their_record_and_only_on_their_host():
 RACE_SYMPTOMS = ("duplicate column name", "already exists", "Traceback")
 
 
-@pytest.mark.flow  # two temporary Prefect servers (in the subprocesses), not the session's
+@pytest.mark.slow
 def test_two_runs_started_at_once_on_a_fresh_state_folder_both_finish(tmp_path):
     env = fresh_state_env(tmp_path / "home")
     runners = [
@@ -264,7 +264,7 @@ def test_two_runs_started_at_once_on_a_fresh_state_folder_both_finish(tmp_path):
     for runner, output in zip(runners, outputs):
         assert runner.returncode == 0, output[-3000:]
         assert not [symptom for symptom in RACE_SYMPTOMS if symptom in output], output[-3000:]
-    client = mlflow_client(env)
+    client = mlflow_client(env["ALIGNFLOW_HOME"])
     runs = client.search_runs([client.get_experiment_by_name("alignflow").experiment_id])
     parents = [run.info.run_name for run in runs if "mlflow.parentRunId" not in run.data.tags]
     assert parents == ["minimal", "minimal"] and {run.info.status for run in runs} == {"FINISHED"}
@@ -272,6 +272,7 @@ def test_two_runs_started_at_once_on_a_fresh_state_folder_both_finish(tmp_path):
     assert ready == {"mlflow": importlib.metadata.version("mlflow"), "prefect": importlib.metadata.version("prefect")}
 
 
+@pytest.mark.slow
 def test_a_ready_state_folder_skips_the_set_up_lock_and_a_fresh_one_waits_for_it(tmp_path, monkeypatch):
     settings = Settings(home=tmp_path / "home")
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # a Prefect server: no local Prefect database
@@ -288,7 +289,7 @@ def test_a_ready_state_folder_skips_the_set_up_lock_and_a_fresh_one_waits_for_it
         databases.prepare_databases(settings)  # ready: returns without waiting for the lock
 
 
-@pytest.mark.flow  # temporary Prefect servers (in the subprocesses), not the session's
+@pytest.mark.slow
 def test_a_killed_run_on_the_temporary_server_leaves_no_server_and_cleanup_marks_it(tmp_path):
     env = fresh_state_env(tmp_path / "home")
     prefect_home = str((tmp_path / "home").resolve() / "prefect")
@@ -322,7 +323,7 @@ print(server.pid)
 """
 
 
-@pytest.mark.flow  # temporary Prefect servers (in the subprocesses), not the session's
+@pytest.mark.slow
 def test_cleanup_stops_a_temporary_server_whose_process_is_gone(tmp_path):
     """A temporary server that outlived its process (Prefect's own, started without a parent-death
     signal) is found by its environment and stopped."""

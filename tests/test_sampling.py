@@ -9,6 +9,8 @@ import torch
 from trainers.builtin_model import build_builtin_model
 from trainers.sampling import InverseCdfSampling, sampling_processors
 
+pytestmark = pytest.mark.unit
+
 DRAWS = 40_000
 SCORES = torch.tensor([2.0, 0.5, -1.0, 1.0, float("-inf"), 0.0])
 

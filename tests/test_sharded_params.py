@@ -18,9 +18,9 @@ from types import SimpleNamespace
 
 import pytest
 from accelerate.utils import DistributedType
+from helpers import free_port
 
 from infra.core.config import ComputeConfig
-from infra.ops.prefect_api import free_port
 from trainers.sharded_params import SHARDINGS, sharding_of
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,6 +35,7 @@ def accelerate_state(distributed_type: DistributedType, fsdp_version: int = 2, z
     )
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "state, expected, lockstep",
     [
@@ -53,6 +54,7 @@ def test_each_distributed_type_gets_its_parameter_gather(state, expected, lockst
     assert sharding.lockstep is lockstep
 
 
+@pytest.mark.unit
 def test_the_replicated_gathers_are_no_ops_and_the_reference_is_prepared_whole_and_frozen(tiny):
     import copy
 
@@ -91,6 +93,7 @@ def run_worker(sharding: str, processes: int, folder: Path, model: str) -> list[
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["fsdp2", "fsdp1"])
 def test_fsdp_on_two_processes_generates_syncs_and_trains_as_one_unsharded_process(sharding, tiny_checkpoint, tmp_path):
     two = run_worker(sharding, 2, tmp_path / "two", tiny_checkpoint.path)
@@ -110,6 +113,7 @@ def test_fsdp_on_two_processes_generates_syncs_and_trains_as_one_unsharded_proce
     assert [rank["lockstep_length"] for rank in two] == [3, 6]
 
 
+@pytest.mark.unit
 def test_a_reference_without_its_weights_on_this_process_is_refused(tiny):
     import copy
 
@@ -122,6 +126,7 @@ def test_a_reference_without_its_weights_on_this_process_is_refused(tiny):
         prepare_reference(empty, Accelerator())
 
 
+@pytest.mark.slow
 def test_the_gpu_checks_sharding_section_refuses_fsdp_on_the_cpu_and_its_ddp_smoke_passes(tmp_path):
     import subprocess
     import sys

@@ -3,7 +3,6 @@ no live run or registry version needs (plan by hand; then real runs, a real regi
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+from helpers import environment_without_services
 
 from infra.core.stage_io import StageFolder
 from infra.core.storage import Removal, StageRecord, plan_removals, prune_checkpoints, stage_folders
@@ -28,6 +28,7 @@ def folder(tmp_path: Path, name: str, status: str, days_old: float, stage="sft",
     return StageRecord(path, f"run-{name}", config, stage, status, NOW - timedelta(days=days_old))
 
 
+@pytest.mark.unit
 def test_prune_checkpoints_keeps_the_final_model(tmp_path):
     for name in ("checkpoint-3", "checkpoint-6", "model"):
         (tmp_path / name).mkdir()
@@ -36,6 +37,7 @@ def test_prune_checkpoints_keeps_the_final_model(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mlflow_run_id", "model"]
 
 
+@pytest.mark.unit
 def test_plan_keeps_live_runs_the_newest_per_group_and_young_folders(tmp_path):
     old_finished = folder(tmp_path, "a", "FINISHED", days_old=30)
     old_failed = folder(tmp_path, "b", "FAILED", days_old=20)
@@ -60,6 +62,7 @@ def test_plan_keeps_live_runs_the_newest_per_group_and_young_folders(tmp_path):
     ]
 
 
+@pytest.mark.unit
 def test_stage_folders_reads_run_ids_config_names_and_stage_tags(tmp_path):
     for flow_run, stage in (("r1", "sft"), ("r2", "dpo")):
         path = tmp_path / "minimal" / flow_run / stage
@@ -75,8 +78,12 @@ def test_stage_folders_reads_run_ids_config_names_and_stage_tags(tmp_path):
 
 @pytest.fixture
 def fresh_home(tmp_path, prefect_api_url):
-    inherited = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PREFECT_HOME")}
-    env = {**inherited, "ALIGNFLOW_HOME": str(tmp_path), "PREFECT_API_URL": prefect_api_url, "OMP_NUM_THREADS": "1"}
+    env = {
+        **environment_without_services(),
+        "ALIGNFLOW_HOME": str(tmp_path),
+        "PREFECT_API_URL": prefect_api_url,
+        "OMP_NUM_THREADS": "1",
+    }
 
     def alignflow(*args: str) -> str:
         result = subprocess.run(
@@ -92,6 +99,7 @@ def tree(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
 
 
+@pytest.mark.flow
 def test_gc_removes_superseded_outputs_and_mlflow_checkpoints_but_keeps_live_runs_and_the_registry(fresh_home):
     from mlflow import MlflowClient
     from mlflow.artifacts import download_artifacts

@@ -8,26 +8,23 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 import pytest
-from mlflow import MlflowClient
+from helpers import ALIGNFLOW, PROJECT, SMOKE, environment_without_services, free_port, mlflow_client
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from infra.core.config import load_config
 from infra.core.launching import group_alive, stop_group
-from infra.core.settings import get_settings
 from infra.core.sweep import SweepConfig, read_sweep_tree
 from infra.ops.cli import main
 from tasks.sweep import TrialResult
 
 # The minimal experiment cut to seconds: SFT and DPO only, few prompts, one sample each. An SFT seed
 # of its own keeps this module's first SFT a cache miss whatever ran before.
-PROJECT = Path(__file__).resolve().parents[1]
 TINY = [
     "base.stages=[sft, dpo]",
     "base.sft.max_steps=2",
@@ -58,10 +55,6 @@ def task_states(flow_run_ids) -> list[tuple[str, str]]:
     return sorted((run.name.split("-logps")[0], run.state.name) for run in runs)
 
 
-def mlflow() -> MlflowClient:
-    return MlflowClient(get_settings().mlflow_tracking_uri)
-
-
 @pytest.fixture(scope="module")
 def grid(prefect_api_url):
     overrides = [
@@ -72,9 +65,10 @@ def grid(prefect_api_url):
     return run_sweep(sweep_spec("configs/sweep.yaml", *overrides))
 
 
+@pytest.mark.flow
 def test_a_2x2_grid_gives_4_trial_runs_nested_under_one_sweep_run(grid):
     _, report = grid
-    client = mlflow()
+    client = mlflow_client()
     sweep_run = client.get_run(report.sweep_run_id)
     assert sweep_run.data.tags["alignflow.kind"] == "sweep" and sweep_run.info.status == "FINISHED"
     children = client.search_runs([sweep_run.info.experiment_id], f"tags.mlflow.parentRunId = '{report.sweep_run_id}'")
@@ -98,6 +92,7 @@ def test_a_2x2_grid_gives_4_trial_runs_nested_under_one_sweep_run(grid):
     assert sorted(m.step for m in history) == [0, 1, 2, 3]
 
 
+@pytest.mark.flow
 def test_sft_and_the_reference_pass_run_once_for_all_four_trials(grid):
     """The trials share the SFT config: one trial trains SFT and computes the reference log-probs,
     the three others find them cached, including the one that started at the same moment."""
@@ -106,13 +101,14 @@ def test_sft_and_the_reference_pass_run_once_for_all_four_trials(grid):
     assert [s for name, s in states if name == "train-sft"] == ["Cached", "Cached", "Cached", "Completed"]
     assert [s for name, s in states if name == "cache-reference"] == ["Cached", "Cached", "Cached", "Completed"]
     assert [s for name, s in states if name == "train-dpo"] == ["Completed"] * 4
-    sft_runs = {mlflow().get_run(t.mlflow_run_id).data.tags["alignflow.sft_run_id"] for t in report.trials}
+    sft_runs = {mlflow_client().get_run(t.mlflow_run_id).data.tags["alignflow.sft_run_id"] for t in report.trials}
     assert len(sft_runs) == 1  # every trial's SFT model is the one trial's SFT run
 
 
+@pytest.mark.flow
 def test_the_sweep_run_has_the_comparison_and_the_seed_table(grid):
     flow_run_id, report = grid
-    client = mlflow()
+    client = mlflow_client()
     artifacts = {a.path for a in client.list_artifacts(report.sweep_run_id)}
     assert {"trials.md", "trials.json", "seed_table.md", "seed_table.json", "comparison"} <= artifacts
     compared = {a.path for a in client.list_artifacts(report.sweep_run_id, "comparison")}
@@ -132,23 +128,17 @@ def test_the_sweep_run_has_the_comparison_and_the_seed_table(grid):
     assert "4 runs" in comparison.data and "dpo.beta" in comparison.data
 
 
+@pytest.mark.flow
 def test_the_best_trial_passes_the_promotion_gate_when_asked(grid):
     """``promote: true``: the best trial's DPO model, re-scored under the sweep run, becomes the
     first champion of the registered model; the trials themselves registered nothing."""
     _, report = grid
-    client = mlflow()
+    client = mlflow_client()
     version = client.get_model_version_by_alias("sweep-grid", "champion")
     best_dpo = client.get_run(report.best.mlflow_run_id).data.tags["alignflow.dpo_run_id"]
     assert version.run_id == best_dpo and str(version.version) == "1"
     assert client.get_run(report.sweep_run_id).data.tags["alignflow.promotion"].startswith("promoted: sweep-grid")
     assert all("alignflow.promotion" not in client.get_run(t.mlflow_run_id).data.tags for t in report.trials)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # closed connections may linger in TIME_WAIT
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def wait_for_workers(address: str, count: int, timeout: float = 180) -> None:
@@ -179,6 +169,7 @@ def dask_cluster(env: dict[str, str]) -> Iterator[tuple[str, list[subprocess.Pop
             stop_group(process, grace=30)  # the whole group: a nanny's worker process can outlive the nanny
 
 
+@pytest.mark.flow
 def test_a_sweep_on_an_external_scheduler_where_one_trial_fails_alone(
     prefect_api_url, state_dir, tmp_path, monkeypatch, capsys
 ):
@@ -205,7 +196,7 @@ def test_a_sweep_on_an_external_scheduler_where_one_trial_fails_alone(
         probe.bind(("127.0.0.1", int(address.rsplit(":", 1)[1])))  # the scheduler's port is free again
     (error_line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("alignflow: trial")]
     assert error_line.endswith(f"(failed): DataValidationError: {bad}: row 1: field 'chosen' is missing")
-    client = mlflow()
+    client = mlflow_client()
     experiment = client.get_experiment_by_name("sweep-external")
     (sweep_run,) = client.search_runs([experiment.experiment_id], "tags.`alignflow.kind` = 'sweep'")
     trials = json.loads(Path(client.download_artifacts(sweep_run.info.run_id, "trials.json")).read_text())
@@ -228,34 +219,21 @@ def test_a_sweep_on_an_external_scheduler_where_one_trial_fails_alone(
         assert prefect.read_global_concurrency_limits() == []  # the sweep's limit is removed
 
 
-def wait_for_deployment(name: str, server: subprocess.Popen, timeout: float = 180) -> None:
-    from prefect.exceptions import ObjectNotFound
-
-    deadline = time.monotonic() + timeout
-    with get_client(sync_client=True) as prefect:
-        while True:
-            try:
-                prefect.read_deployment_by_name(name)
-                return
-            except ObjectNotFound:
-                assert server.poll() is None and time.monotonic() < deadline, f"{name} was not served"
-                time.sleep(1)
-
-
+@pytest.mark.slow
 def test_the_sweep_command_keeps_its_temporary_server_until_prefect_sent_its_last_logs(tmp_path):
     """``alignflow sweep`` as a command on the embedded default. Its temporary server stops after
     Prefect's exit hooks: the command once stopped it first, and the hooks then spent over a minute
     retrying the last logs ("Error logging to API") before the process ended."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-    env |= {"ALIGNFLOW_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env = environment_without_services() | {"ALIGNFLOW_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
     space = "space={dpo.beta: [0.1, 0.5]}"
-    command = [sys.executable, "-m", "infra.ops.cli", "sweep", "configs/sweep.yaml", *TINY, space]
+    command = [*ALIGNFLOW, "sweep", "configs/sweep.yaml", *TINY, space]
     result = subprocess.run(command, cwd=PROJECT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| trial | status | dpo.beta |" in result.stdout + result.stderr  # the sweep's summary
     assert "Error logging to API" not in result.stdout + result.stderr
 
 
+@pytest.mark.flow
 def test_a_deployment_not_on_the_server_fails_the_sweep_before_any_trial(prefect_api_url):
     spec = sweep_spec("configs/sweep.yaml", "deployment=alignflow-experiment/nowhere")
     from flows.sweep import sweep
@@ -266,38 +244,26 @@ def test_a_deployment_not_on_the_server_fails_the_sweep_before_any_trial(prefect
     )
 
 
-def test_trials_as_runs_of_a_served_deployment(prefect_api_url, state_dir):
+@pytest.mark.flow
+def test_trials_as_runs_of_a_served_deployment(served_smoke):
     """``deployment:``: each trial is started with run_deployment as a run of the experiment
-    deployment `smoke`, here served by `alignflow serve` (a work pool's workers take the same
-    runs), with the trial's whole config: its experiment, stages and values, not the deployment's."""
-    env = {**os.environ, "ALIGNFLOW_HOME": str(state_dir), "PREFECT_API_URL": prefect_api_url, "OMP_NUM_THREADS": "1"}
-    env["PREFECT_RUNNER_POLL_FREQUENCY"] = "1"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "infra.ops.cli", "serve", "--name", "smoke"],
-        env=env,
-        start_new_session=True,
-        stderr=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
+    deployment `smoke`, here served by `alignflow serve` (the session's; a work pool's workers take
+    the same runs), with the trial's whole config: its experiment, stages and values, not the deployment's."""
+    spec = sweep_spec(
+        "configs/sweep.yaml",
+        f"deployment={SMOKE}",
+        "base.tracking.experiment_name=sweep-deployment",
+        "space={dpo.beta: [0.1, 0.5]}",
     )
-    try:
-        wait_for_deployment("alignflow-experiment/smoke", server)
-        spec = sweep_spec(
-            "configs/sweep.yaml",
-            "deployment=alignflow-experiment/smoke",
-            "base.tracking.experiment_name=sweep-deployment",
-            "space={dpo.beta: [0.1, 0.5]}",
-        )
-        _, report = run_sweep(spec)
-    finally:
-        stop_group(server)
+    _, report = run_sweep(spec)
     assert [t.status for t in report.trials] == ["completed", "completed"]
     with get_client(sync_client=True) as prefect:
         runs = prefect.read_flow_runs(
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[t.flow_run_id for t in report.trials]))
         )
-        smoke = prefect.read_deployment_by_name("alignflow-experiment/smoke")
+        smoke = prefect.read_deployment_by_name(SMOKE)
     assert [run.deployment_id for run in runs] == [smoke.id, smoke.id]
-    client = mlflow()
+    client = mlflow_client()
     for trial in report.trials:
         run = client.get_run(trial.mlflow_run_id)
         assert run.data.tags["mlflow.parentRunId"] == report.sweep_run_id

@@ -17,6 +17,8 @@ from infra.ops.cli import main
 from tasks.reporting import mean_sd_cell, seed_aggregates
 from tasks.search import SAMPLERS, plan, sweep_errors
 
+pytestmark = pytest.mark.unit
+
 
 def write_sweep(tmp_path, **fields) -> str:
     tree = {"name": "t", "base": "configs/minimal.yaml", "space": {"dpo.beta": [0.1, 0.5]}} | fields

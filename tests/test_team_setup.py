@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from typing import Any
 import psycopg2
 import pytest
 import yaml
+from helpers import environment_without_services, free_port
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
@@ -31,8 +31,8 @@ from prefect.client.schemas.filters import (
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from infra.core.config import load_config
+from infra.core.launching import group_alive
 from infra.ops.deployments import PREFECT_FILE, PROJECT_ROOT
-from infra.ops.servers import group_alive
 
 pytestmark = pytest.mark.services
 
@@ -48,12 +48,6 @@ SCHEDULED_OVERRIDES = [
     "evaluation.num_samples=1",
     "tracking.experiment_name=scheduled",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def postgres(sql: str, params: tuple = ()) -> list[tuple]:
@@ -145,7 +139,7 @@ def stack(tmp_path_factory):
     suffix = uuid.uuid4().hex[:10]
     databases = {"prefect": f"alignflow_test_prefect_{suffix}", "mlflow": f"alignflow_test_mlflow_{suffix}"}
     ports = {"prefect": free_port(), "mlflow": free_port()}
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_", "MLFLOW_"))}
+    env = environment_without_services()
     env.update(
         ALIGNFLOW_HOME=str(home),
         PREFECT_API_URL=f"http://127.0.0.1:{ports['prefect']}/api",

@@ -13,6 +13,8 @@ from tasks.stage_trainer import stage_inputs
 from trainers.callbacks import SyncReferenceCallback
 from trainers.stages import STAGES
 
+pytestmark = pytest.mark.slow  # training: seconds a test
+
 # Section fields whose TrainingArguments field has another name (the one mapping's translations).
 ARGUMENT_NAMES = {"warmup_ratio": "warmup_steps"}
 

@@ -21,14 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from infra.core.launching import ProcessGroup, group_alive  # noqa: F401 (group_alive: see below)
+from infra.core.launching import ProcessGroup
 from infra.core.mlflow_compat import default_allowed_hosts
 from infra.core.processes import listening_pids, pid_alive
 from infra.core.settings import Settings
-
-# group_alive, listening_pids and is_alive live in infra.core; tests of others (test_team_setup, test_bad_input)
-# still reach them here.
-is_alive = pid_alive
 
 HEALTH_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 20.0

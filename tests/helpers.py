@@ -1,0 +1,81 @@
+"""What several test modules share, in one place: no test module imports another.
+
+Imported by name (``from helpers import ...``): pytest puts ``tests/`` on ``sys.path`` (the rootdir
+``conftest.py``), as it does for ``killing.py`` and ``fsdp_cpu.py``, the other helper modules.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROJECT = Path(__file__).resolve().parents[1]
+ALIGNFLOW = [sys.executable, "-m", "infra.ops.cli"]  # the `alignflow` command of this checkout
+MINIMAL = "configs/minimal.yaml"
+SMOKE = "alignflow-experiment/smoke"  # the deployment the session's `alignflow serve` serves (conftest.py)
+
+
+def environment_without_services(*also: str) -> dict[str, str]:
+    """This process's environment without its Prefect and MLflow settings (and the variables
+    starting with ``also``): a subprocess started with it derives its own from its ``ALIGNFLOW_HOME``."""
+    dropped = ("PREFECT_", "MLFLOW_", *also)
+    return {key: value for key, value in os.environ.items() if not key.startswith(dropped)}
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # closed connections may linger in TIME_WAIT
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def mlflow_client(home: Path | str | None = None):
+    """The MLflow client of the session's tracking store, or of the state folder ``home``'s own
+    SQLite store (a subprocess's, started with ``ALIGNFLOW_HOME=home``)."""
+    from mlflow import MlflowClient
+
+    if home is None:
+        from infra.core.settings import get_settings
+
+        return MlflowClient(get_settings().mlflow_tracking_uri)
+    return MlflowClient(f"sqlite:///{Path(home) / 'mlflow.db'}")
+
+
+def task_states(flow_run_id) -> dict[str, str]:
+    """The state names of a flow run's task runs, by task run name."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {run.name: run.state.name for run in runs}
+
+
+def run_flow(config):
+    """The experiment flow in this process, on the session's Prefect server: (flow run id, report)."""
+    from flows.pipeline import experiment
+
+    state = experiment(config, return_state=True)
+    assert state.is_completed(), state.message
+    return state.state_details.flow_run_id, state.result()
+
+
+def wait_for_deployment(name: str, server: subprocess.Popen, timeout: float = 180) -> None:
+    """Until the Prefect API knows deployment ``name`` (served by ``server``, which must not end)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as prefect:
+        while True:
+            try:
+                prefect.read_deployment_by_name(name)
+                return
+            except ObjectNotFound:
+                assert server.poll() is None and time.monotonic() < deadline, f"{name} was not served"
+                time.sleep(1)
