@@ -10,11 +10,10 @@ import torch
 from prefect.logging import disable_run_logger
 
 from infra.core.config import AdditionTaskConfig, DataConfig, DatasetSource, PeftConfig, load_config
-from infra.core.stage_io import TrainInputs
+from infra.core.stage_io import StageFolder, TrainInputs
 from tasks.data import prepare_dataset
 from tasks.models import check_model_folder, checkpoint_handle
 from tasks.stage_trainer import stage_inputs
-from tasks.tracking import stage_folder_of_run
 from trainers.builtin_model import TINY_LLAMA
 from trainers.collators import PreferenceCollator, prompt_completion_batch
 from trainers.logprobs import completion_logps, next_token_logps
@@ -294,7 +293,7 @@ def test_the_default_chain_trains_lora_adapters_in_every_stage_and_evaluates_the
     request = EvaluationRequest(
         name="lora-eval",
         models={
-            "merged": str(stage_folder_of_run(config.name, "grpo", runs["grpo"].info.run_id) / "model"),
+            "merged": str(StageFolder.of_run(config.name, "grpo", runs["grpo"].info.run_id).model_dir),
             "adapter": f"runs:/{runs['grpo'].info.run_id}/adapter",  # downloaded from MLflow
         },
         data=config.data,
