@@ -40,10 +40,10 @@ test: lint
 	bash infra/ops/with-test-services.sh $(PY) -m pytest -m "flow or services" $(PYTEST_ARGS) || status=$$?; \
 	exit $$status
 
-# The quick loop: lint and the unit tier (no server, no subprocess, no root) on two workers, one
-# torch thread each.
+# The quick loop: lint and the unit tier (no server, no subprocess, no root) in one process: two
+# workers would each import torch, transformers, Prefect and MLflow, which costs more than they save.
 test-fast: lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest -m unit -n 2 $(PYTEST_ARGS)
+	$(PY) -m pytest -m unit -p no:xdist $(PYTEST_ARGS)
 
 clean:
 	rm -rf .alignflow

@@ -14,6 +14,7 @@ with none, or with two, is a collection error. The tiers (``pyproject.toml`` des
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -122,6 +123,32 @@ def served_smoke(prefect_api_url, state_dir):
 
 TIERS = ("unit", "slow", "flow", "services")
 SERVER_FIXTURES = ("prefect_api_url", "served_smoke")  # what a unit test may not ask for
+
+
+def selected_tiers(config) -> set[str] | None:
+    """The tiers ``-m`` selects when it is a plain ``a or b`` of tier names (the Makefile's); else None."""
+    names = {name.strip() for name in config.option.markexpr.split(" or ")} if config.option.markexpr else set()
+    return names if names and names <= set(TIERS) else None
+
+
+def module_tier(path: Path) -> str | None:
+    """The tier a module declares for all its tests (``pytestmark = pytest.mark.<tier>``), read
+    without importing it; None for a module whose tests declare their own."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["pytestmark"]:
+            tier = ast.unparse(node.value).removeprefix("pytest.mark.")
+            return tier if tier in TIERS else None
+    return None
+
+
+def pytest_ignore_collect(collection_path: Path, config):
+    """A module of a tier ``-m`` does not select is not even imported: ``make test-fast`` would
+    otherwise import every training module of the slow tiers to deselect their tests."""
+    tiers = selected_tiers(config)
+    if tiers is None or collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
+        return None
+    tier = module_tier(collection_path)
+    return True if tier is not None and tier not in tiers else None
 
 
 def pytest_collection_modifyitems(config, items):

@@ -23,8 +23,6 @@ from packaging.version import Version
 from infra.core import mlflow_compat, prefect_compat
 from infra.core.handles import ModelHandle
 
-pytestmark = pytest.mark.unit
-
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 MODEL = ModelHandle(path="org/model", fingerprint="f", tokenizer_fingerprint="t", stage="sft")
 
@@ -35,6 +33,7 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("package, module", [("prefect", prefect_compat), ("mlflow", mlflow_compat)])
 def test_the_installed_version_is_within_the_supported_range_which_is_pyprojects(package, module):
     low, high = module.SUPPORTED
@@ -47,6 +46,7 @@ def test_the_installed_version_is_within_the_supported_range_which_is_pyprojects
 # Prefect: the temporary server
 
 
+@pytest.mark.slow
 def test_the_temporary_server_runs_as_prefects_own_subprocess_server(monkeypatch):
     """The same app, options and private variables as ``SubprocessASGIServer`` (Popen caught, nothing starts)."""
     from prefect.server.api import server
@@ -62,6 +62,7 @@ def test_the_temporary_server_runs_as_prefects_own_subprocess_server(monkeypatch
     assert prefect_compat.EPHEMERAL_MARK.decode() in {f"{name}={value}" for name, value in env.items()}
 
 
+@pytest.mark.unit
 def test_the_app_factory_exists_and_reads_the_private_variables():
     from prefect.server.api import server
 
@@ -72,6 +73,7 @@ def test_the_app_factory_exists_and_reads_the_private_variables():
         assert f'os.getenv("{variable}")' in source
 
 
+@pytest.mark.unit
 def test_a_temporary_servers_arguments_are_told_from_others():
     command = [argument.encode() for argument in prefect_compat.temporary_server_command(4200)]
     assert prefect_compat.runs_server_app(command)
@@ -81,6 +83,7 @@ def test_a_temporary_servers_arguments_are_told_from_others():
 # Prefect: result records
 
 
+@pytest.mark.unit
 def test_a_record_written_by_prefects_serializer_reads_back_as_plain_parts():
     from prefect.results import ResultRecord, ResultRecordMetadata
     from prefect.serializers import JSONSerializer
@@ -96,6 +99,7 @@ def test_a_record_written_by_prefects_serializer_reads_back_as_plain_parts():
     assert ResultRecord.deserialize(content).result == MODEL  # Prefect's own reading agrees
 
 
+@pytest.mark.unit
 def test_the_json_serializer_encodes_and_imports_objects_by_the_keys_the_reader_refuses():
     from prefect.serializers import JSONSerializer
 
@@ -110,11 +114,13 @@ def test_the_json_serializer_encodes_and_imports_objects_by_the_keys_the_reader_
     "content",
     [b"\x80\x04K\x01.", b"[]", json.dumps({"result": "1"}).encode(), json.dumps({"metadata": {}}).encode()],
 )
+@pytest.mark.unit
 def test_what_is_not_a_record_of_that_layout_is_a_value_error(content):
     with pytest.raises(ValueError):
         prefect_compat.result_record_parts(content)
 
 
+@pytest.mark.unit
 def test_only_exactly_one_encoded_object_is_one():
     assert prefect_compat.encoded_object({"__class__": "a.B", "data": 1}) == ("a.B", 1)
     for value in ({"__class__": "a.B", "data": 1, "x": 2}, {"__class__": ["a"], "data": 1}, [1], "a.B"):
@@ -124,6 +130,7 @@ def test_only_exactly_one_encoded_object_is_one():
 # Prefect: deployment build steps
 
 
+@pytest.mark.unit
 def test_build_steps_resolve_parameters_as_prefect_deploy_runs_them():
     from prefect.cli.deploy import _core
     from prefect.deployments.steps.core import run_steps
@@ -145,6 +152,7 @@ def test_build_steps_resolve_parameters_as_prefect_deploy_runs_them():
 # MLflow
 
 
+@pytest.mark.unit
 def test_the_rest_helper_still_takes_what_rest_poster_passes():
     from mlflow.utils.credentials import get_default_host_creds
     from mlflow.utils.rest_utils import http_request
@@ -168,6 +176,7 @@ class Answers503(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.unit
 def test_a_post_is_sent_once_and_returns_any_answer():
     """No retries of a 503 (MLflow's client retries it for minutes): the answer comes back at once."""
     stub = HTTPServer(("127.0.0.1", 0), Answers503)  # in this process, on a thread
@@ -182,6 +191,7 @@ def test_a_post_is_sent_once_and_returns_any_answer():
         stub.server_close()
 
 
+@pytest.mark.unit
 def test_a_post_to_a_server_that_does_not_answer_raises_mlflow_exception_at_once():
     from mlflow.exceptions import MlflowException
 
@@ -192,17 +202,20 @@ def test_a_post_to_a_server_that_does_not_answer_raises_mlflow_exception_at_once
     assert time.monotonic() - started < 5
 
 
+@pytest.mark.slow
 def test_the_default_allowed_hosts_hold_localhost_and_private_networks():
     hosts = mlflow_compat.default_allowed_hosts()
     assert {"localhost", "127.0.0.1", "10.*", "192.168.*"} <= set(hosts) and all(isinstance(h, str) for h in hosts)
 
 
+@pytest.mark.unit
 def test_the_dataset_context_tag_is_mlflows():
     from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
     assert mlflow_compat.DATASET_CONTEXT_TAG == MLFLOW_DATASET_CONTEXT
 
 
+@pytest.mark.unit
 def test_deleting_artifacts_removes_that_path_only(tmp_path):
     for name in ("checkpoints/step-1/weights", "model/weights"):
         (tmp_path / name).parent.mkdir(parents=True)

@@ -136,14 +136,20 @@ class ProcessGroup:
     def stop(self, grace: float = STOP_GRACE_S) -> None:
         """SIGTERM to the group; SIGKILL to what is left of it after ``grace`` seconds; then wait, up to
         ``grace`` seconds again, until no member is left (the leader, if ours, reaped)."""
-        if not self.signal(signal.SIGTERM):
-            self.poll()
+        if self.signal(signal.SIGTERM) and not self.wait_gone(grace):
+            self.signal(signal.SIGKILL)
+            self.wait_gone(grace)
+        self.end_leader(grace)
+
+    def end_leader(self, grace: float) -> None:
+        """Reap our leader, SIGKILLed if it still runs after ``grace`` seconds: one that left the group
+        (or was not counted in it) must not outlive a stop."""
+        if self.process is None:
             return
-        if self.wait_gone(grace):
-            return
-        self.signal(signal.SIGKILL)
-        self.wait_gone(grace)
-        if self.process is not None:
+        try:
+            self.process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
             self.process.wait()
 
 
