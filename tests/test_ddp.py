@@ -56,6 +56,15 @@ def run(job, folder: Path):
     return result
 
 
+def run_on_the_model(workdir, job_type, processes: int, **fields) -> dict:
+    """A job of ``job_type`` over the workdir's model and splits on ``processes`` CPU processes; its result."""
+    spec, folder = workdir
+    name = f"{job_type.model_fields['job'].default}{processes}"
+    model = {"model": spec["model"], "splits": spec["splits"], "compute": cpu(processes)}
+    job = job_type(plugins=(), launch_dir=folder / name, **model, **fields)
+    return run(job, folder).model_dump()
+
+
 def train(workdir, stage: str, section: dict, processes: int, name: str, plugins: tuple[str, ...] = ()):
     spec, folder = workdir
     inputs = TrainInputs(spec["policy"], spec["data"], compute=cpu(processes))
@@ -241,20 +250,8 @@ def test_a_group_may_straddle_processes_but_a_generation_batch_holds_whole_group
 def test_the_reference_pass_sharded_over_two_processes_gives_the_same_cache_entry(workdir, tmp_path):
     from infra.core.refcache import ReferenceCache
 
-    spec, folder = workdir
-
-    def reference(processes: int):  # 16 pairs: 6 batches of 3, 3 per process (the last short)
-        job = ReferenceJob(
-            plugins=(),
-            launch_dir=folder / f"reference{processes}",
-            model=spec["model"],
-            splits=spec["splits"],
-            compute=cpu(processes),
-            batch_size=3,
-        )
-        return run(job, folder).model_dump()
-
-    one, two = reference(1), reference(2)
+    # 16 pairs: 6 batches of 3, 3 per process (the last short)
+    one, two = (run_on_the_model(workdir, ReferenceJob, processes, batch_size=3) for processes in (1, 2))
     assert two["chosen"] == one["chosen"] and two["rejected"] == one["rejected"]  # bit for bit
     assert len(one["chosen"]) == 16
     store = ReferenceCache(str(tmp_path / "cache"))
@@ -267,24 +264,10 @@ def test_the_reference_pass_sharded_over_two_processes_gives_the_same_cache_entr
 
 @pytest.mark.slow
 def test_the_evaluation_sharded_over_two_processes_gives_the_same_table(workdir):
-    spec, folder = workdir
     # 8 prompts with answers: 3 batches, 2 + 1 over the processes
     evaluation = EvaluationConfig(max_new_tokens=3, num_samples=2, pass_k=[1, 2], batch_size=3, seed=5)
-
-    def evaluate(processes: int):
-        job = EvaluateJob(
-            plugins=(),
-            launch_dir=folder / f"evaluate{processes}",
-            model=spec["model"],
-            splits=spec["splits"],
-            compute=cpu(processes),
-            eval_split="grpo_prompts",
-            evaluation=evaluation,
-            beta=0.1,
-        )
-        return run(job, folder).model_dump()
-
-    one, two = evaluate(1), evaluate(2)
+    fields = {"eval_split": "grpo_prompts", "evaluation": evaluation, "beta": 0.1}
+    one, two = (run_on_the_model(workdir, EvaluateJob, processes, **fields) for processes in (1, 2))
     assert two["results"] == one["results"] and len(one["results"]) == 8
     assert two["metrics"] == one["metrics"]
     assert {"greedy_accuracy", "sampled_accuracy", "pass_at_2", "rewards/accuracies"} <= one["metrics"].keys()
