@@ -30,15 +30,14 @@ lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# Every tier (tests/conftest.py describes them). unit and slow on two pytest workers, one torch thread
-# each: each worker has its own state folder, and these tests start no shared server and take their
-# ports from free_port. flow and services on one: their kills, cancellations and outages wait on
-# wall-clock deadlines, and the services tests share one PostgreSQL. Both runs run; either failing fails.
+# Every tier (tests/conftest.py describes them) in one run on two pytest workers, one torch thread each.
+# Whole modules go to a worker (--dist loadscope), heaviest tier first (conftest orders them): a
+# module's fixtures are built once, and the flow tiers' waits on servers overlap the other worker's
+# training. Each worker has its own state folder and session Prefect server, ports come from
+# free_port, and the services tests' databases have names of their own.
 test: lint
-	@status=0; \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -m "unit or slow" -n 2 $(PYTEST_ARGS) || status=$$?; \
-	bash infra/ops/with-test-services.sh $(PY) -m pytest -m "flow or services" $(PYTEST_ARGS) || status=$$?; \
-	exit $$status
+	OMP_NUM_THREADS=1 bash infra/ops/with-test-services.sh \
+		$(PY) -m pytest -n 2 --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The quick loop: lint and the unit tier (no server, no subprocess, no root) in one process: two
 # workers would each import torch, transformers, Prefect and MLflow, which costs more than they save.

@@ -165,6 +165,20 @@ def pytest_collection_modifyitems(config, items):
             f"every test needs exactly one tier marker of {', '.join(TIERS)} "
             "(pytestmark = pytest.mark.<tier> in its module, or on the test):\n  " + "\n  ".join(problems)
         )
+    heaviest_first(items)
+
+
+def heaviest_first(items) -> None:
+    """Modules in the order of their heaviest tier (services, flow, slow, unit), each module's tests in
+    their own order. ``make test`` hands whole modules to two workers in this order (``--dist
+    loadscope``): the long modules start first and the quick ones fill the ends, and a module's
+    fixtures (the kill chain, the sweep grid, the team stack) are built once, on one worker."""
+    rank = {tier: position for position, tier in enumerate(reversed(TIERS))}  # services 0 … unit 3
+    module_rank: dict[str, int] = {}
+    for item in items:
+        (tier,) = (mark.name for mark in item.iter_markers() if mark.name in TIERS)
+        module_rank[item.module.__name__] = min(module_rank.get(item.module.__name__, len(TIERS)), rank[tier])
+    items.sort(key=lambda item: module_rank[item.module.__name__])
 
 
 @pytest.fixture(autouse=True)
