@@ -244,16 +244,10 @@ def test_reference_free_objective_runs_with_no_reference_cache_task(prefect_api_
     assert "rewards/accuracies" not in report.rows["dpo"]
 
 
-BAD_ROWS = {
-    "missing": ({"prompt": "1+1=", "rejected": "3"}, "row 1: field 'chosen' is missing"),
-    "empty": ({"prompt": "1+1=", "chosen": "", "rejected": "3"}, "row 1: field 'chosen' is an empty completion"),
-    "not-a-string": ({"prompt": "1+1=", "chosen": "2", "rejected": 3}, "row 1: field 'rejected' must be a string"),
-}
-
-
-@pytest.mark.parametrize("case", sorted(BAD_ROWS))
-def test_bad_input_fails_the_cli_and_leaves_nothing_behind(prefect_api_url, state_dir, tmp_path, case):
-    bad_row, message = BAD_ROWS[case]
+def test_bad_input_fails_the_cli_and_leaves_nothing_behind(prefect_api_url, state_dir, tmp_path):
+    """One bad row through the whole command: every row error takes this path (the messages of each
+    kind of bad row are test_data.py's, in-process)."""
+    bad_row, message = {"prompt": "1+1=", "rejected": "3"}, "row 1: field 'chosen' is missing"
     data_file = tmp_path / "pairs.jsonl"
     data_file.write_text(
         json.dumps({"prompt": "2+2=", "chosen": "4", "rejected": "5"}) + "\n" + json.dumps(bad_row) + "\n"
@@ -261,7 +255,7 @@ def test_bad_input_fails_the_cli_and_leaves_nothing_behind(prefect_api_url, stat
     cache_before = (
         sorted(p.name for p in get_settings().data_cache.glob("*")) if get_settings().data_cache.exists() else []
     )
-    experiment_name = f"bad-input-{case}"
+    experiment_name = "bad-input"
 
     result = subprocess.run(
         [

@@ -225,11 +225,11 @@ def test_the_sweep_command_keeps_its_temporary_server_until_prefect_sent_its_las
     Prefect's exit hooks: the command once stopped it first, and the hooks then spent over a minute
     retrying the last logs ("Error logging to API") before the process ended."""
     env = environment_without_services() | {"ALIGNFLOW_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    space = "space={dpo.beta: [0.1, 0.5]}"
-    command = [*ALIGNFLOW, "sweep", "configs/sweep.yaml", *TINY, space]
+    one_trial = ["base.stages=[sft]", "space={sft.learning_rate: [0.001]}", "workers=1", "max_concurrent=1"]
+    command = [*ALIGNFLOW, "sweep", "configs/sweep.yaml", *TINY, *one_trial]
     result = subprocess.run(command, cwd=PROJECT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "| trial | status | dpo.beta |" in result.stdout + result.stderr  # the sweep's summary
+    assert "| trial | status | sft.learning_rate |" in result.stdout + result.stderr  # the sweep's summary
     assert "Error logging to API" not in result.stdout + result.stderr
 
 
