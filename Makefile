@@ -10,6 +10,11 @@ CONFIG ?= configs/default.yaml
 
 .PHONY: install run test test-fast lint clean
 
+# The test runs keep Python's bytecode (in __pycache__/, ignored by git) even where the environment
+# says not to write it: without it every run, and every subprocess the suite starts, compiles the
+# project and pytest rewrites every test module's assertions anew.
+test test-fast: export PYTHONDONTWRITEBYTECODE :=
+
 install: $(INSTALLED)
 
 $(INSTALLED): pyproject.toml

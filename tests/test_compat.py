@@ -62,7 +62,7 @@ def test_the_temporary_server_runs_as_prefects_own_subprocess_server(monkeypatch
     assert prefect_compat.EPHEMERAL_MARK.decode() in {f"{name}={value}" for name, value in env.items()}
 
 
-@pytest.mark.unit
+@pytest.mark.slow  # imports Prefect's server app: seconds, out of the quick loop
 def test_the_app_factory_exists_and_reads_the_private_variables():
     from prefect.server.api import server
 
