@@ -153,32 +153,32 @@ def pytest_ignore_collect(collection_path: Path, config):
 
 def pytest_collection_modifyitems(config, items):
     """Each test has exactly one tier marker, declared in its module or on itself (never inferred)."""
-    problems = []
+    problems, tier_of = [], {}
     for item in items:
         tiers = sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})
         if len(tiers) != 1:
             problems.append(f"{item.nodeid}: {'tier markers ' + ', '.join(tiers) if tiers else 'no tier marker'}")
         elif tiers == ["unit"] and (servers := [f for f in SERVER_FIXTURES if f in item.fixturenames]):
             problems.append(f"{item.nodeid}: a unit test uses {', '.join(servers)} (a server): mark it flow")
+        else:
+            (tier_of[item],) = tiers
     if problems:
         raise pytest.UsageError(
             f"every test needs exactly one tier marker of {', '.join(TIERS)} "
             "(pytestmark = pytest.mark.<tier> in its module, or on the test):\n  " + "\n  ".join(problems)
         )
-    heaviest_first(items)
+    heaviest_first(items, tier_of)
 
 
-def heaviest_first(items) -> None:
-    """Modules in the order of their heaviest tier (services, flow, slow, unit), each module's tests in
-    their own order. ``make test`` hands whole modules to two workers in this order (``--dist
-    loadscope``): the long modules start first and the quick ones fill the ends, and a module's
-    fixtures (the kill chain, the sweep grid, the team stack) are built once, on one worker."""
-    rank = {tier: position for position, tier in enumerate(reversed(TIERS))}  # services 0 … unit 3
-    module_rank: dict[str, int] = {}
-    for item in items:
-        (tier,) = (mark.name for mark in item.iter_markers() if mark.name in TIERS)
-        module_rank[item.module.__name__] = min(module_rank.get(item.module.__name__, len(TIERS)), rank[tier])
-    items.sort(key=lambda item: module_rank[item.module.__name__])
+def heaviest_first(items, tier_of: dict) -> None:
+    """Modules in the order of their heaviest tier (services, flow, slow, unit: TIERS backwards), each
+    module's tests in their own order. ``make test`` hands whole modules to two workers in this order
+    (``--dist loadscope``): the long modules start first and the quick ones fill the ends, and a
+    module's fixtures (the kill chain, the sweep grid, the team stack) are built once, on one worker."""
+    heaviest: dict[str, int] = {}
+    for item, tier in tier_of.items():
+        heaviest[item.module.__name__] = max(heaviest.get(item.module.__name__, 0), TIERS.index(tier))
+    items.sort(key=lambda item: -heaviest[item.module.__name__])
 
 
 @pytest.fixture(autouse=True)
