@@ -326,7 +326,8 @@ print(server.pid)
 @pytest.mark.slow
 def test_cleanup_stops_a_temporary_server_whose_process_is_gone(tmp_path):
     """A temporary server that outlived its process (Prefect's own, started without a parent-death
-    signal) is found by its environment and stopped."""
+    signal) is found by its environment and stopped; on a state folder with no Prefect database,
+    cleanup starts no temporary server of its own to look for flow runs."""
     env = fresh_state_env(tmp_path / "home")
     prefect_home = str((tmp_path / "home").resolve() / "prefect")
     env["PREFECT_HOME"] = prefect_home
@@ -339,7 +340,10 @@ def test_cleanup_stops_a_temporary_server_whose_process_is_gone(tmp_path):
         assert orphaned_temporary_servers(prefect_home) == [orphan]  # its parent exited: init adopted it
         done = alignflow(env, "runs", "cleanup")
         assert done.returncode == 0, done.stderr
-        assert f"stopped the temporary Prefect server of a killed run: pid {orphan}" in done.stdout.splitlines()
+        lines = done.stdout.splitlines()
+        assert lines[0] == f"no Prefect database yet ({prefect_home}/prefect.db): no flow runs to judge"
+        assert f"stopped the temporary Prefect server of a killed run: pid {orphan}" in lines
+        assert not Path(prefect_home, "prefect.db").exists()  # cleanup started no temporary server of its own
         deadline = time.monotonic() + 30
         while stat_fields(orphan) is not None and time.monotonic() < deadline:
             time.sleep(0.2)

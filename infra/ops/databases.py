@@ -105,10 +105,12 @@ def first_time_setup(settings: Settings | None = None, temporary_prefect: bool |
             marker.write_text(json.dumps(recorded_versions(marker) | wanted))
 
 
-def prepare_databases(settings: Settings | None = None) -> None:
+def prepare_databases(settings: Settings | None = None, temporary_prefect: bool | None = None) -> None:
     """Create/migrate the local databases under the state folder's lock, once per version (the
-    temporary Prefect server is Prefect's own, started by a first API call)."""
-    temporary_prefect = not os.environ.get("PREFECT_API_URL")
+    temporary Prefect server is Prefect's own, started by a first API call; by default when no
+    ``PREFECT_API_URL`` is set)."""
+    if temporary_prefect is None:
+        temporary_prefect = not os.environ.get("PREFECT_API_URL")
     with first_time_setup(settings, temporary_prefect):
         if temporary_prefect:
             start_prefect_server()

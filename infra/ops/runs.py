@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -156,18 +157,20 @@ def stop_orphaned_servers(dry_run: bool, say: Callable[[str], None]) -> None:
         say(f"{'would stop' if dry_run else 'stopped'} the temporary Prefect server of a killed run: pid {pid}")
 
 
-def cleanup(dry_run: bool = False, say: Callable[[str], None] = print, quiet: bool = False) -> list[Finding]:
-    """Judge every RUNNING MLflow run and Prefect flow run; mark those whose process is gone (unless
-    ``dry_run``). ``say`` gets a line per run marked (with ``quiet``: nothing else), per run left
-    alone and a closing count. Returns the findings."""
+def cleanup(
+    dry_run: bool = False, say: Callable[[str], None] = print, quiet: bool = False, flow_runs: bool = True
+) -> list[Finding]:
+    """Judge every RUNNING MLflow run and (with ``flow_runs``) Prefect flow run; mark those whose
+    process is gone (unless ``dry_run``). ``say`` gets a line per run marked (with ``quiet``: nothing
+    else), per run left alone and a closing count. Returns the findings."""
     from mlflow import MlflowClient
     from prefect.client.orchestration import get_client
 
     from infra.core.settings import get_settings
 
     client = MlflowClient(get_settings().mlflow_tracking_uri)
-    with get_client(sync_client=True) as prefect:
-        findings = [*mlflow_findings(client), *prefect_findings(prefect)]
+    with get_client(sync_client=True) if flow_runs else nullcontext() as prefect:
+        findings = [*mlflow_findings(client), *(prefect_findings(prefect) if flow_runs else [])]
         for finding in findings:
             if finding.verdict == "gone":
                 state = "FAILED" if finding.kind == "MLflow run" else "CRASHED"
@@ -206,8 +209,16 @@ def add_runs_parser(commands) -> None:
 
 
 def runs_command(args: argparse.Namespace) -> int:
-    from infra.ops.databases import prepare_databases
+    """A state folder with no Prefect database yet holds no flow run to judge: cleanup then starts no
+    temporary Prefect server (it would only migrate a new database, about 10 s, to find nothing)."""
+    from infra.core.settings import get_settings
+    from infra.ops.databases import local_databases, prepare_databases
 
-    prepare_databases()
-    cleanup(dry_run=args.dry_run)
+    settings = get_settings()
+    prefect_database = local_databases(settings).get("prefect")  # None: on a Prefect server of its own
+    fresh = prefect_database is not None and not prefect_database.exists()
+    if fresh:
+        print(f"no Prefect database yet ({prefect_database}): no flow runs to judge")
+    prepare_databases(settings, temporary_prefect=False if fresh else None)
+    cleanup(dry_run=args.dry_run, flow_runs=not fresh)
     return 0
