@@ -90,7 +90,7 @@ def prepare_split(parts, split: str, tokenizer, truncation: Truncation, seed: in
     """Normalize, validate and tokenize each source of a split, then take each source's share
     (``weight`` / ``num_samples``, seeded) of its kept rows, in source order. Returns the rows and
     the split's report: dropped and truncated prompts (counted on the rows read) and per source counts."""
-    rows, report = [], {"dropped": 0, "truncated_prompts": 0, "sources": []}
+    rows, report = [], {"dropped": 0, "truncated_prompts": 0, "unterminated": 0, "sources": []}
     for index, (name, raw, source) in enumerate(parts):
         normalized = normalize_rows(raw, split, name)
         validate_rows(normalized, SPLIT_FIELDS[split], name)
@@ -106,6 +106,7 @@ def prepare_split(parts, split: str, tokenizer, truncation: Truncation, seed: in
         rows += used
         report["dropped"] += result.dropped
         report["truncated_prompts"] += result.truncated_prompts
+        report["unterminated"] += result.unterminated
         report["sources"].append(
             {
                 "source": name,
@@ -147,6 +148,7 @@ def prepare_dataset(config: DataConfig, tokenizer: ModelHandle) -> PreparedData:
                 "rows": {s: len(r) for s, r in tokenized.items()},
                 "dropped": {s: r["dropped"] for s, r in reports.items()},
                 "truncated_prompts": {s: r["truncated_prompts"] for s, r in reports.items()},
+                "unterminated_completions": {s: r["unterminated"] for s, r in reports.items() if r["unterminated"]},
                 "sources": {s: r["sources"] for s, r in reports.items()},
                 "truncation": asdict(truncation),
                 "token_fingerprints": {s: hash_token_ids(d) for s, d in splits.items()},
@@ -159,6 +161,15 @@ def prepare_dataset(config: DataConfig, tokenizer: ModelHandle) -> PreparedData:
     if any(truncated.values()):
         get_run_logger().warning(
             "prompts cut to max_prompt_length=%d (%s): %s", config.max_prompt_length, config.truncation_mode, truncated
+        )
+    if manifest["unterminated_completions"]:
+        get_run_logger().warning(
+            "rows whose completion does not end with EOS or a special end-of-turn token: %s of %s. A model "
+            "trained on them does not learn where to stop, and generation cannot stop at a plain-text marker: "
+            "make the chat template's end-of-turn marker a special token of the tokenizer, or end each turn with "
+            "its EOS (docs/data-and-models.md, where generation stops)",
+            manifest["unterminated_completions"],
+            manifest["rows"],
         )
     return PreparedData(
         path=str(target / "data"),

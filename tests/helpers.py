@@ -79,3 +79,48 @@ def wait_for_deployment(name: str, server: subprocess.Popen, timeout: float = 18
             except ObjectNotFound:
                 assert server.poll() is None and time.monotonic() < deadline, f"{name} was not served"
                 time.sleep(1)
+
+
+# Chat templates of two model families whose end of turn is not the tokenizer's EOS (a Qwen2.5 base
+# model's ChatML, Llama-3's), for :func:`chat_tokenizer`.
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAMA3 = (
+    "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+# style -> (template, special tokens, eos, bos, end-of-turn token); EOS is not the end-of-turn token
+STYLES = {
+    "chatml": (CHATML, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"], "<|endoftext|>", None, "<|im_end|>"),
+    "llama3": (
+        LLAMA3,
+        ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        "<|end_of_text|>",
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+    ),
+}
+
+
+def chat_tokenizer(style: str):
+    """A character-level tokenizer (the built-in model's characters) with the style's special tokens
+    and chat template."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from trainers.builtin_model import CHARACTERS
+
+    template, specials, eos, bos, _ = STYLES[style]
+    specials = ["<pad>", "<unk>", *specials]
+    vocab = {token: index for index, token in enumerate(specials + list(CHARACTERS))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.add_special_tokens(specials)
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", eos_token=eos, bos_token=bos
+    )
+    tokenizer.chat_template = template
+    return tokenizer

@@ -9,14 +9,12 @@ from pathlib import Path
 
 import datasets
 import pytest
+from helpers import STYLES, chat_tokenizer
 from prefect.logging import disable_run_logger
-from tokenizers import Tokenizer, decoders, models
-from transformers import PreTrainedTokenizerFast
 
 from infra.core.config import DataConfig, DatasetSource, ModelConfig
 from tasks.data import data_fingerprint, prepare_dataset, prepare_split
 from tasks.models import resolve_model
-from trainers.builtin_model import CHARACTERS
 from trainers.collators import IGNORE_INDEX, CompletionOnlyCollator, PreferenceCollator
 from trainers.data import (
     SPLIT_FIELDS,
@@ -31,42 +29,7 @@ from trainers.modeling import load_tokenizer
 
 pytestmark = pytest.mark.unit
 
-CHATML = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-LLAMA3 = (
-    "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
-    "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
-)
-# style -> (template, special tokens, eos, bos, end-of-turn token); EOS is not the end-of-turn token
-STYLES = {
-    "chatml": (CHATML, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"], "<|endoftext|>", None, "<|im_end|>"),
-    "llama3": (
-        LLAMA3,
-        ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
-        "<|end_of_text|>",
-        "<|begin_of_text|>",
-        "<|eot_id|>",
-    ),
-}
 LONG = Truncation(max_length=256, max_prompt_length=128)
-
-
-def chat_tokenizer(style: str) -> PreTrainedTokenizerFast:
-    """A character-level tokenizer with the style's special tokens and chat template."""
-    template, specials, eos, bos, _ = STYLES[style]
-    specials = ["<pad>", "<unk>", *specials]
-    vocab = {token: index for index, token in enumerate(specials + list(CHARACTERS))}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    backend.add_special_tokens(specials)
-    backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>", eos_token=eos, bos_token=bos
-    )
-    tokenizer.chat_template = template
-    return tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +160,24 @@ def test_end_of_turn_token_is_the_last_trained_token_of_every_completion(style):
     labels = CompletionOnlyCollator(tokenizer.pad_token_id)(sft)["labels"][0].tolist()
     trained = [token for token in labels if token != IGNORE_INDEX]
     assert trained[-1] == end_of_turn and tokenizer.decode(trained) == "blue." + STYLES[style][4]
+
+
+def test_completions_that_end_without_a_stop_token_are_counted():
+    """A template whose turn marker is plain text (not a special token) trains ``'…<end_of_turn>\n'``
+    with ``'\n'`` last: generation could never stop there. String completions end with EOS."""
+    tokenizer = chat_tokenizer("chatml")
+    rows = [
+        {"prompt": PROMPT, "chosen": [assistant("blue.")], "rejected": [assistant("green.")]},
+        {"prompt": "Sky?", "chosen": "blue.", "rejected": "green."},
+    ]
+    assert prepare(rows, "preference", tokenizer).unterminated == 0  # <|im_end|>, then EOS
+    tokenizer.chat_template = (
+        "{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+        "{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+        "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+    )
+    result = prepare(rows, "preference", tokenizer)
+    assert result.unterminated == 1 and tokenizer.decode(result.rows[0]["chosen_ids"]) == "blue.<end_of_turn>\n"
 
 
 def test_a_template_that_is_not_prefix_stable_is_an_error_naming_the_row():

@@ -175,19 +175,26 @@ def test_dapo_with_more_steps_per_generation_than_accumulation_equals_the_big_ba
         assert torch.allclose(got, parameter.grad, atol=1e-6, rtol=1e-4)
 
 
-def test_tokens_after_the_first_eos_count_for_nothing():
-    eos, pad = 2, 0
-    prompts = [[10, 11], [12]]
-    generated = torch.tensor([[20, eos, 30, 31], [21, 22, 23, 24], [eos, 5, 6, 7]][:2])
-    other_tail = torch.tensor([[20, eos, 40, eos], [21, 22, 23, 24]])
-    batch, completions, truncated = completion_batch(prompts, generated, eos, pad, mask_truncated=False)
-    same, _, _ = completion_batch(prompts, other_tail, eos, pad, mask_truncated=False)
-    assert completions == [[20, eos], [21, 22, 23, 24]] and truncated == [False, True]
+def test_tokens_after_the_first_stop_token_count_for_nothing():
+    eos, end_of_turn, pad = 2, 3, 0
+    stop = (eos, end_of_turn)  # a chat model's turn ends at a token other than EOS (trainers/stopping.py)
+    prompts = [[10, 11], [12], [13]]
+    generated = torch.tensor([[20, eos, 30, 31], [21, 22, 23, 24], [25, end_of_turn, 26, eos]])
+    other_tail = torch.tensor([[20, eos, 40, eos], [21, 22, 23, 24], [25, end_of_turn, eos, 41]])
+    batch, completions, truncated = completion_batch(prompts, generated, stop, pad, mask_truncated=False)
+    same, _, _ = completion_batch(prompts, other_tail, stop, pad, mask_truncated=False)
+    assert completions == [[20, eos], [21, 22, 23, 24], [25, end_of_turn]] and truncated == [False, True, False]
     assert all(torch.equal(batch[k], same[k]) for k in batch)
-    assert batch["input_ids"].tolist() == [[10, 11, 20, eos, pad], [12, 21, 22, 23, 24]]
-    assert batch["completion_mask"].tolist() == [[0, 0, 1, 1, 0], [0, 1, 1, 1, 1]]
-    masked, _, _ = completion_batch(prompts, generated, eos, pad, mask_truncated=True)
-    assert masked["completion_mask"].tolist() == [[0, 0, 1, 1, 0], [0, 0, 0, 0, 0]]
+    assert batch["input_ids"].tolist() == [
+        [10, 11, 20, eos, pad],
+        [12, 21, 22, 23, 24],
+        [13, 25, end_of_turn, pad, pad],
+    ]
+    assert batch["completion_mask"].tolist() == [[0, 0, 1, 1, 0], [0, 1, 1, 1, 1], [0, 1, 1, 0, 0]]
+    masked, _, _ = completion_batch(prompts, generated, stop, pad, mask_truncated=True)
+    assert masked["completion_mask"].tolist() == [[0, 0, 1, 1, 0], [0, 0, 0, 0, 0], [0, 1, 1, 0, 0]]
+    only_eos, _, cut = completion_batch(prompts, generated, (eos,), pad, mask_truncated=False)
+    assert cut == [False, True, False] and only_eos["input_ids"][2].tolist() == [13, 25, end_of_turn, 26, eos]
 
 
 def test_all_truncated_and_masked_gives_zero_loss_and_unchanged_parameters(tiny, prompts, tmp_path):

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal
 
 import datasets
 
+from trainers.stopping import stop_token_ids
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -312,11 +314,14 @@ def truncate_prompt(prompt_ids: list[int], truncation: Truncation) -> list[int]:
 @dataclass
 class TokenizedSplit:
     """The rows kept; how many were dropped (truncation left a completion with no tokens, or
-    ``drop`` mode and the row did not fit); how many kept rows had their prompt cut."""
+    ``drop`` mode and the row did not fit); how many kept rows had their prompt cut; how many kept
+    rows have a completion whose render does not end with a stop token (:mod:`trainers.stopping`):
+    a model trained on them learns no place to stop."""
 
     rows: list[dict]
     dropped: int
     truncated_prompts: int
+    unterminated: int
 
 
 def tokenize_rows(
@@ -325,7 +330,8 @@ def tokenize_rows(
     """Tokenize one split's (normalized, validated) rows; a row the chat template cannot render
     raises :class:`DataValidationError` naming ``source`` and the row."""
     completion_fields = [f for f in SPLIT_FIELDS[split] if f in COMPLETION_FIELDS]
-    kept, dropped, truncated = [], 0, 0
+    stops = set(stop_token_ids(tokenizer)) if completion_fields else set()
+    kept, dropped, truncated, unterminated = [], 0, 0, 0
     for index, row in enumerate(rows):
         try:
             full_prompt = render_prompt(tokenizer, row["prompt"])
@@ -347,10 +353,11 @@ def tokenize_rows(
             dropped += 1
             continue
         truncated += len(prompt_ids) < len(full_prompt)
+        unterminated += any(completions[field][-1] not in stops for field in completion_fields)
         if "answer" in row:
             out["answer"] = str(row["answer"])
         kept.append(out)
-    return TokenizedSplit(kept, dropped, truncated)
+    return TokenizedSplit(kept, dropped, truncated, unterminated)
 
 
 def tokenize_split(

@@ -14,6 +14,7 @@ from trainers.logprobs import completion_logps
 from trainers.losses import reward_metrics
 from trainers.metrics import ANSWER_METRICS, PREFERENCE_METRICS, bootstrap_ci, exact_match, pass_at_k
 from trainers.sharding import batches_of, gather_shards, local_shard
+from trainers.stopping import cut_at_first_stop, stop_token_ids
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class GenerationSpec:
 @dataclass(frozen=True)
 class Completion:
     text: str
-    num_tokens: int  # generated tokens up to and including the first EOS
+    num_tokens: int  # generated tokens up to and including the first stop token
 
 
 @dataclass(frozen=True)
@@ -47,10 +48,6 @@ class PromptResult:
         return [exact_match(s.text, self.answer) for s in self.samples]
 
 
-def generated_length(tokens: list[int], eos_token_id: int) -> int:
-    return tokens.index(eos_token_id) + 1 if eos_token_id in tokens else len(tokens)
-
-
 @torch.no_grad()
 def generate_completions(
     model: PreTrainedModel,
@@ -62,11 +59,13 @@ def generate_completions(
     spec: GenerationSpec,
     state: Any | None = None,
 ) -> list[list[Completion]]:
-    """``num_return_sequences`` completions per prompt, batched, special tokens removed from the text.
-    Batch ``i`` samples under seed ``spec.seed + i``, so that with ``state`` (a launch's
-    ``PartialState``) each process generates its share of the batches and every process gets all
-    completions, in order, the same as one process."""
+    """``num_return_sequences`` completions per prompt, batched, each cut at its first stop token
+    (the model's EOS ids and its chat template's end of turn: :mod:`trainers.stopping`) and decoded
+    without special tokens. Batch ``i`` samples under seed ``spec.seed + i``, so that with ``state``
+    (a launch's ``PartialState``) each process generates its share of the batches and every process
+    gets all completions, in order, the same as one process."""
     model.eval()
+    stop_ids = stop_token_ids(tokenizer, model.generation_config)
     sampling = (
         {"do_sample": True, "temperature": spec.temperature, "top_k": 0, "top_p": 1.0}
         if do_sample
@@ -85,14 +84,12 @@ def generate_completions(
             max_new_tokens=spec.max_new_tokens,
             num_return_sequences=num_return_sequences,
             pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=list(stop_ids),
             **sampling,
         )
-        generated = output[:, input_ids.shape[1] :].tolist()
+        generated, _ = cut_at_first_stop(output[:, input_ids.shape[1] :], stop_ids)
         texts = tokenizer.batch_decode(generated, skip_special_tokens=True)
-        flat = [
-            Completion(text, generated_length(tokens, tokenizer.eos_token_id)) for text, tokens in zip(texts, generated)
-        ]
+        flat = [Completion(text, len(tokens)) for text, tokens in zip(texts, generated)]
         completions += [flat[i : i + num_return_sequences] for i in range(0, len(flat), num_return_sequences)]
     return gather_shards(completions, state)
 

@@ -1,10 +1,11 @@
 """``GRPOTrainer``: group-relative policy optimisation on a ``transformers.Trainer``.
 
 Per generation batch (``generation_batch_size`` completions = prompts × ``num_generations``):
-sample completions from the policy (eval mode, no grad, KV cache), cut each at its first EOS,
-score them with the reward functions, turn rewards into group-relative advantages, and, when
-the batch is reused off-policy, record the sampling policy's log-probs. The batch is then served
-as ``steps_per_generation`` slices, each once per iteration (``num_iterations``), to the loss:
+sample completions from the policy (eval mode, no grad, KV cache), cut each at its first stop
+token (the model's EOS ids and its chat template's end of turn: :mod:`trainers.stopping`), score
+them with the reward functions, turn rewards into group-relative advantages, and, when the batch
+is reused off-policy, record the sampling policy's log-probs. The batch is then served as
+``steps_per_generation`` slices, each once per iteration (``num_iterations``), to the loss:
 the per-token objective (``policy_loss``) of the importance ratio (``importance_sampling_level``),
 plus the options that ask for it (entropy bonus, high-entropy token mask, ``β``·k3 KL to a frozen
 reference when ``β > 0``: a copy of the initial policy, or a LoRA policy with its adapters
@@ -47,6 +48,7 @@ from trainers.samplers import generation_dataloader
 from trainers.sampling import sampling_processors
 from trainers.sections import section_fields
 from trainers.sharded_params import forward_model, prepare_reference, sharding_of
+from trainers.stopping import cut_at_first_stop, stop_token_ids
 
 
 @dataclass
@@ -111,22 +113,18 @@ def keep_rows(features: list[dict]) -> list[dict]:
     return features
 
 
-def cut_at_first_eos(generated: torch.Tensor, eos_token_id: int) -> tuple[list[list[int]], list[bool]]:
-    """Each generated row up to and including its first EOS; a row without EOS is kept whole
-    and reported as truncated. Whatever follows the first EOS is dropped."""
-    is_eos = generated == eos_token_id
-    has_eos = is_eos.any(dim=1)
-    ends = torch.where(has_eos, is_eos.int().argmax(dim=1) + 1, generated.shape[1])
-    return [row[:end].tolist() for row, end in zip(generated, ends.tolist())], (~has_eos).tolist()
-
-
 def completion_batch(
-    prompts: list[list[int]], generated: torch.Tensor, eos_token_id: int, pad_token_id: int, mask_truncated: bool
+    prompts: list[list[int]],
+    generated: torch.Tensor,
+    stop_ids: tuple[int, ...],
+    pad_token_id: int,
+    mask_truncated: bool,
 ) -> tuple[dict[str, torch.Tensor], list[list[int]], list[bool]]:
     """Right-padded ``prompt + completion`` rows (the positions the policy sampled them at), the
-    completions cut at their first EOS and which were truncated. ``completion_mask`` covers the
-    completion up to and including its EOS; with ``mask_truncated`` a truncated row counts no token."""
-    completions, truncated = cut_at_first_eos(generated, eos_token_id)
+    completions cut at their first stop token (:mod:`trainers.stopping`) and which were truncated.
+    ``completion_mask`` covers the completion up to and including its stop token; with
+    ``mask_truncated`` a truncated row counts no token."""
+    completions, truncated = cut_at_first_stop(generated, stop_ids)
     batch = prompt_completion_batch(prompts, completions, pad_token_id)
     if mask_truncated:
         batch["completion_mask"][torch.tensor(truncated, dtype=torch.bool)] = 0
@@ -193,12 +191,13 @@ class GRPOTrainer(Trainer):
             self.ref_model = prepare_reference(reference, self.accelerator)
         tokenizer = self.processing_class
         self.sampling = sampling_processors(args.temperature, args.top_k, args.top_p)
+        self.stop_ids = stop_token_ids(tokenizer, self.model.generation_config)
         self.generation_config = GenerationConfig(
             do_sample=False,  # the tokens are sampled by ``self.sampling``: greedy emits them
             max_new_tokens=args.max_completion_length,
             use_cache=True,
             pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=list(self.stop_ids),
         )
         self.buffer = GenerationBuffer(args.num_iterations)
         self.generation_calls = 0
@@ -289,8 +288,8 @@ class GRPOTrainer(Trainer):
     def generate_seeded(self, model, prompts: list[list[int]]) -> torch.Tensor:
         """Each completion generated alone under the seed :func:`completion_seed` of its place in the
         generation batch over all processes (this process holds rows ``rank × N`` onwards), so it
-        depends on neither the process count nor its neighbours. Shorter rows are padded with EOS
-        (cut at the first EOS later); the global RNG state is left as it was."""
+        depends on neither the process count nor its neighbours. Shorter rows are padded with a stop
+        token (cut at the first one later); the global RNG state is left as it was."""
         device = self.accelerator.device
         first_row = self.accelerator.process_index * len(prompts)
         rows = []
@@ -307,8 +306,8 @@ class GRPOTrainer(Trainer):
                 )
                 rows.append(output[0, len(prompt) :].cpu())
         width = max(len(row) for row in rows)
-        eos = self.processing_class.eos_token_id
-        return torch.stack([torch.cat([row, row.new_full((width - len(row),), eos)]) for row in rows])
+        stop = self.stop_ids[0]
+        return torch.stack([torch.cat([row, row.new_full((width - len(row),), stop)]) for row in rows])
 
     def generate_and_score(self, model, rows: list[dict]) -> list[dict[str, torch.Tensor]]:
         args: GRPOConfig = self.args
@@ -319,10 +318,10 @@ class GRPOTrainer(Trainer):
         generated = self.generate(model, prompts)
         self.window["time/generation"].append(time.perf_counter() - started)
         batch, completions, truncated = completion_batch(
-            prompts, generated, tokenizer.eos_token_id, tokenizer.pad_token_id, args.mask_truncated_completions
+            prompts, generated, self.stop_ids, tokenizer.pad_token_id, args.mask_truncated_completions
         )
 
-        bare = [c[:-1] if not cut else c for c, cut in zip(completions, truncated)]  # without the EOS
+        bare = [c[:-1] if not cut else c for c, cut in zip(completions, truncated)]  # without the stop token
         texts = tokenizer.batch_decode(bare, skip_special_tokens=True)
         prompt_texts = tokenizer.batch_decode(prompts, skip_special_tokens=False)
         columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt_ids"} | {"completion_ids": bare}

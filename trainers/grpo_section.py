@@ -96,7 +96,9 @@ class GRPOStageConfig(TrainingConfig):
         description="Registered reward names or import paths `module:function`.",
     )
     reward_weights: list[float] | None = Field(None, description="One weight per reward function; default: all 1.")
-    mask_truncated_completions: bool = Field(False, description="Leave completions without EOS out of the loss.")
+    mask_truncated_completions: bool = Field(
+        False, description="Leave completions without a stop token (EOS or end of turn) out of the loss."
+    )
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k.")

@@ -1,0 +1,140 @@
+"""Generation stops where the model's turn ends, not only at the tokenizer's EOS: the stop set of a
+Qwen2.5-base-style tokenizer (EOS ``<|endoftext|>``, turns closed by ``<|im_end|>``) and of a
+Llama-3.0-style ``generation_config`` (EOS ids ``[<|end_of_text|>, <|eot_id|>]``), and what GRPO and
+evaluation make of a fixture policy that writes past its end of turn."""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+import torch
+from helpers import chat_tokenizer
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from trainers.builtin_model import build_char_tokenizer
+from trainers.evaluation import GenerationSpec, generate_completions
+from trainers.grpo import GRPOConfig, GRPOTrainer
+from trainers.stopping import end_of_turn_id, stop_token_ids
+
+pytestmark = pytest.mark.unit
+
+
+class ScriptedPolicy(LlamaForCausalLM):
+    """A fixture policy: whatever the context, the token after ``a`` is ``script[a]`` (a bigram table
+    as logits, so greedy decoding and sampling both follow it); a token off the script is followed
+    by ``filler``."""
+
+    def __init__(self, config: LlamaConfig, script: dict[int, int], filler: int):
+        super().__init__(config)
+        self.table = torch.full((config.vocab_size, config.vocab_size), -1e4)
+        self.table[:, filler] = 0.0
+        for current, following in script.items():
+            self.table[current] = -1e4
+            self.table[current, following] = 0.0
+
+    def forward(self, input_ids=None, **kwargs):
+        output = super().forward(input_ids=input_ids, **kwargs)
+        output.logits = self.table[input_ids][:, -output.logits.shape[1] :]
+        return output
+
+
+def scripted_policy(tokenizer, after_prompt: list[str], eos_ids: int | list[int] | None = None) -> ScriptedPolicy:
+    """A policy that answers a prompt ending in ``"\n"`` with the tokens ``after_prompt`` (each
+    appears once), then repeats ``"x"``; its ``generation_config`` lists ``eos_ids`` (by default the
+    tokenizer's EOS)."""
+    ids = tokenizer.convert_tokens_to_ids(["\n", *after_prompt])
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id if eos_ids is None else eos_ids,
+    )
+    model = ScriptedPolicy(config, dict(zip(ids, ids[1:])), filler=tokenizer.convert_tokens_to_ids("x"))
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def chat_prompt(tokenizer) -> list[int]:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": "2+2?"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+
+
+def token_ids(tokenizer, *tokens: str) -> tuple[int, ...]:
+    return tuple(tokenizer.convert_tokens_to_ids(list(tokens)))
+
+
+def test_the_stop_set_adds_the_templates_end_of_turn_and_every_configured_eos_id():
+    chatml, llama3 = chat_tokenizer("chatml"), chat_tokenizer("llama3")
+    assert stop_token_ids(chatml) == token_ids(chatml, "<|endoftext|>", "<|im_end|>")  # a Qwen2.5 base model
+    assert end_of_turn_id(llama3) == llama3.convert_tokens_to_ids("<|eot_id|>")
+    llama3.chat_template = None  # a Llama-3.0 base release: no template, both ids in its generation_config
+    configured = GenerationConfig(eos_token_id=list(token_ids(llama3, "<|end_of_text|>", "<|eot_id|>")))
+    assert stop_token_ids(llama3) == token_ids(llama3, "<|end_of_text|>")
+    assert stop_token_ids(llama3, configured) == token_ids(llama3, "<|end_of_text|>", "<|eot_id|>")
+    builtin = build_char_tokenizer()  # its template ends a turn with EOS: nothing is added
+    assert stop_token_ids(builtin, GenerationConfig(eos_token_id=builtin.eos_token_id)) == (builtin.eos_token_id,)
+    chatml.chat_template = "{% for m in messages %}{{ m['content'] }}<end_of_turn>\n{% endfor %}"  # plain text
+    assert end_of_turn_id(chatml) is None and stop_token_ids(chatml) == token_ids(chatml, "<|endoftext|>")
+
+
+def test_evaluation_cuts_each_answer_at_the_end_of_turn():
+    tokenizer = chat_tokenizer("chatml")
+    model = scripted_policy(tokenizer, ["f", "h", "<|im_end|>", "b", "d", "<|endoftext|>"])
+    spec = GenerationSpec(max_new_tokens=8, num_samples=2, seed=3)
+    prompts = [chat_prompt(tokenizer)] * 2
+    for do_sample, n in ((False, 1), (True, 2)):
+        completions = generate_completions(
+            model, tokenizer, prompts, do_sample=do_sample, num_return_sequences=n, spec=spec
+        )
+        assert [[(c.text, c.num_tokens) for c in row] for row in completions] == [[("fh", 3)] * n] * 2
+
+
+def test_evaluation_stops_at_a_llama3_generation_configs_second_eos_id():
+    tokenizer = chat_tokenizer("llama3")
+    tokenizer.chat_template = None
+    eos_ids = list(token_ids(tokenizer, "<|end_of_text|>", "<|eot_id|>"))
+    model = scripted_policy(tokenizer, ["4", "<|eot_id|>", "5", "6"], eos_ids=eos_ids)
+    prompt = tokenizer("2+2?\n", add_special_tokens=False).input_ids
+    spec = GenerationSpec(max_new_tokens=6)
+    (greedy,) = generate_completions(model, tokenizer, [prompt], do_sample=False, num_return_sequences=1, spec=spec)
+    assert (greedy[0].text, greedy[0].num_tokens) == ("4", 2)
+
+
+def test_grpo_rollouts_stop_at_the_end_of_turn_and_rewards_see_the_answer_only(tmp_path):
+    tokenizer = chat_tokenizer("chatml")
+    model = scripted_policy(tokenizer, ["f", "h", "<|im_end|>", "b", "d", "j"])
+    seen = []
+
+    def exact_answer(prompts, completions, completion_ids, **columns):
+        seen.append((list(completions), [list(ids) for ids in completion_ids]))
+        return [float(text == "fh") for text in completions]
+
+    prompt = chat_prompt(tokenizer)
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=6,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        args=args,
+        train_dataset=datasets.Dataset.from_list([{"prompt_ids": prompt}] * 2),
+        processing_class=tokenizer,
+        reward_funcs=[exact_answer],
+    )
+    assert trainer.stop_ids == token_ids(tokenizer, "<|endoftext|>", "<|im_end|>")
+    (slice_,) = trainer.generate_and_score(trainer.model, [{"prompt_ids": prompt}] * 2)
+    answer = list(token_ids(tokenizer, "f", "h"))
+    assert seen == [(["fh", "fh"], [answer, answer])]
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert slice_["input_ids"].tolist() == [prompt + answer + [end_of_turn]] * 2  # nothing after the end of turn
+    assert slice_["completion_mask"].tolist() == [[0] * len(prompt) + [1, 1, 1]] * 2
