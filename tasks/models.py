@@ -19,6 +19,7 @@ from infra.core.settings import get_settings
 from tasks.tracking import client
 from trainers.builtin_model import builtin_spec, is_builtin, save_builtin_model
 from trainers.lora import ADAPTER_CONFIG, is_adapter_folder
+from trainers.tokenizer_identity import TOKENIZER_JSON, tokenizer_identity
 
 # What determines a model's outputs (not training_args.bin or generation_config.json, which name runs and folders).
 WEIGHT_PATTERNS = (
@@ -93,11 +94,19 @@ def check_safetensors(file: Path) -> None:
             ) from None
 
 
+def tokenizer_fingerprint(path: Path) -> str:
+    """By what the tokenizer does (:mod:`trainers.tokenizer_identity`), so that ``save_pretrained``
+    round trips keep it; a tokenizer without ``tokenizer.json`` (sentencepiece only) by its files."""
+    if (path / TOKENIZER_JSON).is_file():
+        return hash_value(tokenizer_identity(path))
+    return hash_paths(path, TOKENIZER_FILES)
+
+
 def checkpoint_handle(path: Path, stage: str, mlflow_run_id: str | None = None) -> ModelHandle:
     return ModelHandle(
         path=str(path),
         fingerprint=hash_paths(path),
-        tokenizer_fingerprint=hash_paths(path, TOKENIZER_FILES),
+        tokenizer_fingerprint=tokenizer_fingerprint(path),
         weights_fingerprint=hash_paths(path, weight_files(path)),
         stage=stage,
         mlflow_run_id=mlflow_run_id,

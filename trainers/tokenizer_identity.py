@@ -1,0 +1,73 @@
+"""A tokenizer's identity by what it does, not by the bytes of its files.
+
+``save_pretrained`` rewrites a tokenizer's files without changing what it does: it adds
+``is_local`` and ``local_files_only`` to ``tokenizer_config.json``, renames ``tokenizer_class``,
+writes merges in the newer list form and fills in defaults. A fingerprint of the bytes then tells a
+fine-tuned model from its own base model, and nothing could compare them. :func:`tokenizer_identity`
+is what tokenization depends on, canonicalised: the model's vocabulary and merges as the
+``tokenizers`` library reads them, the added tokens, the ids and decoded text of a fixed set of
+probe strings (which is what the normalizer, pre-tokenizer, post-processor and decoder do, however
+their JSON is written), the special tokens, the chat template and the padding side.
+
+Reads ``tokenizer.json`` with the ``tokenizers`` library only (no transformers, no torch): a run
+that finds every result cached still fingerprints its models.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+TOKENIZER_JSON = "tokenizer.json"
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+# Text that exercises normalisation (composed and decomposed accents, full-width forms), pre-tokenizing
+# (spaces, tabs, newlines, digits, punctuation, code), byte fallback (CJK, emoji) and casing.
+PROBES = (
+    "The quick brown fox jumps over the lazy dog.",
+    "  leading and  double spaces, trailing ",
+    "tabs\tand\nnew\n\nlines\r\n",
+    "12345 + 678 = 7023; pi ≈ 3.14159",
+    "def f(x):\n    return x ** 2  # square",
+    "café naïve façade, cafe\u0301 nai\u0308ve",
+    "ＡＢＣ full-width, ﬁ ligature, Ω ohm",
+    "你好，世界。こんにちは 안녕하세요",
+    "emoji 👍🏽 and 🤖!",
+    "MiXeD CaSe, UPPER, lower",
+)
+
+
+def content(token: Any) -> str | None:
+    """A special token as ``tokenizer_config.json`` writes it: a string, or an AddedToken's dict."""
+    return token["content"] if isinstance(token, dict) else token
+
+
+def chat_template(folder: Path, config: dict) -> Any:
+    """``chat_template.jinja`` where saved beside the config (newer transformers), else the config's."""
+    jinja = folder / "chat_template.jinja"
+    return jinja.read_text() if jinja.is_file() else config.get("chat_template")
+
+
+def tokenizer_identity(folder: Path) -> dict[str, Any]:
+    """What tokenization by the tokenizer saved in ``folder`` depends on (see the module's docstring);
+    the folder must hold ``tokenizer.json``."""
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_file(str(folder / TOKENIZER_JSON))
+    model = json.loads(backend.to_str())["model"]
+    config_file, map_file = folder / "tokenizer_config.json", folder / "special_tokens_map.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    special = {**(json.loads(map_file.read_text()) if map_file.is_file() else {}), **config}
+    added = backend.get_added_tokens_decoder()
+    probes = [*PROBES, *(f"a{token.content} b" for token in added.values())]
+    encoded = [backend.encode(text, add_special_tokens=flag).ids for text in probes for flag in (False, True)]
+    return {
+        "model": {key: model.get(key) for key in ("type", "vocab", "merges")},
+        "added_tokens": [[index, token.content, token.special] for index, token in sorted(added.items())],
+        "probes": encoded,
+        "decoded": [backend.decode(ids, skip_special_tokens=False) for ids in encoded],
+        "special_tokens": {name: content(special.get(name)) for name in SPECIAL_TOKENS},
+        "chat_template": chat_template(folder, config),
+        "padding_side": config.get("padding_side") or "right",  # transformers' default when absent
+        "add_bos_eos": [config.get("add_bos_token"), config.get("add_eos_token")],
+    }
