@@ -109,6 +109,25 @@ def test_implicit_prompt_is_the_longest_common_message_prefix(chatml):
     }
 
 
+def test_standard_implicit_prompt_is_the_shared_text_before_the_completions_space(chatml):
+    """TRL's standard implicit-prompt pairs: strings with a shared prefix; the space before the first
+    differing character starts the completions."""
+    rows = [{"chosen": "The sky is blue.", "rejected": "The sky is green."}]
+    assert normalize_rows(rows, "preference", "x") == [
+        {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}
+    ]
+    (row,) = prepare(rows, "preference", chatml).rows
+    eos = chatml.eos_token_id
+    assert row == {
+        "prompt_ids": chatml_ids(chatml, "The sky is"),
+        "chosen_ids": [*chatml_ids(chatml, " blue."), eos],
+        "rejected_ids": [*chatml_ids(chatml, " green."), eos],
+    }
+    assert normalize_rows([{"chosen": "2+2=4", "rejected": "2+2=5"}], "preference", "x")[0]["prompt"] == "2+2="
+    with pytest.raises(DataValidationError, match=r"^pairs\.jsonl: row 0: .*share no leading text \(implicit prompt\)"):
+        normalize_rows([{"chosen": "Blue.", "rejected": "Green."}], "preference", "pairs.jsonl")
+
+
 @pytest.mark.parametrize("shape", ["messages", "prompt_completion"])
 def test_conversational_sft_exact_ids_and_labels(chatml, shape):
     if shape == "messages":

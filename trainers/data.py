@@ -194,10 +194,19 @@ def _message_key(message: dict) -> tuple[str, str]:
     return message["role"], message["content"]
 
 
+def shared_text_prefix(chosen: str, rejected: str) -> int:
+    """Where an implicit-prompt pair of strings parts (TRL's standard implicit-prompt format): the
+    length of their common prefix, less the space before the first differing character, which
+    starts the completions (``"The sky is"`` + ``" blue."`` / ``" green."``)."""
+    common = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
+    return common - 1 if common > 0 and chosen[common - 1] == " " else common
+
+
 def normalize_rows(rows: list[dict], split: str, source: str) -> list[dict]:
     """Rows in the split's ``prompt``/``completion``/``chosen``/``rejected`` fields: SFT
     ``messages`` are split before the last assistant turn; preference pairs without ``prompt``
-    take the longest common message prefix of ``chosen`` and ``rejected`` as the prompt."""
+    take the longest common message prefix of ``chosen`` and ``rejected`` as the prompt, or for
+    strings their common text (:func:`shared_text_prefix`)."""
     out = []
     for index, row in enumerate(rows):
         where = f"{source}: row {index}"
@@ -223,6 +232,14 @@ def normalize_rows(rows: list[dict], split: str, source: str) -> list[dict]:
                 if common == 0:
                     raise DataValidationError(
                         f"{where}: field 'prompt' is missing and 'chosen' and 'rejected' share no leading message "
+                        "(implicit prompt)"
+                    )
+                row = {**row, "prompt": chosen[:common], "chosen": chosen[common:], "rejected": rejected[common:]}
+            elif isinstance(chosen, str) and isinstance(rejected, str):
+                common = shared_text_prefix(chosen, rejected)
+                if common == 0:
+                    raise DataValidationError(
+                        f"{where}: field 'prompt' is missing and 'chosen' and 'rejected' share no leading text "
                         "(implicit prompt)"
                     )
                 row = {**row, "prompt": chosen[:common], "chosen": chosen[common:], "rejected": rejected[common:]}
