@@ -83,7 +83,8 @@ def format_cell(metrics: dict[str, float], name: str) -> str:
 
 
 def samples_table(results: list[PromptResult], rows: int) -> dict[str, list]:
-    """First ``rows`` prompts with their first sample; the reward is the task's exact-match score."""
+    """First ``rows`` prompts (as rendered, special tokens included, as GRPO's completion tables
+    show them) with their first sample; the reward is the task's exact-match score."""
     shown = results[:rows]
     correct = [r.samples_correct[0] for r in shown]
     return {

@@ -12,7 +12,7 @@ from helpers import chat_tokenizer
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from trainers.builtin_model import build_char_tokenizer
-from trainers.evaluation import GenerationSpec, generate_completions
+from trainers.evaluation import GenerationSpec, generate_completions, score_prompts
 from trainers.grpo import GRPOConfig, GRPOTrainer
 from trainers.stopping import end_of_turn_id, stop_token_ids
 
@@ -92,6 +92,15 @@ def test_evaluation_cuts_each_answer_at_the_end_of_turn():
             model, tokenizer, prompts, do_sample=do_sample, num_return_sequences=n, spec=spec
         )
         assert [[(c.text, c.num_tokens) for c in row] for row in completions] == [[("fh", 3)] * n] * 2
+
+
+def test_evaluation_samples_show_the_prompt_as_rendered_and_score_the_cut_answer():
+    tokenizer = chat_tokenizer("chatml")
+    model = scripted_policy(tokenizer, ["f", "h", "<|im_end|>", "b", "d", "<|endoftext|>"])
+    row = {"prompt_ids": chat_prompt(tokenizer), "answer": "fh"}
+    (result,) = score_prompts(model, tokenizer, [row], GenerationSpec(max_new_tokens=8, num_samples=1))
+    assert result.prompt == "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"  # as GRPO's tables show it
+    assert result.greedy_correct and result.samples_correct == [True]
 
 
 def test_evaluation_stops_at_a_llama3_generation_configs_second_eos_id():

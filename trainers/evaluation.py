@@ -106,7 +106,7 @@ def score_prompts(
         model, tokenizer, prompts, do_sample=True, num_return_sequences=spec.num_samples, **options
     )
     return [
-        PromptResult(tokenizer.decode(row["prompt_ids"], skip_special_tokens=True), row["answer"], g[0], s)
+        PromptResult(tokenizer.decode(row["prompt_ids"], skip_special_tokens=False), row["answer"], g[0], s)
         for row, g, s in zip(rows, greedy, sampled)
     ]
 
