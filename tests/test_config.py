@@ -208,7 +208,9 @@ def test_a_plugin_module_registers_losses_and_rewards_that_the_config_then_accep
         load_config(None, overrides)
     config = load_config(None, [f"plugins=[{plugin}]", *overrides])
     assert (config.dpo.loss_type, config.grpo.reward_funcs) == ("plugin_margin", ["plugin_length"])
-    with pytest.raises(ValidationError, match="plugins: cannot import 'no_such_plugin'"):
+    with pytest.raises(
+        ValidationError, match="plugins: cannot import 'no_such_plugin': .* put its folder on PYTHONPATH"
+    ):
         load_config(None, ["plugins=[no_such_plugin]"])
     loss_choices = ExperimentConfig.model_json_schema()["$defs"]["DPOStageConfig"]["properties"]["loss_type"]
     assert "plugin_margin" in loss_choices["anyOf"][0]["enum"]  # the UI form lists it from now on

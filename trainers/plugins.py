@@ -14,5 +14,9 @@ def import_plugins(modules: Iterable[str]) -> None:
         try:
             importlib.import_module(module)
         except ImportError as error:
-            raise ValueError(f"plugins: cannot import {module!r}: {error}") from None
+            raise ValueError(
+                f"plugins: cannot import {module!r}: {error} (a plugin must be importable wherever the config is "
+                "read: install its package, or put its folder on PYTHONPATH; the `alignflow` command, like any "
+                "console script, does not look in the working directory)"
+            ) from None
         allow_module(module)  # reward import paths may name its functions
