@@ -163,6 +163,12 @@ def run_stage(
         final = checkpoint if checkpoint is not None and training_done(checkpoint) else None
         if resumed:
             mark_resumed(run_id, parent_run_id, stage, trainer_step(checkpoint))
+        if inputs.compute.trains_pure_bf16 and inputs.lora is None:
+            get_run_logger().warning(
+                "%s: compute.dtype bfloat16 without mixed_precision trains pure bf16 weights: AdamW updates below "
+                "bf16's resolution round away. For mixed precision: compute.dtype float32 and mixed_precision bf16",
+                stage,
+            )
         if final is not None:
             get_run_logger().info("%s: %s is the last step: saving its model", stage, final)
         elif checkpoint is not None:

@@ -56,6 +56,16 @@ def test_the_defaults_are_one_process_in_the_checkpoints_dtype():
 
 
 @pytest.mark.unit
+def test_only_bfloat16_weights_without_autocast_train_in_pure_bf16():
+    def pure(*overrides: str) -> bool:
+        return load_config(None, list(overrides)).compute.trains_pure_bf16
+
+    assert pure("compute.dtype=bfloat16")  # the train task warns, naming the mixed-precision settings
+    assert not pure("compute.dtype=bfloat16", "compute.mixed_precision=bf16")
+    assert not pure("compute.dtype=float32", "compute.mixed_precision=bf16") and not pure()
+
+
+@pytest.mark.unit
 def test_bad_compute_settings_are_config_errors_naming_the_field():
     assert "compute.accelerate_config" in (message := config_error("compute.accelerate_config=zero4"))
     assert "'zero4' is neither a shipped config (ddp, fsdp, zero2, zero3) nor an existing file" in message

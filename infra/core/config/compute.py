@@ -57,7 +57,9 @@ class ComputeConfig(Section):
     )
     dtype: LoadDtype = Field(
         "auto",
-        description="dtype the models are loaded in (training, reference pass, evaluation); `auto`: the checkpoint's.",
+        description="dtype the models are loaded in (training, reference pass, evaluation); `auto`: the checkpoint's. "
+        "`bfloat16` with `mixed_precision: no` trains pure bf16 weights (AdamW's small updates round away); "
+        "for mixed precision load float32 and set `mixed_precision: bf16`.",
     )
     accelerate_config: str | None = Field(
         None,
@@ -86,6 +88,11 @@ class ComputeConfig(Section):
                 "the same number of processes on every machine"
             )
         return self
+
+    @property
+    def trains_pure_bf16(self) -> bool:
+        """Weights loaded in bfloat16 with no autocast: the optimizer updates the bf16 weights themselves."""
+        return self.dtype == "bfloat16" and self.mixed_precision == "no"
 
     @property
     def processes_per_machine(self) -> int:
