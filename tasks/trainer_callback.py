@@ -37,9 +37,19 @@ class MlflowTrainerCallback(TrainerCallback):
         self.metrics = metrics or MetricSender.for_run(run_id, get_settings().mlflow_tracking_uri)
         self.last_step = last_logged_steps(run_id)  # a resumed stage re-runs steps an earlier attempt logged
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        """A resumed stage first sends what its checkpoint's log history holds and the run lacks: an
+        attempt killed right after saving a checkpoint may not have delivered that step's metrics,
+        and the resumed one starts at the step after it."""
+        for entry in state.log_history:
+            self.log_new(state, {key: value for key, value in entry.items() if key != "step"}, entry["step"])
+
     def on_log(self, args, state, control, logs=None, **kwargs):
+        self.log_new(state, logs or {}, state.global_step)
+
+    def log_new(self, state, logs: dict, step: int) -> None:
+        """The values of ``logs`` at ``step`` that the run does not have yet (rank 0 only)."""
         if state.is_world_process_zero and logs:
-            step = state.global_step
             new = {key: value for key, value in logs.items() if step > self.last_step.get(key, -1)}
             self.last_step |= dict.fromkeys(new, step)
             self.metrics.submit(metric_values(new, step=step))

@@ -51,3 +51,32 @@ def test_checkpoints_reach_mlflow_only_when_asked(tmp_path):
     assert client().list_artifacts(run_id) == []
     MlflowTrainerCallback(run_id).on_save(args, state, None)
     assert [a.path for a in client().list_artifacts(run_id, "checkpoints")] == ["checkpoints/checkpoint-3"]
+
+
+@pytest.mark.slow
+def test_a_resumed_stage_sends_the_logged_steps_its_run_lacks_once():
+    """Killed right after checkpoint-3 was saved, before step 3's metrics reached MLflow: the resumed
+    attempt starts at step 4, and its checkpoint's log history has step 3."""
+    from tasks.tracking import client, experiment_id, log_metrics
+    from tasks.trainer_callback import MlflowTrainerCallback
+
+    run_id = client().create_run(experiment_id("callbacks")).info.run_id
+    for step in (1, 2):
+        log_metrics(run_id, {"loss": 1.0 / step, "grad_norm": 2.0 * step}, step=step)
+    log_metrics(run_id, {"loss": 1.0 / 3}, step=3)  # one of step 3's metrics was delivered before the kill
+    history = [{"loss": 1.0 / s, "grad_norm": 2.0 * s, "epoch": 0.25 * s, "step": s} for s in (1, 2, 3)]
+    callback = MlflowTrainerCallback(run_id)
+    state = SimpleNamespace(is_world_process_zero=True, global_step=3, log_history=history)
+    callback.on_train_begin(None, state, None)
+    state.global_step = 4
+    callback.on_log(None, state, None, logs={"loss": 0.25, "grad_norm": 8.0, "epoch": 1.0})
+    callback.on_train_end(None, state, None)
+    steps = {
+        key: sorted((m.step, m.value) for m in client().get_metric_history(run_id, key))
+        for key in ("loss", "grad_norm", "epoch")
+    }
+    assert steps == {
+        "loss": [(1, 1.0), (2, 0.5), (3, 1.0 / 3), (4, 0.25)],
+        "grad_norm": [(1, 2.0), (2, 4.0), (3, 6.0), (4, 8.0)],
+        "epoch": [(1, 0.25), (2, 0.5), (3, 0.75), (4, 1.0)],
+    }
