@@ -16,7 +16,7 @@ from tasks.reference import log_reference_input, with_reference_columns
 from tasks.tracking import log_new_params
 from tasks.trainer_callback import MlflowTrainerCallback
 from trainers.callbacks import ProgressLineCallback
-from trainers.checkpoints import CheckpointCompletion, restore_extra_state
+from trainers.checkpoints import CheckpointCompletion, restore_extra_state, trainer_state
 from trainers.lora import trainable_parameters
 from trainers.sections import TrainingConfig
 from trainers.stages import STAGES, ModelSource, StageInputs
@@ -78,9 +78,14 @@ def tracked_trainer(
 
 
 def train_from(trainer, checkpoint: Path | None, final: Path | None) -> None:
-    """Train from ``checkpoint`` (or from the start); nothing when the model is that of ``final``,
-    the last step's checkpoint."""
+    """Train from ``checkpoint`` (or from the start). When the model is that of ``final``, the last
+    step's checkpoint, nothing is trained: the callbacks see a run of no steps left with that
+    checkpoint's state, so the MLflow tracker sends what an attempt killed after saving it had not
+    delivered (:meth:`tasks.trainer_callback.MlflowTrainerCallback.on_train_begin`)."""
     if final is not None:
+        state = trainer_state(final)
+        trainer.callback_handler.on_train_begin(trainer.args, state, trainer.control)
+        trainer.callback_handler.on_train_end(trainer.args, state, trainer.control)
         return
     if checkpoint is not None:
         restore_extra_state(trainer, checkpoint)

@@ -176,7 +176,9 @@ def test_a_prefect_retry_resumes_the_failed_stage_from_its_checkpoint(prefect_ap
 
 def test_a_stage_stopped_between_saving_its_model_and_recording_it_saves_it_again(prefect_api_url):
     """``model/`` without ``model.json`` is not trusted (here it was also changed since): the rerun
-    saves the model again from the final checkpoint, in the same run, without training a step."""
+    saves the model again from the final checkpoint, in the same run, without training a step, and
+    sends what the checkpoint's log history holds and the run lacks (a kill after the checkpoint,
+    before the metric sender delivered its step)."""
     from infra.core.config import load_config
     from infra.core.settings import get_settings
     from tasks.tracking import client
@@ -191,8 +193,18 @@ def test_a_stage_stopped_between_saving_its_model_and_recording_it_saves_it_agai
     (folder / "model" / "config.json").write_text("{}")
     run_id = (folder / "mlflow_run_id").read_text()
     steps = [m.step for m in client().get_metric_history(run_id, "loss")]
+    final = folder / "checkpoint-6"
+    state, marker = (
+        json.loads((final / "trainer_state.json").read_text()),
+        json.loads((final / "checkpoint-complete.json").read_text()),
+    )
+    state["log_history"].append({"undelivered": 0.5, "step": 6})  # logged, never sent: the process was killed
+    (final / "trainer_state.json").write_text(json.dumps(state))
+    marker["files"]["trainer_state.json"] = (final / "trainer_state.json").stat().st_size  # still complete
+    (final / "checkpoint-complete.json").write_text(json.dumps(marker))
 
     run_flow(config)
     assert json.loads((folder / "model.json").read_text()) == recorded
     assert client().get_run(run_id).data.tags["alignflow.resumed_from_step"] == "6"  # max_steps: nothing to train
     assert [m.step for m in client().get_metric_history(run_id, "loss")] == steps
+    assert [(m.step, m.value) for m in client().get_metric_history(run_id, "undelivered")] == [(6, 0.5)]

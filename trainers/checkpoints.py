@@ -90,9 +90,14 @@ def latest_complete_checkpoint(output_dir: Path) -> Path | None:
     return next((c for c in checkpoints(output_dir) if is_complete(c)), None)
 
 
+def trainer_state(checkpoint: Path) -> TrainerState:
+    """The ``Trainer``'s state as the checkpoint saved it (step, log history, …)."""
+    return TrainerState.load_from_json(str(checkpoint / TRAINER_STATE_NAME))
+
+
 def training_done(checkpoint: Path) -> bool:
     """Whether the checkpoint is of the last step (its ``global_step`` reached ``max_steps``)."""
-    state = TrainerState.load_from_json(str(checkpoint / TRAINER_STATE_NAME))
+    state = trainer_state(checkpoint)
     return state.global_step >= state.max_steps
 
 
