@@ -202,11 +202,39 @@ def shared_text_prefix(chosen: str, rejected: str) -> int:
     return common - 1 if common > 0 and chosen[common - 1] == " " else common
 
 
+def shared_message_prefix(chosen: list[dict], rejected: list[dict]) -> int:
+    """How many leading messages an implicit-prompt pair of conversations shares; each side keeps at
+    least its last message."""
+    common = 0
+    while common < min(len(chosen), len(rejected)) - 1 and _message_key(chosen[common]) == _message_key(
+        rejected[common]
+    ):
+        common += 1
+    return common
+
+
+def split_implicit_prompt(row: dict, where: str) -> dict:
+    """A preference pair without ``prompt`` whose ``chosen`` and ``rejected`` are both conversations
+    or both strings, with their shared beginning as the prompt; any other row as it is (validation
+    then names what is missing)."""
+    chosen, rejected = row.get("chosen"), row.get("rejected")
+    if _is_conversation(chosen) and _is_conversation(rejected):
+        common, unit = shared_message_prefix(chosen, rejected), "message"
+    elif isinstance(chosen, str) and isinstance(rejected, str):
+        common, unit = shared_text_prefix(chosen, rejected), "text"
+    else:
+        return row
+    if common == 0:
+        raise DataValidationError(
+            f"{where}: field 'prompt' is missing and 'chosen' and 'rejected' share no leading {unit} (implicit prompt)"
+        )
+    return {**row, "prompt": chosen[:common], "chosen": chosen[common:], "rejected": rejected[common:]}
+
+
 def normalize_rows(rows: list[dict], split: str, source: str) -> list[dict]:
     """Rows in the split's ``prompt``/``completion``/``chosen``/``rejected`` fields: SFT
     ``messages`` are split before the last assistant turn; preference pairs without ``prompt``
-    take the longest common message prefix of ``chosen`` and ``rejected`` as the prompt, or for
-    strings their common text (:func:`shared_text_prefix`)."""
+    take the shared beginning of ``chosen`` and ``rejected`` as the prompt (:func:`split_implicit_prompt`)."""
     out = []
     for index, row in enumerate(rows):
         where = f"{source}: row {index}"
@@ -222,27 +250,7 @@ def normalize_rows(rows: list[dict], split: str, source: str) -> list[dict]:
             row = {k: v for k, v in row.items() if k != "messages"}
             row.update(prompt=messages[:last], completion=messages[last:])
         elif split in ("preference", "preference_eval") and "prompt" not in row:
-            chosen, rejected = row.get("chosen"), row.get("rejected")
-            if _is_conversation(chosen) and _is_conversation(rejected):
-                common = 0
-                while common < min(len(chosen), len(rejected)) - 1 and _message_key(chosen[common]) == _message_key(
-                    rejected[common]
-                ):
-                    common += 1
-                if common == 0:
-                    raise DataValidationError(
-                        f"{where}: field 'prompt' is missing and 'chosen' and 'rejected' share no leading message "
-                        "(implicit prompt)"
-                    )
-                row = {**row, "prompt": chosen[:common], "chosen": chosen[common:], "rejected": rejected[common:]}
-            elif isinstance(chosen, str) and isinstance(rejected, str):
-                common = shared_text_prefix(chosen, rejected)
-                if common == 0:
-                    raise DataValidationError(
-                        f"{where}: field 'prompt' is missing and 'chosen' and 'rejected' share no leading text "
-                        "(implicit prompt)"
-                    )
-                row = {**row, "prompt": chosen[:common], "chosen": chosen[common:], "rejected": rejected[common:]}
+            row = split_implicit_prompt(row, where)
         out.append(row)
     return out
 
