@@ -219,6 +219,6 @@ def runs_command(args: argparse.Namespace) -> int:
     fresh = prefect_database is not None and not prefect_database.exists()
     if fresh:
         print(f"no Prefect database yet ({prefect_database}): no flow runs to judge")
-    prepare_databases(settings, temporary_prefect=False if fresh else None)
+    prepare_databases(settings, temporary_prefect=prefect_database is not None and not fresh)
     cleanup(dry_run=args.dry_run, flow_runs=not fresh)
     return 0
