@@ -15,14 +15,18 @@ from infra.core.handles import ModelHandle, PreparedData
 from infra.core.settings import get_settings
 from trainers.data import (
     SPLIT_FIELDS,
+    DataValidationError,
+    RenderedRow,
     Truncation,
     load_rows,
     mixing_rng,
     normalize_rows,
+    render_rows,
     select_rows,
-    tokenize_rows,
+    truncate_rows,
     validate_rows,
 )
+from trainers.lengths import AUTO, context_length, resolve_truncation
 from trainers.synthetic import AdditionTask, generate_addition
 
 MANIFEST = "manifest.json"
@@ -59,6 +63,7 @@ def resolve_chat_template(value: str | None) -> str | None:
 
 def data_fingerprint(config: DataConfig, tokenizer: ModelHandle) -> str:
     sources = {split: [source_identity(s) for s in source_list(getattr(config, split))] for split in SPLIT_FIELDS}
+    automatic = AUTO in (config.max_length, config.max_prompt_length)
     return hash_value(
         {
             # this module and the trainers code it runs: loading, validating, tokenizing, the built-in task
@@ -66,6 +71,8 @@ def data_fingerprint(config: DataConfig, tokenizer: ModelHandle) -> str:
             "builtin": config.builtin.model_dump() if config.builtin else None,
             "sources": {split: identities for split, identities in sources.items() if identities},
             "truncation": [config.max_length, config.max_prompt_length, config.truncation_mode],
+            # automatic lengths are capped by the model's context, which the tokenizer does not name
+            **({"context": context_length(tokenizer.path, tokenizer.revision)} if automatic else {}),
             "chat_template": resolve_chat_template(config.chat_template),
             "seed": config.seed,
             "tokenizer": tokenizer.tokenizer_fingerprint,
@@ -86,17 +93,34 @@ def raw_splits(config: DataConfig) -> dict[str, list[tuple[str, list[dict], Data
     return splits
 
 
-def prepare_split(parts, split: str, tokenizer, truncation: Truncation, seed: int) -> tuple[list[dict], dict]:
-    """Normalize, validate and tokenize each source of a split, then take each source's share
-    (``weight`` / ``num_samples``, seeded) of its kept rows, in source order. Returns the rows and
-    the split's report: dropped and truncated prompts (counted on the rows read) and per source counts."""
-    rows, report = [], {"dropped": 0, "truncated_prompts": 0, "unterminated": 0, "sources": []}
-    for index, (name, raw, source) in enumerate(parts):
-        normalized = normalize_rows(raw, split, name)
-        validate_rows(normalized, SPLIT_FIELDS[split], name)
-        result = tokenize_rows(normalized, split, tokenizer, truncation, name)
+RenderedSource = tuple[str, list[RenderedRow], DatasetSource | None]
+
+
+def render_splits(config: DataConfig, tokenizer) -> dict[str, list[RenderedSource]]:
+    """Every source of every split normalized, validated and rendered to token ids, uncut."""
+    rendered = {}
+    for split, parts in raw_splits(config).items():
+        rendered[split] = []
+        for name, raw, source in parts:
+            normalized = normalize_rows(raw, split, name)
+            validate_rows(normalized, SPLIT_FIELDS[split], name)
+            rendered[split].append((name, render_rows(normalized, split, tokenizer, name), source))
+    return rendered
+
+
+def prepare_split(
+    parts: list[RenderedSource], split: str, truncation: Truncation, seed: int
+) -> tuple[list[dict], dict]:
+    """Truncate each source of a split, then take each source's share (``weight`` / ``num_samples``,
+    seeded) of its kept rows, in source order. Returns the rows and the split's report: rows read,
+    dropped, cut (counted on the rows read) and per source counts."""
+    rows = []
+    report = {"rows_read": 0, "dropped": 0, "cut": 0, "truncated_prompts": 0, "truncated_completions": 0}
+    report |= {"unterminated": 0, "sources": []}
+    for index, (name, rendered, source) in enumerate(parts):
+        result = truncate_rows(rendered, truncation)
         if not result.rows:
-            raise ValueError(
+            raise DataValidationError(
                 f"{name}: every row of split {split!r} was dropped by truncation "
                 f"(max_length={truncation.max_length}, max_prompt_length={truncation.max_prompt_length}, "
                 f"mode={truncation.mode})"
@@ -104,13 +128,16 @@ def prepare_split(parts, split: str, tokenizer, truncation: Truncation, seed: in
         weight, num_samples = (source.weight, source.num_samples) if source else (None, None)
         used = select_rows(result.rows, weight, num_samples, mixing_rng(seed, split, index))
         rows += used
+        report["rows_read"] += len(rendered)
         report["dropped"] += result.dropped
+        report["cut"] += result.cut
         report["truncated_prompts"] += result.truncated_prompts
+        report["truncated_completions"] += result.truncated_completions
         report["unterminated"] += result.unterminated
         report["sources"].append(
             {
                 "source": name,
-                "rows_read": len(raw),
+                "rows_read": len(rendered),
                 "dropped": result.dropped,
                 "truncated_prompts": result.truncated_prompts,
                 "rows_used": len(used),
@@ -119,6 +146,61 @@ def prepare_split(parts, split: str, tokenizer, truncation: Truncation, seed: in
     if not rows:
         raise ValueError(f"split {split!r}: the sources' weight / num_samples select no rows")
     return rows, report
+
+
+def check_cut_share(manifest: dict, config: DataConfig) -> None:
+    """Refuse data whose truncation cut or dropped more than ``data.max_cut_share`` of a split's
+    rows, with the counts, the lengths that would fit, and both ways out."""
+    over = {
+        split: (cut, manifest["rows_read"][split])
+        for split, cut in manifest["cut"].items()
+        if cut > config.max_cut_share * manifest["rows_read"][split]
+    }
+    if not over:
+        return
+    used, fitted = manifest["truncation"], manifest["fitted_lengths"]
+    counts = "; ".join(
+        f"{split}: {cut} of {read} rows ({manifest['truncated_prompts'][split]} prompts cut, "
+        f"{manifest['truncated_completions'][split]} completions cut, {manifest['dropped'][split]} dropped)"
+        for split, (cut, read) in over.items()
+    )
+    raise DataValidationError(
+        f"data: truncation at max_length={used['max_length']}, max_prompt_length={used['max_prompt_length']} "
+        f"cuts more than data.max_cut_share={config.max_cut_share} of the rows: {counts}. Set "
+        f"data.max_length=auto data.max_prompt_length=auto (here {fitted['max_length']} and "
+        f"{fitted['max_prompt_length']}: they fit 99.5% of every split), or set data.max_cut_share=1 to train "
+        "on the cut rows"
+    )
+
+
+def tokenize_splits(config: DataConfig, handle: ModelHandle) -> tuple[dict[str, list[dict]], dict]:
+    """The prepared rows of every split and the manifest that describes them."""
+    from trainers.modeling import load_tokenizer  # transformers: only when preparing
+
+    tokenizer = load_tokenizer(handle.path, handle.revision)
+    template = resolve_chat_template(config.chat_template)
+    if template is not None:
+        tokenizer.chat_template = template
+    rendered = render_splits(config, tokenizer)
+    flat = {split: [row for _, rows, _ in parts for row in rows] for split, parts in rendered.items()}
+    context = context_length(handle.path, handle.revision)
+    mode = config.truncation_mode
+    truncation = resolve_truncation(flat, config.max_length, config.max_prompt_length, mode, context)
+    fitted = resolve_truncation(flat, AUTO, AUTO, mode, context)
+    tokenized, reports = {}, {}
+    for split, parts in rendered.items():
+        tokenized[split], reports[split] = prepare_split(parts, split, truncation, config.seed)
+    counts = ("rows_read", "dropped", "cut", "truncated_prompts", "truncated_completions")
+    manifest = {
+        "rows": {s: len(r) for s, r in tokenized.items()},
+        **{count: {s: r[count] for s, r in reports.items()} for count in counts},
+        "unterminated_completions": {s: r["unterminated"] for s, r in reports.items() if r["unterminated"]},
+        "sources": {s: r["sources"] for s, r in reports.items()},
+        "truncation": asdict(truncation),
+        "fitted_lengths": {"max_length": fitted.max_length, "max_prompt_length": fitted.max_prompt_length},
+        "context": context,
+    }
+    return tokenized, manifest
 
 
 # The content-addressed folder is the cache, checked on every run, rather than a Prefect cached
@@ -131,39 +213,54 @@ def prepare_dataset(config: DataConfig, tokenizer: ModelHandle) -> PreparedData:
     fingerprint = data_fingerprint(config, tokenizer)
     target = get_settings().data_cache / fingerprint
     if not (target / MANIFEST).exists():
-        from trainers.modeling import load_tokenizer  # transformers: only when preparing
-
-        truncation = Truncation(config.max_length, config.max_prompt_length, config.truncation_mode)
-        tok = load_tokenizer(tokenizer.path, tokenizer.revision)
-        template = resolve_chat_template(config.chat_template)
-        if template is not None:
-            tok.chat_template = template
-        tokenized, reports = {}, {}
-        for split, parts in raw_splits(config).items():
-            tokenized[split], reports[split] = prepare_split(parts, split, tok, truncation, config.seed)
+        tokenized, manifest = tokenize_splits(config, tokenizer)
         splits = datasets.DatasetDict({s: datasets.Dataset.from_list(r) for s, r in tokenized.items()})
         with atomic_directory(target) as staging:
             splits.save_to_disk(staging / "data")
-            manifest = {
-                "rows": {s: len(r) for s, r in tokenized.items()},
-                "dropped": {s: r["dropped"] for s, r in reports.items()},
-                "truncated_prompts": {s: r["truncated_prompts"] for s, r in reports.items()},
-                "unterminated_completions": {s: r["unterminated"] for s, r in reports.items() if r["unterminated"]},
-                "sources": {s: r["sources"] for s, r in reports.items()},
-                "truncation": asdict(truncation),
-                "token_fingerprints": {s: hash_token_ids(d) for s, d in splits.items()},
-            }
+            manifest["token_fingerprints"] = {s: hash_token_ids(d) for s, d in splits.items()}
             (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
     manifest = json.loads((target / MANIFEST).read_text())
-    truncated = manifest.get("truncated_prompts", {})
-    if any(manifest["dropped"].values()):
-        get_run_logger().warning("rows dropped by truncation (%s): %s", config.truncation_mode, manifest["dropped"])
-    if any(truncated.values()):
-        get_run_logger().warning(
-            "prompts cut to max_prompt_length=%d (%s): %s", config.max_prompt_length, config.truncation_mode, truncated
+    report_lengths(manifest, config)
+    check_cut_share(manifest, config)  # on a cached preparation too: the share is not part of the key
+    return PreparedData(
+        path=str(target / "data"),
+        fingerprint=fingerprint,
+        rows=manifest["rows"],
+        dropped=manifest["dropped"],
+        truncated_prompts=manifest["truncated_prompts"],
+        truncated_completions=manifest["truncated_completions"],
+        token_fingerprints=manifest["token_fingerprints"],
+        truncation=manifest["truncation"],
+    )
+
+
+def report_lengths(manifest: dict, config: DataConfig) -> None:
+    """Log the lengths used and what truncation did to each split."""
+    logger = get_run_logger()
+    used, fitted = manifest["truncation"], manifest["fitted_lengths"]
+    chosen = "auto" if AUTO in (config.max_length, config.max_prompt_length) else "fixed"
+    logger.info(
+        "lengths (%s): max_length=%d, max_prompt_length=%d; fitting 99.5%% of every split: %d and %d "
+        "(model context: %s)",
+        chosen,
+        used["max_length"],
+        used["max_prompt_length"],
+        fitted["max_length"],
+        fitted["max_prompt_length"],
+        manifest["context"] or "unknown",
+    )
+    if any(manifest["cut"].values()):
+        logger.warning(
+            "rows cut or dropped by truncation (%s): %s of %s (prompts cut: %s, completions cut: %s, dropped: %s)",
+            config.truncation_mode,
+            manifest["cut"],
+            manifest["rows_read"],
+            manifest["truncated_prompts"],
+            manifest["truncated_completions"],
+            manifest["dropped"],
         )
     if manifest["unterminated_completions"]:
-        get_run_logger().warning(
+        logger.warning(
             "rows whose completion does not end with EOS or a special end-of-turn token: %s of %s. A model "
             "trained on them does not learn where to stop, and generation cannot stop at a plain-text marker: "
             "make the chat template's end-of-turn marker a special token of the tokenizer, or end each turn with "
@@ -171,12 +268,3 @@ def prepare_dataset(config: DataConfig, tokenizer: ModelHandle) -> PreparedData:
             manifest["unterminated_completions"],
             manifest["rows"],
         )
-    return PreparedData(
-        path=str(target / "data"),
-        fingerprint=fingerprint,
-        rows=manifest["rows"],
-        dropped=manifest["dropped"],
-        truncated_prompts=truncated,
-        token_fingerprints=manifest["token_fingerprints"],
-        truncation=manifest["truncation"],
-    )

@@ -212,13 +212,16 @@ def run_stage(
 
 def stage_params(stage: str, section: TrainingConfig, inputs: TrainInputs) -> dict:
     """The stage run's MLflow params: its section, where it starts from, its data and what truncation dropped."""
-    truncated = inputs.data.truncated_prompts
+    data = inputs.data
     return {
         **{f"{stage}.{name}": value for name, value in section.model_dump().items()},
         "policy.init": inputs.policy.path,
-        "data.fingerprint": inputs.data.fingerprint,
-        **{f"data.dropped.{split}": count for split, count in inputs.data.dropped.items()},
-        **{f"data.truncated_prompts.{split}": count for split, count in truncated.items()},
+        "data.fingerprint": data.fingerprint,
+        # the lengths the data was cut to (`auto` in the config resolves to these)
+        **{f"data.{name}": value for name, value in data.truncation.items() if name != "mode"},
+        **{f"data.dropped.{split}": count for split, count in data.dropped.items()},
+        **{f"data.truncated_prompts.{split}": count for split, count in data.truncated_prompts.items()},
+        **{f"data.truncated_completions.{split}": count for split, count in data.truncated_completions.items()},
     }
 
 

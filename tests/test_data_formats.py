@@ -22,6 +22,7 @@ from trainers.data import (
     Truncation,
     load_rows,
     normalize_rows,
+    render_rows,
     tokenize_rows,
     validate_rows,
 )
@@ -253,18 +254,15 @@ def test_mixing_is_seeded_and_counts_rows_per_source(tiny, tmp_path):
     a = write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"{i}+0=", "completion": str(i)} for i in range(6)])
     b = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "9+9=", "completion": "18"}])
     sources = [DatasetSource(path=str(a), num_samples=3), DatasetSource(path=str(b), weight=2.0)]
-    parts = [(s.path, load_rows(s.path), s) for s in sources]
-    rows, report = prepare_split(parts, "sft", tokenizer, Truncation(32, 16), seed=0)
-    assert prepare_split(parts, "sft", tokenizer, Truncation(32, 16), seed=0) == (rows, report)
+    parts = [(s.path, render_rows(load_rows(s.path), "sft", tokenizer, s.path), s) for s in sources]
+    rows, report = prepare_split(parts, "sft", Truncation(32, 16), seed=0)
+    assert prepare_split(parts, "sft", Truncation(32, 16), seed=0) == (rows, report)
     ids, eos = tokenizer.convert_tokens_to_ids, tokenizer.eos_token_id
     assert rows[3:] == [{"prompt_ids": ids(list("9+9=")), "completion_ids": ids(list("18")) + [eos]}] * 2
     firsts = [tokenizer.decode(r["prompt_ids"]) for r in rows[:3]]
     assert len(set(firsts)) == 3 and all(p.endswith("+0=") for p in firsts)
     others = {
-        tuple(
-            tokenizer.decode(r["prompt_ids"])
-            for r in prepare_split(parts, "sft", tokenizer, Truncation(32, 16), seed=s)[0][:3]
-        )
+        tuple(tokenizer.decode(r["prompt_ids"]) for r in prepare_split(parts, "sft", Truncation(32, 16), seed=s)[0][:3])
         for s in range(5)
     }
     assert len(others) > 1  # the seed chooses the rows
@@ -429,9 +427,9 @@ def test_data_config_takes_one_source_or_a_list_with_mixing_options(tmp_path, mo
 
 def test_a_mix_that_selects_no_rows_is_an_error(tiny, tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "1+1=", "completion": "2"}] * 3)
-    parts = [(str(path), load_rows(str(path)), DatasetSource(path=str(path), weight=0.1))]
+    parts = [(str(path), render_rows(load_rows(str(path)), "sft", tiny[1]), DatasetSource(path=str(path), weight=0.1))]
     with pytest.raises(ValueError, match="select no rows"):
-        prepare_split(parts, "sft", tiny[1], Truncation(32, 16), seed=0)
+        prepare_split(parts, "sft", Truncation(32, 16), seed=0)
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv", ".parquet", ".arrow", "/"])

@@ -336,53 +336,95 @@ def truncate_prompt(prompt_ids: list[int], truncation: Truncation) -> list[int]:
     return prompt_ids[-limit:] if truncation.mode == "keep_end" else prompt_ids[:limit]
 
 
+@dataclass(frozen=True)
+class RenderedRow:
+    """One row's whole token ids, before truncation: what the lengths are read from
+    (:mod:`trainers.lengths`) and what :func:`truncate_rows` cuts. ``terminated``: every completion
+    ends with a stop token (:mod:`trainers.stopping`)."""
+
+    prompt_ids: list[int]
+    completions: dict[str, list[int]]  # field (completion, chosen, rejected) -> ids
+    answer: str | None
+    terminated: bool
+
+    @property
+    def longest(self) -> int:
+        """The longest completion's length (0 for a prompt-only row)."""
+        return max(map(len, self.completions.values()), default=0)
+
+
 @dataclass
 class TokenizedSplit:
     """The rows kept; how many were dropped (truncation left a completion with no tokens, or
-    ``drop`` mode and the row did not fit); how many kept rows had their prompt cut; how many kept
-    rows have a completion whose render does not end with a stop token (:mod:`trainers.stopping`):
-    a model trained on them learns no place to stop."""
+    ``drop`` mode and the row did not fit); how many kept rows had their prompt cut, and how many
+    had a completion cut; how many kept rows have a completion whose render does not end with a
+    stop token: a model trained on them learns no place to stop."""
 
     rows: list[dict]
     dropped: int
     truncated_prompts: int
     unterminated: int
+    truncated_completions: int = 0
+    kept_cut: int = 0  # kept rows with their prompt or a completion cut (both: once)
+
+    @property
+    def cut(self) -> int:
+        """Rows that lost tokens: dropped, or kept with their prompt or a completion cut."""
+        return self.dropped + self.kept_cut
+
+
+def render_rows(
+    rows: list[dict], split: str, tokenizer: PreTrainedTokenizerBase, source: str = "data"
+) -> list[RenderedRow]:
+    """Render one split's (normalized, validated) rows to token ids; a row the chat template cannot
+    render raises :class:`DataValidationError` naming ``source`` and the row."""
+    completion_fields = [f for f in SPLIT_FIELDS[split] if f in COMPLETION_FIELDS]
+    stops = set(stop_token_ids(tokenizer)) if completion_fields else set()
+    rendered = []
+    for index, row in enumerate(rows):
+        try:
+            prompt = render_prompt(tokenizer, row["prompt"])
+            completions = {f: render_completion(tokenizer, row[f], row["prompt"]) for f in completion_fields}
+        except Exception as error:  # jinja errors, TemplateError
+            raise DataValidationError(f"{source}: row {index}: {type(error).__name__}: {error}") from None
+        terminated = all(ids and ids[-1] in stops for ids in completions.values())
+        answer = str(row["answer"]) if "answer" in row else None
+        rendered.append(RenderedRow(prompt, completions, answer, terminated))
+    return rendered
+
+
+def truncate_rows(rendered: list[RenderedRow], truncation: Truncation) -> TokenizedSplit:
+    """Cut (or, in ``drop`` mode, drop) the rendered rows to ``truncation``'s lengths."""
+    kept, dropped, prompts_cut, completions_cut, kept_cut, unterminated = [], 0, 0, 0, 0, 0
+    for row in rendered:
+        if truncation.mode == "drop" and (
+            len(row.prompt_ids) > truncation.max_prompt_length
+            or len(row.prompt_ids) + row.longest > truncation.max_length
+        ):
+            dropped += 1
+            continue
+        prompt_ids = truncate_prompt(row.prompt_ids, truncation)
+        budget = max(truncation.max_length - len(prompt_ids), 0)
+        out = {"prompt_ids": prompt_ids, **{f"{field}_ids": ids[:budget] for field, ids in row.completions.items()}}
+        if any(len(out[f"{field}_ids"]) == 0 for field in row.completions):
+            dropped += 1
+            continue
+        prompt_cut, completion_cut = len(prompt_ids) < len(row.prompt_ids), row.longest > budget
+        prompts_cut += prompt_cut
+        completions_cut += completion_cut
+        kept_cut += prompt_cut or completion_cut
+        unterminated += not row.terminated
+        if row.answer is not None:
+            out["answer"] = row.answer
+        kept.append(out)
+    return TokenizedSplit(kept, dropped, prompts_cut, unterminated, completions_cut, kept_cut)
 
 
 def tokenize_rows(
     rows: list[dict], split: str, tokenizer: PreTrainedTokenizerBase, truncation: Truncation, source: str = "data"
 ) -> TokenizedSplit:
-    """Tokenize one split's (normalized, validated) rows; a row the chat template cannot render
-    raises :class:`DataValidationError` naming ``source`` and the row."""
-    completion_fields = [f for f in SPLIT_FIELDS[split] if f in COMPLETION_FIELDS]
-    stops = set(stop_token_ids(tokenizer)) if completion_fields else set()
-    kept, dropped, truncated, unterminated = [], 0, 0, 0
-    for index, row in enumerate(rows):
-        try:
-            full_prompt = render_prompt(tokenizer, row["prompt"])
-            completions = {f: render_completion(tokenizer, row[f], row["prompt"]) for f in completion_fields}
-        except Exception as error:  # jinja errors, TemplateError
-            raise DataValidationError(f"{source}: row {index}: {type(error).__name__}: {error}") from None
-        if truncation.mode == "drop" and (
-            len(full_prompt) > truncation.max_prompt_length
-            or any(len(full_prompt) + len(c) > truncation.max_length for c in completions.values())
-        ):
-            dropped += 1
-            continue
-        prompt_ids = truncate_prompt(full_prompt, truncation)
-        budget = max(truncation.max_length - len(prompt_ids), 0)
-        out = {"prompt_ids": prompt_ids}
-        for field in completion_fields:
-            out[f"{field}_ids"] = completions[field][:budget]
-        if any(len(out[f"{field}_ids"]) == 0 for field in completion_fields):
-            dropped += 1
-            continue
-        truncated += len(prompt_ids) < len(full_prompt)
-        unterminated += any(completions[field][-1] not in stops for field in completion_fields)
-        if "answer" in row:
-            out["answer"] = str(row["answer"])
-        kept.append(out)
-    return TokenizedSplit(kept, dropped, truncated, unterminated)
+    """Render then truncate one split's rows (:func:`render_rows`, :func:`truncate_rows`)."""
+    return truncate_rows(render_rows(rows, split, tokenizer, source), truncation)
 
 
 def tokenize_split(

@@ -61,6 +61,7 @@ class PreparedData(Handle):
     token_fingerprints: dict[str, str]  # split -> digest of its token ids
     truncation: dict[str, Any]  # max_length, max_prompt_length, mode
     truncated_prompts: dict[str, int] = {}  # split -> kept rows whose prompt was cut
+    truncated_completions: dict[str, int] = {}  # split -> kept rows with a completion cut
 
 
 class ReferenceLogps(Handle):

@@ -147,8 +147,21 @@ class DataConfig(Section):
             "for GRPO; held-out prompts must not be among them."
         ),
     )
-    max_length: int = Field(32, ge=2, description="Maximum prompt + completion tokens.")
-    max_prompt_length: int = Field(16, ge=1, description="Maximum prompt tokens.")
+    max_length: Annotated[int, Field(ge=2)] | Literal["auto"] = Field(
+        "auto",
+        description="Maximum prompt + completion tokens; `auto`: fit 99.5% of every split's rows, rounded up to a "
+        "multiple of 8 and capped by the model's context (docs/data-and-models.md, lengths).",
+    )
+    max_prompt_length: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        "auto", description="Maximum prompt tokens; `auto`: fit 99.5% of every split's prompts (as `max_length`)."
+    )
+    max_cut_share: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="Preparation fails when truncation cuts or drops more than this share of a split's rows "
+        "(1: accept any cut).",
+    )
     truncation_mode: Literal["keep_end", "keep_start", "drop"] = Field(
         "keep_end",
         description="Which end of a too-long prompt to keep (completions keep their start); "
@@ -168,7 +181,7 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _prompt_fits(self) -> DataConfig:
-        if self.max_prompt_length >= self.max_length:
+        if "auto" not in (self.max_length, self.max_prompt_length) and self.max_prompt_length >= self.max_length:
             raise ValueError(
                 f"max_prompt_length ({self.max_prompt_length}) must be less than max_length ({self.max_length}): "
                 "no token would be left for the completion"

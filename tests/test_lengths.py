@@ -1,0 +1,148 @@
+"""``data.max_length`` / ``max_prompt_length: auto`` and the cut-share gate (issue 25, finding 2):
+lengths read off ChatML data with a character-level tokenizer, whose token counts are the
+characters of the render plus one per special token, so every expected length is counted here."""
+
+import json
+from pathlib import Path
+
+import pytest
+from prefect.logging import disable_run_logger
+from transformers import LlamaConfig
+
+from infra.core.config import DataConfig, DatasetSource, ExperimentConfig
+from infra.core.handles import ModelHandle
+from tasks.data import prepare_dataset
+from tests.helpers import chat_tokenizer
+from trainers.data import DataValidationError, RenderedRow
+from trainers.lengths import fitting_length, resolve_truncation
+
+pytestmark = pytest.mark.unit
+
+SYSTEM = "Be brief."
+# <|im_start|>system\n SYSTEM <|im_end|>\n <|im_start|>user\n USER <|im_end|>\n <|im_start|>assistant\n
+PROMPT_OVERHEAD = (1 + len("system\n") + 1 + 1) + (1 + len("user\n") + 1 + 1) + (1 + len("assistant\n"))
+
+
+def chat_rows(count: int, outlier: int) -> list[dict]:
+    """SFT rows whose user turn has 1..50 characters in turn, the last one ``outlier`` characters;
+    each answer is "ok" (2 characters + <|im_end|>)."""
+    users = [1 + i % 50 for i in range(count - 1)] + [outlier]
+    return [
+        {
+            "prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "x" * n}],
+            "completion": [{"role": "assistant", "content": "ok"}],
+        }
+        for n in users
+    ]
+
+
+def row(prompt: int, *completions: int) -> RenderedRow:
+    return RenderedRow([0] * prompt, {f"c{i}": [0] * n for i, n in enumerate(completions)}, None, True)
+
+
+def test_fitting_length_is_the_nearest_rank_quantile_rounded_up_to_a_multiple_of_8():
+    lengths = list(range(1, 201))  # rank ceil(0.995 * 200) = 199: length 199, rounded up to 200
+    assert fitting_length(lengths) == 200
+    assert fitting_length([9] * 199 + [10_000]) == 16  # one outlier in 200 is left out
+    assert fitting_length([9] * 198 + [10_000] * 2) == 10_000  # two are not: 0.5% is at most one row
+    assert (fitting_length([1]), fitting_length([])) == (8, 0)
+
+
+def test_auto_lengths_fit_every_split_and_respect_fixed_values_and_the_context():
+    splits = {"sft": [row(10, 5)] * 10 + [row(30, 5)] * 190, "grpo_prompts": [row(41)] * 5}
+    # prompt: the larger split quantile (41 -> 48); total: min(prompt, 48) + 5 = 35 -> 40, at least 49
+    assert resolve_truncation(splits, "auto", "auto", "keep_end", None).max_prompt_length == 48
+    assert resolve_truncation(splits, "auto", "auto", "keep_end", None).max_length == 49
+    long = {"sft": [row(10, 100)] * 200}  # total 110 -> 112
+    assert (resolve_truncation(long, "auto", "auto", "keep_end", None).max_length) == 112
+    assert resolve_truncation(long, "auto", "auto", "keep_end", 64).max_length == 64  # capped by the context
+    assert resolve_truncation(long, 12, "auto", "keep_end", None).max_prompt_length == 11  # below a fixed total
+    fixed = resolve_truncation(long, "auto", 4, "drop", None)  # total from the prompt as cut: 4 + 100 -> 104
+    assert (fixed.max_length, fixed.max_prompt_length, fixed.mode) == (104, 4, "drop")
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> ModelHandle:
+    """A folder with a ChatML character tokenizer and a model config of 512 positions."""
+    folder = tmp_path_factory.mktemp("chatml-model")
+    tokenizer = chat_tokenizer("chatml")
+    tokenizer.save_pretrained(folder)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=8, num_hidden_layers=1, num_attention_heads=1)
+    config.max_position_embeddings = 512
+    config.save_pretrained(folder)
+    return ModelHandle(path=str(folder), fingerprint="chatml", tokenizer_fingerprint="chatml", stage="base")
+
+
+@pytest.fixture
+def chat_data(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("ALIGNFLOW_HOME", str(tmp_path / "home"))
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in chat_rows(200, outlier=400)))
+    return path
+
+
+def data_config(path: Path, **fields) -> DataConfig:
+    return DataConfig(builtin=None, sft=DatasetSource(path=str(path)), **fields)
+
+
+def manifest_of(prepared) -> dict:
+    return json.loads((Path(prepared.path).parent / "manifest.json").read_text())
+
+
+def test_auto_lengths_on_chat_data_cut_at_most_one_percent_and_are_recorded(chat_model, chat_data):
+    with disable_run_logger():
+        prepared = prepare_dataset.fn(data_config(chat_data), chat_model)
+    # prompts: 38 + 1..50 characters, one of 438; the 199th of 200 is 88 (a multiple of 8)
+    assert PROMPT_OVERHEAD + len(SYSTEM) == 38
+    # totals: min(prompt, 88) + 3 <= 91 for all 200 rows -> 96
+    assert prepared.truncation == {"max_length": 96, "max_prompt_length": 88, "mode": "keep_end"}
+    manifest = manifest_of(prepared)
+    assert (manifest["rows_read"], manifest["cut"], manifest["truncated_prompts"]) == (
+        {"sft": 200},
+        {"sft": 1},  # the outlier alone: 0.5%
+        {"sft": 1},
+    )
+    assert manifest["fitted_lengths"] == {"max_length": 96, "max_prompt_length": 88} and manifest["context"] == 512
+
+
+def test_fixed_lengths_that_cut_most_rows_fail_preparation_with_the_counts_and_the_fix(chat_model, chat_data):
+    config = data_config(chat_data, max_length=32, max_prompt_length=16)
+    with disable_run_logger(), pytest.raises(DataValidationError) as error:
+        prepare_dataset.fn(config, chat_model)
+    assert str(error.value) == (
+        "data: truncation at max_length=32, max_prompt_length=16 cuts more than data.max_cut_share=0.05 of the "
+        "rows: sft: 200 of 200 rows (200 prompts cut, 0 completions cut, 0 dropped). Set data.max_length=auto "
+        "data.max_prompt_length=auto (here 96 and 88: they fit 99.5% of every split), or set "
+        "data.max_cut_share=1 to train on the cut rows"
+    )
+    with disable_run_logger():
+        accepted = prepare_dataset.fn(config.model_copy(update={"max_cut_share": 1.0}), chat_model)
+    assert accepted.truncated_prompts == {"sft": 200}
+    # the share is not part of the cache key: the cached preparation is judged again, and refused
+    with disable_run_logger(), pytest.raises(DataValidationError, match="sft: 200 of 200 rows"):
+        prepare_dataset.fn(config, chat_model)
+
+
+def test_the_context_caps_auto_lengths_and_the_gate_still_applies(chat_model, chat_data, tmp_path):
+    small = tmp_path / "small-context"
+    small.mkdir()
+    for file in Path(chat_model.path).iterdir():
+        (small / file.name).write_bytes(file.read_bytes())
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    handle = chat_model.model_copy(update={"path": str(small)})
+    # prompts over 63 tokens (users of 26..50 characters: 99 rows, and the outlier) are cut and leave one
+    # token of their 3-token completion; users of 24 and 25 characters (8 rows) keep their prompt and 2 or 1
+    with disable_run_logger(), pytest.raises(DataValidationError) as error:
+        prepare_dataset.fn(data_config(chat_data), handle)
+    assert "max_length=64, max_prompt_length=63 " in str(error.value)
+    assert "sft: 108 of 200 rows (100 prompts cut, 108 completions cut, 0 dropped)" in str(error.value)
+
+
+def test_the_builtin_configs_keep_their_short_lengths_and_the_default_is_auto():
+    from infra.core.config import load_config
+
+    for name in ("default", "minimal", "llama-0.5b-lora"):
+        data = load_config(f"configs/{name}.yaml", []).data
+        assert (data.max_length, data.max_prompt_length) == (32, 16)
+    assert (ExperimentConfig().data.max_length, ExperimentConfig().data.max_prompt_length) == ("auto", "auto")
