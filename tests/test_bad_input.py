@@ -27,10 +27,6 @@ def no_columns(prompts, completions):
     return [0.0 for _ in completions]
 
 
-def one_argument(completions, **columns):
-    return [0.0 for _ in completions]
-
-
 def good(prompts, completions, **columns):
     return [1.0 for _ in completions]
 
@@ -85,10 +81,6 @@ CASES = {
     "reward-without-columns": (
         ["run", MINIMAL, "plugins=[alignflow_bad_rewards]", "grpo.reward_funcs=[alignflow_bad_rewards:no_columns]"],
         "'alignflow_bad_rewards:no_columns' has the signature (prompts, completions); it must accept",
-    ),
-    "reward-one-argument": (
-        ["run", MINIMAL, "plugins=[alignflow_bad_rewards]", "grpo.reward_funcs=[alignflow_bad_rewards:one_argument]"],
-        "'alignflow_bad_rewards:one_argument' has the signature",
     ),
     "reward-not-callable": (
         ["run", MINIMAL, "plugins=[alignflow_bad_rewards]", "grpo.reward_funcs=[alignflow_bad_rewards:NOT_CALLABLE]"],

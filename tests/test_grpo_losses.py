@@ -27,7 +27,7 @@ from trainers.grpo_losses import (
     token_log_ratio,
     weighted_rewards,
 )
-from trainers.rewards import REWARD_FUNCTIONS, allow_module, get_reward, score_completions
+from trainers.rewards import REWARD_FUNCTIONS, RewardError, allow_module, get_reward, score_completions
 
 pytestmark = pytest.mark.unit
 
@@ -117,7 +117,9 @@ def test_builtin_rewards_none_rows_and_weighted_sum():
     ids = [[1, 2], [1, 2, 3, 4], [1, 2], [1, 2, 3], [1, 2, 3]]
     functions = [(n, get_reward(n)) for n in ("correctness", "format", "length_penalty")]
     scores = torch.tensor(
-        score_completions(functions, ["p"] * 5, completions, {"answer": answers, "completion_ids": ids})
+        score_completions(
+            functions, {"prompts": ["p"] * 5, "completions": completions, "answer": answers, "completion_ids": ids}
+        )
     )
     assert scores[0, :3].tolist() == [1.0, 1.0, 0.0] and math.isnan(scores[0, 3]) and scores[0, 4] == 0.0
     assert scores[1].tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]
@@ -157,9 +159,11 @@ def test_reward_names_resolve_by_registry_or_import_path():
     with pytest.raises(ValueError, match="'trainers.rewards:missing' cannot be imported"):
         get_reward("trainers.rewards:missing")
     with pytest.raises(ValueError, match="needs a dataset column 'answer'"):
-        get_reward("correctness")(["p"], ["1"])
-    with pytest.raises(ValueError, match="'format' returned 1 values for 2 completions"):
-        score_completions([("format", lambda prompts, completions, **_: [1.0])], ["p", "q"], ["1", "2"], {})
+        get_reward("correctness")(prompts=["p"], completions=["1"])
+    with pytest.raises(RewardError, match="'format' returned 1 values for 2 completions"):
+        score_completions(
+            [("format", lambda completions, **_: [1.0])], {"prompts": ["p", "q"], "completions": ["1", "2"]}
+        )
 
 
 # ---- per-token objectives, importance levels and add-ons (fp64, against formulas written out here) ----

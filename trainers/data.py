@@ -39,6 +39,10 @@ SPLIT_FIELDS: dict[str, tuple[str, ...]] = {
     "grpo_prompts": ("prompt",),  # an `answer` column, when present, reaches the reward functions
 }
 COMPLETION_FIELDS = {"completion", "chosen", "rejected"}
+# The splits whose rows reach reward functions keep each row as read, JSON (its prompt as written,
+# strings or messages, and every other column), in this column: what TRL's reward contract passes.
+REWARD_SPLITS = ("grpo_prompts",)
+SOURCE_ROW = "source_row"
 # The reference's cached log-probs, joined onto the preference splits as these columns.
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 LOCAL_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
@@ -346,6 +350,7 @@ class RenderedRow:
     completions: dict[str, list[int]]  # field (completion, chosen, rejected) -> ids
     answer: str | None
     terminated: bool
+    source_row: str | None = None  # the row as read, JSON (REWARD_SPLITS only)
 
     @property
     def longest(self) -> int:
@@ -389,7 +394,8 @@ def render_rows(
             raise DataValidationError(f"{source}: row {index}: {type(error).__name__}: {error}") from None
         terminated = all(ids and ids[-1] in stops for ids in completions.values())
         answer = str(row["answer"]) if "answer" in row else None
-        rendered.append(RenderedRow(prompt, completions, answer, terminated))
+        source_row = json.dumps(row, default=str) if split in REWARD_SPLITS else None
+        rendered.append(RenderedRow(prompt, completions, answer, terminated, source_row))
     return rendered
 
 
@@ -416,6 +422,8 @@ def truncate_rows(rendered: list[RenderedRow], truncation: Truncation) -> Tokeni
         unterminated += not row.terminated
         if row.answer is not None:
             out["answer"] = row.answer
+        if row.source_row is not None:
+            out[SOURCE_ROW] = row.source_row
         kept.append(out)
     return TokenizedSplit(kept, dropped, prompts_cut, unterminated, completions_cut, kept_cut)
 

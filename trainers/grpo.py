@@ -43,7 +43,7 @@ from trainers.grpo_section import COMPLETIONS_LOG_KEY, GRPOStageConfig, check_po
 from trainers.layout import GenerationLayout
 from trainers.logprobs import next_token_logps
 from trainers.lora import has_adapters, live_reference
-from trainers.rewards import RewardFunction, resolve_rewards, score_completions
+from trainers.rewards import RewardFunction, resolve_rewards, reward_kwargs, score_completions
 from trainers.samplers import generation_dataloader
 from trainers.sampling import sampling_processors
 from trainers.sections import section_fields
@@ -324,10 +324,8 @@ class GRPOTrainer(Trainer):
         bare = [c[:-1] if not cut else c for c, cut in zip(completions, truncated)]  # without the stop token
         texts = tokenizer.batch_decode(bare, skip_special_tokens=True)
         prompt_texts = tokenizer.batch_decode(prompts, skip_special_tokens=False)
-        columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt_ids"} | {"completion_ids": bare}
-        per_function = torch.tensor(
-            score_completions(self.reward_functions, prompt_texts, texts, columns), dtype=torch.float32
-        )
+        inputs = reward_kwargs(rows, prompt_texts, texts, bare, args.reward_inputs)
+        per_function = torch.tensor(score_completions(self.reward_functions, inputs, self.state), dtype=torch.float32)
         per_function = self.gather(per_function.T.contiguous()).T  # [F, N over all processes]
         rewards = weighted_rewards(per_function, self.reward_weights)
         advantages = group_advantages(rewards, args.num_generations, args.scale_rewards)

@@ -17,7 +17,7 @@ from trainers.grpo_losses import (
     RewardScaleName,
 )
 from trainers.layout import GenerationLayout, resolve_layout
-from trainers.rewards import resolve_rewards
+from trainers.rewards import RewardInputs, resolve_rewards
 from trainers.sections import EvalStrategy, StageCompute, TrainingConfig
 
 COMPLETIONS_LOG_KEY = "completions"  # a table (column -> values) in the trainer's logs; trackers render it
@@ -96,6 +96,12 @@ class GRPOStageConfig(TrainingConfig):
         description="Registered reward names or import paths `module:function`.",
     )
     reward_weights: list[float] | None = Field(None, description="One weight per reward function; default: all 1.")
+    reward_inputs: RewardInputs = Field(
+        "data",
+        description="What reward functions receive as `prompts` and `completions`: `data`, as the data has them "
+        "(TRL's contract: messages for conversational rows, strings for standard ones); `rendered`, the prompt as "
+        "the chat template rendered it and the completion's text.",
+    )
     mask_truncated_completions: bool = Field(
         False, description="Leave completions without a stop token (EOS or end of turn) out of the loss."
     )

@@ -1,10 +1,18 @@
 """Reward functions for GRPO, registered by name or named by import path.
 
-A reward function is ``fn(prompts, completions, **columns) -> list[float | None]``: one value per
-completion, ``None`` where the function does not apply to that row. ``prompts`` and
-``completions`` are decoded text (a completion stops before its first EOS); ``columns`` holds
-every dataset column of the rows (e.g. ``answer``) plus ``completion_ids`` (token ids, EOS
-excluded). Functions must accept ``**columns`` they do not use.
+The contract is TRL's: a reward function is called with keyword arguments only,
+
+    fn(prompts=…, completions=…, completion_ids=…, trainer_state=…, **columns) -> list[float | None]
+
+one value per completion, ``None`` where the function does not apply to that row. ``prompts`` are
+the rows' prompts as the data has them: strings, or lists of ``{"role", "content"}`` messages.
+``completions`` are the decoded completions, cut at their first stop token: strings for string
+prompts, ``[{"role": "assistant", "content": text}]`` for conversational ones. ``completion_ids``
+are their token ids (stop token excluded), ``trainer_state`` the Trainer's ``TrainerState``, and
+``columns`` every other column of the rows (e.g. ``answer``). Functions must accept ``**kwargs``;
+a function written for TRL's ``GRPOTrainer`` runs unchanged. With ``reward_inputs: rendered``,
+``prompts`` are the prompts as the chat template rendered them (special tokens included) and
+``completions`` plain strings, whatever the data's format.
 
 An import path is accepted only from a module the user allowed: one listed in the config's
 ``plugins`` (or a submodule of one), see :func:`allow_module`. Naming a reward never imports
@@ -15,16 +23,27 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import math
+import numbers
 import re
-from typing import Protocol, Sequence
+from typing import Any, Literal, Protocol, Sequence
 
+from trainers.data import SOURCE_ROW
 from trainers.metrics import exact_match
 from trainers.registry import Registry
 
+RewardInputs = Literal["data", "rendered"]
+# keyword arguments every call passes; a data column of one of these names is not passed
+RESERVED = ("prompts", "completions", "completion_ids", "trainer_state")
+
 
 class RewardFunction(Protocol):
-    def __call__(self, prompts: list[str], completions: list[str], **columns) -> list[float | None]: ...
+    def __call__(self, *, prompts: list, completions: list, **kwargs) -> list[float | None]: ...
+
+
+class RewardError(RuntimeError):
+    """A reward function failed or returned something other than one number (or None) per completion."""
 
 
 REWARD_FUNCTIONS: Registry[RewardFunction] = Registry("reward function", "reward function")
@@ -46,21 +65,19 @@ def is_allowed(module: str) -> bool:
 
 
 def check_signature(name: str, fn: RewardFunction) -> RewardFunction:
-    """``fn`` must accept ``(prompts, completions, **columns)``."""
+    """``fn`` must take keyword arguments: it is called with ``prompts``, ``completions``,
+    ``completion_ids``, ``trainer_state`` and every data column, as TRL calls it."""
     if not callable(fn):
         raise ValueError(f"reward function {name!r} is not callable")
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return fn  # builtins without a signature: trust them
-    takes_columns = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
-    try:
-        signature.bind_partial([], [])  # prompts, completions
-    except TypeError:
-        takes_columns = False
-    if not takes_columns:
+    if not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
         raise ValueError(
-            f"reward function {name!r} has the signature {signature}; it must accept (prompts, completions, **columns)"
+            f"reward function {name!r} has the signature {signature}; it must accept **kwargs: it is called with "
+            "the keyword arguments prompts, completions, completion_ids, trainer_state and every data column "
+            "(TRL's contract, docs/algorithms/grpo.md)"
         )
     return fn
 
@@ -93,50 +110,93 @@ def resolve_rewards(
 ) -> tuple[list[tuple[str, RewardFunction]], list[float]]:
     """``(name, function)`` pairs for names, import paths or callables, and one weight each
     (default 1)."""
-    named = [(f, get_reward(f)) if isinstance(f, str) else (f.__name__, f) for f in functions]
+    named = [
+        (f, get_reward(f)) if isinstance(f, str) else (f.__name__, check_signature(f.__name__, f)) for f in functions
+    ]
     weights = [1.0] * len(named) if weights is None else [float(w) for w in weights]
     if len(weights) != len(named):
         raise ValueError(f"reward_weights has {len(weights)} values for {len(named)} reward_funcs")
     return named, weights
 
 
+def text_of(completion: str | list[dict]) -> str:
+    """A completion's text: the string, or its messages' contents (TRL's conversational form)."""
+    return completion if isinstance(completion, str) else "".join(m["content"] for m in completion)
+
+
 @register_reward("correctness")
-def correctness(prompts, completions, answer=None, **columns) -> list[float | None]:
+def correctness(completions, answer=None, **kwargs) -> list[float | None]:
     """1 if the completion is exactly the ``answer`` column (surrounding whitespace ignored), else 0;
     ``None`` for rows without an answer. The built-in addition task's verifier."""
     if answer is None:
         raise ValueError("reward 'correctness' needs a dataset column 'answer'")
-    return [None if a is None else float(exact_match(c, a)) for c, a in zip(completions, answer)]
+    return [None if a is None else float(exact_match(text_of(c), str(a))) for c, a in zip(completions, answer)]
 
 
 INTEGER = re.compile(r"\s*-?\d+\s*")
 
 
 @register_reward("format")
-def integer_format(prompts, completions, **columns) -> list[float | None]:
+def integer_format(completions, **kwargs) -> list[float | None]:
     """1 if the completion is a bare integer (the built-in task's answer format), else 0."""
-    return [float(INTEGER.fullmatch(c) is not None) for c in completions]
+    return [float(INTEGER.fullmatch(text_of(c)) is not None) for c in completions]
 
 
 @register_reward("length_penalty")
-def length_penalty(prompts, completions, completion_ids, **columns) -> list[float | None]:
+def length_penalty(completion_ids, **kwargs) -> list[float | None]:
     """−(number of completion tokens, EOS excluded); scale it with its reward weight (e.g. 0.01)."""
     return [-float(len(ids)) for ids in completion_ids]
 
 
+def reward_kwargs(
+    rows: list[dict],
+    rendered_prompts: list[str],
+    texts: list[str],
+    completion_ids: list[list[int]],
+    inputs: RewardInputs = "data",
+) -> dict[str, list]:
+    """The keyword arguments of a reward call over ``rows`` (prepared rows) and their decoded
+    completions ``texts``, see the module. Rows without their source row (tokenized by hand) give
+    the rendered prompts, as ``inputs="rendered"`` does, and their own columns."""
+    if SOURCE_ROW in rows[0]:
+        sources = [json.loads(row[SOURCE_ROW]) for row in rows]
+        prompts = [source["prompt"] for source in sources]
+    else:
+        sources = [{key: value for key, value in row.items() if not key.endswith("_ids")} for row in rows]
+        prompts, inputs = rendered_prompts, "rendered"
+    if inputs == "rendered":
+        prompts, completions = rendered_prompts, texts
+    else:
+        completions = [
+            [{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+            for prompt, text in zip(prompts, texts)
+        ]
+    keys = dict.fromkeys(key for source in sources for key in source if key != "prompt" and key not in RESERVED)
+    columns = {key: [source.get(key) for source in sources] for key in keys}
+    return {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
+
+
 def score_completions(
-    functions: Sequence[tuple[str, RewardFunction]],
-    prompts: list[str],
-    completions: list[str],
-    columns: dict[str, list],
+    functions: Sequence[tuple[str, RewardFunction]], kwargs: dict[str, Any], trainer_state: Any = None
 ) -> list[list[float]]:
-    """``[function][row]`` rewards, ``NaN`` where a function returned ``None``."""
+    """``[function][row]`` rewards, ``NaN`` where a function returned ``None``; a function that
+    raises or returns anything but one number or None per completion is a :class:`RewardError`
+    naming it."""
+    count = len(kwargs["completions"])
     scores = []
     for name, fn in functions:
-        values = fn(prompts, completions, **columns)
-        if len(values) != len(completions):
-            raise ValueError(
-                f"reward function {name!r} returned {len(values)} values for {len(completions)} completions"
+        try:
+            values = fn(**kwargs, trainer_state=trainer_state)
+        except Exception as error:
+            raise RewardError(f"reward function {name!r} raised {type(error).__name__}: {error}") from error
+        if not isinstance(values, (list, tuple)) or len(values) != count:
+            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
+            raise RewardError(f"reward function {name!r} returned {got} for {count} completions")
+        bad = next((i for i, v in enumerate(values) if v is not None and not isinstance(v, numbers.Real)), None)
+        if bad is not None:
+            raise RewardError(
+                f"reward function {name!r} returned {values[bad]!r} ({type(values[bad]).__name__}) for completion "
+                f"{bad}: rewards are numbers, or None where the function does not apply"
             )
         scores.append([math.nan if v is None else float(v) for v in values])
     return scores
