@@ -86,6 +86,8 @@ def gate(
     report: EvalReport, candidate_label: str, config: PromotionConfig, champion: Champion | None
 ) -> tuple[bool, str]:
     value = report.rows[candidate_label][config.metric]
+    if config.min_value is not None and not value > config.min_value:
+        return False, f"{config.metric} = {value:.4f}, needed > {config.min_value} (promotion.min_value)"
     if champion is None:
         return True, f"first {config.alias}: {config.metric} = {value:.4f}"
     if champion.incomparable:

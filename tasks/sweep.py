@@ -8,7 +8,7 @@ import math
 from contextlib import contextmanager
 from typing import Any, Iterator, Literal
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
@@ -81,6 +81,28 @@ def best_trial(trials: list[TrialResult], metric: str, direction: str) -> TrialR
     return max(scored, key=lambda t: (sign * t.objective(metric), -t.number))
 
 
+def separation(trials: list[TrialResult], best: TrialResult, metric: str, direction: str) -> str | None:
+    """Why the best trial does not win on a real difference, or None when it does (or is alone):
+    the runner-up ties it, or lies inside the best trial's confidence interval of ``metric``
+    (the evaluation's bootstrap ``<metric>_ci_low`` / ``_ci_high``, where it has one)."""
+    others = [t for t in trials if t is not best and t.objective(metric) is not None]
+    if not others:
+        return None
+    sign = 1 if direction == "maximize" else -1
+    runner = max(others, key=lambda t: (sign * t.objective(metric), -t.number))
+    value, other = best.objective(metric), runner.objective(metric)
+    if value == other:
+        return f"trial {best.number} ties with trial {runner.number} ({metric} = {value:.3f})"
+    bound = best.metrics.get(f"{metric}_ci_low" if direction == "maximize" else f"{metric}_ci_high")
+    if bound is not None and sign * other >= sign * bound:
+        low, high = best.metrics[f"{metric}_ci_low"], best.metrics[f"{metric}_ci_high"]
+        return (
+            f"trial {runner.number} ({metric} = {other:.3f}) lies inside trial {best.number}'s 95% interval "
+            f"[{low:.3f}, {high:.3f}]"
+        )
+    return None
+
+
 def trial_rows(trials: list[TrialResult], metric: str) -> list[dict[str, object]]:
     return [
         {"trial": t.number, "status": t.status}
@@ -111,13 +133,20 @@ def log_sweep(spec: SweepConfig, trials: list[TrialResult], sweep_run_id: str) -
     failed = sorted(t.number for t in trials if t.status != "completed")
     tags = {"alignflow.sweep.trials": str(len(trials)), "alignflow.sweep.failed": ",".join(map(str, failed))}
     best = best_trial(trials, metric, spec.objective.direction)
+    best_line = "none"
     if best is not None:
         tags |= {"alignflow.best_trial": str(best.number), "alignflow.best_run_id": best.mlflow_run_id or ""}
         log_metrics(sweep_run_id, {f"best/{metric}": best.objective(metric)})
+        best_line = f"trial {best.number} ({metric} = {best.objective(metric):.3f})"
+        if unseparated := separation(trials, best, metric, spec.objective.direction):
+            tags["alignflow.best_separated"] = f"no: {unseparated}"
+            best_line += f", not separated from the others: {unseparated}"
+            get_run_logger().warning("the sweep could not separate its best trial: %s", unseparated)
+        else:
+            tags["alignflow.best_separated"] = "yes"
     for key, value in tags.items():
         client().set_tag(sweep_run_id, key, value)
     run = client().get_run(sweep_run_id)
-    best_line = f"trial {best.number} ({metric} = {best.objective(metric):.3f})" if best else "none"
     create_markdown_artifact(
         key="sweep",
         markdown=f"## Sweep {spec.name}: {len(trials)} trials, {len(failed)} failed, best {best_line}\n\n{table}\n"

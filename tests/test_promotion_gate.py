@@ -42,6 +42,24 @@ def test_without_a_significance_test_the_gate_needs_a_gain_of_at_least_min_impro
     assert "sampled_accuracy" in reason
 
 
+@pytest.mark.parametrize(
+    "candidate, champion, min_value, promoted",
+    [
+        (0.0, None, 0.0, False),  # a model that scores 0 is never the first champion
+        (0.01, None, 0.0, True),
+        (0.30, None, 0.3, False),  # the floor must be exceeded
+        (0.0, None, None, True),  # no floor
+        (0.25, 0.10, 0.3, False),  # a gain over a champion does not lift a model over the floor
+    ],
+)
+def test_the_floor_applies_to_every_promotion_the_first_included(candidate, champion, min_value, promoted):
+    config = PromotionConfig(registered_model="m", min_value=min_value, confidence=None)
+    verdict, reason = gate(report(candidate, champion), "dpo", config, CHAMPION if champion is not None else None)
+    assert verdict is promoted
+    if not promoted:
+        assert reason == f"sampled_accuracy = {candidate:.4f}, needed > {min_value} (promotion.min_value)"
+
+
 def paired(candidate_correct: int, champion_correct: int, prompts: int = 40) -> EvalReport:
     """Per-prompt 0/1 scores where the champion's correct prompts are a subset of the candidate's."""
     scores = {

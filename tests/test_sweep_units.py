@@ -16,6 +16,7 @@ from infra.core.sweep import STRATEGIES, SweepConfig, read_sweep_tree
 from infra.ops.cli import main
 from tasks.reporting import mean_sd_cell, seed_aggregates
 from tasks.search import SAMPLERS, plan, sweep_errors
+from tasks.sweep import TrialResult, best_trial, separation
 
 pytestmark = pytest.mark.unit
 
@@ -168,3 +169,26 @@ def test_concurrent_holders_of_one_key_run_one_after_the_other(tmp_path):
     first.join()
     assert events == ["a in", "a out", "b in", "b out"]
     assert not manager.is_locked("train-sft-abc") and manager.wait_for_lock("train-sft-abc", 0)
+
+
+def trial(number: int, value: float, low: float | None = None, high: float | None = None) -> TrialResult:
+    metrics = {"sampled_accuracy": value}
+    if low is not None:
+        metrics |= {"sampled_accuracy_ci_low": low, "sampled_accuracy_ci_high": high}
+    return TrialResult(number=number, params={}, status="completed", metrics=metrics)
+
+
+def test_a_best_trial_that_ties_or_lies_in_its_own_interval_is_not_separated():
+    def verdict(trials, direction="maximize"):
+        best = best_trial(trials, "sampled_accuracy", direction)
+        return best.number, separation(trials, best, "sampled_accuracy", direction)
+
+    zeros = [trial(0, 0.0), trial(1, 0.0), trial(2, 0.0)]  # configs/sweep.yaml on the minimal experiment
+    assert verdict(zeros) == (0, "trial 0 ties with trial 1 (sampled_accuracy = 0.000)")
+    close = [trial(0, 0.30, 0.22, 0.38), trial(1, 0.25, 0.18, 0.33)]
+    assert verdict(close) == (0, "trial 1 (sampled_accuracy = 0.250) lies inside trial 0's 95% interval [0.220, 0.380]")
+    apart = [trial(0, 0.60, 0.52, 0.68), trial(1, 0.25, 0.18, 0.33)]
+    assert verdict(apart) == (0, None)
+    assert verdict([trial(0, 0.30), trial(1, 0.25)]) == (0, None)  # no interval: a strict difference
+    assert verdict([trial(0, 0.30, 0.22, 0.38), trial(1, 0.25)], "minimize") == (1, None)  # trial 1 has no interval
+    assert verdict([trial(4, 0.5, 0.4, 0.6)]) == (4, None)  # alone

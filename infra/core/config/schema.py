@@ -143,8 +143,8 @@ class DataConfig(Section):
         None,
         title="GRPO prompts",
         description=(
-            "`prompt` rows (and `answer`, passed to reward functions) "
-            "for GRPO; held-out prompts must not be among them."
+            "`prompt` rows for GRPO (every other column, e.g. `answer`, reaches the reward functions); "
+            "held-out prompts must not be among them."
         ),
     )
     max_length: Annotated[int, Field(ge=2)] | Literal["auto"] = Field(
@@ -239,6 +239,11 @@ class PromotionConfig(Section):
     metric: str = Field("sampled_accuracy", description="Evaluation metric the gate compares.")
     min_improvement: float = Field(
         0.0, description="Required gain of `metric` over the current champion, re-scored on the same prompts."
+    )
+    min_value: float | None = Field(
+        0.0,
+        description="`metric` must exceed this for any promotion, the first included (a model that scores 0 never "
+        "becomes the first champion); null: no floor.",
     )
     alias: str = Field("champion", description="Registry alias that marks the promoted version.")
     confidence: float | None = Field(
