@@ -109,14 +109,16 @@ def curve_stage(stages: list[str], differing: list[str], final: str) -> str:
 def compare_runs(
     experiment: str,
     baseline: str | None = None,
-    metrics: list[str] = DEFAULT_METRICS,
+    metrics: list[str] | None = None,
     curves: list[str] = DEFAULT_CURVES,
     params: list[str] | None = None,
     stage: str | None = None,
     selection: RunSelection = RunSelection(),
 ) -> ComparisonReport:
-    """``params`` default to the config fields whose values differ between the runs, and label
-    the runs; ``stage`` (whose training curves are plotted) to the first stage whose settings differ."""
+    """``metrics`` default to those of :data:`DEFAULT_METRICS` some run measured (metrics named
+    explicitly are shown even where no run has them, marked "not measured"); ``params`` to the
+    config fields whose values differ between the runs, and label the runs; ``stage`` (whose
+    training curves are plotted) to the first stage whose settings differ."""
     runs = experiment_runs(experiment, selection)
     if not runs:
         raise ValueError(f"experiment {experiment!r} has no finished experiment runs to compare ({selection})")
@@ -127,6 +129,8 @@ def compare_runs(
     stage = stage or curve_stage(yaml.safe_load(chosen.data.params.get("stages", "[]")), differing, final)
     summaries = label_runs([summarize(run, curves, stage) for run in runs], shown)
     base = next(s for s in summaries if s.run_id == chosen.info.run_id)
+    if metrics is None:
+        metrics = [m for m in DEFAULT_METRICS if any(m in summary.metrics for summary in summaries)] or DEFAULT_METRICS
 
     folder = get_settings().root / "comparisons" / experiment / time.strftime("%Y%m%d-%H%M%S")
     folder.mkdir(parents=True, exist_ok=True)

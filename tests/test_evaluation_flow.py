@@ -20,6 +20,7 @@ COMMON = [
     f"promotion.registered_model={REGISTERED}",
     "promotion.metric=greedy_accuracy",
     "promotion.confidence=null",  # 20 prompts: the strong run's gain is real but not significant
+    "promotion.min_value=null",  # the weak first champion scores 0 (the floor has its own unit test)
 ]
 
 
@@ -172,3 +173,6 @@ def test_compare_selects_runs_by_name_filter_and_recency(three_runs):
     assert compare(experiment=EXPERIMENT, filter="params.`sft.max_steps` = '6'").run_ids == [weak, again]
     report = compare(experiment=EXPERIMENT, filter="params.`sft.max_steps` = '6'", last=1)
     assert report.run_ids == [again] and report.baseline_run_id == again
+    # the default metrics are those the runs measured: 2 samples per prompt give no pass@4
+    header = report.table.splitlines()[0]
+    assert "sampled_accuracy" in header and "pass_at_4" not in header

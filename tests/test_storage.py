@@ -106,7 +106,14 @@ def test_gc_removes_superseded_outputs_and_mlflow_checkpoints_but_keeps_live_run
     from transformers import AutoModelForCausalLM
 
     home, alignflow = fresh_home
-    base = ["run", "configs/minimal.yaml", "stages=[sft]", "promotion.registered_model=gc-model"]
+    # six SFT steps score 0: no floor, so that the run registers a version
+    base = [
+        "run",
+        "configs/minimal.yaml",
+        "stages=[sft]",
+        "promotion.registered_model=gc-model",
+        "promotion.min_value=null",
+    ]
     alignflow(*base, "tracking.keep_checkpoints=true")
     alignflow(*base, "sft.max_steps=4")
     outputs = home / "outputs" / "minimal"

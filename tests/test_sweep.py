@@ -61,6 +61,7 @@ def grid(prefect_api_url):
         "base.tracking.experiment_name=sweep-grid",
         "promote=true",
         "base.promotion.registered_model=sweep-grid",
+        "base.promotion.min_value=null",  # the minimal experiment's trials score 0: no floor
     ]
     return run_sweep(sweep_spec("configs/sweep.yaml", *overrides))
 
