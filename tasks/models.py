@@ -7,6 +7,7 @@ Sources: ``builtin:<name>``, a local folder, an MLflow URI (``runs:/<run id>/mod
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import mlflow
@@ -29,6 +30,9 @@ WEIGHT_PATTERNS = (
     "*.safetensors.index.json",
     "pytorch_model*.bin",
 )
+# Beside a trained adapter: where its base model can be fetched on any machine (an MLflow URI, a
+# built-in name or a hub id), for when adapter_config.json's absolute base folder is not there.
+BASE_SOURCE = "alignflow_base.json"
 TOKENIZER_FILES = [
     "tokenizer.json",
     "tokenizer_config.json",
@@ -102,7 +106,9 @@ def tokenizer_fingerprint(path: Path) -> str:
     return hash_paths(path, TOKENIZER_FILES)
 
 
-def checkpoint_handle(path: Path, stage: str, mlflow_run_id: str | None = None) -> ModelHandle:
+def checkpoint_handle(
+    path: Path, stage: str, mlflow_run_id: str | None = None, source: str | None = None
+) -> ModelHandle:
     return ModelHandle(
         path=str(path),
         fingerprint=hash_paths(path),
@@ -110,6 +116,7 @@ def checkpoint_handle(path: Path, stage: str, mlflow_run_id: str | None = None) 
         weights_fingerprint=hash_paths(path, weight_files(path)),
         stage=stage,
         mlflow_run_id=mlflow_run_id,
+        source=source,
     )
 
 
@@ -138,9 +145,15 @@ def download_mlflow_model(uri: str) -> Path:
 
 @task(name="resolve-model")
 def resolve_model(config: ModelConfig, stage: str = "base") -> ModelHandle:
+    return model_handle(config, stage)
+
+
+def model_handle(config: ModelConfig, stage: str = "base") -> ModelHandle:
     """Built-in models are materialised once under the model cache, MLflow models downloaded
     there once; local folders are hashed; hub ids are identified by id and revision (pin a
-    commit for an immutable fingerprint)."""
+    commit for an immutable fingerprint). An adapter whose base folder is gone is rebased on the
+    base's recorded source (:func:`rebased_adapter`). Every source but a local folder is the
+    handle's ``source``: it resolves on any machine."""
     if is_builtin(config.source):
         spec = builtin_spec(config.source, config.seed)  # name, architecture, seed; the module's source has the rest
         identity = hash_value({"spec": spec, "code": code_fingerprint("trainers.builtin_model")})
@@ -148,13 +161,57 @@ def resolve_model(config: ModelConfig, stage: str = "base") -> ModelHandle:
         if not target.exists():
             with atomic_directory(target) as staging:
                 save_builtin_model(config.source, config.seed, staging)
-        return checkpoint_handle(target, stage)
+        return checkpoint_handle(target, stage, source=config.source)
     if config.source.startswith(MLFLOW_SCHEMES):
-        return checkpoint_handle(download_mlflow_model(config.source), stage)
+        pinned = pinned_model_uri(config.source)
+        return checkpoint_handle(rebased_adapter(download_mlflow_model(pinned)), stage, source=pinned)
     if Path(config.source).expanduser().is_dir():
-        check_model_folder(Path(config.source).expanduser())
-        return checkpoint_handle(Path(config.source).expanduser(), stage)
+        folder = rebased_adapter(Path(config.source).expanduser())
+        check_model_folder(folder)
+        return checkpoint_handle(folder, stage)
     identity = hash_value({"hub": config.source, "revision": config.revision})
     return ModelHandle(
-        path=config.source, revision=config.revision, fingerprint=identity, tokenizer_fingerprint=identity, stage=stage
+        path=config.source,
+        revision=config.revision,
+        fingerprint=identity,
+        tokenizer_fingerprint=identity,
+        stage=stage,
+        source=config.source,
     )
+
+
+def record_adapter_base(adapter: Path, base: ModelHandle) -> None:
+    """Write beside a trained adapter where its base (the model its stage started from) can be
+    fetched on any machine: its ``source``, None where it has none (a local folder; a stage that
+    logged no model to MLflow)."""
+    (adapter / BASE_SOURCE).write_text(json.dumps({"source": base.source, "revision": base.revision}))
+
+
+def rebased_adapter(path: Path) -> Path:
+    """``path`` itself unless it is an adapter whose base folder (``base_model_name_or_path``, an
+    absolute path under the state folder where it was trained) is not on this machine; then a
+    copy in the model cache whose config names the base fetched from the source recorded at
+    training (:data:`BASE_SOURCE`). No recorded source is an error that says what to load instead."""
+    if not is_adapter_folder(path):
+        return path
+    config = json.loads((path / ADAPTER_CONFIG).read_text())
+    base = config.get("base_model_name_or_path")
+    if not base or not Path(base).is_absolute() or Path(base).is_dir():
+        return path  # a folder that is there, a hub id, or nothing (check_adapter_folder names it)
+    recorded = json.loads((path / BASE_SOURCE).read_text()) if (path / BASE_SOURCE).is_file() else {}
+    if not recorded.get("source"):
+        raise ValueError(
+            f"adapter folder {path}: its base model folder {base} does not exist, and the adapter records no "
+            f"other source of it ({BASE_SOURCE}: the stage before it logged no model to MLflow, or started from a "
+            "local folder); load the stage's merged model (the run's model/ artifact) instead, or restore the base"
+        )
+    source = model_handle(ModelConfig(source=recorded["source"], revision=recorded.get("revision")))
+    target = get_settings().model_cache / f"adapter-{hash_value([hash_paths(path), source.fingerprint])}"
+    if not target.exists():
+        with atomic_directory(target) as staging:
+            for file in path.iterdir():
+                if file.is_file():
+                    shutil.copy2(file, staging / file.name)
+            rebased = {**config, "base_model_name_or_path": source.path}
+            (staging / ADAPTER_CONFIG).write_text(json.dumps(rebased, indent=2))
+    return target

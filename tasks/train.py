@@ -32,7 +32,7 @@ from infra.core.storage import prune_checkpoints
 from tasks.caching import computed_once
 from tasks.launch import launch
 from tasks.metric_sender import MetricsNotDelivered
-from tasks.models import checkpoint_handle
+from tasks.models import checkpoint_handle, record_adapter_base
 from tasks.results import CACHED_RESULT, checked_cache_key
 from tasks.tracking import client, log_new_params, mark_resumed, stage_run_id, tracked_run
 from trainers.lora import save_stage_model
@@ -199,8 +199,13 @@ def run_stage(
             stage_trainer.train_from(trainer, checkpoint, final)
             with atomic_directory(folder.model_dir) as staging:
                 adapter = save_stage_model(trainer, staging, folder.adapter_dir)
-        handle = checkpoint_handle(folder.model_dir, stage, mlflow_run_id=run_id)
-        if log_checkpoints != "none":
+        logged = log_checkpoints != "none"
+        handle = checkpoint_handle(
+            folder.model_dir, stage, mlflow_run_id=run_id, source=f"runs:/{run_id}/model" if logged else None
+        )
+        if adapter is not None:
+            record_adapter_base(adapter, inputs.policy)
+        if logged:
             client().log_artifacts(run_id, handle.path, "model")
             if adapter is not None:
                 client().log_artifacts(run_id, str(adapter), "adapter")

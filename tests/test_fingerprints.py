@@ -112,7 +112,7 @@ def test_the_key_of_every_cache_changes_with_the_fingerprint_of_its_code(monkeyp
         # the built-in model's folder in a model cache of this test's, neither built nor saved
         monkeypatch.setattr(tasks.models, "get_settings", lambda: model_cache)
         monkeypatch.setattr(tasks.models, "save_builtin_model", lambda source, seed, folder: None)
-        monkeypatch.setattr(tasks.models, "checkpoint_handle", lambda folder, stage: folder)
+        monkeypatch.setattr(tasks.models, "checkpoint_handle", lambda folder, stage, source: folder)
         before, asked = key(), []
         monkeypatch.setattr(module, "code_fingerprint", lambda *names, asked=asked: asked.append(names) or "edited")
         assert (key() != before, asked) == (True, [roots]), cache

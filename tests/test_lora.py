@@ -12,7 +12,7 @@ from prefect.logging import disable_run_logger
 from infra.core.config import AdditionTaskConfig, DataConfig, DatasetSource, PeftConfig, load_config
 from infra.core.stage_io import StageFolder, TrainInputs
 from tasks.data import prepare_dataset
-from tasks.models import check_model_folder, checkpoint_handle
+from tasks.models import check_model_folder, checkpoint_handle, rebased_adapter
 from tasks.stage_trainer import stage_inputs
 from trainers.builtin_model import TINY_LLAMA
 from trainers.collators import PreferenceCollator, prompt_completion_batch
@@ -176,6 +176,8 @@ def test_the_saved_adapter_and_the_merged_copy_give_the_trained_policys_logits(h
     config.write_text(config.read_text().replace(str(handles[0].path), str(tmp_path / "gone")))
     with pytest.raises(ValueError, match=f"adapter folder {adapter_dir}: its base model folder .*gone does not exist"):
         check_model_folder(adapter_dir)
+    with pytest.raises(ValueError, match="does not exist, and the adapter records no other source of it"):
+        rebased_adapter(adapter_dir)  # saved outside a stage: no alignflow_base.json
 
 
 @pytest.mark.slow
@@ -299,7 +301,17 @@ def test_the_default_chain_trains_lora_adapters_in_every_stage_and_evaluates_the
         data=config.data,
         evaluation=config.evaluation,
     )
-    scored = evaluation(request)
+    # the GRPO adapter's base folder (DPO's merged copy) gone, as on another machine or after `alignflow
+    # gc`: it is fetched from the DPO run's model/ artifact, the source recorded beside the adapter
+    grpo_adapter = StageFolder.of_run(config.name, "grpo", runs["grpo"].info.run_id).adapter_dir
+    source = json.loads((grpo_adapter / "alignflow_base.json").read_text())["source"]
+    assert source == f"runs:/{runs['dpo'].info.run_id}/model"
+    away = grpo_init.parent.with_name(grpo_init.parent.name + "-away")
+    grpo_init.parent.rename(away)
+    try:
+        scored = evaluation(request)
+    finally:
+        away.rename(grpo_init.parent)
     merged, adapter = scored.rows["merged"], scored.rows["adapter"]
     assert merged["greedy_accuracy"] == adapter["greedy_accuracy"] == report.rows["grpo"]["greedy_accuracy"]
 

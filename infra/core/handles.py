@@ -49,6 +49,7 @@ class ModelHandle(Handle):
     revision: str | None = None
     mlflow_run_id: str | None = None
     weights_fingerprint: str | None = None  # config and weight files only (local checkpoints)
+    source: str | None = None  # where any machine fetches it: a built-in name, hub id or MLflow URI
 
 
 class PreparedData(Handle):
