@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+ARCHITECTURES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 
 
-class ScriptedPolicy(LlamaForCausalLM):
-    """A fixture policy: whatever the context, the token after ``a`` is ``script[a]`` (a bigram table
-    as logits, so greedy decoding and sampling both follow it); a token off the script is followed
-    by ``filler``."""
+class Scripted:
+    """A fixture policy (mixed into a causal LM class): whatever the context, the token after ``a``
+    is ``script[a]`` (a bigram table as logits, so greedy decoding and sampling both follow it); a
+    token off the script is followed by ``filler``."""
 
-    def __init__(self, config: LlamaConfig, script: dict[int, int], filler: int):
+    def __init__(self, config, script: dict[int, int], filler: int):
         super().__init__(config)
         self.table = torch.full((config.vocab_size, config.vocab_size), -1e4)
         self.table[:, filler] = 0.0
@@ -25,12 +27,19 @@ class ScriptedPolicy(LlamaForCausalLM):
         return output
 
 
-def scripted_policy(tokenizer, after_prompt: list[str], eos_ids: int | list[int] | None = None) -> ScriptedPolicy:
-    """A policy that answers a prompt ending in ``"\n"`` with the tokens ``after_prompt`` (each
-    appears once), then repeats ``"x"``; its ``generation_config`` lists ``eos_ids`` (by default the
+SCRIPTED = {
+    name: type(f"Scripted{model.__name__}", (Scripted, model), {}) for name, (_, model) in ARCHITECTURES.items()
+}
+
+
+def scripted_model(
+    tokenizer, chain: list[int], filler: int, eos_ids: int | list[int] | None = None, architecture: str = "llama"
+):
+    """A tiny ``architecture`` model that writes ``chain[1:]`` after ``chain[0]`` (each id appears
+    once in the chain), then ``filler``; its ``generation_config`` lists ``eos_ids`` (by default the
     tokenizer's EOS)."""
-    ids = tokenizer.convert_tokens_to_ids(["\n", *after_prompt])
-    config = LlamaConfig(
+    config_class, _ = ARCHITECTURES[architecture]
+    config = config_class(
         vocab_size=len(tokenizer),
         hidden_size=16,
         intermediate_size=32,
@@ -40,9 +49,16 @@ def scripted_policy(tokenizer, after_prompt: list[str], eos_ids: int | list[int]
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id if eos_ids is None else eos_ids,
     )
-    model = ScriptedPolicy(config, dict(zip(ids, ids[1:])), filler=tokenizer.convert_tokens_to_ids("x"))
+    model = SCRIPTED[architecture](config, dict(zip(chain, chain[1:])), filler=filler)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
+
+
+def scripted_policy(tokenizer, after_prompt: list[str], eos_ids: int | list[int] | None = None):
+    """A policy that answers a prompt ending in ``"\n"`` with the tokens ``after_prompt`` (each
+    appears once), then repeats ``"x"``."""
+    chain = tokenizer.convert_tokens_to_ids(["\n", *after_prompt])
+    return scripted_model(tokenizer, chain, tokenizer.convert_tokens_to_ids("x"), eos_ids)
 
 
 def chat_prompt(tokenizer) -> list[int]:
