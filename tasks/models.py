@@ -174,10 +174,24 @@ def model_handle(config: ModelConfig, stage: str = "base") -> ModelHandle:
         path=config.source,
         revision=config.revision,
         fingerprint=identity,
-        tokenizer_fingerprint=identity,
+        tokenizer_fingerprint=hub_tokenizer_fingerprint(config.source, config.revision) or identity,
         stage=stage,
         source=config.source,
     )
+
+
+def hub_tokenizer_fingerprint(repo: str, revision: str | None) -> str | None:
+    """A hub model's tokenizer by behaviour, as a folder's (:func:`tokenizer_fingerprint`), so that
+    it compares equal with its own fine-tunes' tokenizers: its tokenizer files are fetched into the
+    Hugging Face cache (or found there, offline). None where they cannot be had."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        folder = Path(snapshot_download(repo, revision=revision, allow_patterns=TOKENIZER_FILES))
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError):
+        return None
+    return tokenizer_fingerprint(folder) if (folder / TOKENIZER_JSON).is_file() else None
 
 
 def record_adapter_base(adapter: Path, base: ModelHandle) -> None:

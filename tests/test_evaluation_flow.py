@@ -97,9 +97,9 @@ def test_a_champion_with_another_tokenizer_is_neither_scored_nor_replaced(three_
     assert client.get_model_version_by_alias(REGISTERED, "champion").version == before
 
 
-def parent_child(flow_run_id, stage):
+def parent_child(flow_run_id, stage, experiment=EXPERIMENT):
     client = mlflow_client()
-    parent = parent_run(flow_run_id)
+    parent = parent_run(flow_run_id, experiment)
     (child,) = client.search_runs(
         [parent.info.experiment_id],
         f"tags.mlflow.parentRunId = '{parent.info.run_id}' and tags.`alignflow.stage` = '{stage}'",
@@ -176,3 +176,55 @@ def test_compare_selects_runs_by_name_filter_and_recency(three_runs):
     # the default metrics are those the runs measured: 2 samples per prompt give no pass@4
     header = report.table.splitlines()[0]
     assert "sampled_accuracy" in header and "pass_at_4" not in header
+
+
+def test_one_evaluate_compares_a_base_folder_and_its_hub_copy_with_its_sft_and_grpo_models_from_mlflow(
+    prefect_api_url, tiny, tmp_path
+):
+    """A user's own base model, as a folder and as a hub id (its files in the Hugging Face cache, as a
+    download leaves them), trained by SFT and GRPO; one `alignflow evaluate` scores the four: every
+    tokenizer compares equal although the stages saved theirs again."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    model, tokenizer = tiny
+    base = tmp_path / "own-base"
+    model.save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    snapshot = tmp_path / "hub" / "models--acme--own-base"
+    (snapshot / "refs").mkdir(parents=True)
+    (snapshot / "refs" / "main").write_text("0" * 40)
+    shutil.copytree(base, snapshot / "snapshots" / ("0" * 40))
+
+    flow_run_id, _ = run(
+        "name=own-base",
+        f"model.source={base}",
+        "stages=[sft, grpo]",
+        "tracking.experiment_name=own-base",
+        "promotion.registered_model=null",
+    )
+    runs = {stage: parent_child(flow_run_id, stage, "own-base") for stage in ("sft", "grpo")}
+    sources = {"base": str(base), "hub": "acme/own-base", **{s: f"runs:/{run_id}/model" for s, run_id in runs.items()}}
+    models = "models={" + ", ".join(f"{label}: '{source}'" for label, source in sources.items()) + "}"
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": prefect_api_url,
+        "HF_HUB_CACHE": str(tmp_path / "hub"),
+        "HF_HUB_OFFLINE": "1",
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "infra.ops.cli", "evaluate", "configs/evaluate.yaml", models, "name=own-base-eval",
+         "data.builtin={max_operand: 9, noise: 0.3, num_eval_problems: 20, seed: 0}", "evaluation.num_samples=2",
+         "tracking.experiment_name=own-base-eval"],
+        env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    (evaluation,) = mlflow_client().search_runs(
+        [mlflow_client().get_experiment_by_name("own-base-eval").experiment_id], "tags.`alignflow.kind` = 'evaluation'"
+    )
+    scored = {key.split("/")[1] for key in evaluation.data.metrics if key.startswith("eval/")}
+    assert scored == {"base", "hub", "sft", "grpo"}
+    for name in ("greedy_accuracy", "sampled_accuracy"):  # the hub copy is the base folder's model: the same scores
+        assert evaluation.data.metrics[f"eval/hub/{name}"] == evaluation.data.metrics[f"eval/base/{name}"]

@@ -93,3 +93,30 @@ def lowercase(folder: Path) -> None:
 @pytest.mark.parametrize("change", [drop_last_merge, other_template, other_eos, left_padding, lowercase])
 def test_a_change_to_what_tokenization_gives_changes_the_fingerprint(saved, tmp_path, change):
     assert tokenizer_fingerprint(rewritten(saved, tmp_path / "changed", change)) != tokenizer_fingerprint(saved)
+
+
+def hub_cache(root: Path, repo: str, files: Path, commit: str = "0" * 40) -> Path:
+    """A Hugging Face cache holding ``repo`` at ``commit`` (its main) with the files of ``files``:
+    what a download leaves, so a hub id resolves offline."""
+    storage = root / f"models--{repo.replace('/', '--')}"
+    (storage / "refs").mkdir(parents=True)
+    (storage / "refs" / "main").write_text(commit)
+    shutil.copytree(files, storage / "snapshots" / commit)
+    return root
+
+
+def test_a_hub_models_tokenizer_fingerprint_equals_its_fine_tunes(saved, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    from infra.core.config import ModelConfig
+    from tasks.models import model_handle
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub_cache(tmp_path / "hub", "acme/chat", saved)))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no hub here: the cache answers
+    AutoTokenizer.from_pretrained(saved).save_pretrained(tmp_path / "fine-tuned")  # as a stage saves it
+    hub = model_handle(ModelConfig(source="acme/chat"))
+    assert hub.tokenizer_fingerprint == tokenizer_fingerprint(tmp_path / "fine-tuned")
+    assert (hub.path, hub.source) == ("acme/chat", "acme/chat")
+    # a hub id whose files cannot be had keeps the identity of its id and revision
+    unknown = model_handle(ModelConfig(source="acme/unknown"))
+    assert unknown.tokenizer_fingerprint == unknown.fingerprint != hub.tokenizer_fingerprint
