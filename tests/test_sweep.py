@@ -23,10 +23,11 @@ from infra.core.sweep import SweepConfig, read_sweep_tree
 from infra.ops.cli import main
 from tasks.sweep import TrialResult
 
-# The minimal experiment cut to seconds: SFT and DPO only, few prompts, one sample each. An SFT seed
+# The example sweep cut to seconds: the minimal task, SFT and DPO only, few prompts, one sample each. An SFT seed
 # of its own keeps this module's first SFT a cache miss whatever ran before.
 TINY = [
     "base.stages=[sft, dpo]",
+    "base.data.builtin={max_operand: 9, noise: 0.3, num_eval_problems: 20, seed: 0}",
     "base.sft.max_steps=2",
     "base.sft.save_steps=0",
     "base.sft.seed=31",
@@ -61,7 +62,7 @@ def grid(prefect_api_url):
         "base.tracking.experiment_name=sweep-grid",
         "promote=true",
         "base.promotion.registered_model=sweep-grid",
-        "base.promotion.min_value=null",  # the minimal experiment's trials score 0: no floor
+        "base.promotion.min_value=null",  # two-step trials score 0: no floor
     ]
     return run_sweep(sweep_spec("configs/sweep.yaml", *overrides))
 

@@ -183,7 +183,7 @@ def test_a_best_trial_that_ties_or_lies_in_its_own_interval_is_not_separated():
         best = best_trial(trials, "sampled_accuracy", direction)
         return best.number, separation(trials, best, "sampled_accuracy", direction)
 
-    zeros = [trial(0, 0.0), trial(1, 0.0), trial(2, 0.0)]  # configs/sweep.yaml on the minimal experiment
+    zeros = [trial(0, 0.0), trial(1, 0.0), trial(2, 0.0)]  # trials too short to learn the task
     assert verdict(zeros) == (0, "trial 0 ties with trial 1 (sampled_accuracy = 0.000)")
     close = [trial(0, 0.30, 0.22, 0.38), trial(1, 0.25, 0.18, 0.33)]
     assert verdict(close) == (0, "trial 1 (sampled_accuracy = 0.250) lies inside trial 0's 95% interval [0.220, 0.380]")
