@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from importlib.metadata import version
 from pathlib import Path
 
 import mlflow
@@ -99,11 +100,21 @@ def check_safetensors(file: Path) -> None:
 
 
 def tokenizer_fingerprint(path: Path) -> str:
-    """By what the tokenizer does (:mod:`trainers.tokenizer_identity`), so that ``save_pretrained``
-    round trips keep it; a tokenizer without ``tokenizer.json`` (sentencepiece only) by its files."""
-    if (path / TOKENIZER_JSON).is_file():
-        return hash_value(tokenizer_identity(path))
-    return hash_paths(path, TOKENIZER_FILES)
+    """By what the tokenizer, as transformers loads it, does (:mod:`trainers.tokenizer_identity`), so
+    that ``save_pretrained`` round trips keep it; a tokenizer without ``tokenizer.json``
+    (sentencepiece only) by its files. Loading a tokenizer imports transformers and torch: the value
+    is kept under ``cache/tokenizers/``, keyed by the files loading reads and transformers' version,
+    so that a run that finds every result cached loads none."""
+    if not (path / TOKENIZER_JSON).is_file():
+        return hash_paths(path, TOKENIZER_FILES)
+    read = hash_paths(path, [*TOKENIZER_FILES, "config.json"])  # config.json: its model type picks the class
+    memo = get_settings().tokenizer_cache / hash_value({"files": read, "transformers": version("transformers")})
+    if not memo.is_file():
+        from trainers.checkpoints import write_atomically  # torch: loading the tokenizer imports it too
+
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(memo, hash_value(tokenizer_identity(path)).encode())
+    return memo.read_text()
 
 
 def checkpoint_handle(

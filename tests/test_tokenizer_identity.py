@@ -60,7 +60,10 @@ def test_save_pretrained_round_trips_and_older_file_forms_keep_the_fingerprint(s
         edit_json(
             folder / "tokenizer.json", lambda d: d["model"].update(merges=[" ".join(m) for m in d["model"]["merges"]])
         )
-        edit_json(folder / "tokenizer_config.json", lambda d: d.update(tokenizer_class="Qwen2Tokenizer", is_local=True))
+        edit_json(
+            folder / "tokenizer_config.json",
+            lambda d: d.update(tokenizer_class="PreTrainedTokenizerFast", is_local=True),
+        )
         template = (folder / "chat_template.jinja").read_text()
         (folder / "chat_template.jinja").unlink()  # the template inside the config, as older versions save it
         edit_json(folder / "tokenizer_config.json", lambda d: d.update(chat_template=template, padding_side="right"))
@@ -88,6 +91,21 @@ def left_padding(folder: Path) -> None:
 
 def lowercase(folder: Path) -> None:
     edit_json(folder / "tokenizer.json", lambda d: d.update(normalizer={"type": "Lowercase"}))
+
+
+def test_a_tokenizer_is_fingerprinted_as_transformers_loads_it(saved, tmp_path):
+    """A folder whose config.json names a Qwen2 model loads as Qwen2Tokenizer, which brings its own
+    pre-tokenizer (digits one by one) and NFC normalizer: not what tokenizer.json alone does. The
+    stages save it back as what it loaded as; the base and its fine-tune compare equal."""
+    from transformers import Qwen2Config
+
+    qwen = rewritten(saved, tmp_path / "qwen", lambda folder: Qwen2Config().save_pretrained(folder))
+    loaded = AutoTokenizer.from_pretrained(qwen)
+    assert type(loaded).__name__ == "Qwen2Tokenizer" and len(loaded("12345").input_ids) == 5
+    assert tokenizer_fingerprint(qwen) != tokenizer_fingerprint(saved)
+    loaded.save_pretrained(tmp_path / "fine-tuned")
+    Qwen2Config().save_pretrained(tmp_path / "fine-tuned")
+    assert tokenizer_fingerprint(tmp_path / "fine-tuned") == tokenizer_fingerprint(qwen)
 
 
 @pytest.mark.parametrize("change", [drop_last_merge, other_template, other_eos, left_padding, lowercase])

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal
 
 import datasets
 
+from trainers.rewards import REWARD_SPLITS, SOURCE_ROW
 from trainers.stopping import stop_token_ids
 
 if TYPE_CHECKING:
@@ -39,10 +40,6 @@ SPLIT_FIELDS: dict[str, tuple[str, ...]] = {
     "grpo_prompts": ("prompt",),  # an `answer` column, when present, reaches the reward functions
 }
 COMPLETION_FIELDS = {"completion", "chosen", "rejected"}
-# The splits whose rows reach reward functions keep each row as read, JSON (its prompt as written,
-# strings or messages, and every other column), in this column: what TRL's reward contract passes.
-REWARD_SPLITS = ("grpo_prompts",)
-SOURCE_ROW = "source_row"
 # The reference's cached log-probs, joined onto the preference splits as these columns.
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 LOCAL_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}

@@ -29,9 +29,13 @@ import numbers
 import re
 from typing import Any, Literal, Protocol, Sequence
 
-from trainers.data import SOURCE_ROW
 from trainers.metrics import exact_match
 from trainers.registry import Registry
+
+# The splits whose rows reach reward functions keep each row as read, JSON (its prompt as written,
+# strings or messages, and every other column), in this column of the prepared data (trainers.data).
+REWARD_SPLITS = ("grpo_prompts",)
+SOURCE_ROW = "source_row"
 
 RewardInputs = Literal["data", "rendered"]
 # keyword arguments every call passes; a data column of one of these names is not passed

@@ -4,13 +4,15 @@
 ``is_local`` and ``local_files_only`` to ``tokenizer_config.json``, renames ``tokenizer_class``,
 writes merges in the newer list form and fills in defaults. A fingerprint of the bytes then tells a
 fine-tuned model from its own base model, and nothing could compare them. :func:`tokenizer_identity`
-is what tokenization depends on, canonicalised: the model's vocabulary and merges as the
-``tokenizers`` library reads them, the added tokens, the ids and decoded text of a fixed set of
-probe strings (which is what the normalizer, pre-tokenizer, post-processor and decoder do, however
-their JSON is written), the special tokens, the chat template and the padding side.
+is what tokenization depends on, canonicalised: the model's vocabulary and merges, the added
+tokens, the ids and decoded text of a fixed set of probe strings (which is what the normalizer,
+pre-tokenizer, post-processor and decoder do, however their JSON is written), the special tokens,
+the chat template and the padding side.
 
-Reads ``tokenizer.json`` with the ``tokenizers`` library only (no transformers, no torch): a run
-that finds every result cached still fingerprints its models.
+It reads the tokenizer as ``AutoTokenizer`` loads it, not ``tokenizer.json`` alone: transformers
+may replace parts of the file's pipeline (a folder whose ``config.json`` names a Qwen2 model loads
+as ``Qwen2Tokenizer``, with its own pre-tokenizer and NFC normalizer), and what training and
+evaluation see is the loaded tokenizer.
 """
 
 from __future__ import annotations
@@ -37,27 +39,14 @@ PROBES = (
 )
 
 
-def content(token: Any) -> str | None:
-    """A special token as ``tokenizer_config.json`` writes it: a string, or an AddedToken's dict."""
-    return token["content"] if isinstance(token, dict) else token
-
-
-def chat_template(folder: Path, config: dict) -> Any:
-    """``chat_template.jinja`` where saved beside the config (newer transformers), else the config's."""
-    jinja = folder / "chat_template.jinja"
-    return jinja.read_text() if jinja.is_file() else config.get("chat_template")
-
-
 def tokenizer_identity(folder: Path) -> dict[str, Any]:
-    """What tokenization by the tokenizer saved in ``folder`` depends on (see the module's docstring);
-    the folder must hold ``tokenizer.json``."""
-    from tokenizers import Tokenizer
+    """What tokenization by the tokenizer saved in ``folder``, as transformers loads it, depends on
+    (see the module's docstring); the folder must hold ``tokenizer.json``."""
+    from transformers import AutoTokenizer
 
-    backend = Tokenizer.from_file(str(folder / TOKENIZER_JSON))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    backend = tokenizer.backend_tokenizer
     model = json.loads(backend.to_str())["model"]
-    config_file, map_file = folder / "tokenizer_config.json", folder / "special_tokens_map.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    special = {**(json.loads(map_file.read_text()) if map_file.is_file() else {}), **config}
     added = backend.get_added_tokens_decoder()
     probes = [*PROBES, *(f"a{token.content} b" for token in added.values())]
     encoded = [backend.encode(text, add_special_tokens=flag).ids for text in probes for flag in (False, True)]
@@ -66,8 +55,8 @@ def tokenizer_identity(folder: Path) -> dict[str, Any]:
         "added_tokens": [[index, token.content, token.special] for index, token in sorted(added.items())],
         "probes": encoded,
         "decoded": [backend.decode(ids, skip_special_tokens=False) for ids in encoded],
-        "special_tokens": {name: content(special.get(name)) for name in SPECIAL_TOKENS},
-        "chat_template": chat_template(folder, config),
-        "padding_side": config.get("padding_side") or "right",  # transformers' default when absent
-        "add_bos_eos": [config.get("add_bos_token"), config.get("add_eos_token")],
+        "special_tokens": {name: getattr(tokenizer, name, None) for name in SPECIAL_TOKENS},
+        "chat_template": tokenizer.chat_template,
+        "padding_side": tokenizer.padding_side,
+        "add_bos_eos": [getattr(tokenizer, "add_bos_token", None), getattr(tokenizer, "add_eos_token", None)],
     }

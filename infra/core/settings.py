@@ -50,6 +50,10 @@ class Settings(BaseSettings):
         return self.root / "cache" / "models"
 
     @property
+    def tokenizer_cache(self) -> Path:
+        return self.root / "cache" / "tokenizers"
+
+    @property
     def reference_cache_root(self) -> str:
         return self.reference_cache or str(self.root / "cache" / "reference")
 
