@@ -81,8 +81,8 @@ def wait_for_deployment(name: str, server: subprocess.Popen, timeout: float = 18
                 time.sleep(1)
 
 
-# Chat templates of two model families whose end of turn is not the tokenizer's EOS (a Qwen2.5 base
-# model's ChatML, Llama-3's), for :func:`chat_tokenizer`.
+# Chat templates of model families whose end of turn is not the tokenizer's EOS (a Qwen2.5 base
+# model's ChatML, Llama-3's, Gemma's), for :func:`chat_tokenizer` and tests/test_model_families.py.
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -91,6 +91,12 @@ LLAMA3 = (
     "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
     "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+GEMMA = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "<start_of_turn>{{ role }}\n{{ message['content'] | trim }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
 # style -> (template, special tokens, eos, bos, end-of-turn token); EOS is not the end-of-turn token
 STYLES = {

@@ -65,3 +65,27 @@ def chat_prompt(tokenizer) -> list[int]:
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": "2+2?"}], add_generation_prompt=True, tokenize=True, return_dict=False
     )
+
+
+def pair_grpo(model, tokenizer, rows: list[dict], rewards, output_dir, max_completion_length: int, **options):
+    """A GRPO trainer over ``rows`` that samples two completions of one prompt per generation."""
+    import datasets
+
+    from trainers.grpo import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(
+        output_dir=str(output_dir),
+        report_to=[],
+        disable_tqdm=True,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=max_completion_length,
+        **options,
+    )
+    return GRPOTrainer(
+        model=model,
+        args=args,
+        train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=tokenizer,
+        reward_funcs=rewards,
+    )

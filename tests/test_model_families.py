@@ -9,35 +9,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import datasets
 import pytest
-from policies import scripted_model
+from helpers import CHATML, GEMMA, LLAMA3
+from policies import pair_grpo, scripted_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from trainers.collators import IGNORE_INDEX, CompletionOnlyCollator
 from trainers.data import Truncation, normalize_rows, render_rows, truncate_rows
 from trainers.evaluation import GenerationSpec, score_prompts
-from trainers.grpo import GRPOConfig, GRPOTrainer
 from trainers.stopping import stop_token_ids
 
 pytestmark = pytest.mark.unit
-
-CHATML = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-LLAMA3 = (
-    "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
-    "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
-)
-GEMMA = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
-    "<start_of_turn>{{ role }}\n{{ message['content'] | trim }}<end_of_turn>\n{% endfor %}"
-    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
-)
 
 
 @dataclass(frozen=True)
@@ -189,21 +172,7 @@ def test_grpo_rollouts_stop_at_the_end_of_turn_and_a_trl_reward_receives_message
         seen.update(completions=completions, prompts=kwargs["prompts"])
         return [float(c[0]["content"] == a) for c, a in zip(completions, answer)]
 
-    args = GRPOConfig(
-        output_dir=str(tmp_path),
-        report_to=[],
-        disable_tqdm=True,
-        per_device_train_batch_size=2,
-        num_generations=2,
-        max_completion_length=10,
-    )
-    trainer = GRPOTrainer(
-        model=model,
-        args=args,
-        train_dataset=datasets.Dataset.from_list(rows),
-        processing_class=tokenizer,
-        reward_funcs=[accuracy],
-    )
+    trainer = pair_grpo(model, tokenizer, rows, [accuracy], tmp_path, 10)
     assert end in trainer.stop_ids and set(eos_ids) <= set(trainer.stop_ids)
     (slice_,) = trainer.generate_and_score(trainer.model, rows * 2)
     prompt = rows[0]["prompt_ids"]

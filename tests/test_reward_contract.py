@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import re
 
-import datasets
 import pytest
 from helpers import chat_tokenizer
-from policies import scripted_policy
+from policies import pair_grpo, scripted_policy
 from transformers import TrainerState
 
 from trainers.data import Truncation, render_rows, truncate_rows
-from trainers.grpo import GRPOConfig, GRPOTrainer
 from trainers.rewards import RewardError, check_signature, correctness, score_completions
 
 pytestmark = pytest.mark.unit
@@ -61,22 +59,8 @@ def rollout(rows: list[dict], end: str, rewards, **options):
         seen.update(kwargs)
         return [0.0] * len(kwargs["completions"])
 
-    args = GRPOConfig(
-        output_dir=options.pop("output_dir"),
-        report_to=[],
-        disable_tqdm=True,
-        per_device_train_batch_size=2,
-        num_generations=2,
-        max_completion_length=12,
-        **options,
-    )
-    trainer = GRPOTrainer(
-        model=scripted_policy(tokenizer, [*BOXED, end]),
-        args=args,
-        train_dataset=datasets.Dataset.from_list(prepared),
-        processing_class=tokenizer,
-        reward_funcs=[*rewards, record],
-    )
+    model = scripted_policy(tokenizer, [*BOXED, end])
+    trainer = pair_grpo(model, tokenizer, prepared, [*rewards, record], options.pop("output_dir"), 12, **options)
     trainer.generate_and_score(trainer.model, [prepared[0]] * 2)
     answer_ids = tokenizer.convert_tokens_to_ids(BOXED)
     assert seen["completion_ids"] == [answer_ids, answer_ids]

@@ -5,15 +5,13 @@ evaluation make of a fixture policy that writes past its end of turn."""
 
 from __future__ import annotations
 
-import datasets
 import pytest
 from helpers import chat_tokenizer
-from policies import chat_prompt, scripted_policy
+from policies import chat_prompt, pair_grpo, scripted_policy
 from transformers import GenerationConfig
 
 from trainers.builtin_model import build_char_tokenizer
 from trainers.evaluation import GenerationSpec, generate_completions, score_prompts
-from trainers.grpo import GRPOConfig, GRPOTrainer
 from trainers.stopping import end_of_turn_id, stop_token_ids
 
 pytestmark = pytest.mark.unit
@@ -79,22 +77,7 @@ def test_grpo_rollouts_stop_at_the_end_of_turn_and_rewards_see_the_answer_only(t
         return [float(text == "fh") for text in completions]
 
     prompt = chat_prompt(tokenizer)
-    args = GRPOConfig(
-        output_dir=str(tmp_path),
-        report_to=[],
-        disable_tqdm=True,
-        dataloader_pin_memory=False,
-        per_device_train_batch_size=2,
-        num_generations=2,
-        max_completion_length=6,
-    )
-    trainer = GRPOTrainer(
-        model=model,
-        args=args,
-        train_dataset=datasets.Dataset.from_list([{"prompt_ids": prompt}] * 2),
-        processing_class=tokenizer,
-        reward_funcs=[exact_answer],
-    )
+    trainer = pair_grpo(model, tokenizer, [{"prompt_ids": prompt}] * 2, [exact_answer], tmp_path, 6)
     assert trainer.stop_ids == token_ids(tokenizer, "<|endoftext|>", "<|im_end|>")
     (slice_,) = trainer.generate_and_score(trainer.model, [{"prompt_ids": prompt}] * 2)
     answer = list(token_ids(tokenizer, "f", "h"))
