@@ -116,7 +116,7 @@ def prepare_split(
     dropped, cut (counted on the rows read) and per source counts."""
     rows = []
     report = {"rows_read": 0, "dropped": 0, "cut": 0, "truncated_prompts": 0, "truncated_completions": 0}
-    report |= {"unterminated": 0, "sources": []}
+    report |= {"unterminated": 0, "identical": 0, "sources": []}
     for index, (name, rendered, source) in enumerate(parts):
         result = truncate_rows(rendered, truncation)
         if not result.rows:
@@ -134,6 +134,7 @@ def prepare_split(
         report["truncated_prompts"] += result.truncated_prompts
         report["truncated_completions"] += result.truncated_completions
         report["unterminated"] += result.unterminated
+        report["identical"] += result.identical
         report["sources"].append(
             {
                 "source": name,
@@ -195,6 +196,7 @@ def tokenize_splits(config: DataConfig, handle: ModelHandle) -> tuple[dict[str, 
         "rows": {s: len(r) for s, r in tokenized.items()},
         **{count: {s: r[count] for s, r in reports.items()} for count in counts},
         "unterminated_completions": {s: r["unterminated"] for s, r in reports.items() if r["unterminated"]},
+        "identical_pairs": {s: r["identical"] for s, r in reports.items() if r["identical"]},
         "sources": {s: r["sources"] for s, r in reports.items()},
         "truncation": asdict(truncation),
         "fitted_lengths": {"max_length": fitted.max_length, "max_prompt_length": fitted.max_prompt_length},
@@ -235,7 +237,7 @@ def prepare_dataset(config: DataConfig, tokenizer: ModelHandle) -> PreparedData:
 
 
 def report_lengths(manifest: dict, config: DataConfig) -> None:
-    """Log the lengths used and what truncation did to each split."""
+    """Log the lengths used, what truncation did to each split, and the rows left out or suspect."""
     logger = get_run_logger()
     used, fitted = manifest["truncation"], manifest["fitted_lengths"]
     chosen = "auto" if AUTO in (config.max_length, config.max_prompt_length) else "fixed"
@@ -258,6 +260,11 @@ def report_lengths(manifest: dict, config: DataConfig) -> None:
             manifest["truncated_prompts"],
             manifest["truncated_completions"],
             manifest["dropped"],
+        )
+    if manifest["identical_pairs"]:
+        logger.warning(
+            "preference pairs left out because chosen and rejected are the same (they teach nothing): %s",
+            manifest["identical_pairs"],
         )
     if manifest["unterminated_completions"]:
         logger.warning(

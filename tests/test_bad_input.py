@@ -45,6 +45,12 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "list.yaml").write_text("- name\n- stages\n")
     (tmp_path / "latin1.yaml").write_bytes("name: caf\xe9\n".encode("latin-1"))
     (tmp_path / "weights.safetensors").write_bytes(b"\0")
+    (tmp_path / "twice.yaml").write_text("name: x\ndpo: {beta: 0.2}\ndpo: {beta: 0.3}\n")
+    bomb = ['a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    bomb += [f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]" for a, b in zip("abcde", "bcdef")]
+    (tmp_path / "bomb.yaml").write_text("\n".join(bomb) + "\n")
+    (tmp_path / "deep.yaml").write_text("name: " + "[" * 100 + "]" * 100 + "\n")
+    os.mkfifo(tmp_path / "fifo.yaml")  # reading it would block until a writer came
     yield tmp_path
     sys.modules.pop("alignflow_bad_rewards", None)
 
@@ -54,6 +60,14 @@ CASES = {
     "malformed-yaml-file": (["run", "{tmp}/broken.yaml"], "{tmp}/broken.yaml: line 3, column 4:"),
     "yaml-tab": (["run", "{tmp}/tab.yaml"], "{tmp}/tab.yaml: line 2, column 1:"),
     "yaml-not-a-mapping": (["run", "{tmp}/list.yaml"], "{tmp}/list.yaml: the file must hold a mapping"),
+    "yaml-key-twice": (["run", "{tmp}/twice.yaml"], "{tmp}/twice.yaml: line 3, column 1: key 'dpo' is given twice"),
+    "yaml-alias-bomb": (["run", "{tmp}/bomb.yaml"], "{tmp}/bomb.yaml: more than 100,000 values once its aliases"),
+    "yaml-nested-deep": (["run", "{tmp}/deep.yaml"], "{tmp}/deep.yaml: line 1, column 70: nested deeper than 64"),
+    "override-nested-deep": (["run", MINIMAL, "name=" + "[" * 100 + "]" * 100], "nested deeper than 64 levels"),
+    "config-is-a-fifo": (["run", "{tmp}/fifo.yaml"], "{tmp}/fifo.yaml: not a regular file"),
+    "config-is-a-folder": (["run", "{tmp}"], "{tmp}: not a regular file"),
+    "float-infinite": (["run", MINIMAL, "dpo.beta=.inf"], "dpo.beta: Input should be a finite number"),
+    "plugin-relative": (["run", MINIMAL, "plugins=[.x]"], "plugins: '.x' is not a module name"),
     "yaml-not-utf8": (["run", "{tmp}/latin1.yaml"], "{tmp}/latin1.yaml: not UTF-8 text"),
     "missing-config-file": (["run", "{tmp}/nope.yaml"], "{tmp}/nope.yaml: no such file"),
     "malformed-override": (["run", MINIMAL, "dpo.beta=[0.1"], "override 'dpo.beta=[0.1': line 1, column"),

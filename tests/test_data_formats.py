@@ -284,6 +284,17 @@ def test_truncated_prompts_are_counted_and_drop_mode_drops(tiny):
     assert tokenize_rows(rows[1:], "sft", tokenizer, Truncation(4, 4, mode="drop")).dropped == 1
 
 
+def test_pairs_whose_chosen_and_rejected_render_alike_are_left_out_and_counted(chatml):
+    rows = [
+        {"prompt": PROMPT, "chosen": [assistant("blue.")], "rejected": [assistant("blue.")]},
+        {"prompt": "Sky?", "chosen": "blue", "rejected": "blue"},
+        {"prompt": PROMPT, "chosen": [assistant("blue.")], "rejected": [assistant("green.")]},
+    ]
+    result = prepare(rows, "preference", chatml)
+    assert (len(result.rows), result.identical, result.dropped) == (1, 2, 0)
+    assert chatml.decode(result.rows[0]["rejected_ids"]) == "green.<|im_end|>"
+
+
 def test_the_system_head_cut_by_keep_end_is_counted(chatml):
     rows = [{"prompt": PROMPT, "chosen": [assistant("blue.")], "rejected": [assistant("green.")]}]
     result = prepare(rows, "preference", chatml, truncation=Truncation(64, 12))

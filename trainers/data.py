@@ -368,6 +368,7 @@ class TokenizedSplit:
     unterminated: int
     truncated_completions: int = 0
     kept_cut: int = 0  # kept rows with their prompt or a completion cut (both: once)
+    identical: int = 0  # pairs left out because chosen and rejected render alike: they teach nothing
 
     @property
     def cut(self) -> int:
@@ -397,9 +398,13 @@ def render_rows(
 
 
 def truncate_rows(rendered: list[RenderedRow], truncation: Truncation) -> TokenizedSplit:
-    """Cut (or, in ``drop`` mode, drop) the rendered rows to ``truncation``'s lengths."""
-    kept, dropped, prompts_cut, completions_cut, kept_cut, unterminated = [], 0, 0, 0, 0, 0
+    """Cut (or, in ``drop`` mode, drop) the rendered rows to ``truncation``'s lengths; leave out
+    preference pairs whose chosen and rejected completions are the same tokens."""
+    kept, dropped, prompts_cut, completions_cut, kept_cut, unterminated, identical = [], 0, 0, 0, 0, 0, 0
     for row in rendered:
+        if "chosen" in row.completions and row.completions["chosen"] == row.completions["rejected"]:
+            identical += 1
+            continue
         if truncation.mode == "drop" and (
             len(row.prompt_ids) > truncation.max_prompt_length
             or len(row.prompt_ids) + row.longest > truncation.max_length
@@ -422,7 +427,7 @@ def truncate_rows(rendered: list[RenderedRow], truncation: Truncation) -> Tokeni
         if row.source_row is not None:
             out[SOURCE_ROW] = row.source_row
         kept.append(out)
-    return TokenizedSplit(kept, dropped, prompts_cut, unterminated, completions_cut, kept_cut)
+    return TokenizedSplit(kept, dropped, prompts_cut, unterminated, completions_cut, kept_cut, identical)
 
 
 def tokenize_rows(

@@ -18,7 +18,7 @@ from trainers.grpo_losses import (
 )
 from trainers.layout import GenerationLayout, resolve_layout
 from trainers.rewards import RewardInputs, resolve_rewards
-from trainers.sections import EvalStrategy, StageCompute, TrainingConfig
+from trainers.sections import EvalStrategy, Seed, StageCompute, TrainingConfig
 
 COMPLETIONS_LOG_KEY = "completions"  # a table (column -> values) in the trainer's logs; trackers render it
 
@@ -108,7 +108,7 @@ class GRPOStageConfig(TrainingConfig):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
-    generation_seed: int | None = Field(
+    generation_seed: Seed | None = Field(
         None,
         description="Sample each completion with its own seed (this, the generation batch and the completion's "
         "place in it): the same completions whatever the number of processes or the batch shapes; one generate "

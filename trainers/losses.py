@@ -98,7 +98,7 @@ class PreferenceHyperparameters(BaseModel):
     """The hyperparameters of the registered losses: the one schema of these fields (the DPO
     config section inherits them, the trainer's arguments are built from that section)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     beta: float = Field(
         0.1, gt=0, description="β: scale of the log-ratios, e.g. −log σ(β·[(π_c − ref_c) − (π_r − ref_r)]) for sigmoid."

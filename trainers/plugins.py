@@ -4,13 +4,18 @@ rewards they register (or the reward functions named by import path) may be used
 from __future__ import annotations
 
 import importlib
+import re
 from typing import Iterable
 
 from trainers.rewards import allow_module
 
+MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
 
 def import_plugins(modules: Iterable[str]) -> None:
     for module in modules:
+        if not isinstance(module, str) or not MODULE_NAME.fullmatch(module):
+            raise ValueError(f"plugins: {module!r} is not a module name (absolute and dotted: my_project.rewards)")
         try:
             importlib.import_module(module)
         except ImportError as error:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -47,7 +47,8 @@ class StageCompute(Protocol):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=form_hints)
+    # inf and nan are refused in every float field of every config section (a diverging run is not a setting)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, json_schema_extra=form_hints)
 
     def content_hash(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
@@ -57,6 +58,8 @@ class Section(BaseModel):
         return flatten(self.model_dump(mode="json"))
 
 
+# What numpy, torch and Python's random all accept as a seed.
+Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]
 SchedulerName = Literal["linear", "cosine", "constant", "constant_with_warmup"]
 EvalStrategy = Literal["no", "steps", "epoch"]
 
@@ -83,7 +86,7 @@ class TrainingConfig(Section):
     save_steps: int = Field(
         0, ge=0, description="Save (and log to MLflow) a checkpoint every N steps; 0 = only at the end."
     )
-    seed: int = 0
+    seed: Seed = 0
     eval_strategy: EvalStrategy = Field(
         "epoch",
         description="When to evaluate on the stage's held-out split (`data.sft_eval`, `data.preference_eval`): "

@@ -22,7 +22,7 @@ from infra.core.config import (
     set_path,
 )
 from trainers.metrics import evaluation_metric_names
-from trainers.sections import Section
+from trainers.sections import Section, Seed
 
 # Kept in step with tasks.search.SAMPLERS (which imports Optuna; a test checks both agree).
 STRATEGIES = ("grid", "random", "tpe")
@@ -76,7 +76,7 @@ class SweepConfig(Section):
     num_trials: int | None = Field(
         None, ge=1, description="Trials to run; grid: at most (default) the number of combinations."
     )
-    sampler_seed: int = Field(0, description="Seed of the search (grid order, random and TPE draws).")
+    sampler_seed: Seed = Field(0, description="Seed of the search (grid order, random and TPE draws).")
     objective: Objective = Field(default_factory=Objective)
     max_concurrent: int = Field(2, ge=1, description="Trials running at once (a Prefect concurrency limit).")
     workers: int = Field(2, ge=1, description="Dask worker processes of the local cluster (one trial each).")

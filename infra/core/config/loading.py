@@ -12,6 +12,57 @@ from infra.core.config.schema import ExperimentConfig
 from infra.core.config.tree import deep_merge, set_path
 from trainers.sections import Section
 
+MAX_DEPTH = 64  # nesting a config never needs, far below Python's recursion limit
+MAX_NODES = 100_000  # values, counted with every alias expanded: a "billion laughs" file is refused
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` for configs: a key given twice in one mapping is an error (not the last
+    one silently winning), and so is nesting deeper than :data:`MAX_DEPTH`."""
+
+    depth = 0
+
+    def compose_node(self, parent, index):
+        self.depth += 1
+        try:
+            if self.depth > MAX_DEPTH:
+                raise yaml.composer.ComposerError(
+                    None, None, f"nested deeper than {MAX_DEPTH} levels", self.peek_event().start_mark
+                )
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                first = seen[key].line + 1
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (first on line {first})", key_node.start_mark
+                )
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep)
+
+
+def expanded_size(value: Any, sizes: dict[int, int] | None = None) -> int:
+    """How many values ``value`` holds with every alias expanded (shared objects counted each time
+    they are reached, each computed once)."""
+    sizes = {} if sizes is None else sizes
+    if id(value) not in sizes:
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        sizes[id(value)] = 1 + sum(expanded_size(child, sizes) for child in children)
+    return sizes[id(value)]
+
+
+def parse_yaml(text: str) -> Any:
+    """A config's YAML: :class:`ConfigLoader`, and at most :data:`MAX_NODES` values once expanded."""
+    tree = yaml.load(text, Loader=ConfigLoader)  # noqa: S506 (a SafeLoader)
+    if expanded_size(tree) > MAX_NODES:
+        raise ValueError(f"more than {MAX_NODES:,} values once its aliases are expanded")
+    return tree
+
 
 def apply_override(tree: dict[str, Any], override: str) -> None:
     """Set ``a.b.c=value`` in a nested dict; the value is parsed as YAML (numbers, lists, null)."""
@@ -19,7 +70,9 @@ def apply_override(tree: dict[str, Any], override: str) -> None:
     if not sep or not key:
         raise ValueError(f"override {override!r} is not of the form key.sub=value")
     try:
-        value = yaml.safe_load(raw)
+        value = parse_yaml(raw)
+    except ValueError as error:
+        raise ValueError(f"override {override!r}: {error}") from None
     except yaml.YAMLError as error:
         raise ValueError(f"override {override!r}: {yaml_problem(error)}") from None
     try:
@@ -30,6 +83,8 @@ def apply_override(tree: dict[str, Any], override: str) -> None:
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """The mapping in a YAML file; errors name the file (and line and column)."""
+    if Path(path).exists() and not Path(path).is_file():  # a folder, or a FIFO that would block the read
+        raise ValueError(f"{path}: not a regular file")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -39,7 +94,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except OSError as error:
         raise ValueError(f"{path}: {error.strerror}") from None
     try:
-        tree = yaml.safe_load(text)
+        tree = parse_yaml(text)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
     except yaml.YAMLError as error:
         raise ValueError(f"{path}: {yaml_problem(error)}") from None
     if tree is None:

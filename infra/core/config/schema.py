@@ -21,7 +21,7 @@ from infra.core.config.tree import get_path, set_path
 from trainers.lora import LoraSettings
 from trainers.metrics import evaluation_metric_names, per_prompt_metric_names
 from trainers.plugins import import_plugins
-from trainers.sections import Section, TrainingConfig
+from trainers.sections import Section, Seed, TrainingConfig
 from trainers.stages import STAGES, StageName
 
 # Kept in step with trainers.builtin_model.BUILTIN_MODELS (which imports torch; tests check both agree).
@@ -29,15 +29,20 @@ BUILTIN_MODEL_NAMES = ("tiny-llama", "llama-0.5b")
 # Suffixes that trainers.data reads as local files (anything else is a `datasets.load_dataset` name).
 LOCAL_DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# A path component is at most 255 bytes; names get suffixes (`<name>-<trial>`, `<stage>-<key>`).
+MAX_NAME_LENGTH = 100
 
 
 def safe_name(value: str) -> str:
-    """A name used in paths under the state folder: letters, digits, ``.``, ``_``, ``-``; no ``..``."""
+    """A name used in paths under the state folder: letters, digits, ``.``, ``_``, ``-``; no ``..``;
+    at most :data:`MAX_NAME_LENGTH` characters."""
     if not SAFE_NAME.fullmatch(value) or ".." in value:
         raise ValueError(
             f"{value!r} is not a safe name: use letters, digits, '.', '_' and '-', starting with a letter or "
             "digit, without '..'"
         )
+    if len(value) > MAX_NAME_LENGTH:
+        raise ValueError(f"a name of {len(value)} characters: at most {MAX_NAME_LENGTH} (it names folders)")
     return value
 
 
@@ -73,14 +78,14 @@ class ModelConfig(Section):
         "builtin:tiny-llama", description="`builtin:tiny-llama`, a Hugging Face model id or a local checkpoint path."
     )
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) for a model id.")
-    seed: int = Field(0, description="Initialisation seed of a built-in model.")
+    seed: Seed = Field(0, description="Initialisation seed of a built-in model.")
 
 
 class AdditionTaskConfig(Section):
     max_operand: int = Field(49, ge=1, description="Operands are drawn from 0..max_operand.")
     noise: float = Field(0.3, ge=0.0, lt=1.0, description="Fraction of SFT demonstrations with a wrong answer.")
     num_eval_problems: int = Field(300, ge=1, description="Held-out problems (eval prompts and eval pairs).")
-    seed: int = Field(0, description="Seed of the problem split and of the noise.")
+    seed: Seed = Field(0, description="Seed of the problem split and of the noise.")
 
 
 class DatasetSource(Section):
@@ -170,7 +175,7 @@ class DataConfig(Section):
     chat_template: str | None = Field(
         None, description="Chat template for conversational rows (a Jinja string or a file), over the tokenizer's."
     )
-    seed: int = Field(0, description="Seed of source mixing (`weight` / `num_samples`).")
+    seed: Seed = Field(0, description="Seed of source mixing (`weight` / `num_samples`).")
 
     @model_validator(mode="after")
     def _no_empty_source_lists(self) -> DataConfig:
@@ -223,7 +228,7 @@ class EvaluationConfig(Section):
     num_logged_samples: int = Field(
         20, ge=0, description="Rows of the samples table (prompt, completion, reward, correct) per model."
     )
-    seed: int = Field(0, description="Seed of sampling and of the bootstrap; the same for every model.")
+    seed: Seed = Field(0, description="Seed of sampling and of the bootstrap; the same for every model.")
 
     def generation(self):
         """These settings as the trainers' evaluation takes them (imports torch)."""
@@ -234,7 +239,10 @@ class EvaluationConfig(Section):
 
 class PromotionConfig(Section):
     registered_model: str | None = Field(
-        None, description="MLflow registered model to promote the final model into; null turns the gate off."
+        None,
+        pattern=r"^[^/:@]+$",
+        description="MLflow registered model to promote the final model into (no `/`, `:` or `@`: model URIs "
+        "split on them); null turns the gate off.",
     )
     metric: str = Field("sampled_accuracy", description="Evaluation metric the gate compares.")
     min_improvement: float = Field(
@@ -245,7 +253,19 @@ class PromotionConfig(Section):
         description="`metric` must exceed this for any promotion, the first included (a model that scores 0 never "
         "becomes the first champion); null: no floor.",
     )
-    alias: str = Field("champion", description="Registry alias that marks the promoted version.")
+    alias: str = Field(
+        "champion",
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="Registry alias that marks the promoted version (not `latest` nor `v<digits>`: MLflow's).",
+    )
+
+    @field_validator("alias")
+    @classmethod
+    def _alias_mlflow_allows(cls, value: str) -> str:
+        if value == "latest" or re.fullmatch(r"[vV]\d+", value):
+            raise ValueError(f"{value!r} is reserved by MLflow's model registry (latest, v<version>)")
+        return value
+
     confidence: float | None = Field(
         0.95,
         gt=0,
@@ -287,7 +307,7 @@ class ExperimentBase(Section):
         description="Modules imported before the rest of the config is validated; they may register losses, "
         "rewards and reward scales (e.g. `my_project.losses`).",
     )
-    seed: int | None = Field(
+    seed: Seed | None = Field(
         None,
         description="One seed for all randomness of a run: sets model.seed (built-in model init), each stage's "
         "seed (data order, dropout, GRPO sampling) and evaluation.seed (sampling, bootstrap); null leaves them.",
