@@ -9,7 +9,7 @@ from pathlib import Path
 import datasets
 from prefect import get_run_logger, task
 
-from infra.core.config import DataConfig, DatasetSource
+from infra.core.config import DataConfig, DatasetSource, is_template_text
 from infra.core.fingerprints import atomic_directory, code_fingerprint, hash_paths, hash_token_ids, hash_value
 from infra.core.handles import ModelHandle, PreparedData
 from infra.core.settings import get_settings
@@ -53,7 +53,7 @@ def resolve_chat_template(value: str | None) -> str | None:
     """``data.chat_template``: the text of a file, else the value itself, a Jinja template."""
     if value is None:
         return None
-    if "{" not in value:
+    if not is_template_text(value):
         path = Path(value).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"data.chat_template: no such file {value!r} (and not a Jinja template)")

@@ -51,6 +51,7 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "bomb.yaml").write_text("\n".join(bomb) + "\n")
     (tmp_path / "deep.yaml").write_text("name: " + "[" * 100 + "]" * 100 + "\n")
     os.mkfifo(tmp_path / "fifo.yaml")  # reading it would block until a writer came
+    (tmp_path / "folder.jsonl").mkdir()
     yield tmp_path
     sys.modules.pop("alignflow_bad_rewards", None)
 
@@ -68,6 +69,18 @@ CASES = {
     "config-is-a-folder": (["run", "{tmp}"], "{tmp}: not a regular file"),
     "float-infinite": (["run", MINIMAL, "dpo.beta=.inf"], "dpo.beta: Input should be a finite number"),
     "plugin-relative": (["run", MINIMAL, "plugins=[.x]"], "plugins: '.x' is not a module name"),
+    "chat-template-missing": (
+        ["run", MINIMAL, "data.chat_template={tmp}/chatml.jinja"],
+        "data.chat_template: no such file '{tmp}/chatml.jinja' (and not a Jinja template",
+    ),
+    "builtin-no-training-problems": (
+        ["run", MINIMAL, "data.builtin.num_eval_problems=100"],
+        "data.builtin: num_eval_problems=100 leaves no training problems: max_operand=9 gives 100",
+    ),
+    "data-path-is-a-folder": (
+        ["run", MINIMAL, "data.sft={path: {tmp}/folder.jsonl}"],
+        "data.sft.path: data file '{tmp}/folder.jsonl' is not a regular file",
+    ),
     "yaml-not-utf8": (["run", "{tmp}/latin1.yaml"], "{tmp}/latin1.yaml: not UTF-8 text"),
     "missing-config-file": (["run", "{tmp}/nope.yaml"], "{tmp}/nope.yaml: no such file"),
     "malformed-override": (["run", MINIMAL, "dpo.beta=[0.1"], "override 'dpo.beta=[0.1': line 1, column"),

@@ -95,3 +95,15 @@ def test_a_plugin_entry_that_is_not_a_module_name_is_refused_naming_it(entry):
     with pytest.raises(ValidationError) as error:
         ExperimentConfig.model_validate({"plugins": [entry]})
     assert f"plugins: {entry!r} is not a module name" in str(error.value)
+
+
+def test_a_tokenizer_with_neither_pad_nor_eos_is_refused_by_name(tmp_path):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from trainers.modeling import load_tokenizer
+
+    backend = Tokenizer(models.WordLevel(vocab={"a": 0, "<unk>": 1}, unk_token="<unk>"))
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"the tokenizer of {tmp_path} has neither a pad token nor an EOS token"):
+        load_tokenizer(str(tmp_path))

@@ -10,6 +10,11 @@ from trainers.devices import torch_dtype
 
 def load_tokenizer(path: str, revision: str | None = None) -> PreTrainedTokenizerBase:
     tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
+    if tokenizer.pad_token is None and tokenizer.eos_token is None:
+        raise ValueError(
+            f"the tokenizer of {path} has neither a pad token nor an EOS token: give it an EOS token (completions "
+            "end with it, and batches are padded with it when there is no pad token)"
+        )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

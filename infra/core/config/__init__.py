@@ -30,6 +30,7 @@ from infra.core.config.schema import (
     ReferenceConfig,
     SafeName,
     TrackingConfig,
+    is_template_text,
     seeded_fields,
 )
 from infra.core.config.tree import set_path
@@ -52,6 +53,7 @@ __all__ = [
     "PromotionConfig",
     "ReferenceConfig",
     "SafeName",
+    "is_template_text",
     "TrackingConfig",
     "accelerate_config_path",
     "check_compute",

@@ -49,6 +49,11 @@ def safe_name(value: str) -> str:
 SafeName = Annotated[str, AfterValidator(safe_name)]
 
 
+def is_template_text(value: str) -> bool:
+    """``data.chat_template`` is Jinja text when it has a ``{``, else the path of a file holding it."""
+    return "{" in value
+
+
 def is_local_path(source: str) -> bool:
     """A model source that names a local folder: absolute, relative (``./``, ``../``, ``~``) or with more
     than one ``/`` (a hub id is ``org/name``), or an existing path."""
@@ -87,6 +92,16 @@ class AdditionTaskConfig(Section):
     num_eval_problems: int = Field(300, ge=1, description="Held-out problems (eval prompts and eval pairs).")
     seed: Seed = Field(0, description="Seed of the problem split and of the noise.")
 
+    @model_validator(mode="after")
+    def _leaves_training_problems(self) -> AdditionTaskConfig:
+        problems = (self.max_operand + 1) ** 2
+        if self.num_eval_problems >= problems:
+            raise ValueError(
+                f"num_eval_problems={self.num_eval_problems} leaves no training problems: max_operand="
+                f"{self.max_operand} gives {problems}"
+            )
+        return self
+
 
 class DatasetSource(Section):
     path: str = Field(
@@ -117,7 +132,8 @@ class DatasetSource(Section):
     @classmethod
     def _local_file_exists(cls, path: str) -> str:
         if path.lower().endswith(LOCAL_DATA_SUFFIXES) and not Path(path).is_file():  # as trainers.data reads it
-            raise ValueError(f"data file {path!r} does not exist")
+            what = "is not a regular file" if Path(path).exists() else "does not exist"
+            raise ValueError(f"data file {path!r} {what}")
         return path
 
 
@@ -176,6 +192,13 @@ class DataConfig(Section):
         None, description="Chat template for conversational rows (a Jinja string or a file), over the tokenizer's."
     )
     seed: Seed = Field(0, description="Seed of source mixing (`weight` / `num_samples`).")
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_file_exists(cls, value: str | None) -> str | None:
+        if value is not None and not is_template_text(value) and not Path(value).expanduser().is_file():
+            raise ValueError(f"no such file {value!r} (and not a Jinja template: it has no '{{')")
+        return value
 
     @model_validator(mode="after")
     def _no_empty_source_lists(self) -> DataConfig:
