@@ -146,3 +146,14 @@ def test_the_builtin_configs_keep_their_short_lengths_and_the_default_is_auto():
         data = load_config(f"configs/{name}.yaml", []).data
         assert (data.max_length, data.max_prompt_length) == (32, 16)
     assert (ExperimentConfig().data.max_length, ExperimentConfig().data.max_prompt_length) == ("auto", "auto")
+
+
+def test_the_context_is_read_from_the_models_config_as_json(tmp_path):
+    from trainers.lengths import context_length
+
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_positions": 1024}))
+    (tmp_path / "tokenizer-only").mkdir()
+    assert context_length(str(tmp_path / "gpt2")) == 1024
+    assert context_length(str(tmp_path / "tokenizer-only")) is None
+    assert context_length(str(tmp_path / "missing")) is None  # an absolute path is never a hub id

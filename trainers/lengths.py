@@ -10,8 +10,10 @@ up to a multiple of :data:`ROUND_TO`, and both capped by the model's context. Ea
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Literal
 
 from trainers.data import RenderedRow, Truncation
@@ -62,13 +64,26 @@ def resolve_truncation(
     return Truncation(total, prompt, mode)
 
 
-def context_length(path: str, revision: str | None = None) -> int | None:
-    """The model's maximum positions (``max_position_embeddings``, GPT-2's ``n_positions``), or None
-    where the folder has no model config (a tokenizer alone) or the config names none."""
-    from transformers import AutoConfig  # only when a length is automatic
+# Where model configs state how many positions the model takes (Llama/Qwen/Gemma, GPT-2, others).
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 
-    try:
-        config = AutoConfig.from_pretrained(path, revision=revision)
-    except (OSError, ValueError):
-        return None
-    return getattr(config, "max_position_embeddings", None)
+
+def context_length(path: str, revision: str | None = None) -> int | None:
+    """The model's maximum positions as its ``config.json`` states them, or None where there is no
+    config (a tokenizer alone, a hub id that cannot be reached) or it names none. Read as JSON (a
+    hub model's from the Hugging Face cache, downloaded once): no transformers, no torch, so a run
+    that finds its data prepared stays light."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        if Path(path).exists() or Path(path).is_absolute():
+            return None
+        from huggingface_hub import hf_hub_download, try_to_load_from_cache
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+        cached = try_to_load_from_cache(path, "config.json", revision=revision)
+        try:
+            file = Path(cached if isinstance(cached, str) else hf_hub_download(path, "config.json", revision=revision))
+        except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError):
+            return None
+    config = json.loads(file.read_text())
+    return next((config[key] for key in CONTEXT_KEYS if isinstance(config.get(key), int)), None)
