@@ -379,3 +379,17 @@ def test_log_records_with_credentials_are_redacted_and_lose_their_traceback_on_t
     except RuntimeError:
         failed = logging.LogRecord("prefect", logging.ERROR, __file__, 1, "failed", (), sys.exc_info())
     assert cli.ShortTracebacks().filter(failed) and failed.exc_info is None
+
+
+@pytest.mark.unit
+def test_an_unreachable_tracking_server_fails_at_once_naming_it_and_creates_nothing(monkeypatch, state_dir, capsys):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://alice:s3cret@127.0.0.1:1")
+    monkeypatch.delenv("ALIGNFLOW_TRACKING_URI", raising=False)
+    before = [path for path in snapshot(state_dir) if not path.startswith("logs")]
+    assert cli.main(["run", MINIMAL]) == 1
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith(
+        "alignflow: RuntimeError: the MLflow tracking server http://alice:***@127.0.0.1:1 does not answer ("
+    )
+    assert "refused" in first and "s3cret" not in first
+    assert [path for path in snapshot(state_dir) if not path.startswith("logs")] == before  # no run, no store

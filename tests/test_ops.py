@@ -245,3 +245,28 @@ def test_serve_refuses_names_that_workers_own(prefect_api_url, capsys):
         with get_client(sync_client=True) as client:
             client.delete_deployment(deployment_id)
             client.delete_work_pool("serve-test-pool")
+
+
+@pytest.mark.unit
+def test_a_tracking_server_that_answers_is_reachable_whatever_it_answers():
+    import http.server
+    import threading
+
+    class Refusing(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # an authenticating server: 401 to a request without credentials
+            self.send_response(401 if self.path == "/prefix/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        assert servers.unreachable(f"http://bob:pw@127.0.0.1:{port}/prefix/") is None
+        assert servers.unreachable("sqlite:////nowhere/mlflow.db") is None  # a local store: nothing to reach
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "refused" in servers.unreachable(f"http://127.0.0.1:{port}")
