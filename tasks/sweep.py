@@ -85,11 +85,10 @@ def separation(trials: list[TrialResult], best: TrialResult, metric: str, direct
     """Why the best trial does not win on a real difference, or None when it does (or is alone):
     the runner-up ties it, or lies inside the best trial's confidence interval of ``metric``
     (the evaluation's bootstrap ``<metric>_ci_low`` / ``_ci_high``, where it has one)."""
-    others = [t for t in trials if t is not best and t.objective(metric) is not None]
-    if not others:
+    runner = best_trial([t for t in trials if t is not best], metric, direction)
+    if runner is None:
         return None
     sign = 1 if direction == "maximize" else -1
-    runner = max(others, key=lambda t: (sign * t.objective(metric), -t.number))
     value, other = best.objective(metric), runner.objective(metric)
     if value == other:
         return f"trial {best.number} ties with trial {runner.number} ({metric} = {value:.3f})"
