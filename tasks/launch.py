@@ -15,7 +15,9 @@ from pydantic import BaseModel
 from infra.core.launching import Finished, run_process_group
 from infra.core.stage_io import LaunchSpec, StageFolder, TrainInputs, TrainJob
 from tasks.metric_sender import MetricsNotDelivered
+from trainers.divergence import NonFiniteTraining
 from trainers.launch import RankError
+from trainers.rewards import RewardError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 RANK_MODULE = "tasks.launched_rank"  # run as `-m` in every process
@@ -26,16 +28,23 @@ class LaunchFailed(RuntimeError):
     """A launched job failed: the message holds the failed rank's traceback."""
 
 
+# Errors a retry would only repeat: MLflow refusing the metrics, a diverged stage, a failing reward
+# function. A rank's is raised as its own type, so the train task does not retry it either.
+REPEATING_ERRORS: dict[str, type[Exception]] = {
+    error.__name__: error for error in (MetricsNotDelivered, NonFiniteTraining, RewardError)
+}
+
+
 def failure(name: str, finished: Finished, launch_dir: Path) -> Exception:
     """The task's error for a launch that exited with ``finished.returncode``: the traceback of the
-    rank that failed first (else the launch's last output lines); MetricsNotDelivered as itself."""
+    rank that failed first (else the launch's last output lines); one of :data:`REPEATING_ERRORS` as itself."""
     first = RankError.first(launch_dir)
     if first is None:
         detail = "no rank reported an error; the launch's last output:\n" + "\n".join(finished.tail[-TRACEBACK_LINES:])
         return LaunchFailed(f"{name}: the launch exited with code {finished.returncode}; {detail}")
     lines = first.traceback.rstrip().splitlines()[-TRACEBACK_LINES:]
     message = f"{name}: rank {first.rank} failed ({first.error}):\n" + "\n".join(lines)
-    return MetricsNotDelivered(message) if first.error == MetricsNotDelivered.__name__ else LaunchFailed(message)
+    return REPEATING_ERRORS.get(first.error, LaunchFailed)(message)
 
 
 def launch(spec: LaunchSpec, name: str, log) -> BaseModel:

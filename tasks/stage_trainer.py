@@ -15,7 +15,7 @@ from infra.core.stage_io import TrainInputs
 from tasks.reference import log_reference_input, with_reference_columns
 from tasks.tracking import log_new_params
 from tasks.trainer_callback import MlflowTrainerCallback
-from trainers.callbacks import ProgressLineCallback
+from trainers.callbacks import FiniteGuard, ProgressLineCallback
 from trainers.checkpoints import CheckpointCompletion, restore_extra_state, trainer_state
 from trainers.lora import trainable_parameters
 from trainers.sections import TrainingConfig
@@ -54,6 +54,14 @@ def log_model_params(run_id: str, trainer, inputs: TrainInputs) -> None:
     log_new_params(run_id, params)
 
 
+# The settings a diverged stage's error names, where its section has them.
+DIVERGENCE_SUSPECTS = ("learning_rate", "beta")
+
+
+def divergence_suspects(stage: str, section: TrainingConfig) -> dict[str, object]:
+    return {f"{stage}.{name}": getattr(section, name) for name in DIVERGENCE_SUSPECTS if hasattr(section, name)}
+
+
 def tracked_trainer(
     stage: str,
     section: TrainingConfig,
@@ -63,10 +71,11 @@ def tracked_trainer(
     log_checkpoints: str,
     policy_from: Path | None = None,
 ):
-    """The stage's trainer with the pipeline's callbacks: checkpoint completion, then the MLflow
+    """The stage's trainer with the pipeline's callbacks: the divergence guard, checkpoint completion, the MLflow
     tracker of ``run_id`` (which then copies complete checkpoints; none for None: a launched stage's
     other ranks), and the progress line."""
     trainer = STAGES[stage].build(section, stage_inputs(stage, inputs, str(output_dir), [], policy_from))
+    trainer.add_callback(FiniteGuard(stage, divergence_suspects(stage, section)))
     trainer.add_callback(CheckpointCompletion(trainer))
     if run_id is not None:
         trainer.add_callback(MlflowTrainerCallback(run_id, log_checkpoints=log_checkpoints == "all"))

@@ -30,8 +30,7 @@ from infra.core.settings import get_settings
 from infra.core.stage_io import StageFolder, TrainInputs, TrainJob
 from infra.core.storage import prune_checkpoints
 from tasks.caching import computed_once
-from tasks.launch import launch
-from tasks.metric_sender import MetricsNotDelivered
+from tasks.launch import REPEATING_ERRORS, launch
 from tasks.models import checkpoint_handle, record_adapter_base
 from tasks.results import CACHED_RESULT, checked_cache_key
 from tasks.tracking import client, log_new_params, mark_resumed, stage_run_id, tracked_run
@@ -95,9 +94,9 @@ def finished_model(folder: StageFolder) -> ModelHandle | None:
 
 
 def worth_retrying(task, task_run, state) -> bool:
-    """A retry resumes a stage that crashed; one whose metrics MLflow could not take would only
-    fail again (and hide why), so it is not retried."""
-    return not isinstance(state.result(raise_on_failure=False), MetricsNotDelivered)
+    """A retry resumes a stage that crashed; one that diverged, whose reward function failed, or whose
+    metrics MLflow could not take would only fail again (and hide why), so it is not retried."""
+    return not isinstance(state.result(raise_on_failure=False), tuple(REPEATING_ERRORS.values()))
 
 
 @task(

@@ -1,10 +1,14 @@
-"""The progress line printed per logging step instead of the Trainer's log dicts."""
+"""The progress line printed per logging step instead of the Trainer's log dicts, and the guard
+that stops a diverged stage."""
 
+import re
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from trainers.callbacks import ProgressLineCallback, duration, progress_line
+from trainers.callbacks import FiniteGuard, ProgressLineCallback, duration, progress_line
+from trainers.divergence import NonFiniteTraining
 
 
 @pytest.mark.unit
@@ -80,3 +84,22 @@ def test_a_resumed_stage_sends_the_logged_steps_its_run_lacks_once():
         "grad_norm": [(1, 2.0), (2, 4.0), (3, 6.0), (4, 8.0)],
         "epoch": [(1, 0.25), (2, 0.5), (3, 0.75), (4, 1.0)],
     }
+
+
+@pytest.mark.unit
+def test_the_guard_refuses_a_model_with_a_non_finite_weight_before_it_is_saved():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    guard = FiniteGuard("dpo", {"dpo.learning_rate": 5e-7, "dpo.beta": 0.1})
+    state = SimpleNamespace(global_step=12)
+    guard.on_train_end(None, state, None, model=model)  # finite: nothing to say
+    with torch.no_grad():
+        model[1].bias[0] = float("inf")
+    message = (
+        "dpo diverged at step 12: weight 1.bias holds nan or inf values (lower the learning rate or the loss's "
+        "scale: dpo.learning_rate=5e-07, dpo.beta=0.1); nothing of it is kept"
+    )
+    with pytest.raises(NonFiniteTraining, match=f"^{re.escape(message)}$"):
+        guard.on_train_end(None, state, None, model=model)
+    guard.on_log(None, state, None, logs={"loss": 0.5, "grad_norm": float("inf")})  # fp16 overflow steps: not a loss
+    with pytest.raises(NonFiniteTraining, match="^dpo diverged at step 12: the eval loss is inf"):
+        guard.on_log(None, state, None, logs={"eval_loss": float("inf")})

@@ -13,7 +13,7 @@ from transformers import TrainerCallback
 from trainers.data import Truncation, tokenize_split
 from trainers.grpo import COMPLETIONS_LOG_KEY, GRPOConfig, GRPOTrainer, completion_batch
 from trainers.grpo_section import GRPOStageConfig
-from trainers.rewards import allow_module
+from trainers.rewards import RewardError, allow_module
 from trainers.samplers import RepeatSampler
 from trainers.synthetic import AdditionTask, generate_addition
 
@@ -308,6 +308,26 @@ def test_completions_no_reward_scored_are_left_out_of_the_group_baseline(tiny, p
     assert batch["advantages"][[1, 5]].tolist() == [0.0, 0.0]
     assert trainer.window["frac_reward_missing"] == [0.25]
     assert trainer.window["reward"] == [pytest.approx(statistics.mean(r for r in returned if r is not None))]
+
+
+def test_a_generation_batch_no_reward_scored_fails_the_stage_naming_the_step_and_rewards(tiny, prompts, tmp_path):
+    """Every reward None (or nan) leaves every advantage 0 and a loss of 0: nothing is learnt, and
+    the run must not look like one that trained."""
+
+    def never_applies(prompts, completions, **columns):
+        return [None] * len(completions)
+
+    model, tokenizer = tiny
+    trainer = GRPOTrainer(
+        model=copy.deepcopy(model),
+        args=grpo_args(tmp_path, per_device_train_batch_size=4, num_generations=2, max_completion_length=4),
+        train_dataset=datasets.Dataset.from_list(prompts),
+        processing_class=tokenizer,
+        reward_funcs=[never_applies],
+    )
+    message = "no reward function scored any of the 4 completions of the generation batch at step 0: never_applies"
+    with pytest.raises(RewardError, match=message):
+        trainer.train()
 
 
 def test_config_errors_are_clear(tmp_path):

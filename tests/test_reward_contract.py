@@ -6,6 +6,7 @@ examples of TRL's GRPO documentation, re-typed; each runs unchanged on rows prep
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -119,3 +120,13 @@ def test_a_reward_without_kwargs_is_refused_and_a_failing_one_is_named():
         score_completions([("raises", raises)], kwargs)
     with pytest.raises(RewardError, match=r"reward function 'text' returned '1.0' \(str\) for completion 0"):
         score_completions([("text", text)], kwargs)
+
+    def infinite(completions, **kwargs):
+        return [float("-inf") for _ in completions]
+
+    def not_applicable(completions, **kwargs):
+        return [float("nan") for _ in completions]
+
+    with pytest.raises(RewardError, match="'infinite' returned -inf for completion 0: rewards are finite"):
+        score_completions([("infinite", infinite)], kwargs)
+    assert math.isnan(score_completions([("nan", not_applicable)], kwargs)[0][0])  # nan is None: not scored

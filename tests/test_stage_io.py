@@ -1,19 +1,26 @@
 """The launch seam's values: a launch spec survives its JSON file as the same typed job (its stage's
-own section type included), a stage folder's layout, and the first failed rank's report."""
+own section type included), a stage folder's layout, and the first failed rank's report, raised
+as the task's error."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
 
 from infra.core.config import ComputeConfig, EvaluationConfig
 from infra.core.handles import ModelHandle, PreparedData
+from infra.core.launching import Finished
 from infra.core.stage_io import EvaluateJob, StageFolder, TrainInputs, TrainJob, read_spec
+from tasks.launch import failure
+from tasks.train import worth_retrying
+from trainers.divergence import NonFiniteTraining
 from trainers.dpo_section import DPOStageConfig
 from trainers.launch import RankError
+from trainers.rewards import RewardError
 
 pytestmark = pytest.mark.unit
 
@@ -108,3 +115,17 @@ def test_the_first_failed_rank_is_the_one_that_failed_earliest(tmp_path):
         report = {"rank": rank, "time": at, "error": "ValueError", "traceback": f"trace {rank}"}
         RankError.path(tmp_path, rank).write_text(json.dumps(report))
     assert RankError.first(tmp_path) == RankError(1, 10.0, "ValueError", "trace 1")
+
+
+@pytest.mark.parametrize("error, raised", [("NonFiniteTraining", NonFiniteTraining), ("RewardError", RewardError)])
+def test_a_rank_error_a_retry_would_repeat_is_raised_as_itself_and_not_retried(tmp_path, error, raised):
+    report = {"rank": 1, "time": 1.0, "error": error, "traceback": f"Traceback …\n{error}: sft diverged at step 3"}
+    RankError.path(tmp_path, 1).write_text(json.dumps(report))
+    failed = failure("sft", Finished(1, []), tmp_path)
+    assert type(failed) is raised and str(failed).startswith(f"sft: rank 1 failed ({error}):\nTraceback …")
+    state = SimpleNamespace(result=lambda raise_on_failure: failed)
+    assert not worth_retrying(None, None, state)
+    RankError.path(tmp_path, 1).write_text(json.dumps(report | {"error": "OutOfMemoryError"}))
+    assert worth_retrying(
+        None, None, SimpleNamespace(result=lambda raise_on_failure: failure("sft", Finished(1, []), tmp_path))
+    )

@@ -1,13 +1,17 @@
-"""Trainer callbacks: the TR-DPO reference sync, and the progress line the pipeline prints."""
+"""Trainer callbacks: the TR-DPO reference sync, the guard against a diverged stage, and the
+progress line the pipeline prints."""
 
 from __future__ import annotations
 
+import math
 import time
+from typing import Mapping
 
 import torch
 from transformers import TrainerCallback
 from transformers.modeling_utils import unwrap_model
 
+from trainers.divergence import NonFiniteTraining
 from trainers.sharded_params import SHARDINGS, ParameterSharding
 
 
@@ -44,6 +48,41 @@ class SyncReferenceCallback(TrainerCallback):
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step % self.sync_steps == 0:
             mix_into_reference(self.ref_model, model, self.alpha, self.sharding)
+
+
+class FiniteGuard(TrainerCallback):
+    """Stops a stage as soon as a logged loss is ``nan`` or ``inf``, and before its model is saved
+    when a weight is: a diverged model is never saved as a stage's result. The error names the
+    stage, the step and ``suspects``, the settings that most often make a run diverge (e.g.
+    ``{"dpo.learning_rate": 5e-7, "dpo.beta": 0.1}``).
+
+    Needs ``logging_nan_inf_filter=False``: with the ``Trainer``'s default, a non-finite step loss is
+    replaced by the mean of the ones before it, and a run whose every step is ``nan`` logs loss 0."""
+
+    LOSSES = ("loss", "eval_loss", "train_loss")
+
+    def __init__(self, stage: str, suspects: Mapping[str, object]):
+        self.stage = stage
+        self.suspects = dict(suspects)
+
+    def failure(self, what: str, step: int) -> NonFiniteTraining:
+        settings = ", ".join(f"{name}={value}" for name, value in self.suspects.items())
+        hint = f" (lower the learning rate or the loss's scale: {settings})" if settings else ""
+        return NonFiniteTraining(f"{self.stage} diverged at step {step}: {what}{hint}; nothing of it is kept")
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        for key in self.LOSSES:
+            value = (logs or {}).get(key)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise self.failure(f"the {key.replace('_', ' ')} is {value}", state.global_step)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if model is None:
+            return
+        with torch.no_grad():
+            broken = next((name for name, p in model.named_parameters() if not torch.isfinite(p).all()), None)
+        if broken is not None:
+            raise self.failure(f"weight {broken} holds nan or inf values", state.global_step)
 
 
 # What a progress line shows of the Trainer's logs, in this order (the full logs go to the tracker).

@@ -43,7 +43,7 @@ from trainers.grpo_section import COMPLETIONS_LOG_KEY, GRPOStageConfig, check_po
 from trainers.layout import GenerationLayout
 from trainers.logprobs import next_token_logps
 from trainers.lora import has_adapters, live_reference
-from trainers.rewards import RewardFunction, resolve_rewards, reward_kwargs, score_completions
+from trainers.rewards import RewardError, RewardFunction, resolve_rewards, reward_kwargs, score_completions
 from trainers.samplers import generation_dataloader
 from trainers.sampling import sampling_processors
 from trainers.sections import section_fields
@@ -328,6 +328,12 @@ class GRPOTrainer(Trainer):
         per_function = torch.tensor(score_completions(self.reward_functions, inputs, self.state), dtype=torch.float32)
         per_function = self.gather(per_function.T.contiguous()).T  # [F, N over all processes]
         rewards = weighted_rewards(per_function, self.reward_weights)
+        if rewards.isnan().all():  # nothing to learn from: every advantage 0, the loss 0 (same on every process)
+            names = ", ".join(name for name, _ in self.reward_functions)
+            raise RewardError(
+                f"no reward function scored any of the {rewards.numel()} completions of the generation batch at "
+                f"step {self.state.global_step}: {names} returned None or nan for each"
+            )
         advantages = group_advantages(rewards, args.num_generations, args.scale_rewards)
         local = slice(self.accelerator.process_index * len(rows), (self.accelerator.process_index + 1) * len(rows))
 

@@ -183,9 +183,9 @@ def reward_kwargs(
 def score_completions(
     functions: Sequence[tuple[str, RewardFunction]], kwargs: dict[str, Any], trainer_state: Any = None
 ) -> list[list[float]]:
-    """``[function][row]`` rewards, ``NaN`` where a function returned ``None``; a function that
-    raises or returns anything but one number or None per completion is a :class:`RewardError`
-    naming it."""
+    """``[function][row]`` rewards, ``NaN`` where a function returned ``None`` (or ``nan``); a
+    function that raises, or returns anything but one finite number or None per completion, is a
+    :class:`RewardError` naming it."""
     count = len(kwargs["completions"])
     scores = []
     for name, fn in functions:
@@ -201,6 +201,12 @@ def score_completions(
             raise RewardError(
                 f"reward function {name!r} returned {values[bad]!r} ({type(values[bad]).__name__}) for completion "
                 f"{bad}: rewards are numbers, or None where the function does not apply"
+            )
+        infinite = next((i for i, v in enumerate(values) if v is not None and math.isinf(v)), None)
+        if infinite is not None:
+            raise RewardError(
+                f"reward function {name!r} returned {values[infinite]} for completion {infinite}: rewards are "
+                "finite (None, or nan, where the function does not apply)"
             )
         scores.append([math.nan if v is None else float(v) for v in values])
     return scores

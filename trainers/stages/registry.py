@@ -73,6 +73,7 @@ class StageInputs:
             output_dir=self.output_dir,
             save_total_limit=2,
             disable_tqdm=True,
+            logging_nan_inf_filter=False,  # a non-finite loss is logged as it is (trainers.callbacks.FiniteGuard)
             dataloader_pin_memory=torch.cuda.is_available(),
             **mixed_precision_arguments(self.mixed_precision),
             **({"use_cpu": True} if self.cpu else {}),
