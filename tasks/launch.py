@@ -17,7 +17,6 @@ from infra.core.stage_io import LaunchSpec, StageFolder, TrainInputs, TrainJob
 from tasks.metric_sender import MetricsNotDelivered
 from trainers.divergence import NonFiniteTraining
 from trainers.launch import RankError
-from trainers.rewards import RewardError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 RANK_MODULE = "tasks.launched_rank"  # run as `-m` in every process
@@ -28,10 +27,11 @@ class LaunchFailed(RuntimeError):
     """A launched job failed: the message holds the failed rank's traceback."""
 
 
-# Errors a retry would only repeat: MLflow refusing the metrics, a diverged stage, a failing reward
-# function. A rank's is raised as its own type, so the train task does not retry it either.
+# Errors a retry would only repeat: MLflow refusing the metrics, a diverged stage. A rank's is raised
+# as its own type, so the train task does not retry it either. (A reward function that raised is
+# retried: it may call a server that was away for a moment.)
 REPEATING_ERRORS: dict[str, type[Exception]] = {
-    error.__name__: error for error in (MetricsNotDelivered, NonFiniteTraining, RewardError)
+    error.__name__: error for error in (MetricsNotDelivered, NonFiniteTraining)
 }
 
 

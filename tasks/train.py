@@ -94,8 +94,8 @@ def finished_model(folder: StageFolder) -> ModelHandle | None:
 
 
 def worth_retrying(task, task_run, state) -> bool:
-    """A retry resumes a stage that crashed; one that diverged, whose reward function failed, or whose
-    metrics MLflow could not take would only fail again (and hide why), so it is not retried."""
+    """A retry resumes a stage that crashed; one that diverged, or whose metrics MLflow could not
+    take, would only fail again (and hide why), so it is not retried."""
     return not isinstance(state.result(raise_on_failure=False), tuple(REPEATING_ERRORS.values()))
 
 
@@ -142,12 +142,7 @@ def run_stage(
     the stage's MLflow run (the one an earlier attempt created, if any): in this process, or over
     ``inputs.compute``'s processes with ``accelerate launch`` (:func:`tasks.launch.launch`)."""
     from tasks import stage_trainer
-    from trainers.checkpoints import (
-        discard_incomplete_checkpoints,
-        latest_complete_checkpoint,
-        training_done,
-        write_atomically,
-    )
+    from trainers.checkpoints import checkpoints, discard_incomplete_checkpoints, training_done, write_atomically
 
     resumed = folder.run_id_file.exists()
     run_id = stage_run_id(parent_run_id, stage, folder)
@@ -155,8 +150,9 @@ def run_stage(
         log_new_params(run_id, stage_params(stage, section, inputs))
         if inputs.reference_logps is not None:
             client().set_tag(run_id, "alignflow.reference_cache_key", inputs.reference_logps.key)
-        discard_incomplete_checkpoints(folder.path)
-        checkpoint = latest_complete_checkpoint(folder.path)
+        for removed, problem in discard_incomplete_checkpoints(folder.path).items():
+            get_run_logger().warning("%s: removed %s, which cannot be resumed from: %s", stage, removed, problem)
+        checkpoint = next(iter(checkpoints(folder.path)), None)  # the newest; those left are complete
         # resumed from the last step's checkpoint, the Trainer would train one step more when that
         # step ends inside an epoch: the model is loaded from the checkpoint instead
         final = checkpoint if checkpoint is not None and training_done(checkpoint) else None

@@ -182,6 +182,7 @@ def test_a_stage_stopped_between_saving_its_model_and_recording_it_saves_it_agai
     from infra.core.config import load_config
     from infra.core.settings import get_settings
     from tasks.tracking import client
+    from trainers.checkpoints import file_records
 
     # the checkpoints of a finished stage are kept here (by default they are pruned once it finished)
     overrides = ["stages=[dpo]", "name=unrecorded", "evaluation.num_prompts=4", "tracking.keep_checkpoints=true"]
@@ -200,7 +201,7 @@ def test_a_stage_stopped_between_saving_its_model_and_recording_it_saves_it_agai
     )
     state["log_history"].append({"undelivered": 0.5, "step": 6})  # logged, never sent: the process was killed
     (final / "trainer_state.json").write_text(json.dumps(state))
-    marker["files"]["trainer_state.json"] = (final / "trainer_state.json").stat().st_size  # still complete
+    marker["files"] = file_records(final)  # still complete
     (final / "checkpoint-complete.json").write_text(json.dumps(marker))
 
     run_flow(config)

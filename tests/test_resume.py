@@ -4,6 +4,7 @@ mean) restored; only checkpoints marked complete are resumed from."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -123,26 +124,69 @@ def test_the_saved_extra_state_holds_the_half_served_generation_buffer(handles, 
 
 
 def test_only_complete_checkpoints_are_resumed_from(tmp_path):
-    """A marker that lists every file with its size is written last; a folder without it, with a
-    file cut short, or whose marker names another step, is incomplete and removed before resuming."""
+    """A marker that lists every file with its size and sha256 is written last; a folder without
+    it, with a file cut short, missing or altered at its own size, or whose marker names another
+    step, is incomplete and removed before resuming, with why."""
 
-    def checkpoint(step: int, files: dict[str, bytes], marker: dict | None) -> Path:
+    def checkpoint(step: int, files: dict[str, bytes], marker_of: dict[str, bytes] | None, marker_step=None) -> Path:
         folder = tmp_path / f"checkpoint-{step}"
         folder.mkdir()
         for name, content in files.items():
             (folder / name).write_bytes(content)
-        if marker is not None:
+        if marker_of is not None:
+            records = {
+                name: {"bytes": len(c), "sha256": hashlib.sha256(c).hexdigest()} for name, c in marker_of.items()
+            }
+            marker = {"step": marker_step or step, "files": records}
             (folder / COMPLETE_MARKER).write_text(json.dumps(marker))
         return folder
 
-    good = checkpoint(2, {"model.safetensors": b"12345"}, {"step": 2, "files": {"model.safetensors": 5}})
-    checkpoint(4, {"model.safetensors": b"123"}, {"step": 4, "files": {"model.safetensors": 5}})  # cut short
-    checkpoint(6, {"model.safetensors": b"12345"}, None)  # killed before the marker
-    checkpoint(8, {"model.safetensors": b"12345"}, {"step": 2, "files": {"model.safetensors": 5}})  # copied marker
+    saved = {"model.safetensors": b"12345", "optimizer.pt": b"abcdef"}
+    good = checkpoint(2, saved, saved)
+    checkpoint(4, saved | {"model.safetensors": b"123"}, saved)  # cut short
+    checkpoint(6, saved, None)  # killed before the marker
+    checkpoint(8, saved, saved, marker_step=2)  # a copied marker
+    checkpoint(10, saved | {"optimizer.pt": b"abcdeX"}, saved)  # altered at its own size
+    checkpoint(12, {"model.safetensors": b"12345"}, saved)  # a file gone
     assert latest_complete_checkpoint(tmp_path) == good
-    removed = discard_incomplete_checkpoints(tmp_path)
-    assert sorted(p.name for p in removed) == ["checkpoint-4", "checkpoint-6", "checkpoint-8"]
+    assert {p.name: why for p, why in discard_incomplete_checkpoints(tmp_path).items()} == {
+        "checkpoint-4": "model.safetensors has 3 bytes, 5 when it was saved",
+        "checkpoint-6": "it has no checkpoint-complete.json (the process writing it stopped)",
+        "checkpoint-8": "its checkpoint-complete.json is that of step 2",
+        "checkpoint-10": "optimizer.pt differs from what was saved (its sha256 is not the marker's)",
+        "checkpoint-12": "optimizer.pt is missing",
+    }
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
+
+
+@pytest.mark.parametrize(
+    "case, name",
+    [
+        ("sft", "optimizer.pt"),
+        ("sft", "rng_state.pth"),
+        ("sft", "scheduler.pt"),
+        ("dpo-bco_pair", "alignflow_state_0.pt"),
+    ],
+)
+def test_a_checkpoint_corrupted_at_its_own_size_falls_back_to_the_one_before_naming_the_file(
+    case, name, handles, tmp_path
+):
+    """Resuming from the checkpoint before gives the weights of an uninterrupted run: the fallback
+    loses nothing but the steps since."""
+    stage, overrides, _ = CASES[case]
+    overrides = [*overrides, f"{stage}.save_steps=1"]  # checkpoints 3 and 4 are kept
+    full = train(stage, overrides, handles, tmp_path)
+    latest = tmp_path / "checkpoint-4"
+    content = bytearray((latest / name).read_bytes())
+    content[len(content) // 2] ^= 0xFF
+    (latest / name).write_bytes(bytes(content))
+    assert discard_incomplete_checkpoints(tmp_path) == {
+        latest: f"{name} differs from what was saved (its sha256 is not the marker's)"
+    }
+    fallback = latest_complete_checkpoint(tmp_path)
+    assert fallback == tmp_path / "checkpoint-3"
+    resumed = train(stage, overrides, handles, tmp_path, resume_from=fallback)
+    assert max_difference(full.model, resumed.model) <= 1e-6
 
 
 def test_the_marker_is_written_after_the_trainers_files_and_lists_them(handles, tmp_path):

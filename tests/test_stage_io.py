@@ -15,12 +15,12 @@ from infra.core.config import ComputeConfig, EvaluationConfig
 from infra.core.handles import ModelHandle, PreparedData
 from infra.core.launching import Finished
 from infra.core.stage_io import EvaluateJob, StageFolder, TrainInputs, TrainJob, read_spec
-from tasks.launch import failure
+from tasks.launch import LaunchFailed, failure
+from tasks.metric_sender import MetricsNotDelivered
 from tasks.train import worth_retrying
 from trainers.divergence import NonFiniteTraining
 from trainers.dpo_section import DPOStageConfig
 from trainers.launch import RankError
-from trainers.rewards import RewardError
 
 pytestmark = pytest.mark.unit
 
@@ -117,8 +117,9 @@ def test_the_first_failed_rank_is_the_one_that_failed_earliest(tmp_path):
     assert RankError.first(tmp_path) == RankError(1, 10.0, "ValueError", "trace 1")
 
 
-@pytest.mark.parametrize("error, raised", [("NonFiniteTraining", NonFiniteTraining), ("RewardError", RewardError)])
-def test_a_rank_error_a_retry_would_repeat_is_raised_as_itself_and_not_retried(tmp_path, error, raised):
+@pytest.mark.parametrize("raised", [NonFiniteTraining, MetricsNotDelivered])
+def test_a_rank_error_a_retry_would_repeat_is_raised_as_itself_and_not_retried(tmp_path, raised):
+    error = raised.__name__
     report = {"rank": 1, "time": 1.0, "error": error, "traceback": f"Traceback …\n{error}: sft diverged at step 3"}
     RankError.path(tmp_path, 1).write_text(json.dumps(report))
     failed = failure("sft", Finished(1, []), tmp_path)
@@ -126,6 +127,6 @@ def test_a_rank_error_a_retry_would_repeat_is_raised_as_itself_and_not_retried(t
     state = SimpleNamespace(result=lambda raise_on_failure: failed)
     assert not worth_retrying(None, None, state)
     RankError.path(tmp_path, 1).write_text(json.dumps(report | {"error": "OutOfMemoryError"}))
-    assert worth_retrying(
-        None, None, SimpleNamespace(result=lambda raise_on_failure: failure("sft", Finished(1, []), tmp_path))
-    )
+    crashed = failure("sft", Finished(1, []), tmp_path)
+    assert type(crashed) is LaunchFailed
+    assert worth_retrying(None, None, SimpleNamespace(result=lambda raise_on_failure: crashed))

@@ -5,15 +5,18 @@ process killed in between leaves a folder that looks like a checkpoint but is no
 ``Trainer`` is done with a checkpoint (``on_save``), :class:`CheckpointCompletion` adds the state
 of the trainer that the ``Trainer`` does not save (``ExtraCheckpointState``: GRPO's generation
 buffer, bco_pair's running mean, the metric windows) and then, last, the marker
-``checkpoint-complete.json``: the step and the size of every file. Only a checkpoint whose marker
-matches its files is resumed from (:func:`latest_complete_checkpoint`).
+``checkpoint-complete.json``: the step, and the size and sha256 of every file. Only a checkpoint
+whose marker matches its files is resumed from (:func:`latest_complete_checkpoint`): one cut short,
+altered at its own size (a disk or a copy gone wrong, an edit) or never finished is removed, with
+the file named, and the stage resumes from the checkpoint before it, or from the start. No file is
+ever unpickled to find out (``torch.load`` of a broken file fails, at best, with an unpickling error).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
-import logging
 import os
 import re
 import shutil
@@ -24,8 +27,6 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from transformers import Trainer, TrainerCallback, TrainerState
 from transformers.trainer import TRAINER_STATE_NAME
-
-logger = logging.getLogger("alignflow.checkpoints")
 
 COMPLETE_MARKER = "checkpoint-complete.json"
 CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
@@ -54,30 +55,50 @@ def write_atomically(path: Path, content: bytes) -> None:
     os.replace(staging, path)
 
 
-def file_sizes(folder: Path) -> dict[str, int]:
-    """``relative path -> bytes`` of every file below ``folder`` except the marker."""
+def file_sha256(path: Path) -> str:
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def file_records(folder: Path) -> dict[str, dict[str, int | str]]:
+    """``relative path -> {"bytes", "sha256"}`` of every file below ``folder`` except the marker."""
     return {
-        str(p.relative_to(folder)): p.stat().st_size
+        str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
         for p in sorted(folder.rglob("*"))
         if p.is_file() and p.name != COMPLETE_MARKER
     }
 
 
 def mark_complete(checkpoint: Path, step: int) -> None:
-    write_atomically(checkpoint / COMPLETE_MARKER, json.dumps({"step": step, "files": file_sizes(checkpoint)}).encode())
+    marker = {"step": step, "files": file_records(checkpoint)}
+    write_atomically(checkpoint / COMPLETE_MARKER, json.dumps(marker).encode())
 
 
-def is_complete(checkpoint: Path) -> bool:
-    """The marker exists, names the folder's step, and every file it lists has its recorded size."""
+def checkpoint_problem(checkpoint: Path) -> str | None:
+    """Why ``checkpoint`` cannot be resumed from, or None: its marker exists, names the folder's
+    step, and every file it lists has its recorded size and sha256 (sizes first: they are free)."""
     match = CHECKPOINT_NAME.match(checkpoint.name)
     try:
         marker = json.loads((checkpoint / COMPLETE_MARKER).read_text())
-    except (OSError, ValueError):
-        return False
-    if match is None or marker.get("step") != int(match.group(1)):
-        return False
-    files = {checkpoint / name: size for name, size in marker["files"].items()}
-    return all(path.is_file() and path.stat().st_size == size for path, size in files.items())
+        step, files = marker["step"], {name: (r["bytes"], r["sha256"]) for name, r in marker["files"].items()}
+    except OSError:
+        return f"it has no {COMPLETE_MARKER} (the process writing it stopped)"
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return f"its {COMPLETE_MARKER} is unreadable"
+    if match is None or step != int(match.group(1)):
+        return f"its {COMPLETE_MARKER} is that of step {step}"
+    for name, (size, _) in files.items():
+        path = checkpoint / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, {size} when it was saved"
+    changed = next((name for name, (_, digest) in files.items() if file_sha256(checkpoint / name) != digest), None)
+    return None if changed is None else f"{changed} differs from what was saved (its sha256 is not the marker's)"
+
+
+def is_complete(checkpoint: Path) -> bool:
+    return checkpoint_problem(checkpoint) is None
 
 
 def checkpoints(output_dir: Path) -> list[Path]:
@@ -101,13 +122,15 @@ def training_done(checkpoint: Path) -> bool:
     return state.global_step >= state.max_steps
 
 
-def discard_incomplete_checkpoints(output_dir: Path) -> list[Path]:
-    """Remove checkpoint folders a killed process left half-written (they would be retrained and
-    written again anyway, and the ``Trainer``'s rotation must not count them)."""
-    removed = [c for c in checkpoints(output_dir) if not is_complete(c)]
-    for checkpoint in removed:
-        logger.warning("removing incomplete checkpoint %s (written by a process that stopped)", checkpoint)
-        shutil.rmtree(checkpoint, ignore_errors=True)
+def discard_incomplete_checkpoints(output_dir: Path) -> dict[Path, str]:
+    """Remove the checkpoint folders that cannot be resumed from (half-written by a killed process,
+    or changed since), each with why: they would be retrained and written again anyway, and the
+    ``Trainer``'s rotation must not count them. Every checkpoint left is complete."""
+    removed = {}
+    for checkpoint in checkpoints(output_dir):
+        if (problem := checkpoint_problem(checkpoint)) is not None:
+            removed[checkpoint] = problem
+            shutil.rmtree(checkpoint, ignore_errors=True)
     return removed
 
 
