@@ -7,6 +7,7 @@ import json
 import math
 import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import datasets
@@ -169,8 +170,7 @@ def cached_score_model(
     evaluated again, e.g. the champion or an unchanged stage, is neither loaded nor run)."""
     folder = get_settings().eval_cache / key
     try:
-        stored = json.loads((folder / SCORES_FILE).read_text())
-        return ModelScores(stored["metrics"], stored["samples"], stored["per_prompt"])
+        return read_scores(folder / SCORES_FILE)
     except FileNotFoundError:
         pass
     except (OSError, ValueError, KeyError, TypeError) as problem:
@@ -178,8 +178,18 @@ def cached_score_model(
         shutil.rmtree(folder, ignore_errors=True)
     scores = score_model(handle, prompts, pairs, config, beta, compute)
     with atomic_directory(folder) as staging:
-        (staging / SCORES_FILE).write_text(json.dumps(dataclasses.asdict(scores)))
+        content = dataclasses.asdict(scores)
+        (staging / SCORES_FILE).write_text(json.dumps({"sha256": hash_value(content), "scores": content}))
     return scores
+
+
+def read_scores(path: Path) -> ModelScores:
+    """A cache entry's scores, checked against the digest written with them: an entry edited or
+    corrupted since (it would change a model's row and the promotion gate's view) is a ValueError."""
+    stored = json.loads(path.read_text())
+    if hash_value(stored["scores"]) != stored["sha256"]:
+        raise ValueError(f"{SCORES_FILE} does not match its sha256: changed since it was written")
+    return ModelScores(**stored["scores"])
 
 
 @task(name="evaluate")

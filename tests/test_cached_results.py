@@ -1,12 +1,14 @@
 """Prefect's cached results (tasks/results.py): JSON records of handles with state-folder-relative
 paths. A record that could run code is never decoded; one whose files are gone or changed is
-recomputed, with a warning; a copied state folder uses its own models."""
+recomputed, with a warning; a copied state folder uses its own models and writes nothing into the
+original (its MLflow store's artifact locations are moved with it)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import shutil
+import uuid
 from pathlib import Path
 
 import pytest
@@ -176,10 +178,42 @@ def test_a_copied_state_folder_uses_its_own_models(prefect_api_url, tmp_path):
     run(Path(MINIMAL), original, prefect_api_url, overrides)
     shutil.copytree(original, copy)
     shutil.rmtree(original / "outputs")  # were the copy to use the original's models, it would find none
+    before = {p: p.stat().st_mtime_ns for p in original.rglob("*")}
     result = run(Path(MINIMAL), copy, prefect_api_url, overrides)
+    assert {p: p.stat().st_mtime_ns for p in original.rglob("*")} == before  # nothing written into the original
+    copied = mlflow_client(copy)
+    experiments = [e.experiment_id for e in copied.search_experiments()]
+    (dpo_run,) = copied.search_runs(experiments, "tags.alignflow.stage = 'dpo'")
+    assert dpo_run.info.artifact_uri.startswith(f"{copy.as_uri()}/mlartifacts/")
     states = task_states(latest_flow_run_id(copy))
     assert states["train-sft"] == "Cached" and states["train-dpo"] == "Completed"
     assert "is not used and is computed again" not in result.stdout + result.stderr
     assert not (original / "outputs").exists()
     (finished,) = (copy / "outputs" / "minimal").glob("dpo-*/model.json")
     assert json.loads(finished.read_text())["path"].startswith(f"{HOME}/outputs/minimal/dpo-")
+
+
+@pytest.mark.unit
+def test_an_evaluation_cache_entry_changed_since_it_was_written_is_scored_again(state_dir, monkeypatch):
+    """The cache's scores feed every model's row and the promotion gate: one edited on disk is not trusted."""
+    from prefect.logging import disable_run_logger
+
+    from tasks import evaluate
+
+    scored = []
+
+    def score_model(*args):
+        scored.append(args)
+        return evaluate.ModelScores({"accuracy": 0.25}, {"prompt": ["1+1="]}, {"correct": [0.25]})
+
+    monkeypatch.setattr(evaluate, "score_model", score_model)
+    key = f"integrity-{uuid.uuid4().hex}"
+    with disable_run_logger():
+        first = evaluate.cached_score_model(MODEL, [], None, None, None, key, None)
+        assert evaluate.cached_score_model(MODEL, [], None, None, None, key, None) == first and len(scored) == 1
+        entry = get_settings().eval_cache / key / evaluate.SCORES_FILE
+        entry.write_text(entry.read_text().replace("0.25}", "0.95}", 1))  # the accuracy, edited
+        with pytest.raises(ValueError, match="scores.json does not match its sha256: changed since it was written"):
+            evaluate.read_scores(entry)
+        assert evaluate.cached_score_model(MODEL, [], None, None, None, key, None) == first and len(scored) == 2
+    assert evaluate.read_scores(entry) == first

@@ -222,3 +222,47 @@ def test_deleting_artifacts_removes_that_path_only(tmp_path):
         (tmp_path / name).write_text("w")
     mlflow_compat.delete_artifacts(tmp_path.as_uri(), "checkpoints")
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["model", "model/weights"]
+
+
+@pytest.mark.slow
+def test_relocating_a_copied_sqlite_store_points_every_artifact_uri_into_the_copy(tmp_path):
+    """A run's artifacts, its experiment's location, a logged model and a registered version of a
+    store copied to another folder resolve, and are written, under the copy once relocated; the
+    original may be gone. The columns are MLflow's schema, which a new MLflow may change."""
+    import shutil
+    import subprocess
+    import sys
+
+    from mlflow import MlflowClient
+
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    original.mkdir()
+    client = MlflowClient(f"sqlite:///{original / 'mlflow.db'}")
+    experiment = client.create_experiment("e", artifact_location=(original / "mlartifacts" / "e").as_uri())
+    run = client.create_run(experiment)
+    (tmp_path / "weights.txt").write_text("w")
+    client.log_artifact(run.info.run_id, str(tmp_path / "weights.txt"), "model")
+    client.create_logged_model(experiment, source_run_id=run.info.run_id)
+    client.create_registered_model("m")
+    client.create_model_version("m", f"{run.info.artifact_uri}/model", run_id=run.info.run_id)
+    shutil.copytree(original, copy)
+    shutil.rmtree(original)
+
+    assert mlflow_compat.relocate_artifact_uris(copy / "mlflow.db", original.as_uri(), copy.as_uri()) == 5
+    moved = MlflowClient(f"sqlite:///{copy / 'mlflow.db'}")
+    below_copy = f"{copy.as_uri()}/mlartifacts/e/"
+    assert moved.get_experiment(experiment).artifact_location == below_copy.rstrip("/")
+    assert moved.get_run(run.info.run_id).info.artifact_uri.startswith(below_copy)
+    (logged,) = moved.search_logged_models([experiment])
+    assert logged.artifact_location.startswith(below_copy)
+    version = moved.get_model_version("m", "1")
+    assert version.source.startswith(below_copy)
+    assert (copy / "mlflow.db").exists() and not original.exists()
+    assert Path(moved.download_artifacts(run.info.run_id, "model/weights.txt", str(tmp_path))).read_text() == "w"
+    # another process, as the next command is (MLflow keeps a run's artifact repository per process)
+    client_of = f"from mlflow import MlflowClient; MlflowClient({moved.tracking_uri!r})"
+    write = f"{client_of}.log_text({run.info.run_id!r}, 'a', 'x.txt')"
+    subprocess.run([sys.executable, "-c", write], check=True)
+    moved.log_text(moved.create_run(experiment).info.run_id, "a new run", "y.txt")
+    assert not original.exists() and len(list(copy.glob("mlartifacts/e/*/artifacts/*.txt"))) == 2
+    assert mlflow_compat.relocate_artifact_uris(copy / "mlflow.db", original.as_uri(), copy.as_uri()) == 0

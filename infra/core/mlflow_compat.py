@@ -7,6 +7,8 @@ module and that test are what change. MLflow is imported on use only: importing 
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
@@ -52,3 +54,33 @@ def delete_artifacts(artifact_uri: str, path: str) -> None:
     from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
     get_artifact_repository(artifact_uri).delete_artifacts(path)
+
+
+# The columns of MLflow's SQL stores that hold artifact URIs: a run's and an experiment's artifact
+# root, a logged model's, and a registered model version's source and storage location
+# (mlflow/store/tracking/dbmodels/models.py, mlflow/store/model_registry/dbmodels/models.py).
+ARTIFACT_URI_COLUMNS = (
+    ("experiments", "artifact_location"),
+    ("runs", "artifact_uri"),
+    ("logged_models", "artifact_location"),
+    ("model_versions", "source"),
+    ("model_versions", "storage_location"),
+)
+
+
+def relocate_artifact_uris(database: Path, old_prefix: str, new_prefix: str) -> int:
+    """In the SQLite store ``database``, point every artifact URI below ``old_prefix`` (a folder's
+    ``file://`` URI) to the same place below ``new_prefix``; the number of values changed. For a
+    store whose folder was copied or moved: its artifacts would otherwise still be read from, and
+    written to, the old folder. MLflow has no call for it (an experiment's artifact location is fixed)."""
+    import sqlite3
+
+    old, new = old_prefix.rstrip("/") + "/", new_prefix.rstrip("/") + "/"
+    with contextlib.closing(sqlite3.connect(database, timeout=30)) as db, db:
+        return sum(
+            db.execute(
+                f"UPDATE {table} SET {column} = ? || substr({column}, ?) WHERE substr({column}, 1, ?) = ?",
+                (new, len(old) + 1, len(old), old),
+            ).rowcount
+            for table, column in ARTIFACT_URI_COLUMNS
+        )

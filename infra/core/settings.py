@@ -9,12 +9,15 @@ log-prob cache, any fsspec URL, shared by every run and machine that reaches it)
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from functools import cached_property
 from pathlib import Path
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from infra.core import mlflow_compat
 
 
 class Settings(BaseSettings):
@@ -121,10 +124,37 @@ def prepare_state_folder(root: Path) -> None:
         raise StateFolderError(f"state folder {root}: not writable: {error.strerror}; {hint}") from None
 
 
+# The state folder's own file:// URI as of the last command run in it: a folder copied or moved
+# elsewhere finds another one there.
+ORIGIN_FILE = "origin"
+
+
+def adopt_moved_state_folder(root: Path) -> None:
+    """A state folder copied or moved elsewhere keeps its MLflow SQLite store, whose artifact
+    locations are absolute ``file://`` URIs: those below the folder it came from are pointed here,
+    so a copy never writes into, or reads from, the original."""
+    here, origin = root.as_uri(), root / ORIGIN_FILE
+    recorded = origin.read_text().strip() if origin.is_file() else None
+    if recorded == here:
+        return
+    if recorded is not None and (root / "mlflow.db").is_file():
+        changed = mlflow_compat.relocate_artifact_uris(root / "mlflow.db", recorded, here)
+        logging.getLogger("alignflow").warning(
+            "state folder %s was copied or moved from %s: %d MLflow artifact locations now point here",
+            root,
+            recorded.removeprefix("file://"),
+            changed,
+        )
+    staging = root / f".{ORIGIN_FILE}.tmp-{os.getpid()}"
+    staging.write_text(here + "\n")
+    staging.replace(origin)
+
+
 def configure_environment(settings: Settings | None = None) -> Settings:
     """Set process-wide defaults for Prefect and MLflow. Call before importing prefect."""
     settings = settings or get_settings()
     prepare_state_folder(settings.root)
+    adopt_moved_state_folder(settings.root)
     defaults = {
         "PREFECT_HOME": str(settings.root / "prefect"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
