@@ -101,7 +101,7 @@ def wait_until_gone(pids: list[int], marker: str, timeout: float = 90) -> list[i
 @pytest.mark.flow
 def test_two_processes_from_the_task_equal_one_process_in_it_and_resume_from_a_checkpoint(handles, prefect_api_url):
     policy, data, reference_logps = handles
-    tracking = TrackingConfig(keep_checkpoints=True)
+    tracking = TrackingConfig(keep_checkpoints=True, log_checkpoints="all")
     one = TrainInputs(policy, data, reference_logps, compute=cpu(1))
     two = TrainInputs(policy, data, reference_logps, compute=cpu(2))
     parent = parent_run("two-processes")

@@ -13,7 +13,7 @@ import pytest
 from helpers import environment_without_services
 
 from infra.core.stage_io import StageFolder
-from infra.core.storage import Removal, StageRecord, plan_removals, prune_checkpoints, stage_folders
+from infra.core.storage import Removal, RunFacts, StageRecord, plan_removals, prune_checkpoints, stage_folders
 
 RUN_ID_FILE = StageFolder.RUN_ID
 
@@ -21,11 +21,11 @@ PROJECT = Path(__file__).parents[1]
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)
 
 
-def folder(tmp_path: Path, name: str, status: str, days_old: float, stage="sft", config="c") -> StageRecord:
+def folder(tmp_path: Path, name: str, status: str, days_old: float, stage="sft", config="c", trial=None) -> StageRecord:
     path = tmp_path / config / name / stage
     (path / "checkpoint-3").mkdir(parents=True)
     (path / "model").mkdir()
-    return StageRecord(path, f"run-{name}", config, stage, status, NOW - timedelta(days=days_old))
+    return StageRecord(path, f"run-{name}", config, stage, status, NOW - timedelta(days=days_old), trial)
 
 
 @pytest.mark.unit
@@ -63,16 +63,30 @@ def test_plan_keeps_live_runs_the_newest_per_group_and_young_folders(tmp_path):
 
 
 @pytest.mark.unit
+def test_a_sweeps_trials_are_not_versions_of_one_another(tmp_path):
+    """Trials share their config name; each keeps its newest folder, and an older run of the same
+    config outside the sweep is still superseded by the newer one."""
+    trials = [folder(tmp_path, f"t{i}", "FINISHED", days_old=10 + i, stage="dpo", trial=f"trial-{i}") for i in range(3)]
+    rerun = folder(tmp_path, "t0-again", "FINISHED", days_old=9, stage="dpo", trial="trial-0")
+    plain = [folder(tmp_path, name, "FINISHED", days_old=age, stage="dpo") for name, age in (("p1", 20), ("p2", 8))]
+    plan = plan_removals([*trials, rerun, *plain], timedelta(days=7), 1, NOW)
+    assert [r for r in plan if r.whole_stage] == [
+        Removal(plain[0].path, "finished run run-p1, superseded", whole_stage=True),
+        Removal(trials[0].path, "finished run run-t0, superseded", whole_stage=True),
+    ]
+
+
+@pytest.mark.unit
 def test_stage_folders_reads_run_ids_config_names_and_stage_tags(tmp_path):
     for flow_run, stage in (("r1", "sft"), ("r2", "dpo")):
         path = tmp_path / "minimal" / flow_run / stage
         path.mkdir(parents=True)
         (path / RUN_ID_FILE).write_text(f"id-{stage}\n")
-    statuses = {"id-sft": ("FINISHED", "sft"), "id-dpo": ("MISSING", None)}
-    found = stage_folders(tmp_path, statuses.__getitem__)
-    assert [(f.run_id, f.config_name, f.stage, f.status) for f in found] == [
-        ("id-sft", "minimal", "sft", "FINISHED"),
-        ("id-dpo", "minimal", "dpo", "MISSING"),
+    facts = {"id-sft": RunFacts("FINISHED", "sft", "trial-1"), "id-dpo": RunFacts("MISSING")}
+    found = stage_folders(tmp_path, facts.__getitem__)
+    assert [(f.run_id, f.config_name, f.stage, f.status, f.trial_run_id) for f in found] == [
+        ("id-sft", "minimal", "sft", "FINISHED", "trial-1"),
+        ("id-dpo", "minimal", "dpo", "MISSING", None),
     ]
 
 
@@ -114,15 +128,15 @@ def test_gc_removes_superseded_outputs_and_mlflow_checkpoints_but_keeps_live_run
         "promotion.registered_model=gc-model",
         "promotion.min_value=null",
     ]
-    alignflow(*base, "tracking.keep_checkpoints=true")
-    alignflow(*base, "sft.max_steps=4")
+    alignflow(*base, "tracking.keep_checkpoints=true", "tracking.log_checkpoints=all")
+    alignflow(*base, "sft.max_steps=4", "tracking.log_checkpoints=all")
     outputs = home / "outputs" / "minimal"
     tracking_uri = f"sqlite:///{home}/mlflow.db"
     client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
 
     def describe(run_id):
         run = client.get_run(run_id)
-        return run.info.status, run.data.tags["alignflow.stage"]
+        return RunFacts(run.info.status, run.data.tags["alignflow.stage"])
 
     first, second = sorted(
         (f for f in stage_folders(outputs.parent, describe) if f.stage == "sft"), key=lambda f: f.modified
@@ -137,8 +151,19 @@ def test_gc_removes_superseded_outputs_and_mlflow_checkpoints_but_keeps_live_run
     (live / "checkpoint-2").mkdir(parents=True)
     (live / RUN_ID_FILE).write_text(live_run)
 
+    # another state folder's finished stage run on the same tracking store, with checkpoints in MLflow
+    other_run = client.create_run(experiment, run_name="sft", tags={"alignflow.stage": "sft"}).info.run_id
+    (home.parent / "checkpoint-1").mkdir()
+    (home.parent / "checkpoint-1" / "optimizer.pt").write_bytes(b"state")
+    client.log_artifacts(other_run, str(home.parent / "checkpoint-1"), "checkpoints/checkpoint-1")
+    client.set_terminated(other_run)
+    other_folder = home.parent / "other-home" / "outputs" / "minimal" / "sft-other"
+    other_folder.mkdir(parents=True)
+    (other_folder / RUN_ID_FILE).write_text(other_run)
+
     before = tree(home / "outputs")
     dry = alignflow("gc", "--older-than", "0s", "--keep-last", "1", "--mlflow-checkpoints", "--dry-run")
+    assert other_run not in dry
     assert tree(home / "outputs") == before
     assert f"would remove {first.path} (" in dry and "superseded" in dry
     assert f"would remove MLflow checkpoints/ of stage run {first.run_id} (sft)" in dry
@@ -149,6 +174,7 @@ def test_gc_removes_superseded_outputs_and_mlflow_checkpoints_but_keeps_live_run
     assert (live / "checkpoint-2").is_dir()  # a live run keeps everything
     for run_id in (first.run_id, second.run_id):
         assert [a.path for a in client.list_artifacts(run_id)] == ["model"]
+    assert [a.path for a in client.list_artifacts(other_run)] == ["checkpoints"]  # not this folder's run
     # the registry version lives in MLflow's artifact store: it still loads
     versions = client.search_model_versions("name = 'gc-model'")
     assert versions

@@ -19,6 +19,8 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from infra.core.config import load_config
 from infra.core.launching import group_alive, stop_group
+from infra.core.settings import get_settings
+from infra.core.stage_io import StageFolder
 from infra.core.sweep import SweepConfig, read_sweep_tree
 from infra.ops.cli import main
 from tasks.sweep import TrialResult
@@ -92,6 +94,18 @@ def test_a_2x2_grid_gives_4_trial_runs_nested_under_one_sweep_run(grid):
     assert sweep_run.data.metrics["best/greedy_accuracy"] == best.metrics["greedy_accuracy"]
     history = client.get_metric_history(report.sweep_run_id, "trial/greedy_accuracy")
     assert sorted(m.step for m in history) == [0, 1, 2, 3]
+
+
+@pytest.mark.flow
+def test_gc_keeps_every_trials_stage_folder_its_trials_are_not_versions_of_one_another(grid, capsys):
+    """The four trials share a config name: counted as versions, gc would remove three DPO folders."""
+    _, report = grid
+    dpo_runs = {mlflow_client().get_run(t.mlflow_run_id).data.tags["alignflow.dpo_run_id"] for t in report.trials}
+    folders = [f.path for f in StageFolder.under(get_settings().outputs) if f.recorded_run_id() in dpo_runs]
+    assert len(folders) == 4
+    assert main(["gc", "--older-than", "0s", "--keep-last", "1", "--dry-run"]) == 0
+    planned = capsys.readouterr().out
+    assert not [path for path in folders if f"would remove {path} (" in planned]
 
 
 @pytest.mark.flow

@@ -3,12 +3,16 @@
 Rules (plain code, no Prefect):
 - A finished stage keeps its final model; its intermediate checkpoints (weights plus optimizer
   state, only useful to resume an unfinished stage) are pruned unless ``tracking.keep_checkpoints``.
-- ``alignflow gc`` removes stage folders that no live run and no registry version needs: a folder
-  whose MLflow run is RUNNING is kept, and so are the newest ``keep_last`` folders of each
-  (config name, stage); the rest go once older than the age limit. Registered model versions are
+- ``alignflow gc`` removes stage folders of its own state folder that no live run and no registry
+  version needs: a folder whose MLflow run is RUNNING is kept, and so are the newest ``keep_last``
+  folders of each (config name, stage), the versions of one config; a sweep's trials share their
+  config name but are siblings, not versions, so each trial is a group of its own. The rest go once
+  older than the age limit. Registered model versions are
   stored in MLflow's artifact store, never in ``outputs/``, so removing outputs cannot break them;
   a removed stage is retrained (or its cache entry rebuilt) when a run needs it again.
-- Optionally the ``checkpoints/`` artifacts of finished stage runs in MLflow; ``model/`` always stays.
+- Optionally the ``checkpoints/`` artifacts in MLflow of the finished stage runs whose folders are
+  in this state folder (a tracking server shared by a team holds other folders' runs too);
+  ``model/`` always stays.
 """
 
 from __future__ import annotations
@@ -37,6 +41,15 @@ def folder_size(path: Path) -> int:
 
 
 @dataclass(frozen=True)
+class RunFacts:
+    """What gc reads of a stage's MLflow run."""
+
+    status: str  # the run's status; "MISSING" when the store no longer knows the run
+    stage: str | None = None  # its stage tag (None: the folder's name is used)
+    trial_run_id: str | None = None  # the sweep trial's run it belongs to, if it ran in one
+
+
+@dataclass(frozen=True)
 class StageRecord:
     """A stage's output folder, its MLflow run and what decides whether it is still needed."""
 
@@ -46,10 +59,12 @@ class StageRecord:
     stage: str
     status: str  # the MLflow run's status; "MISSING" when the store no longer knows the run
     modified: datetime
+    trial_run_id: str | None = None  # a sweep trial's stages are never superseded by another trial's
 
     @property
-    def group(self) -> tuple[str, str]:
-        return self.config_name, self.stage
+    def group(self) -> tuple[str, ...]:
+        """The folders that are versions of one another: one config's stage, or one trial's."""
+        return (self.config_name, self.stage) + ((self.trial_run_id,) if self.trial_run_id else ())
 
 
 @dataclass(frozen=True)
@@ -59,22 +74,23 @@ class Removal:
     whole_stage: bool  # the stage folder itself, not one of its checkpoints
 
 
-def stage_folders(outputs: Path, describe_run: Callable[[str], tuple[str, str | None]]) -> list[StageRecord]:
-    """Every folder under ``outputs`` that holds a stage's run-id file. ``describe_run(run_id)`` reads
-    the MLflow run: its status and its stage tag (None: the folder's name is used)."""
+def stage_folders(outputs: Path, describe_run: Callable[[str], RunFacts]) -> list[StageRecord]:
+    """Every folder under ``outputs`` that holds a stage's run-id file; ``describe_run(run_id)``
+    reads its MLflow run."""
     found = []
     for stage_folder in StageFolder.under(outputs):
         folder, run_id = stage_folder.path, stage_folder.recorded_run_id()
-        status, stage = describe_run(run_id)
+        facts = describe_run(run_id)
         newest = max((f.stat().st_mtime for f in folder.rglob("*")), default=folder.stat().st_mtime)
         found.append(
             StageRecord(
                 path=folder,
                 run_id=run_id,
                 config_name=folder.relative_to(outputs).parts[0],
-                stage=stage or folder.name,
-                status=status,
+                stage=facts.stage or folder.name,
+                status=facts.status,
                 modified=datetime.fromtimestamp(newest, timezone.utc),
+                trial_run_id=facts.trial_run_id,
             )
         )
     return found
@@ -86,7 +102,7 @@ def plan_removals(
     """Which stage folders go: not live, not among the newest ``keep_last`` of their (config, stage),
     and last modified before ``now - older_than``. Finished folders that stay lose their checkpoints."""
     cutoff = (now or datetime.now(timezone.utc)) - older_than
-    by_group: dict[tuple[str, str], list[StageRecord]] = {}
+    by_group: dict[tuple[str, ...], list[StageRecord]] = {}
     for folder in folders:
         by_group.setdefault(folder.group, []).append(folder)
     removals = []

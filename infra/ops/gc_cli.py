@@ -8,6 +8,8 @@ import sys
 
 from infra.core.settings import get_settings
 
+PARENT_TAG = "mlflow.parentRunId"
+
 
 def add_gc_parser(commands) -> None:
     gc = commands.add_parser(
@@ -25,7 +27,7 @@ def add_gc_parser(commands) -> None:
     gc.add_argument(
         "--mlflow-checkpoints",
         action="store_true",
-        help="also delete the checkpoints/ artifacts of finished stage runs in MLflow (model/ stays)",
+        help="also delete the MLflow checkpoints/ artifacts of this state folder's finished stage runs (model/ stays)",
     )
     gc.add_argument("--dry-run", action="store_true", help="only print what would be removed")
 
@@ -38,16 +40,11 @@ def human_size(size: int) -> str:
     raise AssertionError("unreachable")
 
 
-def finished_stage_runs_with_checkpoints(client) -> list:
-    """Finished stage runs, in every experiment, whose MLflow artifacts still hold ``checkpoints/``."""
-    experiments = [e.experiment_id for e in client.search_experiments()]
-    query = "attributes.status = 'FINISHED' and tags.`alignflow.stage` LIKE '%'"
-    found, token = [], None
-    while True:
-        page = client.search_runs(experiments, query, page_token=token)
-        found += [run for run in page if any(a.path == "checkpoints" for a in client.list_artifacts(run.info.run_id))]
-        if not (token := page.token):
-            return found
+def with_checkpoints(client, folders) -> list:
+    """The finished stage runs of ``folders`` (this state folder's) whose MLflow artifacts still hold
+    ``checkpoints/``: never another state folder's runs on a shared tracking server."""
+    runs = [client.get_run(f.run_id) for f in folders if f.status == "FINISHED"]
+    return [run for run in runs if any(a.path == "checkpoints" for a in client.list_artifacts(run.info.run_id))]
 
 
 def gc_command(args: argparse.Namespace) -> int:
@@ -55,7 +52,7 @@ def gc_command(args: argparse.Namespace) -> int:
 
     from infra.core import mlflow_compat
     from infra.core.refcache import parse_duration
-    from infra.core.storage import LIVE_STATUSES, folder_size, plan_removals, remove, stage_folders
+    from infra.core.storage import LIVE_STATUSES, RunFacts, folder_size, plan_removals, remove, stage_folders
     from tasks.tracking import client
 
     try:
@@ -67,12 +64,21 @@ def gc_command(args: argparse.Namespace) -> int:
         print("alignflow gc: --keep-last must be 0 or more", file=sys.stderr)
         return 2
 
-    def describe_run(run_id: str) -> tuple[str, str | None]:
+    def describe_run(run_id: str) -> RunFacts:
         try:
             run = client().get_run(run_id)
         except MlflowException:  # deleted, or the folder belongs to another store
-            return "MISSING", None
-        return run.info.status, run.data.tags.get("alignflow.stage")
+            return RunFacts("MISSING")
+        return RunFacts(run.info.status, run.data.tags.get("alignflow.stage"), trial_of(run))
+
+    def trial_of(stage_run) -> str | None:
+        """The stage's parent run when that is a sweep's trial: nested under the sweep's run."""
+        parent_id = stage_run.data.tags.get(PARENT_TAG)
+        try:
+            parent = client().get_run(parent_id) if parent_id else None
+        except MlflowException:
+            return None
+        return parent_id if parent is not None and PARENT_TAG in parent.data.tags else None
 
     folders = stage_folders(get_settings().outputs, describe_run)
     removals = plan_removals(folders, older_than, args.keep_last)
@@ -85,7 +91,7 @@ def gc_command(args: argparse.Namespace) -> int:
     if not args.dry_run:
         remove(removals)
     if args.mlflow_checkpoints:
-        for run in finished_stage_runs_with_checkpoints(client()):
+        for run in with_checkpoints(client(), folders):
             print(f"{verb} MLflow checkpoints/ of stage run {run.info.run_id} ({run.info.run_name})")
             if not args.dry_run:
                 mlflow_compat.delete_artifacts(run.info.artifact_uri, "checkpoints")
