@@ -13,6 +13,7 @@ from infra.core.config import DataConfig, DatasetSource, is_template_text
 from infra.core.fingerprints import atomic_directory, code_fingerprint, hash_paths, hash_token_ids, hash_value
 from infra.core.handles import ModelHandle, PreparedData
 from infra.core.settings import get_settings
+from trainers.clipping import TextClip
 from trainers.data import (
     SPLIT_FIELDS,
     DataValidationError,
@@ -96,15 +97,19 @@ def raw_splits(config: DataConfig) -> dict[str, list[tuple[str, list[dict], Data
 RenderedSource = tuple[str, list[RenderedRow], DatasetSource | None]
 
 
-def render_splits(config: DataConfig, tokenizer) -> dict[str, list[RenderedSource]]:
-    """Every source of every split normalized, validated and rendered to token ids, uncut."""
+def render_splits(config: DataConfig, tokenizer, context: int | None) -> dict[str, list[RenderedSource]]:
+    """Every source of every split normalized, validated and rendered to token ids, uncut, each text
+    clipped first to what the lengths (or the model's ``context``) could keep (:mod:`trainers.clipping`)."""
+    most = config.max_length if config.max_length != AUTO else context
+    keep_end = config.truncation_mode == "keep_end"
+    clip = TextClip.for_tokenizer(tokenizer, most, keep_end) if most else None
     rendered = {}
     for split, parts in raw_splits(config).items():
         rendered[split] = []
         for name, raw, source in parts:
             normalized = normalize_rows(raw, split, name)
             validate_rows(normalized, SPLIT_FIELDS[split], name)
-            rendered[split].append((name, render_rows(normalized, split, tokenizer, name), source))
+            rendered[split].append((name, render_rows(normalized, split, tokenizer, name, clip), source))
     return rendered
 
 
@@ -182,9 +187,9 @@ def tokenize_splits(config: DataConfig, handle: ModelHandle) -> tuple[dict[str, 
     template = resolve_chat_template(config.chat_template)
     if template is not None:
         tokenizer.chat_template = template
-    rendered = render_splits(config, tokenizer)
-    flat = {split: [row for _, rows, _ in parts for row in rows] for split, parts in rendered.items()}
     context = context_length(handle.path, handle.revision)
+    rendered = render_splits(config, tokenizer, context)
+    flat = {split: [row for _, rows, _ in parts for row in rows] for split, parts in rendered.items()}
     mode = config.truncation_mode
     truncation = resolve_truncation(flat, config.max_length, config.max_prompt_length, mode, context)
     fitted = resolve_truncation(flat, AUTO, AUTO, mode, context)

@@ -13,7 +13,8 @@ from infra.core.config import DataConfig, DatasetSource, ExperimentConfig
 from infra.core.handles import ModelHandle
 from tasks.data import prepare_dataset
 from tests.helpers import chat_tokenizer
-from trainers.data import DataValidationError, RenderedRow
+from trainers.clipping import MARGIN_TOKENS, TextClip
+from trainers.data import DataValidationError, RenderedRow, Truncation, render_rows, truncate_rows
 from trainers.lengths import fitting_length, resolve_truncation
 
 pytestmark = pytest.mark.unit
@@ -157,3 +158,25 @@ def test_the_context_is_read_from_the_models_config_as_json(tmp_path):
     assert context_length(str(tmp_path / "gpt2")) == 1024
     assert context_length(str(tmp_path / "tokenizer-only")) is None
     assert context_length(str(tmp_path / "missing")) is None  # an absolute path is never a hub id
+
+
+@pytest.mark.parametrize("mode", ["keep_end", "keep_start", "drop"])
+def test_texts_clipped_before_tokenizing_give_the_rows_and_counts_of_whole_ones(mode):
+    """What truncation keeps of a clipped text is what it keeps of the whole one, token for token,
+    and a clipped row counts as cut as before; the texts the tokenizer sees are at most the clip."""
+    tokenizer = chat_tokenizer("chatml")
+    long_words = " ".join(f"w{i}" for i in range(30_000))  # 180k characters
+    rows = [
+        {"prompt": [{"role": "user", "content": f"start {long_words} end"}], "completion": "4"},
+        {"prompt": "2+2=", "completion": f"4 {long_words}"},
+        {"prompt": "1+1=", "completion": "2"},
+    ]
+    truncation = Truncation(64, 32, mode)
+    clip = TextClip.for_tokenizer(tokenizer, truncation.max_length, keep_end=mode == "keep_end")
+    assert clip.max_chars == (64 + MARGIN_TOKENS) * max(map(len, tokenizer.get_vocab())) < 20_000
+
+    whole = truncate_rows(render_rows(rows, "sft", tokenizer), truncation)
+    clipped_rows = render_rows(rows, "sft", tokenizer, clip=clip)
+    assert max(len(r.prompt_ids) + r.longest for r in clipped_rows) <= clip.max_chars + 8  # one token a character
+    assert truncate_rows(clipped_rows, truncation) == whole
+    assert whole.cut == 2

@@ -31,6 +31,8 @@ from trainers.stopping import stop_token_ids
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from trainers.clipping import TextClip
+
 SPLIT_FIELDS: dict[str, tuple[str, ...]] = {
     "sft": ("prompt", "completion"),
     "sft_eval": ("prompt", "completion"),  # held-out demonstrations: SFT's eval loss
@@ -287,11 +289,16 @@ class TemplateError(ValueError):
     """The chat template cannot render a completion as the continuation of its prompt."""
 
 
-def render_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict]) -> list[int]:
+def render_prompt(
+    tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict], clip: TextClip | None = None
+) -> list[int]:
+    """The prompt's token ids (a conversation: rendered with the generation prompt); its text is
+    clipped first when a ``clip`` is given (:mod:`trainers.clipping`)."""
+    clipped = clip.prompt if clip is not None else str
     if isinstance(prompt, str):
-        return tokenizer(prompt).input_ids
+        return tokenizer(clipped(prompt)).input_ids
     text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-    return tokenizer(text, add_special_tokens=False).input_ids
+    return tokenizer(clipped(text), add_special_tokens=False).input_ids
 
 
 def completion_text(tokenizer: PreTrainedTokenizerBase, prompt: list[dict], completion: list[dict]) -> str:
@@ -316,15 +323,21 @@ def completion_text(tokenizer: PreTrainedTokenizerBase, prompt: list[dict], comp
 
 
 def render_completion(
-    tokenizer: PreTrainedTokenizerBase, completion: str | list[dict], prompt: str | list[dict] | None = None
+    tokenizer: PreTrainedTokenizerBase,
+    completion: str | list[dict],
+    prompt: str | list[dict] | None = None,
+    clip: TextClip | None = None,
 ) -> list[int]:
     """A string completion: its tokens then EOS. A conversational one: the template's
-    continuation of the conversational ``prompt`` (:func:`completion_text`)."""
+    continuation of the conversational ``prompt`` (:func:`completion_text`). The text is clipped
+    first when a ``clip`` is given (:mod:`trainers.clipping`): the EOS then follows a cut completion
+    that truncation cuts before it anyway."""
+    clipped = clip.completion if clip is not None else str
     if isinstance(completion, str):
-        return tokenizer(completion, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        return tokenizer(clipped(completion), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
     if not isinstance(prompt, list):
         raise TemplateError("a conversational completion needs a conversational prompt")
-    return tokenizer(completion_text(tokenizer, prompt, completion), add_special_tokens=False).input_ids
+    return tokenizer(clipped(completion_text(tokenizer, prompt, completion)), add_special_tokens=False).input_ids
 
 
 # --- truncation and tokenization -----------------------------------------------------------------
@@ -377,17 +390,18 @@ class TokenizedSplit:
 
 
 def render_rows(
-    rows: list[dict], split: str, tokenizer: PreTrainedTokenizerBase, source: str = "data"
+    rows: list[dict], split: str, tokenizer: PreTrainedTokenizerBase, source: str = "data", clip: TextClip | None = None
 ) -> list[RenderedRow]:
-    """Render one split's (normalized, validated) rows to token ids; a row the chat template cannot
-    render raises :class:`DataValidationError` naming ``source`` and the row."""
+    """Render one split's (normalized, validated) rows to token ids, each text clipped first by
+    ``clip`` (:mod:`trainers.clipping`); a row the chat template cannot render raises
+    :class:`DataValidationError` naming ``source`` and the row."""
     completion_fields = [f for f in SPLIT_FIELDS[split] if f in COMPLETION_FIELDS]
     stops = set(stop_token_ids(tokenizer)) if completion_fields else set()
     rendered = []
     for index, row in enumerate(rows):
         try:
-            prompt = render_prompt(tokenizer, row["prompt"])
-            completions = {f: render_completion(tokenizer, row[f], row["prompt"]) for f in completion_fields}
+            prompt = render_prompt(tokenizer, row["prompt"], clip)
+            completions = {f: render_completion(tokenizer, row[f], row["prompt"], clip) for f in completion_fields}
         except Exception as error:  # jinja errors, TemplateError
             raise DataValidationError(f"{source}: row {index}: {type(error).__name__}: {error}") from None
         terminated = all(ids and ids[-1] in stops for ids in completions.values())
