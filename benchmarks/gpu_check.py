@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -54,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU without a GPU (a smoke of the logic)")
     parser.add_argument("--sharding", choices=sorted(SHARDING_CHECKS), help="check sharded parameters instead")
     parser.add_argument("--processes", type=int, default=1, help="processes (GPUs) of the --sharding check")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder (models, caches; GBs) at the end")
     return parser.parse_args(argv)
 
 
@@ -158,9 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     from infra.core.settings import configure_environment
 
     configure_environment()
-    if options.sharding:
-        return run_sharding_check(options, gpu, workdir)
-    return run_check(options, gpu, workdir)
+    try:
+        return run_sharding_check(options, gpu, workdir) if options.sharding else run_check(options, gpu, workdir)
+    finally:
+        if options.keep:
+            print(f"gpu_check: the work folder is kept: {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)  # about 8 GB with the default model
 
 
 def run_sharding_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from flows.pipeline import evaluate_and_gate, experiment
 from infra.core.config import ExperimentConfig
+from infra.core.settings import get_settings
 from infra.core.stage_io import StageFolder
 from infra.core.sweep import SweepConfig
 from tasks.compare import ComparisonReport, RunSelection, compare_runs
@@ -98,6 +99,7 @@ def task_runner(spec: SweepConfig) -> TaskRunner:
             "dashboard_address": ":0",  # any free port: 8787 may be taken
             "silence_logs": logging.WARNING,
             "env": {"OMP_NUM_THREADS": str(spec.torch_threads)},
+            "local_directory": str(get_settings().root / "dask"),  # not /tmp/dask-scratch-space
         }
     )
 

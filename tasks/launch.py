@@ -59,8 +59,15 @@ def launch(spec: LaunchSpec, name: str, log) -> BaseModel:
     for machine in range(1, compute.num_machines):
         other = compute.model_copy(update={"machine_rank": machine}).launch_command(spec.spec_file, RANK_MODULE)
         log(f"machine {machine} must run, from the same checkout: {shlex.join(other)}")
-    env = os.environ | {"PYTHONUNBUFFERED": "1"}  # each line reaches the logs when it is printed
-    finished = run_process_group(command, log, cwd=PROJECT_ROOT, env=env)
+    # each line reaches the logs when it is printed; torch's launcher keeps a log folder per launch
+    # in the temp folder and never removes it: it goes to the launch folder's, removed afterwards
+    temporary = spec.launch_dir / "tmp"
+    temporary.mkdir()
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "TMPDIR": str(temporary)}
+    try:
+        finished = run_process_group(command, log, cwd=PROJECT_ROOT, env=env)
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
     if finished.returncode != 0:
         raise failure(name, finished, spec.launch_dir)
     return spec.result.model_validate_json(spec.result_file.read_text())

@@ -221,14 +221,14 @@ def test_preference_rewards_of_a_bfloat16_model_match_float32(tiny_checkpoint, p
 
 
 @pytest.mark.slow
-def test_the_gpu_check_refuses_to_run_without_a_gpu_and_its_cpu_smoke_runs_every_stage():
+def test_the_gpu_check_refuses_to_run_without_a_gpu_and_its_cpu_smoke_runs_every_stage(tmp_path):
     import subprocess
     import sys
 
     if torch.cuda.is_available():
         pytest.skip("a CUDA machine: run benchmarks/gpu_check.py itself")
     script = [sys.executable, "benchmarks/gpu_check.py"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     refused = subprocess.run(script, capture_output=True, text=True, env=env)
     assert refused.returncode == 2 and "no CUDA device on this machine; this check needs one GPU" in refused.stderr
     smoke = [
@@ -247,6 +247,7 @@ def test_the_gpu_check_refuses_to_run_without_a_gpu_and_its_cpu_smoke_runs_every
     rows = [line.split(" | ")[0].removeprefix("| ") for line in done.stdout.splitlines() if line.startswith("| ")]
     assert rows == ["stage", "sft", "reference pass", "dpo", "grpo", "evaluation"]
     assert "the reference pass and the evaluation ran on cpu" in done.stdout
+    assert list(tmp_path.iterdir()) == []  # its work folder (GBs with the default model) is removed
 
 
 @pytest.mark.unit

@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ from safetensors.torch import load_file
 
 from infra.core.config import ComputeConfig, TrackingConfig, load_config
 from infra.core.settings import get_settings
-from infra.core.stage_io import TrainInputs
+from infra.core.stage_io import StageFolder, TrainInputs
 from tasks.launch import LaunchFailed
 from tasks.tracking import experiment_id
 from tasks.train import train
@@ -101,6 +102,7 @@ def wait_until_gone(pids: list[int], marker: str, timeout: float = 90) -> list[i
 @pytest.mark.flow
 def test_two_processes_from_the_task_equal_one_process_in_it_and_resume_from_a_checkpoint(handles, prefect_api_url):
     policy, data, reference_logps = handles
+    started = time.time()
     tracking = TrackingConfig(keep_checkpoints=True, log_checkpoints="all")
     one = TrainInputs(policy, data, reference_logps, compute=cpu(1))
     two = TrainInputs(policy, data, reference_logps, compute=cpu(2))
@@ -121,6 +123,9 @@ def test_two_processes_from_the_task_equal_one_process_in_it_and_resume_from_a_c
     assert json.loads((folder / "model.json").read_text())["mlflow_run_id"] == double.mlflow_run_id
     assert is_complete(folder / "checkpoint-2") and (folder / "checkpoint-2" / COMPLETE_MARKER).is_file()
     assert not list(folder.glob(".model.tmp-*"))
+    # torch's launcher leaves a log folder per launch in the temp folder: the launch's own, removed
+    assert not (StageFolder(path=folder).launch_dir / "tmp").exists()
+    assert not [p for p in Path(tempfile.gettempdir()).glob("torchelastic_*") if p.stat().st_mtime >= started]
 
     client = mlflow_client()
     run = client.get_run(double.mlflow_run_id)

@@ -109,6 +109,11 @@ def test_gc_keeps_every_trials_stage_folder_its_trials_are_not_versions_of_one_a
 
 
 @pytest.mark.flow
+def test_the_local_clusters_scratch_space_is_in_the_state_folder_not_in_tmp(grid):
+    assert (get_settings().root / "dask" / "dask-scratch-space" / "global.lock").is_file()
+
+
+@pytest.mark.flow
 def test_sft_and_the_reference_pass_run_once_for_all_four_trials(grid):
     """The trials share the SFT config: one trial trains SFT and computes the reference log-probs,
     the three others find them cached, including the one that started at the same moment."""

@@ -140,7 +140,11 @@ def stack(tmp_path_factory):
     databases = {"prefect": f"alignflow_test_prefect_{suffix}", "mlflow": f"alignflow_test_mlflow_{suffix}"}
     ports = {"prefect": free_port(), "mlflow": free_port()}
     env = environment_without_services()
+    (home / "user-home").mkdir()
+    (home / "tmp").mkdir()
     env.update(
+        HOME=str(home / "user-home"),  # what the commands leave outside ALIGNFLOW_HOME lands here, or in TMPDIR
+        TMPDIR=str(home / "tmp"),
         ALIGNFLOW_HOME=str(home),
         PREFECT_API_URL=f"http://127.0.0.1:{ports['prefect']}/api",
         MLFLOW_TRACKING_URI=f"http://127.0.0.1:{ports['mlflow']}",
@@ -516,3 +520,22 @@ def test_browser_shows_the_run_form_and_the_mlflow_metrics(stack, smoke_run):
         "prefect-comparison.png",
     )
     assert all((SCREENSHOTS / name).stat().st_size > 10_000 for name in shots)
+
+
+def test_the_commands_leave_nothing_outside_the_state_folder(stack, smoke_run):
+    """`servers up`, `deploy`, `worker` and the flow runs it started wrote nothing to HOME or TMPDIR
+    (they are folders of this test) once no flow run is in flight (a running one has a workspace
+    in TMPDIR, removed when it ends): everything lives under ALIGNFLOW_HOME."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while True:
+        with stack.prefect() as client:
+            in_flight = [
+                run
+                for run in client.read_flow_runs()
+                if run.state and (run.state.is_running() or run.state.is_pending())
+            ]
+        outside = [p for name in ("user-home", "tmp") for p in (stack.home / name).rglob("*")]
+        if (not in_flight and not outside) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert outside == []

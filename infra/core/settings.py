@@ -157,6 +157,9 @@ def configure_environment(settings: Settings | None = None) -> Settings:
     adopt_moved_state_folder(settings.root)
     defaults = {
         "PREFECT_HOME": str(settings.root / "prefect"),
+        # what libraries would otherwise leave in ~ or /tmp (the state folder holds everything)
+        "MPLCONFIGDIR": str(settings.root / "cache" / "matplotlib"),
+        "TORCHINDUCTOR_CACHE_DIR": str(settings.root / "cache" / "torchinductor"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "1",
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
