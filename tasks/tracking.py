@@ -28,6 +28,7 @@ from prefect.settings import PREFECT_UI_URL
 
 from infra.core.mlflow_compat import DATASET_CONTEXT_TAG
 from infra.core.processes import process_record
+from infra.core.reachability import require_tracking_server
 from infra.core.settings import get_settings, redact_url
 from infra.core.stage_io import StageFolder
 from trainers.sections import Section
@@ -125,7 +126,9 @@ def mlflow_run_url(experiment: str, run_id: str) -> str:
 
 def start_parent_run(config: Section, kind: str = "experiment", parent_run_id: str | None = None) -> str:
     """A parent run for a flow run of ``config`` (which has ``name``, ``run_name`` and ``tracking``),
-    nested under ``parent_run_id`` when given (a sweep's trial under the sweep's run)."""
+    nested under ``parent_run_id`` when given (a sweep's trial under the sweep's run). An unreachable
+    tracking server fails it in seconds, before anything is created (:mod:`infra.core.reachability`)."""
+    require_tracking_server()
     tags = {
         "alignflow.kind": kind,
         "alignflow.config_hash": config.content_hash(),

@@ -13,6 +13,7 @@ import pytest
 from helpers import ALIGNFLOW, environment_without_services
 from pydantic import ValidationError
 
+from infra.core import reachability
 from infra.core.config import EvaluationRequest, ExperimentConfig, load_config
 from infra.core.launching import group_alive
 from infra.core.processes import pid_alive
@@ -264,9 +265,9 @@ def test_a_tracking_server_that_answers_is_reachable_whatever_it_answers():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         port = server.server_address[1]
-        assert servers.unreachable(f"http://bob:pw@127.0.0.1:{port}/prefix/") is None
-        assert servers.unreachable("sqlite:////nowhere/mlflow.db") is None  # a local store: nothing to reach
+        assert reachability.unreachable(f"http://bob:pw@127.0.0.1:{port}/prefix/") is None
+        assert reachability.unreachable("sqlite:////nowhere/mlflow.db") is None  # a local store: nothing to reach
     finally:
         server.shutdown()
         server.server_close()
-    assert "refused" in servers.unreachable(f"http://127.0.0.1:{port}")
+    assert "refused" in reachability.unreachable(f"http://127.0.0.1:{port}")

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import mlflow
 import pytest
@@ -17,6 +18,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from infra.core.config import load_config
+from infra.core.reachability import TrackingServerUnreachable
 from infra.core.refcache import ReferenceCache
 from infra.core.settings import get_settings
 from infra.ops.cli import main
@@ -285,3 +287,19 @@ def test_bad_input_fails_the_cli_and_leaves_nothing_behind(prefect_api_url, stat
     experiment = client.get_experiment_by_name(experiment_name)
     (run,) = client.search_runs([experiment.experiment_id])
     assert run.info.status == "FAILED"
+
+
+def test_a_flow_run_that_skipped_the_cli_fails_in_seconds_when_the_tracking_server_does_not_answer(
+    prefect_api_url, monkeypatch
+):
+    """As a worker's or a served deployment's run: the flow asks the server itself, before its parent run."""
+    from flows.pipeline import experiment
+
+    monkeypatch.setenv("ALIGNFLOW_TRACKING_URI", "http://alice:s3cret@127.0.0.1:1")
+    started = time.monotonic()
+    state = experiment(load_config(MINIMAL, UNIQUE), return_state=True)
+    assert time.monotonic() - started < 15
+    assert state.is_failed()
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, TrackingServerUnreachable)
+    assert "http://alice:***@127.0.0.1:1 does not answer (" in str(error) and "s3cret" not in str(error)

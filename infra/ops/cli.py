@@ -15,6 +15,7 @@ from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
+from infra.core.reachability import require_tracking_server
 from infra.core.settings import StateFolderError, configure_environment, redact_url
 from infra.ops import service_cli
 from infra.ops.cache_cli import add_cache_parser, cache_command
@@ -247,7 +248,7 @@ def run_flow(module: str, name: str, *args, check=None, before_run=None, preload
     this 2-core machine; a run that finds everything cached then imports nothing else."""
     from infra.ops.prefect_api import configured_prefect_api, start_temporary_server
 
-    check_tracking_server()
+    require_tracking_server()
     if not STANDALONE:
         if check is not None:
             check()
@@ -272,20 +273,6 @@ def run_flow(module: str, name: str, *args, check=None, before_run=None, preload
     if before_run is not None:
         before_run()
     return outcome(flow(*args, **kwargs, return_state=True))
-
-
-def check_tracking_server() -> None:
-    """Fail in seconds, before any run is created, when the MLflow tracking server does not answer
-    (MLflow's own client would retry for minutes, leaving a RUNNING flow run behind)."""
-    from infra.core.settings import get_settings
-    from infra.ops.servers import unreachable
-
-    uri = get_settings().mlflow_tracking_uri
-    if (problem := unreachable(uri)) is not None:
-        raise RuntimeError(
-            f"the MLflow tracking server {redact_url(uri)} does not answer ({problem}): start it (alignflow servers "
-            "up mlflow), or point MLFLOW_TRACKING_URI (ALIGNFLOW_TRACKING_URI) at one that runs"
-        )
 
 
 # What a run that computes imports, in steps of about a second (torch, transformers' models, the

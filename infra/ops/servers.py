@@ -241,24 +241,6 @@ def is_healthy(health_url: str) -> bool:
         return False
 
 
-def unreachable(uri: str, timeout: float = 5.0) -> str | None:
-    """Why nothing answers at the MLflow tracking server ``uri`` (http or https), or None: any HTTP
-    answer to ``/health`` counts, a 401 of an authenticating server too. Other URIs (a local store)
-    are None. Credentials in the URI are not sent: reaching the server is what is asked."""
-    parts = urllib.parse.urlsplit(uri)
-    if parts.scheme not in ("http", "https"):
-        return None
-    netloc = parts.netloc.rpartition("@")[2]
-    health = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/") + "/health", "", ""))
-    try:
-        with urllib.request.urlopen(health, timeout=timeout):
-            return None
-    except urllib.error.HTTPError:
-        return None
-    except OSError as error:
-        return str(getattr(error, "reason", error))
-
-
 def log_tail(folder: Path, lines: int = 20) -> str:
     try:
         return "\n".join((folder / "server.log").read_text(errors="replace").splitlines()[-lines:])
