@@ -58,6 +58,7 @@ def check_model_folder(path: Path) -> None:
         return
     if not (path / "config.json").is_file():
         raise ValueError(f"model folder {path}: config.json is missing (not a Hugging Face checkpoint folder?)")
+    check_architecture(path)
     weights = [name for name in weight_files(path) if name != "config.json"]
     if not weights:
         raise ValueError(f"model folder {path}: no weights (*.safetensors or pytorch_model*.bin)")
@@ -66,6 +67,24 @@ def check_model_folder(path: Path) -> None:
     for name in weights:
         if name.endswith(".safetensors"):
             check_safetensors(path / name)
+
+
+def check_architecture(path: Path) -> None:
+    """``config.json`` names a ``model_type`` the installed transformers knows (code shipped with the
+    model, ``auto_map``, is not run: ``trust_remote_code`` stays off)."""
+    import transformers
+
+    try:
+        config = json.loads((path / "config.json").read_text())
+        model_type = config["model_type"]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"model folder {path}: config.json is not JSON with a model_type") from None
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise ValueError(
+            f"model folder {path}: config.json's model_type {model_type!r} is not an architecture transformers "
+            f"{transformers.__version__} knows (a newer transformers, or a model that brings its own code, which "
+            "alignflow does not run)"
+        )
 
 
 def check_adapter_folder(path: Path) -> None:

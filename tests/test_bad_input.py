@@ -5,6 +5,7 @@ safe names, redacted credentials, a 0700 state folder) and the short error outpu
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
@@ -52,6 +53,8 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "deep.yaml").write_text("name: " + "[" * 100 + "]" * 100 + "\n")
     os.mkfifo(tmp_path / "fifo.yaml")  # reading it would block until a writer came
     (tmp_path / "folder.jsonl").mkdir()
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "config.json").write_text('{"model_type": "mamba9000", "architectures": ["Mamba9000"]}')
     yield tmp_path
     sys.modules.pop("alignflow_bad_rewards", None)
 
@@ -135,6 +138,11 @@ CASES = {
     "missing-model-folder": (
         ["run", MINIMAL, "model.source={tmp}/checkpoints/sft"],
         "model.source: model folder '{tmp}/checkpoints/sft' does not exist",
+    ),
+    "unknown-architecture": (
+        ["run", MINIMAL, "model.source={tmp}/foreign"],
+        "model.source: model folder {tmp}/foreign: config.json's model_type 'mamba9000' is not an architecture "
+        "transformers ",
     ),
     "relative-model-folder": (["run", MINIMAL, "model.source=./no-model"], "model folder './no-model' does not exist"),
     "model-source-is-a-file": (
@@ -392,3 +400,17 @@ def test_an_unreachable_tracking_server_fails_at_once_naming_it_and_creates_noth
     assert "http://alice:***@127.0.0.1:1 does not answer (" in first
     assert "refused" in first and "s3cret" not in first
     assert [path for path in snapshot(state_dir) if not path.startswith("logs")] == before  # no run, no store
+
+
+@pytest.mark.unit
+def test_a_full_disk_is_said_with_the_space_left(state_dir, capsys):
+    error = RuntimeError("train-sft failed")
+    error.__cause__ = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "outputs/minimal/sft-x/model.safetensors")
+    cli.report_error(f"run lucky-fox: {error}", error)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "alignflow: run lucky-fox: train-sft failed"
+    assert lines[1].startswith("alignflow: the disk ran out of space (")
+    assert f"MiB free where {state_dir} is); free some" in lines[1]
+    assert lines[2].startswith("full traceback: ")
+    assert cli.out_of_space(None, "run x: OperationalError: (sqlite3.OperationalError) database or disk is full")
+    assert not cli.out_of_space(ValueError("bad row"), "run x: ValueError: bad row")

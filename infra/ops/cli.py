@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import importlib.metadata
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -16,7 +18,7 @@ from functools import partial
 from pathlib import Path
 
 from infra.core.reachability import require_tracking_server
-from infra.core.settings import StateFolderError, configure_environment, redact_url
+from infra.core.settings import StateFolderError, configure_environment, get_settings, redact_url
 from infra.ops import service_cli
 from infra.ops.cache_cli import add_cache_parser, cache_command
 from infra.ops.databases import first_time_setup, prepare_databases
@@ -105,32 +107,61 @@ STANDALONE = False  # this process is the `alignflow` command (cli()), not a cal
 EXIT_CODE = 0
 
 
-def write_traceback(error: BaseException) -> Path:
-    """The full traceback of ``error`` in a log file under the state folder (the temp folder if that is unusable)."""
+def write_traceback(error: BaseException) -> Path | None:
+    """The full traceback of ``error`` in a log file under the state folder (the temp folder if that
+    is unusable); None when neither can be written (a full disk)."""
     text = "".join(traceback.format_exception(error))
     name = f"error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     try:
-        from infra.core.settings import get_settings
-
         folder = get_settings().root / "logs"
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         (folder / name).write_text(text)
         return folder / name
     except OSError:
         path = Path(tempfile.gettempdir()) / f"alignflow-{name}"
-        path.write_text(text)
+        try:
+            path.write_text(text)
+        except OSError:
+            return None
         return path
 
 
+# What a full disk says: the OS (ENOSPC), and SQLite (the MLflow and Prefect stores) in its own words.
+OUT_OF_SPACE = (os.strerror(errno.ENOSPC), "database or disk is full")
+
+
+def out_of_space(error: BaseException | None, message: str = "") -> bool:
+    """Whether ``error``, an error it was raised from or during, or ``message`` says the disk is full."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return True
+        message += f"\n{error}"
+        error = error.__cause__ or error.__context__
+    return any(words in message for words in OUT_OF_SPACE)
+
+
 def report_error(message: str, error: BaseException | None = None) -> None:
-    """One line ``alignflow: <message>``, then where the full traceback is (or, with --debug, the traceback)."""
+    """One line ``alignflow: <message>``, then where the full traceback is (or, with --debug, the
+    traceback); for a full disk, a line that says so, with the space left in the state folder."""
     first = message.strip().splitlines()[0] if message.strip() else type(error).__name__
     print(f"alignflow: {redact_url(first)}", file=sys.stderr)
+    if out_of_space(error, message):
+        root = get_settings().root
+        free = shutil.disk_usage(root).free / 2**20 if root.exists() else 0.0
+        print(
+            f"alignflow: the disk ran out of space ({free:.0f} MiB free where {root} is); free some (alignflow gc, "
+            "alignflow cache gc) and run again: runs this one could not mark FAILED are marked then",
+            file=sys.stderr,
+        )
     if error is not None:
         if DEBUG:
             traceback.print_exception(error, file=sys.stderr)
+        elif (path := write_traceback(error)) is not None:
+            print(f"full traceback: {path} (or run with --debug)", file=sys.stderr)
         else:
-            print(f"full traceback: {write_traceback(error)} (or run with --debug)", file=sys.stderr)
+            print("full traceback: not written (no space left); run with --debug to see it", file=sys.stderr)
 
 
 def finished(state) -> int:
@@ -213,9 +244,28 @@ def check_compute_or_exit(config, args: argparse.Namespace, launched: bool = Fal
     try:
         check_compute(config.compute, launched=launched)
     except ComputeError as error:
-        where = f"{args.config}: " if args.config else ""
-        print(f"alignflow: invalid config: {where}{error}", file=sys.stderr)
+        print(f"alignflow: invalid config: {config_place(args)}{error}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def check_model_or_exit(source: str, args: argparse.Namespace) -> None:
+    """Exit 2 when the model ``source`` is a local folder that cannot be loaded (its files, an
+    architecture transformers does not know): before the flow starts. Imports transformers."""
+    from infra.core.config.schema import is_local_path
+
+    if source.startswith(("builtin:", "runs:/", "models:/")) or not is_local_path(source):
+        return
+    from tasks.models import check_model_folder
+
+    try:
+        check_model_folder(Path(source).expanduser())
+    except ValueError as error:
+        print(f"alignflow: invalid config: {config_place(args)}model.source: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def config_place(args: argparse.Namespace) -> str:
+    return f"{args.config}: " if args.config else ""
 
 
 def clean_up_dead_runs() -> None:
@@ -287,7 +337,11 @@ def run_command(args: argparse.Namespace) -> int:
     from infra.core.config import ExperimentConfig
 
     config = load_or_exit(ExperimentConfig, args)
-    check = lambda: check_compute_or_exit(config, args, launched=True)
+
+    def check() -> None:
+        check_compute_or_exit(config, args, launched=True)
+        check_model_or_exit(config.model.source, args)
+
     return run_flow(
         "flows.pipeline", "experiment", config, check=check, before_run=clean_up_dead_runs, preload=TRAINING_MODULES
     )
