@@ -162,6 +162,8 @@ def configure_environment(settings: Settings | None = None) -> Settings:
         "TORCHINDUCTOR_CACHE_DIR": str(settings.root / "cache" / "torchinductor"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "1",
+        # MLflow reads DO_NOT_TRACK only as "true", and otherwise writes ~/.config/mlflow/telemetry.json
+        "MLFLOW_DISABLE_TELEMETRY": "true",
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
         "PREFECT_LOGGING_LOG_PRINTS": "true",
         "PREFECT_LOGGING_EXTRA_LOGGERS": "alignflow",  # e.g. the reference cache's rebuild warnings
