@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import time
 from contextlib import contextmanager
@@ -46,8 +47,10 @@ def experiment_id(name: str) -> str:
     if found is not None:
         return found.experiment_id
     root = get_settings().mlflow_artifact_location
+    # the name as a folder below the artifact root, and never out of it (a name may hold / or ..)
+    folder = re.sub(r"[^A-Za-z0-9_-]", "_", name)
     try:
-        return client().create_experiment(name, artifact_location=f"{root}/{name}" if root else None)
+        return client().create_experiment(name, artifact_location=f"{root}/{folder}" if root else None)
     except MlflowException as error:
         if error.error_code != "RESOURCE_ALREADY_EXISTS" or (found := client().get_experiment_by_name(name)) is None:
             raise

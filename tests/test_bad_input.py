@@ -311,6 +311,42 @@ def test_a_failing_command_prints_one_line_and_where_the_traceback_is(monkeypatc
 
 
 @pytest.mark.unit
+def test_ctrl_c_ends_with_one_line_and_exit_130(monkeypatch, state_dir, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(cli.COMMANDS, "compare", interrupted)
+    assert cli.main(["compare"]) == 130
+    first, second = capsys.readouterr().err.splitlines()
+    assert first == "alignflow: interrupted (Ctrl-C); runs it left RUNNING are marked FAILED by the next run"
+    assert second.startswith(f"full traceback: {state_dir / 'logs'}/")
+
+
+@pytest.mark.unit
+def test_a_traceback_outside_the_state_folder_is_its_owners_only_and_carries_no_password(monkeypatch, tmp_path):
+    unusable = tmp_path / "a-file"
+    unusable.write_text("")
+    monkeypatch.setenv("ALIGNFLOW_HOME", str(unusable))  # logs/ cannot be made below a file: the temp folder
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(cli.tempfile, "tempdir", None)
+    try:
+        raise RuntimeError("API request to http://probeuser:s3cret@127.0.0.1:1/api failed")
+    except RuntimeError as error:
+        path = cli.write_traceback(error)
+    assert path.parent == tmp_path and path.stat().st_mode & 0o777 == 0o600
+    assert "probeuser:***@127.0.0.1" in path.read_text() and "s3cret" not in path.read_text()
+
+
+@pytest.mark.unit
+def test_an_experiment_name_never_puts_artifacts_outside_the_state_folder(state_dir):
+    from tasks.tracking import client, experiment_id
+
+    experiment = client().get_experiment(experiment_id("../../outside me"))
+    assert experiment.name == "../../outside me"
+    assert experiment.artifact_location == f"{state_dir.as_uri()}/mlartifacts/______outside_me"
+
+
+@pytest.mark.unit
 def test_local_model_folders_are_checked_at_resolve_naming_folder_and_file(tiny, tmp_path):
     from infra.core.config import ModelConfig
     from tasks.models import resolve_model

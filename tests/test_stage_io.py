@@ -12,6 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from infra.core.config import ComputeConfig, EvaluationConfig
+from infra.core.fingerprints import atomic_directory
 from infra.core.handles import ModelHandle, PreparedData
 from infra.core.launching import Finished
 from infra.core.stage_io import EvaluateJob, StageFolder, TrainInputs, TrainJob, read_spec
@@ -130,3 +131,17 @@ def test_a_rank_error_a_retry_would_repeat_is_raised_as_itself_and_not_retried(t
     crashed = failure("sft", Finished(1, []), tmp_path)
     assert type(crashed) is LaunchFailed
     assert worth_retrying(None, None, SimpleNamespace(result=lambda raise_on_failure: crashed))
+
+
+def test_a_symlink_at_a_folder_the_pipeline_writes_is_replaced_never_followed(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("secret")
+    folder = StageFolder(path=tmp_path / "sft-abc")
+    folder.path.mkdir()
+    folder.model_dir.symlink_to(outside, target_is_directory=True)  # planted before the stage saves its model
+    with atomic_directory(folder.model_dir) as staging:
+        (staging / "model.safetensors").write_bytes(b"weights")
+    assert not folder.model_dir.is_symlink()
+    assert [p.name for p in folder.model_dir.iterdir()] == ["model.safetensors"]
+    assert [p.name for p in outside.iterdir()] == ["secret.txt"]  # untouched, and not the stage's model

@@ -128,12 +128,15 @@ def staging_copies(target: Path) -> list[Path]:
 
 @contextmanager
 def atomic_directory(target: Path) -> Iterator[Path]:
-    """Yield a temporary folder beside ``target`` and rename it into place only on success."""
+    """Yield a temporary folder beside ``target`` and rename it into place only on success. A
+    symlink at ``target`` is not ours: it is removed, never followed, and the folder takes its place."""
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f"{staging_name(target)}{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     try:
         yield staging
+        if target.is_symlink():
+            target.unlink()
         if target.exists():  # another writer finished first; theirs is equivalent
             shutil.rmtree(staging)
         else:

@@ -110,7 +110,7 @@ EXIT_CODE = 0
 def write_traceback(error: BaseException) -> Path | None:
     """The full traceback of ``error`` in a log file under the state folder (the temp folder if that
     is unusable); None when neither can be written (a full disk)."""
-    text = "".join(traceback.format_exception(error))
+    text = redact_url("".join(traceback.format_exception(error)))
     name = f"error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     try:
         folder = get_settings().root / "logs"
@@ -119,8 +119,9 @@ def write_traceback(error: BaseException) -> Path | None:
         return folder / name
     except OSError:
         path = Path(tempfile.gettempdir()) / f"alignflow-{name}"
-        try:
-            path.write_text(text)
+        try:  # outside the 0700 state folder: readable by its owner only
+            with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as handle:
+                handle.write(text)
         except OSError:
             return None
         return path
@@ -157,7 +158,7 @@ def report_error(message: str, error: BaseException | None = None) -> None:
         )
     if error is not None:
         if DEBUG:
-            traceback.print_exception(error, file=sys.stderr)
+            print(redact_url("".join(traceback.format_exception(error))), file=sys.stderr, end="")
         elif (path := write_traceback(error)) is not None:
             print(f"full traceback: {path} (or run with --debug)", file=sys.stderr)
         else:
@@ -274,7 +275,8 @@ def clean_up_dead_runs() -> None:
     try:
         cleanup(say=lambda line: print(f"alignflow: {line}", file=sys.stderr), quiet=True)
     except Exception as error:
-        print(f"alignflow: warning: runs cleanup failed ({type(error).__name__}: {error})", file=sys.stderr)
+        cause = redact_url(f"{type(error).__name__}: {error}")
+        print(f"alignflow: warning: runs cleanup failed ({cause})", file=sys.stderr)
 
 
 def import_quietly(module: str) -> None:
@@ -417,9 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as stop:
         EXIT_CODE = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
         raise
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupted:  # Ctrl-C: one line, not a traceback
         EXIT_CODE = 130
-        raise
+        report_error("interrupted (Ctrl-C); runs it left RUNNING are marked FAILED by the next run", interrupted)
     return EXIT_CODE
 
 
