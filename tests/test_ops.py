@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import signal
 import socket
@@ -16,7 +18,7 @@ from pydantic import ValidationError
 from infra.core import reachability
 from infra.core.config import EvaluationRequest, ExperimentConfig, load_config
 from infra.core.launching import group_alive
-from infra.core.processes import pid_alive
+from infra.core.processes import pid_alive, process_record
 from infra.ops import servers
 from infra.ops.cli import main
 from infra.ops.deployments import PROJECT_ROOT, config_parameters, schedules, select_deployments, served_deployments
@@ -162,6 +164,24 @@ def test_stop_ends_the_whole_process_group_and_forgets_the_pid(tmp_path):
     assert servers.stop(tmp_path, timeout=5)
     assert not group_alive(pid)
     assert servers.read_pid(tmp_path) is None and not servers.stop(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_stale_pid_file_naming_another_process_is_never_signalled(tmp_path):
+    """The server is long gone and the system gave its pid to an unrelated process: not the server."""
+    stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        record = process_record(stranger.pid)
+        (tmp_path / "pid").write_text(str(stranger.pid))
+        stale = dataclasses.replace(record, start_ticks=record.start_ticks - 1)  # the server's start, not this one's
+        (tmp_path / servers.PROCESS_FILE).write_text(json.dumps(stale.tags()))
+        assert servers.read_pid(tmp_path) is None and not servers.server_status("mlflow", tmp_path).running
+        assert not servers.stop(tmp_path, timeout=5)
+        assert stranger.poll() is None  # alive: never signalled
+        assert not (tmp_path / "pid").exists() and not (tmp_path / servers.PROCESS_FILE).exists()
+    finally:
+        stranger.kill()
+        stranger.wait()
 
 
 @pytest.mark.slow

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from helpers import environment_without_services, free_port
 
-from infra.ops import prefect_api
+from infra.core.processes import process_record
+from infra.ops import prefect_api, servers
 from infra.ops.prefect_api import TemporaryServer, configured_prefect_api
 
 PROJECT = Path(__file__).parents[1]
@@ -34,13 +35,13 @@ def test_a_configured_api_url_comes_first_then_a_servers_up_server(monkeypatch):
 def test_servers_up_api_url_reads_a_healthy_record_only(tmp_path, monkeypatch, state_dir):
     folder = state_dir / "servers" / "prefect"
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "pid").write_text(str(os.getpid()))  # a live process
+    (folder / servers.PROCESS_FILE).write_text(json.dumps(process_record().tags()))  # a live process
     record = {"health_url": "http://127.0.0.1:9/api/health", "exports": {"PREFECT_API_URL": "http://h:1/api"}}
     (folder / "server.json").write_text(json.dumps(record))
     try:
         assert prefect_api.servers_up_api_url() is None  # alive, but nothing answers its health URL
     finally:
-        for name in ("pid", "server.json"):
+        for name in (servers.PROCESS_FILE, "server.json"):
             (folder / name).unlink()
 
 

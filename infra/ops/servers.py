@@ -24,7 +24,7 @@ from typing import Callable
 
 from infra.core.launching import ProcessGroup
 from infra.core.mlflow_compat import default_allowed_hosts
-from infra.core.processes import listening_pids, pid_alive
+from infra.core.processes import ProcessRecord, is_alive, listening_pids, pid_alive, process_record
 from infra.core.settings import Settings
 
 HEALTH_TIMEOUT_S = 180.0
@@ -194,15 +194,22 @@ def ensure_postgres_database(url: str) -> bool:
         connection.close()
 
 
+PROCESS_FILE = "process.json"  # the server's process record (pid, start tick, boot id), written at start
+
+
 def servers_dir(settings: Settings) -> Path:
     return settings.root / "servers"
 
 
 def read_pid(folder: Path) -> int | None:
+    """The server's pid while the process recorded at its start runs (same boot, same start tick);
+    None when there is none, or when the pid now names another process: a stale pid file is never
+    taken for the server, so nothing signals a stranger."""
     try:
-        return int((folder / "pid").read_text())
+        record = ProcessRecord.from_tags(json.loads((folder / PROCESS_FILE).read_text()))
     except (OSError, ValueError):
         return None
+    return record.pid if record is not None and is_alive(record) else None
 
 
 def port_in_use(url: str) -> str | None:
@@ -262,7 +269,8 @@ def start(spec: ServerSpec, folder: Path) -> int:
             cwd=folder,
             tied_to_parent=False,  # it outlives `alignflow servers up`
         )
-    (folder / "pid").write_text(str(group.pgid))
+    (folder / "pid").write_text(str(group.pgid))  # for people; alignflow reads the process record
+    (folder / PROCESS_FILE).write_text(json.dumps(process_record(group.pgid).tags()))
     record = {
         "url": spec.url,
         "health_url": spec.health_url,
@@ -277,11 +285,11 @@ def start(spec: ServerSpec, folder: Path) -> int:
 def stop(folder: Path, timeout: float = STOP_TIMEOUT_S) -> bool:
     """Stop the server's whole process group (TERM, then KILL after ``timeout``); False if none ran."""
     pid = read_pid(folder)
-    if pid is None:
-        return False
-    ProcessGroup(pid).stop(grace=timeout)
-    (folder / "pid").unlink(missing_ok=True)
-    return True
+    if pid is not None:
+        ProcessGroup(pid).stop(grace=timeout)
+    for name in ("pid", PROCESS_FILE):
+        (folder / name).unlink(missing_ok=True)
+    return pid is not None
 
 
 def run_in_group(command: list[str], grace: float) -> int:
