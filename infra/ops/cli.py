@@ -252,9 +252,9 @@ def check_compute_or_exit(config, args: argparse.Namespace, launched: bool = Fal
 def check_model_or_exit(source: str, args: argparse.Namespace) -> None:
     """Exit 2 when the model ``source`` is a local folder that cannot be loaded (its files, an
     architecture transformers does not know): before the flow starts. Imports transformers."""
-    from infra.core.config.schema import is_local_path
+    from infra.core.config.schema import is_model_folder
 
-    if source.startswith(("builtin:", "runs:/", "models:/")) or not is_local_path(source):
+    if not is_model_folder(source):
         return
     from tasks.models import check_model_folder
 

@@ -60,13 +60,18 @@ def is_local_path(source: str) -> bool:
     return source.startswith(("/", ".", "~")) or source.count("/") > 1 or Path(source).exists()
 
 
+def is_model_folder(source: str) -> bool:
+    """A model source that names a local checkpoint folder (not a built-in, MLflow or hub model)."""
+    return not source.startswith(("builtin:", "runs:/", "models:/")) and is_local_path(source)
+
+
 def check_model_source(source: str) -> str:
     if source.startswith("builtin:"):
         name = source.removeprefix("builtin:")
         if name not in BUILTIN_MODEL_NAMES:
             known = ", ".join(f"builtin:{n}" for n in BUILTIN_MODEL_NAMES)
             raise ValueError(f"unknown built-in model {source!r}; known: {known}")
-    elif not source.startswith(("runs:/", "models:/")) and is_local_path(source):
+    elif is_model_folder(source):
         path = Path(source).expanduser()
         if not path.exists():
             raise ValueError(f"model folder {source!r} does not exist")
