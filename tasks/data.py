@@ -9,7 +9,7 @@ from pathlib import Path
 import datasets
 from prefect import get_run_logger, task
 
-from infra.core.config import DataConfig, DatasetSource, is_template_text
+from infra.core.config import DataConfig, DatasetSource, is_template_text, template_file
 from infra.core.fingerprints import atomic_directory, code_fingerprint, hash_paths, hash_token_ids, hash_value
 from infra.core.handles import ModelHandle, PreparedData
 from infra.core.settings import get_settings
@@ -55,10 +55,10 @@ def resolve_chat_template(value: str | None) -> str | None:
     if value is None:
         return None
     if not is_template_text(value):
-        path = Path(value).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"data.chat_template: no such file {value!r} (and not a Jinja template)")
-        return path.read_text(encoding="utf-8")
+        try:
+            return template_file(value).read_text(encoding="utf-8")
+        except ValueError as error:  # checked at load time too; the file may have moved since
+            raise ValueError(f"data.chat_template: {error}") from None
     return value
 
 

@@ -309,3 +309,30 @@ def test_promotion_needs_a_model_in_mlflow():
     with pytest.raises(ValidationError, match="tracking.log_checkpoints: none stores no model in MLflow"):
         load_config("configs/default.yaml", ["tracking.log_checkpoints=none"])
     assert load_config(None, ["tracking.log_checkpoints=none"]).promotion.registered_model is None
+
+
+def test_a_chat_template_file_must_lie_in_the_project_or_an_allowed_folder(tmp_path, monkeypatch):
+    """A template's text reaches prompts, MLflow's samples and the trained tokenizer: a config may
+    name a file of the project (the working folder) or of ALIGNFLOW_TEMPLATE_DIRS, not any file the
+    worker can read, and a symlink in the project does not lead out of it."""
+    project, shared = tmp_path / "project", tmp_path / "shared"
+    (project / "templates").mkdir(parents=True)
+    shared.mkdir()
+    (project / "templates" / "chat.jinja").write_text("{{ messages[0]['content'] }}")
+    (shared / "chat.jinja").write_text("{{ messages[-1]['content'] }}")
+    (project / "templates" / "link.jinja").symlink_to(shared / "chat.jinja")
+    monkeypatch.chdir(project)
+    monkeypatch.delenv("ALIGNFLOW_TEMPLATE_DIRS", raising=False)
+    assert load_config(None, ["data.chat_template=templates/chat.jinja"]).data.chat_template == "templates/chat.jinja"
+    for outside in (str(shared / "chat.jinja"), "templates/link.jinja", "../shared/chat.jinja"):
+        with pytest.raises(ValidationError) as error:
+            load_config(None, [f"data.chat_template={outside}"])
+        assert config_errors(error.value) == [
+            (
+                "data.chat_template",
+                f"{outside!r} lies outside the folders a template file may come from ({project}): put it in the "
+                "project, or list its folder in ALIGNFLOW_TEMPLATE_DIRS",
+            )
+        ]
+    monkeypatch.setenv("ALIGNFLOW_TEMPLATE_DIRS", str(shared))
+    assert load_config(None, ["data.chat_template=templates/link.jinja"]).data.chat_template == "templates/link.jinja"

@@ -369,7 +369,8 @@ def base():
     return resolve_model.fn(ModelConfig())
 
 
-def test_chat_template_override_and_source_options_change_the_prepared_data(base, tmp_path):
+def test_chat_template_override_and_source_options_change_the_prepared_data(base, tmp_path, monkeypatch):
+    monkeypatch.setenv("ALIGNFLOW_TEMPLATE_DIRS", str(tmp_path))
     pairs = write_jsonl(
         tmp_path / "pairs.jsonl", [{"prompt": [user("1+2=")], "chosen": [assistant("3")], "rejected": [assistant("4")]}]
     )

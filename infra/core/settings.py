@@ -31,10 +31,20 @@ class Settings(BaseSettings):
     stage_lock_timeout: float = 24 * 3600  # seconds a flow waits for an identical one to finish a stage
     mlflow_ui_url: str | None = None
     metrics_flush_timeout: float = 300.0  # seconds a stage's end waits for metrics buffered during an MLflow outage
+    # folders, beside the project, that `data.chat_template` files may come from (os.pathsep between them)
+    template_dirs: str = ""
 
     @cached_property
     def root(self) -> Path:
         return self.home.expanduser().resolve()
+
+    @property
+    def template_roots(self) -> list[Path]:
+        """Where a ``data.chat_template`` file may lie: the project (the folder alignflow runs in) and
+        each folder of ``ALIGNFLOW_TEMPLATE_DIRS``. A template's text reaches prompts, samples and the
+        trained tokenizer, so a config must not name any file the worker can read."""
+        listed = [Path(folder).expanduser().resolve() for folder in self.template_dirs.split(os.pathsep) if folder]
+        return [Path.cwd().resolve(), *listed]
 
     @property
     def outputs(self) -> Path:

@@ -32,6 +32,7 @@ from infra.core.config.schema import (
     TrackingConfig,
     is_template_text,
     seeded_fields,
+    template_file,
 )
 from infra.core.config.tree import set_path
 
@@ -54,6 +55,7 @@ __all__ = [
     "ReferenceConfig",
     "SafeName",
     "is_template_text",
+    "template_file",
     "TrackingConfig",
     "accelerate_config_path",
     "check_compute",

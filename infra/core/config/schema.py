@@ -18,6 +18,7 @@ from pydantic import AfterValidator, BaseModel, Field, create_model, field_valid
 
 from infra.core.config.compute import ComputeConfig
 from infra.core.config.tree import get_path, set_path
+from infra.core.settings import get_settings
 from trainers.lora import LoraSettings
 from trainers.metrics import evaluation_metric_names, per_prompt_metric_names
 from trainers.plugins import import_plugins
@@ -52,6 +53,21 @@ SafeName = Annotated[str, AfterValidator(safe_name)]
 def is_template_text(value: str) -> bool:
     """``data.chat_template`` is Jinja text when it has a ``{``, else the path of a file holding it."""
     return "{" in value
+
+
+def template_file(value: str) -> Path:
+    """The file a ``data.chat_template`` path names, symlinks and ``..`` resolved; it must lie in the
+    project or a folder of ``ALIGNFLOW_TEMPLATE_DIRS`` (:attr:`Settings.template_roots`)."""
+    path = Path(value).expanduser().resolve()
+    if not path.is_file():
+        raise ValueError(f"no such file {value!r} (and not a Jinja template: it has no '{{')")
+    roots = get_settings().template_roots
+    if not any(path.is_relative_to(root) for root in roots):
+        raise ValueError(
+            f"{value!r} lies outside the folders a template file may come from ({', '.join(map(str, roots))}): "
+            "put it in the project, or list its folder in ALIGNFLOW_TEMPLATE_DIRS"
+        )
+    return path
 
 
 def is_local_path(source: str) -> bool:
@@ -194,15 +210,17 @@ class DataConfig(Section):
         "`drop` drops every row that does not fit instead of cutting it.",
     )
     chat_template: str | None = Field(
-        None, description="Chat template for conversational rows (a Jinja string or a file), over the tokenizer's."
+        None,
+        description="Chat template for conversational rows, over the tokenizer's: a Jinja string, or a file inside the "
+        "project or a folder of `ALIGNFLOW_TEMPLATE_DIRS`.",
     )
     seed: Seed = Field(0, description="Seed of source mixing (`weight` / `num_samples`).")
 
     @field_validator("chat_template")
     @classmethod
-    def _template_file_exists(cls, value: str | None) -> str | None:
-        if value is not None and not is_template_text(value) and not Path(value).expanduser().is_file():
-            raise ValueError(f"no such file {value!r} (and not a Jinja template: it has no '{{')")
+    def _template_file_allowed(cls, value: str | None) -> str | None:
+        if value is not None and not is_template_text(value):
+            template_file(value)
         return value
 
     @model_validator(mode="after")
