@@ -53,6 +53,7 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "deep.yaml").write_text("name: " + "[" * 100 + "]" * 100 + "\n")
     os.mkfifo(tmp_path / "fifo.yaml")  # reading it would block until a writer came
     (tmp_path / "folder.jsonl").mkdir()
+    (tmp_path / "outside.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     (tmp_path / "foreign").mkdir()
     (tmp_path / "foreign" / "config.json").write_text('{"model_type": "mamba9000", "architectures": ["Mamba9000"]}')
     yield tmp_path
@@ -75,6 +76,10 @@ CASES = {
     "chat-template-missing": (
         ["run", MINIMAL, "data.chat_template={tmp}/chatml.jinja"],
         "data.chat_template: no such file '{tmp}/chatml.jinja' (and not a Jinja template",
+    ),
+    "chat-template-outside-the-project": (
+        ["run", MINIMAL, "data.chat_template={tmp}/outside.jinja"],
+        "data.chat_template: '{tmp}/outside.jinja' lies outside the folders a template file may come from",
     ),
     "builtin-no-training-problems": (
         ["run", MINIMAL, "data.builtin.num_eval_problems=100"],
@@ -288,10 +293,27 @@ def test_mlflow_links_stored_in_prefect_carry_no_password(monkeypatch):
 
 
 @pytest.mark.unit
-def test_mlflow_does_not_print_a_tracking_uri_with_credentials(tmp_path, monkeypatch):
-    monkeypatch.delenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", raising=False)
-    configure_environment(Settings(home=tmp_path, tracking_uri="http://alice:s3cret@mlflow:5000"))
-    assert os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] == "true"
+@pytest.mark.parametrize("variable", ["ALIGNFLOW_TRACKING_URI", "MLFLOW_TRACKING_URI"])
+def test_a_tracking_uris_credentials_move_to_mlflows_own_variables(variable, tmp_path, monkeypatch):
+    """MLflow names the tracking URI in every failed request's error, which Prefect stores: the URI
+    keeps no password; MLflow sends the credentials from its own variables (those set win)."""
+    names = ["ALIGNFLOW_TRACKING_URI", "MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"]
+    for name in [*names, "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"]:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, "https://alice:s3%2Fcret@mlflow:5000/prefix")
+    settings = configure_environment(Settings(home=tmp_path))
+    assert settings.mlflow_tracking_uri == "https://mlflow:5000/prefix"
+    expected_uris = {variable: "https://mlflow:5000/prefix", "MLFLOW_TRACKING_URI": "https://mlflow:5000/prefix"}
+    assert {name: os.environ.get(name) for name in names} == {
+        "ALIGNFLOW_TRACKING_URI": None,
+        **expected_uris,
+        "MLFLOW_TRACKING_USERNAME": "alice",
+        "MLFLOW_TRACKING_PASSWORD": "s3/cret",
+    }
+    assert "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT" not in os.environ  # nothing left to hide
+    monkeypatch.setenv(variable, "http://bob:other@mlflow:5000")
+    configure_environment(Settings(home=tmp_path))
+    assert (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"]) == ("alice", "s3/cret")
 
 
 @pytest.mark.unit
@@ -380,6 +402,21 @@ def test_servers_up_refuses_a_port_another_process_listens_on(tmp_path, monkeypa
     assert not (tmp_path / "servers" / "prefect" / "pid").exists()  # nothing was started
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_servers_up_refuses_a_wildcard_bind_without_auth_unless_told(host, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ALIGNFLOW_HOME", str(tmp_path))
+    assert cli.main(["servers", "up", "--host", host]) == 2
+    assert capsys.readouterr().err == (
+        f"alignflow servers: --host {host} serves every network this machine is on: add --auth (clients then "
+        "need the credentials), or --no-auth to serve without authentication anyway\n"
+    )
+    assert not (tmp_path / "servers").exists()  # nothing started, no credentials made
+    with pytest.raises(SystemExit):
+        cli.main(["servers", "up", "--auth", "--no-auth"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_servers_report_a_dead_server_even_if_its_port_answers(tmp_path, monkeypatch):
     """Its own server failed ("address already in use") while another process answers the health URL."""
@@ -428,12 +465,13 @@ def test_log_records_with_credentials_are_redacted_and_lose_their_traceback_on_t
 @pytest.mark.unit
 def test_an_unreachable_tracking_server_fails_at_once_naming_it_and_creates_nothing(monkeypatch, state_dir, capsys):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://alice:s3cret@127.0.0.1:1")
-    monkeypatch.delenv("ALIGNFLOW_TRACKING_URI", raising=False)
+    for name in ("ALIGNFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.delenv(name, raising=False)  # restored after the test: the CLI sets the last two
     before = [path for path in snapshot(state_dir) if not path.startswith("logs")]
     assert cli.main(["run", MINIMAL]) == 1
     first = capsys.readouterr().err.splitlines()[0]
     assert first.startswith("alignflow: TrackingServerUnreachable: the MLflow tracking server ")
-    assert "http://alice:***@127.0.0.1:1 does not answer (" in first
+    assert "http://127.0.0.1:1 does not answer (" in first  # its credentials went to MLflow's own variables
     assert "refused" in first and "s3cret" not in first
     assert [path for path in snapshot(state_dir) if not path.startswith("logs")] == before  # no run, no store
 

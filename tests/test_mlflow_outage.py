@@ -39,11 +39,13 @@ STALL_S = 5.0  # a step of the tiny model takes milliseconds; MLflow's own retri
 
 
 class TrackingServer:
-    """`mlflow server` on SQLite in ``folder``, as `alignflow servers up` starts it."""
+    """`mlflow server` on SQLite in ``folder``, as `alignflow servers up` starts it (with ``credentials``:
+    as `servers up --auth` does)."""
 
-    def __init__(self, folder):
+    def __init__(self, folder, credentials: servers.Credentials | None = None):
         self.folder = folder
-        self.spec = servers.mlflow_server(servers.ServerOptions(mlflow_port=free_port()), folder)
+        options = servers.ServerOptions(mlflow_port=free_port(), credentials=credentials)
+        self.spec = servers.mlflow_server(options, folder)
 
     def start(self) -> None:
         servers.start(self.spec, self.folder)
@@ -206,12 +208,36 @@ def test_metrics_the_store_rejects_are_reported_at_close():
         sender.close(timeout=30)
 
 
-@pytest.mark.flow
-def test_alignflow_run_fails_with_one_clear_line_when_mlflow_dies_for_good(server, tmp_path, prefect_api_url):
+@pytest.fixture
+def protected_server(tmp_path):
+    """A tracking server that asks for a password (MLflow's basic-auth app)."""
+    credentials = servers.Credentials.generate()
+    server = TrackingServer(tmp_path / "mlflow-server", credentials)
+    server.start()
+    server.wait_healthy()
+    yield server, credentials
+    servers.stop(server.folder, timeout=5)
+
+
+def files_holding(folder: Path, secret: str) -> list[str]:
+    """Every file below ``folder`` whose bytes hold ``secret`` (databases and their write-ahead logs too)."""
+    return [str(path) for path in sorted(folder.rglob("*")) if path.is_file() and secret.encode() in path.read_bytes()]
+
+
+@pytest.mark.slow
+def test_alignflow_run_fails_with_one_clear_line_when_mlflow_dies_for_good_and_stores_no_password(
+    protected_server, tmp_path
+):
+    """The outage path with a password in the tracking URI (and a run's own temporary Prefect
+    server): the error line names the server without the password, and no output, no file of the
+    state folder and no Prefect database holds it."""
+    server, credentials = protected_server
+    password = credentials.mlflow_password
+    url = server.spec.url.replace("://", f"://{credentials.mlflow_username}:{password}@")
+    home = tmp_path / "home"
     env = environment_without_services("ALIGNFLOW_") | {
-        "ALIGNFLOW_HOME": str(tmp_path / "home"),
-        "PREFECT_API_URL": prefect_api_url,
-        "MLFLOW_TRACKING_URI": server.spec.url,
+        "ALIGNFLOW_HOME": str(home),
+        "MLFLOW_TRACKING_URI": url,
         "ALIGNFLOW_METRICS_FLUSH_TIMEOUT": "3",
         "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",  # the flow's own last calls (marking runs FAILED) fail fast
         "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
@@ -219,9 +245,9 @@ def test_alignflow_run_fails_with_one_clear_line_when_mlflow_dies_for_good(serve
     }
     command = [sys.executable, "-m", "infra.ops.cli", "run", "configs/minimal.yaml", "stages=[sft]"]
     command += ["sft.max_steps=200", "sft.logging_steps=1", "tracking.log_checkpoints=none"]
-    log = tmp_path / "run.log"
-    with log.open("w") as out:
-        runner = subprocess.Popen(command, cwd=PROJECT_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=out)
+    log, out_log = tmp_path / "run.log", tmp_path / "run.out"
+    with log.open("w") as out, out_log.open("w") as stdout:
+        runner = subprocess.Popen(command, cwd=PROJECT_ROOT, env=env, stdout=stdout, stderr=out)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while "sft 4/200" not in log.read_text() and runner.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -229,8 +255,11 @@ def test_alignflow_run_fails_with_one_clear_line_when_mlflow_dies_for_good(serve
         assert runner.wait(timeout=300) == 1, log.read_text()[-3000:]
     errors = [line for line in log.read_text().splitlines() if line.startswith("alignflow: ")]
     assert len(errors) == 1, log.read_text()[-3000:]
-    assert re.match(
+    assert re.match(  # the URI without its credentials, which MLflow sends from its own variables
         rf"alignflow: run [\w-]+: MetricsNotDelivered: MLflow run \w+: \d+ metric values \(steps \d+–200\) "
         rf"not delivered to {re.escape(server.spec.url)} within 3 s",
         errors[0],
     ), errors[0]
+    assert (home / "prefect" / "prefect.db").is_file()  # the run's own temporary server: its database is here
+    assert password not in log.read_text() + out_log.read_text()
+    assert files_holding(home, password) == []

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -22,32 +24,62 @@ PROJECT = Path(__file__).parents[1]
 
 @pytest.mark.unit
 def test_a_configured_api_url_comes_first_then_a_servers_up_server(monkeypatch):
-    monkeypatch.setattr(prefect_api, "servers_up_api_url", lambda: "http://127.0.0.1:4200/api")
+    served = {"PREFECT_API_URL": "http://127.0.0.1:4200/api", "PREFECT_API_AUTH_STRING": "s"}
+    monkeypatch.setattr(prefect_api, "servers_up_environment", lambda: served)
     monkeypatch.setenv("PREFECT_API_URL", "http://prefect.example:4200/api")
-    assert configured_prefect_api() == "http://prefect.example:4200/api"
+    assert configured_prefect_api() == {}  # the environment's API, as it is
     monkeypatch.delenv("PREFECT_API_URL")
-    assert configured_prefect_api() == "http://127.0.0.1:4200/api"
-    monkeypatch.setattr(prefect_api, "servers_up_api_url", lambda: None)
+    assert configured_prefect_api() == served
+    monkeypatch.setattr(prefect_api, "servers_up_environment", lambda: None)
     assert configured_prefect_api() is None  # a temporary server is needed
 
 
 @pytest.mark.unit
-def test_servers_up_api_url_reads_a_healthy_record_only(tmp_path, monkeypatch, state_dir):
+def test_servers_up_environment_reads_a_healthy_record_only(tmp_path, monkeypatch, state_dir):
     folder = state_dir / "servers" / "prefect"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / servers.PROCESS_FILE).write_text(json.dumps(process_record().tags()))  # a live process
     record = {"health_url": "http://127.0.0.1:9/api/health", "exports": {"PREFECT_API_URL": "http://h:1/api"}}
     (folder / "server.json").write_text(json.dumps(record))
     try:
-        assert prefect_api.servers_up_api_url() is None  # alive, but nothing answers its health URL
+        assert prefect_api.servers_up_environment() is None  # alive, but nothing answers its health URL
     finally:
         for name in (servers.PROCESS_FILE, "server.json"):
             (folder / name).unlink()
 
 
+NOBODY_PROBE = """
+import json, sys, urllib.error, urllib.request
+pid, url = sys.argv[1:]
+try:
+    open(f"/proc/{pid}/environ", "rb").read()
+    environ = "read"
+except PermissionError:
+    environ = "refused"
+request = urllib.request.Request(url, data=b"{}", headers={"Content-Type": "application/json"})
+try:
+    status = urllib.request.urlopen(request, timeout=10).status
+except urllib.error.HTTPError as error:
+    status = error.code
+print(json.dumps({"environ": environ, "status": status}))
+"""
+
+
+def post_status(url: str, headers: dict[str, str]) -> int:
+    request = urllib.request.Request(url, data=b"{}", headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
 @pytest.mark.slow
-def test_a_temporary_server_answers_the_api_and_leaves_nothing_when_stopped(tmp_path, state_dir):
-    """While it starts, the waiting process runs its steps one at a time, and none once it answers."""
+def test_a_temporary_server_answers_only_its_owner_and_leaves_nothing_when_stopped(tmp_path, state_dir):
+    """While it starts, the waiting process runs its steps one at a time, and none once it answers.
+    It refuses every API request without its random auth string, which lives only in its owner's
+    environment: another local user (``nobody``) can neither read that environment nor list the flow
+    runs (``POST /api/flow_runs/filter``) and their configs."""
     server = TemporaryServer(free_port(), tmp_path / "server.log")
     server.launch()
     step_ends = []
@@ -58,6 +90,22 @@ def test_a_temporary_server_answers_the_api_and_leaves_nothing_when_stopped(tmp_
             assert json.load(response) is True
         assert 0 < len(step_ends) < 3000  # the server took seconds, not ten minutes
         assert answered - step_ends[-1] < 1.0  # one health check after the last step, not another step
+        runs = f"{server.api_url}/flow_runs/filter"
+        token = base64.b64encode(server.auth_string.encode()).decode()
+        assert post_status(runs, {}) == 401
+        assert post_status(runs, {"Authorization": f"Basic {base64.b64encode(b'guess').decode()}"}) == 401
+        assert post_status(runs, {"Authorization": f"Basic {token}"}) == 200
+        assert server.auth_string not in (tmp_path / "server.log").read_text()
+        if os.geteuid() == 0 and Path("/usr/bin/python3").exists():  # a probe as another user (CI runs as root)
+            probe = subprocess.run(
+                ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "/usr/bin/python3", "-I", "-c"]
+                + [NOBODY_PROBE, str(server.group.pgid), runs],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                cwd="/",
+            )
+            assert json.loads(probe.stdout) == {"environ": "refused", "status": 401}, probe.stderr
     finally:
         server.stop()
     assert server.group.poll() is not None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import urllib.parse
 from functools import cached_property
 from pathlib import Path
 
@@ -160,9 +161,27 @@ def adopt_moved_state_folder(root: Path) -> None:
     staging.replace(origin)
 
 
+def tracking_credentials_apart(settings: Settings) -> Settings:
+    """An HTTP tracking URI's ``user:password@`` moved to MLflow's own ``MLFLOW_TRACKING_USERNAME`` /
+    ``MLFLOW_TRACKING_PASSWORD`` (those already set win), for this process and its children. MLflow
+    puts the URI into every request's error ("API request to <URI>/api/… failed"), which reaches
+    Prefect's state messages, result records and logs: a URI without the password cannot leak it."""
+    uri = settings.mlflow_tracking_uri
+    parts = urllib.parse.urlsplit(uri)
+    if parts.scheme not in ("http", "https") or "@" not in parts.netloc:
+        return settings
+    os.environ.setdefault("MLFLOW_TRACKING_USERNAME", urllib.parse.unquote(parts.username or ""))
+    os.environ.setdefault("MLFLOW_TRACKING_PASSWORD", urllib.parse.unquote(parts.password or ""))
+    bare = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+    os.environ["MLFLOW_TRACKING_URI"] = bare
+    if settings.tracking_uri is not None:
+        os.environ["ALIGNFLOW_TRACKING_URI"] = bare
+    return settings.model_copy(update={"tracking_uri": bare if settings.tracking_uri is not None else None})
+
+
 def configure_environment(settings: Settings | None = None) -> Settings:
     """Set process-wide defaults for Prefect and MLflow. Call before importing prefect."""
-    settings = settings or get_settings()
+    settings = tracking_credentials_apart(settings or get_settings())
     prepare_state_folder(settings.root)
     adopt_moved_state_folder(settings.root)
     defaults = {

@@ -308,11 +308,11 @@ def run_flow(module: str, name: str, *args, check=None, before_run=None, preload
         flow = getattr(importlib.import_module(module), name)
     else:
         end_at_exit_without_teardown(lambda: EXIT_CODE)  # first registered: runs after every other exit hook
-        api_url = configured_prefect_api()
-        with first_time_setup(temporary_prefect=api_url is None) as setup:
-            if api_url is not None:
-                os.environ["PREFECT_API_URL"] = api_url
-            temporary_server = start_temporary_server() if api_url is None else None
+        api = configured_prefect_api()
+        with first_time_setup(temporary_prefect=api is None) as setup:
+            if api is not None:
+                os.environ.update(api)
+            temporary_server = start_temporary_server() if api is None else None
             if check is not None:
                 check()  # it may import torch: after the server's launch, which then boots meanwhile
             flow = getattr(importlib.import_module(module), name)

@@ -5,25 +5,28 @@ runs for this state folder, when it answers; else a temporary local server, as P
 start by itself, but launched at once so that it boots on the other core while this process
 imports torch, transformers and the flows (Prefect starts its own only at the first API call,
 after those imports, and then waits for it). It is stopped when the process exits, after
-Prefect's own exit hooks have sent their last logs and events.
+Prefect's own exit hooks have sent their last logs and events. It refuses every API request without
+a random auth string that only this process and its children hold (in their environment, which
+only the owner can read): another local user cannot list its flow runs or their configs.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import secrets
 import socket
 import subprocess
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from infra.core.launching import ProcessGroup
 from infra.core.prefect_compat import TEMPORARY_SERVER_ENV, temporary_server_command
 from infra.core.settings import get_settings
-from infra.ops.servers import is_healthy, server_status, servers_dir
+from infra.ops.servers import client_environment, is_healthy, server_status, servers_dir
 
 STARTUP_TIMEOUT_S = 90.0  # PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, unless set
 STOP_GRACE_S = 1.0
@@ -44,6 +47,7 @@ class TemporaryServer:
     port: int
     log: Path
     group: ProcessGroup | None = None
+    auth_string: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     @classmethod
     def of_state_folder(cls) -> "TemporaryServer":
@@ -54,10 +58,15 @@ class TemporaryServer:
     def api_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/api"
 
+    @property
+    def client_environment(self) -> dict[str, str]:
+        """What a Prefect client needs to talk to it: the URL and the auth string."""
+        return {"PREFECT_API_URL": self.api_url, "PREFECT_API_AUTH_STRING": self.auth_string}
+
     def launch(self) -> None:
         """Start it (a Ctrl-C reaches the run, which still reports to the server, not the server)."""
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **TEMPORARY_SERVER_ENV}
+        env = {**os.environ, **TEMPORARY_SERVER_ENV, "PREFECT_SERVER_API_AUTH_STRING": self.auth_string}
         env.pop("PREFECT_API_URL", None)
         with self.log.open("ab") as log:
             self.group = ProcessGroup.start(
@@ -96,16 +105,18 @@ class TemporaryServer:
             self.group.stop(grace=STOP_GRACE_S)
 
 
-def servers_up_api_url() -> str | None:
-    """The API of the Prefect server ``alignflow servers up`` runs for this state folder, if it answers."""
-    status = server_status("prefect", servers_dir(get_settings()) / "prefect")
-    return status.record.get("exports", {}).get("PREFECT_API_URL") if status.healthy else None
+def servers_up_environment() -> dict[str, str] | None:
+    """What a client sets to use the Prefect server ``alignflow servers up`` runs for this state folder
+    (its URL, and its auth string when it has one), if it answers."""
+    root = servers_dir(get_settings())
+    status = server_status("prefect", root / "prefect")
+    return client_environment(status, root) if status.healthy else None
 
 
-def configured_prefect_api() -> str | None:
-    """``PREFECT_API_URL``, else the API of this state folder's ``alignflow servers up`` server when
-    it answers; None: a temporary server is needed."""
-    return os.environ.get("PREFECT_API_URL") or servers_up_api_url()
+def configured_prefect_api() -> dict[str, str] | None:
+    """What to set to use the configured Prefect API: nothing when ``PREFECT_API_URL`` is set, else
+    this state folder's ``alignflow servers up`` server when it answers; None: a temporary server is needed."""
+    return {} if os.environ.get("PREFECT_API_URL") else servers_up_environment()
 
 
 def start_temporary_server() -> TemporaryServer:
@@ -113,7 +124,7 @@ def start_temporary_server() -> TemporaryServer:
     :meth:`TemporaryServer.wait_ready` before the first API call). It stops at exit."""
     server = TemporaryServer.of_state_folder()
     server.launch()
-    os.environ["PREFECT_API_URL"] = server.api_url
+    os.environ.update(server.client_environment)
     os.environ.setdefault("PREFECT_UI_URL", "")  # it serves no UI: no links to it in MLflow or the logs
     atexit.register(server.stop)  # registered before Prefect's hooks, so it runs after them
     return server
@@ -127,7 +138,7 @@ def shared_prefect_api() -> Iterator[None]:
     if os.environ.get("PREFECT_API_URL"):
         yield
         return
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     from infra.ops.databases import first_time_setup
 
@@ -136,10 +147,11 @@ def shared_prefect_api() -> Iterator[None]:
         server.launch()
         setup.create_mlflow_store()  # on a fresh folder: while the server migrates its database
         server.wait_ready()
-    os.environ["PREFECT_API_URL"] = server.api_url
+    os.environ.update(server.client_environment)
     try:
-        with temporary_settings({PREFECT_API_URL: server.api_url}):
+        with temporary_settings({PREFECT_API_URL: server.api_url, PREFECT_API_AUTH_STRING: server.auth_string}):
             yield
     finally:
-        os.environ.pop("PREFECT_API_URL", None)
+        for name in server.client_environment:
+            os.environ.pop(name, None)
         server.stop()

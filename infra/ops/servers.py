@@ -3,13 +3,17 @@
 Each server is one process group started in its own session, with its files under
 ``<run-state>/servers/<name>/``: ``server.log``, ``pid`` and ``server.json`` (URLs, database).
 Both bind 127.0.0.1 by default and keep their data on SQLite in that folder; given a PostgreSQL
-URL they use it instead, creating the database first if it is missing.
+URL they use it instead, creating the database first if it is missing. With ``--auth`` they refuse
+every request without credentials (Prefect's API auth string, MLflow's ``basic-auth`` app), which
+are generated once and kept in ``servers/credentials.json`` (0600): never in ``server.json``, a log
+or a command line.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -18,7 +22,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -31,6 +35,48 @@ HEALTH_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 20.0
 
 
+CREDENTIALS_FILE = "credentials.json"  # in servers/, mode 0600
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """The secrets of servers started with ``--auth``: random, made once per state folder."""
+
+    prefect_auth_string: str
+    mlflow_password: str
+    mlflow_secret_key: str  # Flask's key for the basic-auth app's CSRF tokens
+    mlflow_username: str = "alignflow"  # MLflow's admin user, created at the server's first start
+
+    @classmethod
+    def generate(cls) -> Credentials:
+        return cls(secrets.token_urlsafe(32), secrets.token_urlsafe(24), secrets.token_urlsafe(32))
+
+    def client_environment(self, server: str) -> dict[str, str]:
+        """What a client of ``server`` sets to authenticate (Prefect's and MLflow's own variables)."""
+        if server == "prefect":
+            return {"PREFECT_API_AUTH_STRING": self.prefect_auth_string}
+        return {"MLFLOW_TRACKING_USERNAME": self.mlflow_username, "MLFLOW_TRACKING_PASSWORD": self.mlflow_password}
+
+
+def read_credentials(root: Path) -> Credentials | None:
+    try:
+        return Credentials(**json.loads((root / CREDENTIALS_FILE).read_text()))
+    except FileNotFoundError:
+        return None
+
+
+def ensure_credentials(root: Path) -> Credentials:
+    """This state folder's server credentials, generated and written (0600, never wider) on first use."""
+    if (found := read_credentials(root)) is not None:
+        return found
+    root.mkdir(parents=True, exist_ok=True)
+    made = Credentials.generate()
+    descriptor = os.open(root / CREDENTIALS_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        json.dump(asdict(made), file)
+    return made
+
+
 @dataclass(frozen=True)
 class ServerOptions:
     host: str = "127.0.0.1"
@@ -39,6 +85,7 @@ class ServerOptions:
     prefect_database_url: str | None = None
     mlflow_database_url: str | None = None
     artifacts_destination: str | None = None
+    credentials: Credentials | None = None  # given: the servers refuse requests without them
 
 
 @dataclass(frozen=True)
@@ -52,6 +99,7 @@ class ServerSpec:
     database_url: str
     postgres_url: str | None = None  # a PostgreSQL database to create if missing
     notes: dict[str, str] = field(default_factory=dict)
+    auth: bool = False  # clients need the credentials (:class:`Credentials`)
 
 
 WILDCARD_HOSTS = ("0.0.0.0", "::")
@@ -82,6 +130,12 @@ def redacted(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True) if "://" in url else url
 
 
+def prefect_auth(credentials: Credentials) -> dict[str, str]:
+    """The server's auth string, and the same for its own services' clients of its API."""
+    server = {"PREFECT_SERVER_API_AUTH_STRING": credentials.prefect_auth_string}
+    return {**server, **credentials.client_environment("prefect")}
+
+
 def prefect_server(options: ServerOptions, folder: Path) -> ServerSpec:
     url = f"http://{client_host(options.host)}:{options.prefect_port}"
     database = (
@@ -110,10 +164,12 @@ def prefect_server(options: ServerOptions, folder: Path) -> ServerSpec:
             "PREFECT_UI_API_URL": f"{url}/api",  # the browser's API address, also from other machines
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "DO_NOT_TRACK": "1",
+            **(prefect_auth(options.credentials) if options.credentials else {}),
         },
         exports={"PREFECT_API_URL": f"{url}/api"},
         database_url=database,
         postgres_url=options.prefect_database_url,
+        auth=options.credentials is not None,
     )
 
 
@@ -145,6 +201,16 @@ def mlflow_server(options: ServerOptions, folder: Path) -> ServerSpec:
             "--allowed-hosts",
             ",".join([*default_allowed_hosts(), client_host(options.host), f"{client_host(options.host)}:*"]),
         ]
+    auth = {}
+    if options.credentials is not None:
+        # MLflow's basic-auth app: its user store is basic_auth.db in the server's folder (its working
+        # folder); the admin user it creates at the first start is alignflow's client.
+        command += ["--app-name", "basic-auth"]
+        auth = {
+            "MLFLOW_AUTH_ADMIN_USERNAME": options.credentials.mlflow_username,
+            "MLFLOW_AUTH_ADMIN_PASSWORD": options.credentials.mlflow_password,
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": options.credentials.mlflow_secret_key,
+        }
     return ServerSpec(
         name="mlflow",
         url=url,
@@ -156,11 +222,13 @@ def mlflow_server(options: ServerOptions, folder: Path) -> ServerSpec:
             # Through the environment (readable by this user only), not the command line (readable by every
             # local user): the URL may hold the database password.
             "MLFLOW_BACKEND_STORE_URI": store,
+            **auth,
         },
         exports={"MLFLOW_TRACKING_URI": url},
         database_url=store,
         postgres_url=options.mlflow_database_url,
         notes={"artifacts": artifacts},
+        auth=options.credentials is not None,
     )
 
 
@@ -276,6 +344,7 @@ def start(spec: ServerSpec, folder: Path) -> int:
         "health_url": spec.health_url,
         "exports": spec.exports,
         "database": redacted(spec.database_url),
+        "auth": spec.auth,
         **spec.notes,
     }
     (folder / "server.json").write_text(json.dumps(record, indent=2))
@@ -355,6 +424,18 @@ def server_status(name: str, folder: Path) -> ServerStatus:
 
 
 def exports(statuses: list[ServerStatus]) -> dict[str, str]:
+    """What clients set to use the running servers (no credential: :func:`client_environment` adds them)."""
     return {
         key: value for status in statuses if status.running for key, value in status.record.get("exports", {}).items()
     }
+
+
+def client_environment(status: ServerStatus, root: Path) -> dict[str, str]:
+    """A running server's exports, and the credentials it asks for (those of ``root``, the servers folder)."""
+    found = {**status.record.get("exports", {})}
+    if status.record.get("auth"):
+        credentials = read_credentials(root)
+        if credentials is None:
+            raise RuntimeError(f"{status.name} asks for credentials, and {root / CREDENTIALS_FILE} is gone")
+        found.update(credentials.client_environment(status.name))
+    return found

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -26,7 +27,8 @@ def add_parsers(commands) -> None:
     server.add_argument(
         "action",
         choices=sorted(SERVER_ACTIONS),
-        help="up: start and wait until healthy; down: stop; status: check; env: print client exports",
+        help="up: start and wait until healthy; down: stop; status: check; env: print client exports "
+        "(with the credentials of --auth servers)",
     )
     server.add_argument(
         "names", nargs="*", metavar="server", help=f"which servers (default: all of {', '.join(servers.SERVERS)})"
@@ -45,6 +47,18 @@ def add_parsers(commands) -> None:
     )
     server.add_argument(
         "--artifacts-destination", help="MLflow artifact root: a shared folder or s3://… (default: the server folder)"
+    )
+    auth = server.add_mutually_exclusive_group()
+    auth.add_argument(
+        "--auth",
+        action="store_true",
+        help="refuse requests without credentials (made once, kept in $ALIGNFLOW_HOME/servers/credentials.json; "
+        "`servers env` prints them): the team default",
+    )
+    auth.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="serve a wildcard --host without authentication anyway (refused otherwise)",
     )
     server.add_argument(
         "--timeout",
@@ -107,12 +121,20 @@ def server_folders(names: list[str]) -> dict[str, Path]:
     return {name: root / name for name in names or servers.SERVERS}
 
 
-def print_exports(statuses: list[servers.ServerStatus]) -> None:
-    for key, value in servers.exports(statuses).items():
-        print(f"export {key}={value}")
+def print_exports(environment: dict[str, str]) -> None:
+    for key, value in environment.items():
+        print(f"export {key}={shlex.quote(value)}")
 
 
 def servers_up(args: argparse.Namespace, folders: dict[str, Path]) -> int:
+    if args.host in servers.WILDCARD_HOSTS and not (args.auth or args.no_auth):
+        print(
+            f"alignflow servers: --host {args.host} serves every network this machine is on: add --auth "
+            "(clients then need the credentials), or --no-auth to serve without authentication anyway",
+            file=sys.stderr,
+        )
+        return 2
+    root = servers.servers_dir(get_settings())
     options = servers.ServerOptions(
         args.host,
         args.prefect_port,
@@ -120,6 +142,7 @@ def servers_up(args: argparse.Namespace, folders: dict[str, Path]) -> int:
         args.prefect_database_url,
         args.mlflow_database_url,
         args.artifacts_destination,
+        servers.ensure_credentials(root) if args.auth else None,
     )
     specs, conflicts = {}, []
     for name, folder in folders.items():
@@ -150,7 +173,9 @@ def servers_up(args: argparse.Namespace, folders: dict[str, Path]) -> int:
         servers.stop(folders[name])
     statuses = [servers.server_status(name, folder) for name, folder in folders.items()]
     report(statuses)
-    print_exports(statuses)
+    print_exports(servers.exports(statuses))
+    if any(status.running and status.record.get("auth") for status in statuses):
+        print(f'# and the credentials (in {root / servers.CREDENTIALS_FILE}): eval "$(alignflow servers env)"')
     return 1 if failed or conflicts else 0
 
 
@@ -180,7 +205,12 @@ def servers_status(args: argparse.Namespace, folders: dict[str, Path]) -> int:
 
 
 def servers_env(args: argparse.Namespace, folders: dict[str, Path]) -> int:
-    print_exports([servers.server_status(name, folder) for name, folder in folders.items()])
+    """The exports of the running servers with their credentials, for ``eval`` in the user's shell."""
+    root = servers.servers_dir(get_settings())
+    for name, folder in folders.items():
+        status = servers.server_status(name, folder)
+        if status.running:
+            print_exports(servers.client_environment(status, root))
     return 0
 
 

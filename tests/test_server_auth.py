@@ -1,0 +1,166 @@
+"""`alignflow servers up --auth`: a Prefect and an MLflow server (SQLite, free loopback ports) that
+refuse requests without the credentials, and a pipeline run that uses them and stores them nowhere:
+not in its output, the logs, the Prefect database, MLflow's params and tags, or any command line."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shlex
+import stat
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from helpers import environment_without_services, free_port
+
+from infra.ops import servers
+
+pytestmark = pytest.mark.services
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+RUN = ["run", "configs/minimal.yaml", "name=authed", "stages=[sft]", "sft.max_steps=2", "evaluation.num_prompts=4"]
+
+
+@dataclass
+class AuthedServers:
+    home: Path
+    env: dict[str, str]  # a user's shell after `eval "$(alignflow servers env)"`
+    credentials: servers.Credentials
+    prefect_url: str
+    mlflow_url: str
+    up_output: str
+
+    @property
+    def secrets(self) -> list[str]:
+        return [self.credentials.prefect_auth_string, self.credentials.mlflow_password]
+
+
+def alignflow(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "infra.ops.cli", *args],
+        env=env,
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def status_of(url: str, headers: dict[str, str] | None = None, data: bytes | None = None) -> int:
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+def basic(user_and_password: str) -> dict[str, str]:
+    return {"Authorization": f"Basic {base64.b64encode(user_and_password.encode()).decode()}"}
+
+
+@pytest.fixture(scope="module")
+def authed(tmp_path_factory):
+    home = tmp_path_factory.mktemp("authed")
+    ports = {"prefect": free_port(), "mlflow": free_port()}
+    base = environment_without_services("ALIGNFLOW_") | {"ALIGNFLOW_HOME": str(home), "OMP_NUM_THREADS": "1"}
+    up = alignflow(base, "servers", "up", "--auth", "--prefect-port", str(ports["prefect"]), "--mlflow-port",
+                   str(ports["mlflow"]))  # fmt: skip
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        exported = alignflow(base, "servers", "env")
+        assert exported.returncode == 0, exported.stderr
+        env = dict(base)
+        for line in exported.stdout.splitlines():
+            key, _, value = line.removeprefix("export ").partition("=")
+            env[key] = shlex.split(value)[0]
+        credentials = servers.read_credentials(home / "servers")
+        yield AuthedServers(
+            home,
+            env,
+            credentials,
+            f"http://127.0.0.1:{ports['prefect']}",
+            f"http://127.0.0.1:{ports['mlflow']}",
+            up.stdout + up.stderr,
+        )
+    finally:
+        down = alignflow(base, "servers", "down", timeout=120)
+        assert down.returncode == 0, down.stdout + down.stderr
+
+
+def test_servers_refuse_requests_without_the_credentials(authed):
+    credentials = authed.credentials
+    flow_runs = f"{authed.prefect_url}/api/flow_runs/filter"
+    assert status_of(flow_runs, data=b"{}") == 401
+    assert status_of(flow_runs, basic("guess"), b"{}") == 401
+    assert status_of(flow_runs, basic(credentials.prefect_auth_string), b"{}") == 200
+    experiments = f"{authed.mlflow_url}/api/2.0/mlflow/experiments/search?max_results=1"
+    assert status_of(experiments) == 401
+    assert status_of(experiments, basic(f"{credentials.mlflow_username}:guess")) == 401
+    assert status_of(experiments, basic(f"{credentials.mlflow_username}:{credentials.mlflow_password}")) == 200
+    # `servers env` gave the credentials; `servers up` printed the URLs and where the credentials are, not them
+    assert authed.env["PREFECT_API_AUTH_STRING"] == credentials.prefect_auth_string
+    assert authed.env["MLFLOW_TRACKING_PASSWORD"] == credentials.mlflow_password
+    assert f"export PREFECT_API_URL={authed.prefect_url}/api" in authed.up_output
+    assert not [secret for secret in authed.secrets if secret in authed.up_output]
+    mode = (authed.home / "servers" / servers.CREDENTIALS_FILE).stat().st_mode
+    assert stat.S_IMODE(mode) == 0o600
+    records = [json.loads((authed.home / "servers" / name / "server.json").read_text()) for name in servers.SERVERS]
+    assert [record["auth"] for record in records] == [True, True]
+
+
+def command_lines() -> list[str]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            found.append(cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_run_with_the_credentials_is_tracked_and_stores_them_nowhere(authed):
+    """The run finds the Prefect server of its state folder by itself and MLflow through the exports;
+    while it runs no process's command line holds a credential; afterwards no output, log, database
+    (the Prefect server's included) or MLflow param or tag does."""
+    from mlflow import MlflowClient
+
+    with subprocess.Popen(
+        [sys.executable, "-m", "infra.ops.cli", *RUN],
+        env={key: value for key, value in authed.env.items() if key != "PREFECT_API_URL"},
+        cwd=PROJECT_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as run:
+        seen: set[str] = set()
+        while run.poll() is None:
+            seen.update(command_lines())
+            time.sleep(0.5)
+        out, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err[-3000:]
+    assert not [line for line in seen for secret in authed.secrets if secret in line]
+    assert not [secret for secret in authed.secrets if secret in out + err]
+    stored = [
+        str(path)
+        for path in sorted(authed.home.rglob("*"))
+        if path.is_file() and path.name != servers.CREDENTIALS_FILE
+        for secret in authed.secrets
+        if secret.encode() in path.read_bytes()
+    ]
+    assert stored == []
+    client = MlflowClient(authed.mlflow_url)
+    with pytest.MonkeyPatch.context() as patch:  # MLflow's client reads the credentials from the environment
+        patch.setenv("MLFLOW_TRACKING_USERNAME", authed.credentials.mlflow_username)
+        patch.setenv("MLFLOW_TRACKING_PASSWORD", authed.credentials.mlflow_password)
+        runs = client.search_runs([client.get_experiment_by_name("alignflow").experiment_id])
+        assert {run.info.run_name for run in runs} >= {"authed", "sft"}
+        assert {run.info.status for run in runs} == {"FINISHED"}
+        logged = [str(value) for run in runs for value in (*run.data.params.values(), *run.data.tags.values())]
+    assert logged and not [value for value in logged for secret in authed.secrets if secret in value]
