@@ -13,13 +13,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import environment_without_services, free_port
+from helpers import ALIGNFLOW, PROJECT, environment_without_services, free_port, mlflow_client
 
 from infra.core.processes import process_record
 from infra.ops import prefect_api, servers
 from infra.ops.prefect_api import TemporaryServer, configured_prefect_api
-
-PROJECT = Path(__file__).parents[1]
 
 
 @pytest.mark.unit
@@ -155,15 +153,18 @@ def test_a_server_that_cannot_start_is_reported_at_once_with_its_log(tmp_path, m
 
 
 @pytest.mark.slow
-def test_the_command_exits_with_the_flow_code_after_a_failed_run_and_leaves_no_server(tmp_path):
-    """`alignflow run` on the embedded default: its own temporary server, the run's exit code
-    through the teardown-free exit, and no server process afterwards."""
+def test_bad_input_fails_the_command_with_the_flow_code_and_one_line_and_leaves_nothing_behind(tmp_path):
+    """`alignflow run` on the embedded default with one bad row: its own temporary server, the run's
+    exit code through the teardown-free exit, one short error line naming file, row and field (no
+    Prefect traceback on the terminal: where the full one is), no cache entry, the MLflow run FAILED,
+    and no server process afterwards. Every row error takes this path (the messages of each kind of
+    bad row are test_data.py's, in-process)."""
     env = environment_without_services()
     env["ALIGNFLOW_HOME"] = str(tmp_path)
     bad = tmp_path / "pairs.jsonl"
     bad.write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n{"prompt": "2+2=", "chosen": "4"}\n')
     result = subprocess.run(
-        [sys.executable, "-m", "infra.ops.cli", "run", "configs/minimal.yaml", f"data.preference.path={bad}"],
+        [*ALIGNFLOW, "run", "configs/minimal.yaml", f"data.preference.path={bad}", "tracking.experiment_name=bad"],
         cwd=PROJECT,
         env=env,
         capture_output=True,
@@ -171,7 +172,14 @@ def test_the_command_exits_with_the_flow_code_after_a_failed_run_and_leaves_no_s
         timeout=600,
     )
     assert result.returncode == 1, result.stderr[-2000:]
-    assert f"{bad}: row 1: field 'rejected' is missing" in result.stderr
+    assert "Traceback (most recent call last)" not in result.stdout + result.stderr
+    (error_line,) = [line for line in result.stderr.splitlines() if line.startswith("alignflow: ")]
+    assert f"{bad}: row 1: field 'rejected' is missing" in error_line
+    assert "full traceback: " in result.stderr and "(or run with --debug)" in result.stderr
+    assert not (tmp_path / "cache" / "data").exists() or list((tmp_path / "cache" / "data").iterdir()) == []
+    client = mlflow_client(tmp_path)
+    (run,) = client.search_runs([client.get_experiment_by_name("bad").experiment_id])
+    assert run.info.status == "FAILED"
     assert (tmp_path / "logs" / "temporary-prefect-server.log").is_file()
     assert temporary_servers_of(tmp_path) == []
 
