@@ -100,6 +100,12 @@ def test_new_dpo_objectives_load_with_their_hyperparameters(overrides):
         (["dpo.loss_type=orpo", "dpo.cpo_alpha=2"], "cpo_alpha: 2.0 has no effect"),
         (["dpo.ld_alpha=1.5"], "ld_alpha"),
         (["dpo.use_weighting=maybe"], "use_weighting"),
+        # WPO's pair weights on a loss that sorts the batch: the loss would depend on the pairs' order
+        (
+            ["dpo.loss_type=aot_pair", "dpo.use_weighting=true"],
+            r"use_weighting: WPO weights pair i's loss, and \['aot_pair'\] sort",
+        ),
+        (["dpo.loss_type=[sigmoid, aot]", "dpo.use_weighting=true"], r"\['aot'\] sort the batch"),
         (["dpo.loss_type=simpo", "dpo.reference=live"], "reference: live loads a reference model"),
         (["dpo.loss_type=[cpo, sft]", "dpo.reference=live", "dpo.sync_ref_model=true"], "reference: live loads"),
     ],

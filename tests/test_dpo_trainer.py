@@ -367,8 +367,9 @@ def naive_token_terms(model, prompt_ids, completion_ids):
     return logps, wpo
 
 
-def naive_option_loss(model, rows, beta, ld_alpha, use_weighting):
-    """The sigmoid loss with LD-DPO and WPO written out per pair from :func:`naive_token_terms`."""
+def naive_option_loss(model, rows, beta, ld_alpha, use_weighting, sft=False):
+    """The sigmoid loss with LD-DPO and WPO written out per pair from :func:`naive_token_terms`, plus
+    (``sft``) RPO's NLL of the chosen completion, −Σ_t log π(y_t)/|y_c|, on the true log-probs."""
     total = 0
     for r in rows:
         chosen, chosen_wpo = naive_token_terms(model, r["prompt_ids"], r["chosen_ids"])
@@ -381,13 +382,20 @@ def naive_option_loss(model, rows, beta, ld_alpha, use_weighting):
         if use_weighting:
             weight = min(1.0, math.exp(sum(chosen_wpo) / len(chosen) + sum(rejected_wpo) / len(rejected)))
         total = total - weight * torch.nn.functional.logsigmoid(beta * margin)
+        if sft:
+            total = total - weight * sum(chosen) / len(chosen)
     return total / len(rows)
 
 
 @pytest.mark.parametrize(
     "options",
-    [{"ld_alpha": 0.3}, {"use_weighting": True}, {"ld_alpha": 0.6, "use_weighting": True}],
-    ids=["ld", "wpo", "ld+wpo"],
+    [
+        {"ld_alpha": 0.3},
+        {"use_weighting": True},
+        {"ld_alpha": 0.6, "use_weighting": True},
+        {"ld_alpha": 0.3, "loss_type": ["sigmoid", "sft"]},
+    ],
+    ids=["ld", "wpo", "ld+wpo", "ld+rpo"],
 )
 def test_ld_alpha_and_wpo_weighting_match_the_per_token_formula_in_float64(tiny, pairs, tmp_path, options):
     """Loss and every parameter's gradient equal the per-token formulas, written here with plain
@@ -401,13 +409,15 @@ def test_ld_alpha_and_wpo_weighting_match_the_per_token_formula_in_float64(tiny,
     loss.backward()
     got = {n: p.grad.clone() for n, p in policy.named_parameters()}
     policy.zero_grad()
-    want = naive_option_loss(policy, rows, 0.5, options.get("ld_alpha"), options.get("use_weighting", False))
+    sft = "sft" in options.get("loss_type", [])  # ld_alpha stays out of RPO's NLL term
+    want = naive_option_loss(policy, rows, 0.5, options.get("ld_alpha"), options.get("use_weighting", False), sft)
     want.backward()
     assert loss.dtype == torch.float64
     assert loss.item() == pytest.approx(want.item(), abs=1e-6)
     for name, p in policy.named_parameters():
         assert torch.allclose(got[name], p.grad, atol=1e-6, rtol=0), name
-    plain = make_trainer(policy, tokenizer, rows, tmp_path).compute_loss(
+    without = {key: value for key, value in options.items() if key == "loss_type"}
+    plain = make_trainer(policy, tokenizer, rows, tmp_path, **without).compute_loss(
         policy, PreferenceCollator(tokenizer.pad_token_id)(rows)
     )
     assert abs(plain.item() - loss.item()) > 1e-3  # the option does something on these pairs

@@ -173,6 +173,18 @@ def test_a_loss_reads_the_reference_exactly_when_it_declares_it_needs_one(name):
 
 
 @pytest.mark.parametrize("name", ALL_LOSSES)
+def test_a_losss_term_i_is_pair_is_exactly_when_it_declares_it(name):
+    """WPO multiplies term i by pair i's weight, so only a per-pair loss may be weighted (the config
+    refuses use_weighting with the others: the loss would change with the order of the pairs). AOT
+    sorts: its terms ignore the order; every loss's mean is the same in any order."""
+    loss, params = get_loss(name), LossParams(**BASE)
+    order = list(reversed(range(len(PAIRS))))
+    given, reordered = loss(pair_tensors(), params), loss(pair_tensors([PAIRS[i] for i in order]), params)
+    assert torch.allclose(reordered, given[order], atol=1e-12) is loss.per_pair
+    assert reordered.mean().item() == pytest.approx(given.mean().item(), abs=1e-12)
+
+
+@pytest.mark.parametrize("name", ALL_LOSSES)
 def test_loss_matches_independent_formula(name):
     params = LossParams(**BASE)
     got = get_loss(name)(pair_tensors(), params)

@@ -184,6 +184,7 @@ class DPOTrainer(Trainer):
             ref_rejected=ref_rejected,
             chosen_lengths=policy.num_tokens[:batch_size],
             rejected_lengths=policy.num_tokens[batch_size:],
+            chosen_unweighted=None if policy.unweighted_logps is None else policy.unweighted_logps[:batch_size],
         )
         params = self.loss_params
         if self.objective.stateful:

@@ -65,7 +65,14 @@ class DPOStageConfig(PreferenceHyperparameters, TrainingConfig):
 
     @model_validator(mode="after")
     def _check_losses_and_reference(self) -> DPOStageConfig:
-        reference_source(self.reference, self.objective())
+        objective = self.objective()
+        reference_source(self.reference, objective)
+        if self.use_weighting and objective.batch_level:
+            raise ValueError(
+                f"use_weighting: WPO weights pair i's loss, and {list(objective.batch_level)} sort the batch (term i "
+                "is the i-th quantile, not pair i): the loss would change with the order of the pairs; use them "
+                "without weighting"
+            )
         if self.sync_ref_model and self.reference != "live":
             raise ValueError(f"sync_ref_model needs reference: live (got reference: {self.reference})")
         return self

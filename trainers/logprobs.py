@@ -47,6 +47,9 @@ class CompletionLogps(NamedTuple):
     # With ``wpo_terms=True``: (1/Σ_t m_t) Σ_t m_t [log p(x_t) − log Σ_v p_v²], WPO's log-weight of the
     # row (unweighted token log-probs); no gradient. None otherwise.
     wpo_logweights: torch.Tensor | None = None
+    # With ``token_weights``: Σ_t m_t log p(x_t), the row's log-likelihood before the weights (``logps``
+    # is the weighted sum); differentiable. None otherwise (``logps`` is that sum).
+    unweighted_logps: torch.Tensor | None = None
 
 
 class TokenLogps(NamedTuple):
@@ -305,9 +308,12 @@ def completion_logps(
     if wpo_terms:
         collisions = collision_logps(logits, rows, cols, chunk)
         wpo_logweights = per_row(token_logps.detach() - collisions) / num_tokens.clamp(min=1).to(collisions.dtype)
+    unweighted_logps = None
     if token_weights is not None:
+        unweighted_logps = per_row(token_logps)
         token_logps = token_logps * token_weights[:, first + 1 :][rows, cols].to(token_logps.dtype)
     return CompletionLogps(
+        unweighted_logps=unweighted_logps,
         logps=per_row(token_logps),
         num_tokens=num_tokens,
         logit_sums=per_row(token_means.detach()),

@@ -41,6 +41,14 @@ class PairLogps:
     ref_rejected: torch.Tensor
     chosen_lengths: torch.Tensor
     rejected_lengths: torch.Tensor
+    # Σ_t log π(y_t) of the chosen completion when ``chosen`` was reweighted (LD-DPO's ld_alpha scales
+    # the tokens beyond the shorter completion inside the implicit reward only); None: ``chosen`` is it.
+    chosen_unweighted: torch.Tensor | None = None
+
+    @property
+    def chosen_likelihood(self) -> torch.Tensor:
+        """``log π(y_c)``, the chosen completion's log-likelihood, for NLL terms (sft, cpo, orpo)."""
+        return self.chosen if self.chosen_unweighted is None else self.chosen_unweighted
 
     @property
     def chosen_logratios(self) -> torch.Tensor:
@@ -116,7 +124,12 @@ class PreferenceHyperparameters(BaseModel):
         description="f of the f_divergence loss (f-DPO): reverse_kl (= sigmoid), forward_kl, js_divergence or "
         "alpha_divergence.",
     )
-    f_alpha: float = Field(0.5, gt=0, description="α of f_divergence_type: alpha_divergence (1 is forward KL).")
+    f_alpha: float = Field(
+        0.5,
+        gt=0,
+        description="α of f_divergence_type: alpha_divergence, f'(u) = (1 − u^−α)/α as in the f-DPO paper (1 is "
+        "forward KL). TRL computes (u^(α−1) − 1)/(α − 1): TRL's α is 1 − this α.",
+    )
     simpo_gamma: float = Field(0.5, ge=0, description="γ, the target reward margin of simpo.")
     cpo_alpha: float = Field(1.0, ge=0, description="α, the weight of the chosen NLL term of cpo.")
     orpo_lambda: float = Field(0.1, gt=0, description="λ, the weight of the odds-ratio term of orpo.")
@@ -144,6 +157,7 @@ class PreferenceLoss:
     hyperparameters: frozenset[str]  # fields of PreferenceHyperparameters the function reads
     stateful: bool = False  # reads ``params.reward_shift``, updated by the trainer on training steps
     needs_reference: bool = True  # reads ``ref_chosen``/``ref_rejected``; False: reference-free objective
+    per_pair: bool = True  # term i is pair i's; False: batch-level (AOT: term i is the i-th quantile)
 
     def __call__(self, pairs: PairLogps, params: LossParams) -> torch.Tensor:
         return self.function(pairs, params)
@@ -155,14 +169,19 @@ LossName = PREFERENCE_LOSSES.name_type()
 
 
 def register_loss(
-    name: str, *, hyperparameters: Sequence[str], stateful: bool = False, needs_reference: bool = True
+    name: str,
+    *,
+    hyperparameters: Sequence[str],
+    stateful: bool = False,
+    needs_reference: bool = True,
+    per_pair: bool = True,
 ) -> Callable[[LossFunction], LossFunction]:
     unknown = set(hyperparameters) - set(PreferenceHyperparameters.model_fields)
     if unknown:
         raise ValueError(f"loss {name!r} reads {sorted(unknown)}, which are not fields of PreferenceHyperparameters")
 
     def decorator(function: LossFunction) -> LossFunction:
-        loss = PreferenceLoss(name, function, frozenset(hyperparameters), stateful, needs_reference)
+        loss = PreferenceLoss(name, function, frozenset(hyperparameters), stateful, needs_reference, per_pair)
         PREFERENCE_LOSSES.add(name, loss)
         return function
 
@@ -303,14 +322,15 @@ def discopop_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
 @register_loss("sft", hyperparameters=(), needs_reference=False)
 def sft_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     """Negative log-likelihood of the chosen completion, per token (RPO's NLL term, Pang et
-    al., 2024, arXiv:2404.19733); the reference plays no part:
+    al., 2024, arXiv:2404.19733); the reference plays no part, and neither does LD-DPO's ld_alpha
+    (``π_c`` here is the true ``Σ_t log π(y_t)``):
 
         L = −π_c / |y_c|
     """
-    return -pairs.chosen / pairs.chosen_lengths.clamp(min=1)
+    return -pairs.chosen_likelihood / pairs.chosen_lengths.clamp(min=1)
 
 
-@register_loss("aot_pair", hyperparameters=("beta", "label_smoothing"))
+@register_loss("aot_pair", hyperparameters=("beta", "label_smoothing"), per_pair=False)
 def aot_pair_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     """AOT on the reward distributions (Melnyk et al., 2024, arXiv:2406.05882): optimal transport in
     one dimension makes the distribution of chosen rewards dominate that of rejected rewards in the
@@ -331,7 +351,7 @@ def aot_pair_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     return smoothed_sigmoid(params.beta * (chosen - rejected), params.label_smoothing)
 
 
-@register_loss("aot", hyperparameters=("beta", "label_smoothing"))
+@register_loss("aot", hyperparameters=("beta", "label_smoothing"), per_pair=False)
 def aot_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     """AOT on paired data (Melnyk et al., 2024, arXiv:2406.05882): the distribution of the policy's
     per-pair log-likelihood ratios ``π_c − π_r`` should dominate the reference's ``ref_c − ref_r``
@@ -387,7 +407,7 @@ def cpo_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
 
         z = β(π_c − π_r),    L = −(1 − ε) log σ(z) − ε log σ(−z) − α π_c/|y_c|
     """
-    nll = -pairs.chosen / pairs.chosen_lengths.clamp(min=1)
+    nll = -pairs.chosen_likelihood / pairs.chosen_lengths.clamp(min=1)
     return (
         smoothed_sigmoid(params.beta * (pairs.chosen - pairs.rejected), params.label_smoothing) + params.cpo_alpha * nll
     )
@@ -403,12 +423,14 @@ def orpo_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
         L = −a_c − λ log σ(log odds(y_c) − log odds(y_r))
 
     ``log(1 − e^{a})`` is evaluated as ``log(−expm1(a))``; it is finite for ``a < 0`` (any completion
-    whose probability is below 1).
+    whose probability is below 1). The NLL term ``−a_c`` reads the true log-likelihood: LD-DPO's
+    ld_alpha reweights the odds-ratio term only.
     """
     chosen = pairs.chosen / pairs.chosen_lengths.clamp(min=1)
     rejected = pairs.rejected / pairs.rejected_lengths.clamp(min=1)
     log_odds = (chosen - torch.log(-torch.expm1(chosen))) - (rejected - torch.log(-torch.expm1(rejected)))
-    return -chosen - params.orpo_lambda * F.logsigmoid(log_odds)
+    nll = -pairs.chosen_likelihood / pairs.chosen_lengths.clamp(min=1)
+    return nll - params.orpo_lambda * F.logsigmoid(log_odds)
 
 
 @dataclass(frozen=True)
@@ -434,6 +456,11 @@ class LossMix:
     def needs_reference(self) -> bool:
         """False when every loss is reference-free: then nothing reads reference log-probs."""
         return any(loss.needs_reference for loss in self.losses)
+
+    @property
+    def batch_level(self) -> tuple[str, ...]:
+        """The losses whose term ``i`` is not pair ``i``'s (per-pair weights cannot apply to them)."""
+        return tuple(loss.name for loss in self.losses if not loss.per_pair)
 
     def __call__(self, pairs: PairLogps, params: LossParams) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-pair total loss, and each component's per-pair loss (unweighted) by name."""
