@@ -50,6 +50,25 @@ def test_group_advantages_group_batch_and_none():
         group_advantages(rewards, 4, "rank")
 
 
+def test_rloo_advantages_are_each_reward_minus_the_mean_of_the_others():
+    groups = [REWARDS[i : i + 4] for i in range(0, 12, 4)]
+    others = [[(sum(g) - r) / 3 for r in g] for g in groups]
+    expected_none = [r - b for g, bs in zip(groups, others) for r, b in zip(g, bs)]
+    expected_group = [(r - b) / (statistics.stdev(g) + 1e-4) for g, bs in zip(groups, others) for r, b in zip(g, bs)]
+    rewards = torch.tensor(REWARDS, dtype=F64)
+    assert group_advantages(rewards, 4, "none", "rloo").tolist() == pytest.approx(expected_none, abs=1e-12)
+    assert group_advantages(rewards, 4, "group", "rloo").tolist() == pytest.approx(expected_group, abs=1e-12)
+    # k/(k − 1) times GRPO's centred reward; they sum to 0 in each group
+    grpo = group_advantages(rewards, 4, "none", "grpo")
+    assert group_advantages(rewards, 4, "none", "rloo").tolist() == pytest.approx((grpo * 4 / 3).tolist(), abs=1e-12)
+    # unscored completions (NaN) are left out of the others' mean, and a lone scored one gets 0
+    scored = torch.tensor([1.0, math.nan, 4.0, 7.0, math.nan, 2.0, math.nan, math.nan], dtype=F64)
+    got = group_advantages(scored, 4, "none", "rloo").tolist()
+    assert got == pytest.approx([1 - 5.5, 0.0, 4 - 4.0, 7 - 2.5, 0.0, 0.0, 0.0, 0.0], abs=1e-12)
+    with pytest.raises(ValueError, match="unknown advantage_estimator 'ppo'"):
+        group_advantages(rewards, 4, "none", "ppo")
+
+
 def test_clipping_with_hand_made_ratios():
     ratios = [0.5, 0.9, 1.0, 1.1, 1.5]
     logps = torch.tensor([[math.log(r) for r in ratios]] * 2, requires_grad=True)

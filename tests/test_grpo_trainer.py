@@ -279,9 +279,11 @@ def test_metrics_kl_reference_and_sample_table(tiny, prompts, tmp_path):
     )
 
 
-def test_completions_no_reward_scored_are_left_out_of_the_group_baseline(tiny, prompts, tmp_path):
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_completions_no_reward_scored_are_left_out_of_the_group_baseline(tiny, prompts, tmp_path, estimator):
     """A ``None`` reward (e.g. ``correctness`` on a row without an answer) is missing: the group's
-    mean and standard deviation come from the scored completions, and its advantage is 0."""
+    mean and standard deviation (GRPO), or the other completions' mean (RLOO, unscaled), come from
+    the scored completions, and its advantage is 0."""
     returned = []
 
     def every_fourth_unscored(prompts, completions, **columns):
@@ -292,7 +294,14 @@ def test_completions_no_reward_scored_are_left_out_of_the_group_baseline(tiny, p
     model, tokenizer = tiny
     trainer = GRPOTrainer(
         model=copy.deepcopy(model),
-        args=grpo_args(tmp_path, per_device_train_batch_size=8, num_generations=4, max_completion_length=4),
+        args=grpo_args(
+            tmp_path,
+            per_device_train_batch_size=8,
+            num_generations=4,
+            max_completion_length=4,
+            advantage_estimator=estimator,
+            scale_rewards="group" if estimator == "grpo" else "none",
+        ),
         train_dataset=datasets.Dataset.from_list(prompts),
         processing_class=tokenizer,
         reward_funcs=[every_fourth_unscored],
@@ -302,8 +311,11 @@ def test_completions_no_reward_scored_are_left_out_of_the_group_baseline(tiny, p
     expected = []
     for group in (returned[:4], returned[4:]):
         scored = [r for r in group if r is not None]
-        mean, spread = statistics.mean(scored), statistics.stdev(scored) + 1e-4
-        expected += [0.0 if r is None else (r - mean) / spread for r in group]
+        if estimator == "grpo":
+            mean, spread = statistics.mean(scored), statistics.stdev(scored) + 1e-4
+            expected += [0.0 if r is None else (r - mean) / spread for r in group]
+        else:
+            expected += [0.0 if r is None else r - (sum(scored) - r) / (len(scored) - 1) for r in group]
     assert batch["advantages"].tolist() == pytest.approx(expected, abs=1e-5)
     assert batch["advantages"][[1, 5]].tolist() == [0.0, 0.0]
     assert trainer.window["frac_reward_missing"] == [0.25]
@@ -364,6 +376,7 @@ OBJECTIVE_OPTIONS = {
     "bias_corrected_kl": dict(use_bias_correction_kl=True),
     "entropy_bonus": dict(entropy_coef=0.01),
     "top_entropy_quantile": dict(top_entropy_quantile=0.2),
+    "rloo": dict(advantage_estimator="rloo", scale_rewards="none"),
 }
 
 

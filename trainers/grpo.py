@@ -334,7 +334,7 @@ class GRPOTrainer(Trainer):
                 f"no reward function scored any of the {rewards.numel()} completions of the generation batch at "
                 f"step {self.state.global_step}: {names} returned None or nan for each"
             )
-        advantages = group_advantages(rewards, args.num_generations, args.scale_rewards)
+        advantages = group_advantages(rewards, args.num_generations, args.scale_rewards, args.advantage_estimator)
         local = slice(self.accelerator.process_index * len(rows), (self.accelerator.process_index + 1) * len(rows))
 
         active = self.gather(batch["completion_mask"].sum().reshape(1)).sum().item()

@@ -49,22 +49,51 @@ REWARD_SCALES.add("batch", lambda grouped: nan_std(grouped) + ADVANTAGE_EPS)
 REWARD_SCALES.add("none", lambda grouped: torch.ones((), dtype=grouped.dtype))
 
 
-def group_advantages(rewards: torch.Tensor, num_generations: int, scale: str = "group") -> torch.Tensor:
-    """GRPO advantages (Shao et al., 2024, arXiv:2402.03300), one per completion:
+# grouped rewards [num_prompts, G] (NaN: unscored) -> each reward's baseline, broadcastable
+RewardBaseline = Callable[["torch.Tensor"], "torch.Tensor"]
+ADVANTAGE_ESTIMATORS: Registry[RewardBaseline] = Registry("advantage estimator", "advantage_estimator")
 
-        A_i = (r_i − mean(r_group)) / (s + ε),   ε = 1e-4
 
-    ``r`` holds ``num_generations`` consecutive completions per prompt. ``s`` is the group's
-    standard deviation (``group``) or that of the whole generation batch (``batch``); ``none``
-    divides by 1 (no ε; Dr. GRPO, Liu et al., 2025, arXiv:2503.20783). Standard deviations are
-    unbiased (n − 1).
+@ADVANTAGE_ESTIMATORS.register("grpo")
+def group_mean_baseline(grouped: torch.Tensor) -> torch.Tensor:
+    """GRPO (Shao et al., 2024, arXiv:2402.03300): the mean reward of the group, ``b_i = mean_j r_j``."""
+    return grouped.nanmean(dim=1, keepdim=True)
 
-    A completion no reward function scored (``NaN``) is missing, not worth 0: the means and
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def leave_one_out_baseline(grouped: torch.Tensor) -> torch.Tensor:
+    """RLOO (Kool et al., 2019, "Buy 4 REINFORCE samples"; Ahmadian et al., 2024, arXiv:2402.14740):
+    the mean reward of the *other* completions of the prompt, an unbiased baseline,
+
+        b_i = 1/(k − 1) Σ_{j ≠ i} r_j,   so   A_i = r_i − b_i = k/(k − 1) · (r_i − mean_j r_j)
+
+    over the ``k`` scored completions of the group (``NaN``: unscored); a group with one scored
+    completion has no other to compare with: ``b_i = r_i``."""
+    present = (~grouped.isnan()).sum(dim=1, keepdim=True)
+    others = (grouped.nansum(dim=1, keepdim=True) - grouped) / (present - 1).clamp(min=1)
+    return torch.where(present > 1, others, grouped)
+
+
+def group_advantages(
+    rewards: torch.Tensor, num_generations: int, scale: str = "group", estimator: str = "grpo"
+) -> torch.Tensor:
+    """Advantages of a group estimator, one per completion:
+
+        A_i = (r_i − b_i) / (s + ε),   ε = 1e-4
+
+    ``r`` holds ``num_generations`` consecutive completions per prompt; ``b_i`` is the
+    ``estimator``'s baseline (:data:`ADVANTAGE_ESTIMATORS`: the group mean for GRPO, the mean of the
+    others for RLOO). ``s`` is the group's standard deviation (``group``) or that of the whole
+    generation batch (``batch``); ``none`` divides by 1 (no ε; Dr. GRPO, Liu et al., 2025,
+    arXiv:2503.20783; TRL's RLOO). Standard deviations are unbiased (n − 1).
+
+    A completion no reward function scored (``NaN``) is missing, not worth 0: the baselines and
     standard deviations are over the scored completions only, and its own advantage is 0.
     """
     divisor = REWARD_SCALES.lookup(scale)
+    baseline = ADVANTAGE_ESTIMATORS.lookup(estimator)
     grouped = rewards.view(-1, num_generations)
-    advantages = (grouped - grouped.nanmean(dim=1, keepdim=True)) / divisor(grouped)
+    advantages = (grouped - baseline(grouped)) / divisor(grouped)
     return advantages.nan_to_num(nan=0.0).flatten()
 
 
@@ -358,6 +387,7 @@ register_grpo_loss = GRPO_LOSSES.register
 get_grpo_loss = GRPO_LOSSES.lookup
 GRPOLossName = GRPO_LOSSES.name_type()
 RewardScaleName = REWARD_SCALES.name_type()
+AdvantageEstimatorName = ADVANTAGE_ESTIMATORS.name_type()
 
 
 @register_grpo_loss("grpo")

@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 from trainers.grpo_losses import (
     IMPORTANCE_LEVELS,
     POLICY_OBJECTIVES,
+    AdvantageEstimatorName,
     GRPOLossName,
     ImportanceLevelName,
     PolicyObjectiveName,
@@ -88,6 +89,11 @@ class GRPOStageConfig(TrainingConfig):
         le=1.0,
         description="Train the policy term only on this top fraction of tokens by entropy (0.2 in Wang et al. 2025); "
         "1 = all tokens.",
+    )
+    advantage_estimator: AdvantageEstimatorName = Field(
+        "grpo",
+        description="Each reward's baseline: `grpo`, the group's mean; `rloo`, the mean of the prompt's other "
+        "completions (RLOO; TRL's RLOOTrainer is `rloo` with scale_rewards: none).",
     )
     scale_rewards: RewardScaleName = Field("group", description="Advantage divisor: group std, batch std or none.")
     reward_funcs: list[str] = Field(
