@@ -1,6 +1,7 @@
 """GRPO math against formulas written out here: advantages, clipping, k3, each loss_type, rewards, and the
 per-token objectives (clip at token and sequence level = GSPO, cispo, sapo) and add-ons, in fp64 with gradients."""
 
+import concurrent.futures
 import math
 import statistics
 from pathlib import Path
@@ -166,6 +167,25 @@ def test_unscored_completions_are_missing_from_the_group_statistics():
     scores = torch.tensor([[1.0, nan, nan], [0.5, 2.0, nan]])
     total = weighted_rewards(scores, torch.tensor([1.0, 2.0]))
     assert total[:2].tolist() == [2.0, 4.0] and math.isnan(total[2])
+
+
+def test_math_verify_compares_final_answers_symbolically_on_any_thread():
+    pytest.importorskip("math_verify")  # alignflow[math]; the test extras install it
+    math_verify = get_reward("math_verify")
+    completions = [
+        "The sum is \\boxed{\\frac{1}{2}}.",
+        "so the answer is 12",
+        [{"role": "assistant", "content": "x = 3/4"}],
+        "it is 13",
+        "no number here",
+        "7",
+    ]
+    answers = ["0.5", "12", "0.75", "12", "12", None]
+    assert math_verify(completions=completions, answer=answers) == [1.0, 1.0, 1.0, 0.0, 0.0, None]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # as from a worker thread: no SIGALRM there
+        assert pool.submit(math_verify, completions=completions[:2], answer=answers[:2]).result() == [1.0, 1.0]
+    with pytest.raises(ValueError, match="reward 'math_verify' needs a dataset column 'answer'"):
+        math_verify(completions=completions)
 
 
 def test_reward_names_resolve_by_registry_or_import_path():

@@ -27,6 +27,7 @@ import json
 import math
 import numbers
 import re
+import threading
 from typing import Any, Literal, Protocol, Sequence
 
 from trainers.metrics import exact_match
@@ -150,6 +151,32 @@ def integer_format(completions, **kwargs) -> list[float | None]:
 def length_penalty(completion_ids, **kwargs) -> list[float | None]:
     """−(number of completion tokens, EOS excluded); scale it with its reward weight (e.g. 0.01)."""
     return [-float(len(ids)) for ids in completion_ids]
+
+
+@register_reward("math_verify")
+def math_verify(completions, answer=None, **kwargs) -> list[float | None]:
+    """1 if the completion's final answer equals the row's ``answer`` mathematically, else 0; ``None``
+    for rows without an answer. Both are parsed by the ``math-verify`` package (LaTeX, ``\\boxed{}``,
+    plain expressions and numbers: ``\\frac{1}{2}``, ``0.5`` and ``1/2`` are equal) and compared
+    symbolically with sympy: the reward for GSM8K/MATH-style data. Optional dependency:
+    ``pip install 'alignflow[math]'``. Its parsing timeouts use ``SIGALRM``, so they apply on the
+    main thread only."""
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        raise ValueError("reward 'math_verify' needs the math-verify package: pip install 'alignflow[math]'") from None
+    if answer is None:
+        raise ValueError("reward 'math_verify' needs a dataset column 'answer'")
+    limit = 5 if threading.current_thread() is threading.main_thread() else None
+    scores: list[float | None] = []
+    for completion, expected in zip(completions, answer):
+        if expected is None:
+            scores.append(None)
+            continue
+        gold = parse(str(expected), parsing_timeout=limit)
+        found = parse(text_of(completion), parsing_timeout=limit)
+        scores.append(float(bool(gold) and verify(gold, found, timeout_seconds=limit)))
+    return scores
 
 
 def reward_kwargs(
