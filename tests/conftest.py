@@ -68,6 +68,18 @@ def tiny():
 
 
 @pytest.fixture(scope="session")
+def tiny_pairs(tiny) -> list[dict]:
+    """32 of the built-in task's preference pairs, tokenized for ``tiny`` (prompt, chosen, rejected ids)."""
+    from trainers.data import Truncation, tokenize_split
+    from trainers.synthetic import AdditionTask, generate_addition
+
+    rows = generate_addition(AdditionTask(max_operand=9, num_eval_problems=20))["preference"]
+    tokenized, dropped = tokenize_split(rows, "preference", tiny[1], Truncation(32, 16))
+    assert dropped == 0
+    return tokenized[:32]
+
+
+@pytest.fixture(scope="session")
 def tiny_checkpoint(tiny, tmp_path_factory):
     """The built-in model saved as a checkpoint folder, as its handle."""
     from tasks.models import checkpoint_handle

@@ -19,6 +19,10 @@ MINIMAL = "configs/minimal.yaml"
 SMOKE = "alignflow-experiment/smoke"  # the deployment the session's `alignflow serve` serves (conftest.py)
 
 
+# TrainingArguments of a test trainer: no reporting, no checkpoints, no progress bars, no pinned memory.
+QUIET_TRAINING = dict(report_to=[], save_strategy="no", disable_tqdm=True, dataloader_pin_memory=False)
+
+
 def environment_without_services(*also: str) -> dict[str, str]:
     """This process's environment without its Prefect and MLflow settings (and the variables
     starting with ``also``): a subprocess started with it derives its own from its ``ALIGNFLOW_HOME``."""

@@ -5,6 +5,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from helpers import QUIET_TRAINING
 from transformers import TrainerCallback
 
 from trainers.collators import PreferenceCollator
@@ -19,25 +20,14 @@ pytestmark = pytest.mark.slow  # training: seconds a test
 
 
 @pytest.fixture(scope="module")
-def pairs(tiny):
-    _, tokenizer = tiny
-    rows = generate_addition(AdditionTask(max_operand=9, num_eval_problems=20))["preference"]
-    tokenized, dropped = tokenize_split(rows, "preference", tokenizer, Truncation(32, 16))
-    assert dropped == 0
-    return tokenized[:32]
+def pairs(tiny_pairs):
+    return tiny_pairs[:32]
 
 
 def make_trainer(model, tokenizer, train_rows, tmp_path, ref_model=None, **overrides):
     reference = "live" if ref_model is not None else "cached"
     settings = dict(per_device_train_batch_size=8, learning_rate=1e-3, beta=0.5, reference=reference) | overrides
-    args = DPOConfig(
-        output_dir=str(tmp_path),
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_pin_memory=False,
-        **settings,
-    )
+    args = DPOConfig(output_dir=str(tmp_path), **QUIET_TRAINING, **settings)
     return DPOTrainer(
         model=model,
         ref_model=ref_model,

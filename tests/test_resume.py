@@ -88,6 +88,8 @@ CASES = {
         2,
     ),
     "sft": ("sft", ["sft.max_steps=4", "sft.save_steps=2", "sft.per_device_train_batch_size=8"], 2),
+    # the live reference and the KL pairs of each batch: the same batches after the resume
+    "kto": ("kto", ["kto.max_steps=4", "kto.save_steps=2", "kto.per_device_train_batch_size=8"], 2),
 }
 
 

@@ -14,7 +14,6 @@ beyond the pair's shorter completion; ``use_weighting`` (WPO) weights each pair'
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -26,11 +25,9 @@ from trainers.dpo_section import DPOStageConfig, reference_source
 from trainers.logprobs import CompletionLogps, completion_logps
 from trainers.lora import has_adapters, live_reference
 from trainers.losses import LossParams, PairLogps, PreferenceHyperparameters, resolve_losses, reward_metrics
+from trainers.metric_window import MetricWindow
 from trainers.sections import section_fields
 from trainers.sharded_params import prepare_reference, sharding_of
-
-# Metrics summed over the logging window and the processes; every other metric is averaged.
-SUMMED_METRICS = {"num_tokens"}
 
 
 @dataclass
@@ -93,7 +90,7 @@ def wpo_pair_weights(chosen_logweights: torch.Tensor, rejected_logweights: torch
     return torch.exp(chosen_logweights + rejected_logweights).clamp(max=1.0)
 
 
-class DPOTrainer(Trainer):
+class DPOTrainer(MetricWindow, Trainer):
     loss_is_scaled_for_ga = False  # compute_loss returns a per-micro-batch mean
 
     def __init__(self, *args, ref_model: PreTrainedModel | None = None, **kwargs):
@@ -122,20 +119,19 @@ class DPOTrainer(Trainer):
             )
             self.add_callback(sync)
         self.reward_mean = RunningMean()
-        self.window_metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self.init_window()
 
     def checkpoint_state(self) -> dict:
         """What a resumed run needs beyond the ``Trainer``'s checkpoint (trainers/checkpoints.py):
         bco_pair's running mean δ, the metric windows and, with TR-DPO's sync, the reference weights."""
-        windows = {mode: dict(window) for mode, window in self.window_metrics.items()}
-        state = {"reward_mean": self.reward_mean.state_dict(), "window_metrics": windows}
+        state = {"reward_mean": self.reward_mean.state_dict(), "window_metrics": self.window_state()}
         if self.args.sync_ref_model:
             state["ref_model"] = self.accelerator.unwrap_model(self.ref_model).state_dict()
         return state
 
     def load_checkpoint_state(self, state: dict) -> None:
         self.reward_mean.load_state_dict(state["reward_mean"])
-        self.window_metrics = {mode: defaultdict(list, window) for mode, window in state["window_metrics"].items()}
+        self.load_window_state(state["window_metrics"])
         if self.args.sync_ref_model:
             self.accelerator.unwrap_model(self.ref_model).load_state_dict(state["ref_model"])
 
@@ -217,25 +213,3 @@ class DPOTrainer(Trainer):
         if len(components) > 1:
             metrics.update({f"loss/{name}": loss.detach().mean() for name, loss in components.items()})
         return metrics
-
-    def record_metrics(self, metrics: dict[str, torch.Tensor], mode: str) -> None:
-        names = list(metrics)
-        stacked = torch.stack([metrics[n].float() for n in names]).unsqueeze(0)
-        gathered = self.accelerator.gather(stacked)  # (processes, metrics)
-        for name, total, mean in zip(names, gathered.sum(0).tolist(), gathered.mean(0).tolist()):
-            self.window_metrics[mode][name].append(total if name in SUMMED_METRICS else mean)
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        with torch.no_grad():
-            loss = self.compute_loss(model, inputs)
-        return loss.detach(), None, None
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Add the DPO metrics of the logging window (``eval_``-prefixed after an evaluation) to
-        the Trainer's logs: ``num_tokens`` summed, the others averaged over the window."""
-        mode = "eval" if any(key.startswith("eval_") for key in logs) else "train"
-        prefix = "eval_" if mode == "eval" else ""
-        for name, values in self.window_metrics[mode].items():
-            logs[prefix + name] = sum(values) if name in SUMMED_METRICS else sum(values) / len(values)
-        self.window_metrics[mode].clear()
-        super().log(logs, start_time)

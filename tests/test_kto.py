@@ -1,0 +1,158 @@
+"""KTO: the loss and its reference point against the paper's formulas written here (float64, value
+and gradient), the unpairing and KL pairing of the data, the config check, and training steps of
+the trainer against a per-sequence formula."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import datasets
+import pytest
+import torch
+from helpers import QUIET_TRAINING
+from pydantic import ValidationError
+
+from infra.core.config import load_config
+from trainers.kto import KTOConfig, KTOTrainer, UnpairedCollator, kl_reference_point, kto_losses, unpaired
+
+BETA, WD, WU = 0.3, 1.5, 0.7
+
+
+def sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x))
+
+
+@pytest.mark.unit
+def test_kto_losses_match_the_paper_in_float64_with_their_gradient():
+    values = [0.4, -1.2, 2.0, -0.3, 0.0]
+    desirable = [True, False, True, False, True]
+    z0 = 0.25
+    logratios = torch.tensor(values, dtype=torch.float64, requires_grad=True)
+    got = kto_losses(logratios, torch.tensor(desirable), torch.tensor(z0, dtype=torch.float64), BETA, WD, WU)
+    want = [
+        WD * (1 - sigmoid(BETA * (r - z0))) if d else WU * (1 - sigmoid(BETA * (z0 - r)))
+        for r, d in zip(values, desirable)
+    ]
+    assert got.dtype == torch.float64
+    assert got.tolist() == pytest.approx(want, abs=1e-12)
+    got.sum().backward()
+    # d/dr of λ(1 − σ(±β(r − z0))) = ∓λβ σ(s)(1 − σ(s)), s = ±β(r − z0)
+    grads = []
+    for r, d in zip(values, desirable):
+        s = BETA * (r - z0) if d else BETA * (z0 - r)
+        grads.append((-1 if d else 1) * (WD if d else WU) * BETA * sigmoid(s) * (1 - sigmoid(s)))
+    assert logratios.grad.tolist() == pytest.approx(grads, abs=1e-12)
+
+
+@pytest.mark.unit
+def test_the_reference_point_is_the_clamped_mean_kl_without_gradient():
+    kl = torch.tensor([0.5, -0.1, 0.2], requires_grad=True)
+    point = kl_reference_point(kl)
+    assert point.item() == pytest.approx(0.2) and not point.requires_grad
+    assert kl_reference_point(torch.tensor([-0.5, 0.1])).item() == 0.0  # max(0, ·)
+
+
+@pytest.mark.unit
+def test_pairs_unpair_in_order_and_each_prompt_gets_the_next_rows_completion_for_kl():
+    pairs = [
+        {"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3]},
+        {"prompt_ids": [4], "chosen_ids": [5], "rejected_ids": [6, 7]},
+    ]
+    rows = unpaired(datasets.Dataset.from_list(pairs))
+    assert rows == [
+        {"prompt_ids": [1], "completion_ids": [2], "desirable": True},
+        {"prompt_ids": [1], "completion_ids": [3], "desirable": False},
+        {"prompt_ids": [4], "completion_ids": [5], "desirable": True},
+        {"prompt_ids": [4], "completion_ids": [6, 7], "desirable": False},
+    ]
+    batch = UnpairedCollator(pad_token_id=0)(rows[1:])
+    assert batch["input_ids"].tolist() == [[1, 3, 0], [4, 5, 0], [4, 6, 7], [1, 5, 0], [4, 6, 7], [4, 3, 0]]
+    assert batch["completion_mask"].tolist() == [[0, 1, 0], [0, 1, 0], [0, 1, 1], [0, 1, 0], [0, 1, 1], [0, 1, 0]]
+    assert batch["desirable"].tolist() == [False, True, False]
+
+
+@pytest.mark.unit
+def test_a_batch_of_one_row_is_a_config_error():
+    assert load_config(None, ["stages=[sft, kto]", "kto.per_device_train_batch_size=2"]).kto.beta == 0.1
+    with pytest.raises(ValidationError, match="KTO's KL estimate pairs each prompt with another row's completion"):
+        load_config(None, ["stages=[sft, kto]", "kto.per_device_train_batch_size=1"])
+
+
+@pytest.fixture(scope="module")
+def pairs(tiny_pairs):
+    return tiny_pairs[:16]
+
+
+def make_trainer(policy, reference, tokenizer, pairs, tmp_path, **settings):
+    settings = dict(per_device_train_batch_size=8, learning_rate=1e-3, beta=BETA) | settings
+    args = KTOConfig(output_dir=str(tmp_path), **QUIET_TRAINING, **settings)
+    return KTOTrainer(
+        model=policy,
+        ref_model=reference,
+        args=args,
+        train_dataset=unpaired(pairs),
+        data_collator=UnpairedCollator(tokenizer.pad_token_id),
+    )
+
+
+def sequence_logp(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """Σ_t log p(y_t | x, y_<t) of one unpadded sequence, in float64, with plain log_softmax."""
+    logits = model(torch.tensor([prompt + completion])).logits[0].double()
+    positions = range(len(prompt) - 1, len(prompt) + len(completion) - 1)
+    return sum(torch.log_softmax(logits[p], -1)[(prompt + completion)[p + 1]] for p in positions)
+
+
+@pytest.mark.slow
+def test_the_trainers_loss_and_gradient_equal_the_per_sequence_formula_in_float64(tiny, pairs, tmp_path):
+    model, tokenizer = tiny
+    policy, reference = copy.deepcopy(model).double().eval(), copy.deepcopy(model).double().eval()
+    with torch.no_grad():  # a policy away from its reference: non-zero log-ratios and KL
+        for parameter in policy.parameters():
+            parameter.add_(0.02 * torch.randn_like(parameter, generator=torch.Generator().manual_seed(0)))
+    trainer = make_trainer(policy, reference, tokenizer, pairs, tmp_path, desirable_weight=WD, undesirable_weight=WU)
+    rows = unpaired(pairs[:3])  # 6 rows: 3 desirable, 3 undesirable
+    loss = trainer.compute_loss(policy, UnpairedCollator(tokenizer.pad_token_id)(rows))
+    loss.backward()
+    got = {n: p.grad.clone() for n, p in policy.named_parameters()}
+    policy.zero_grad()
+
+    def logratio(prompt, completion):
+        with torch.no_grad():
+            ref = sequence_logp(reference, prompt, completion)
+        return sequence_logp(policy, prompt, completion) - ref
+
+    kl = [logratio(r["prompt_ids"], rows[(i + 1) % len(rows)]["completion_ids"]).item() for i, r in enumerate(rows)]
+    z0 = max(0.0, sum(kl) / len(kl))
+    total = 0
+    for r in rows:
+        value = logratio(r["prompt_ids"], r["completion_ids"])
+        if r["desirable"]:
+            total = total + WD * (1 - torch.sigmoid(BETA * (value - z0)))
+        else:
+            total = total + WU * (1 - torch.sigmoid(BETA * (z0 - value)))
+    want = total / len(rows)
+    want.backward()
+    assert loss.dtype == torch.float64 and z0 > 0
+    assert loss.item() == pytest.approx(want.item(), abs=1e-6)
+    for name, p in policy.named_parameters():
+        assert torch.allclose(got[name], p.grad, atol=1e-6, rtol=0), name
+    assert trainer.window_metrics["eval"]["kl"] == [pytest.approx(z0, abs=1e-6)]  # logged as float32
+
+
+@pytest.mark.slow
+def test_training_raises_desirable_rewards_over_undesirable_and_leaves_the_reference(tiny, pairs, tmp_path):
+    model, tokenizer = tiny
+    policy, reference = copy.deepcopy(model), copy.deepcopy(model)
+    before = [p.detach().clone() for p in reference.parameters()]
+    trainer = make_trainer(policy, reference, tokenizer, pairs, tmp_path, max_steps=8, logging_steps=4)
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(logs) == 2
+    assert {"kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "num_tokens"} <= set(logs[0])
+    assert (
+        logs[-1]["rewards/chosen"] - logs[-1]["rewards/rejected"]
+        > logs[0]["rewards/chosen"] - logs[0]["rewards/rejected"]
+    )
+    assert logs[-1]["rewards/chosen"] > logs[-1]["rewards/rejected"]
+    assert all(torch.equal(p, b) for p, b in zip(reference.parameters(), before))

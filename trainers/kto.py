@@ -1,0 +1,130 @@
+"""``KTOTrainer``: KTO on unpaired completions labelled desirable or undesirable, a
+``transformers.Trainer`` whose ``compute_loss`` is :func:`kto_losses`.
+
+Per step, one forward of the policy (and, without gradient, of the frozen reference) over the
+batch's completions and its *KL completions*: each row's prompt with the next row's completion
+(mismatched, as in the paper and TRL), whose mean log-ratio estimates the KL reference point z₀.
+Preference pairs become two unpaired rows each (:func:`unpaired`, TRL's ``unpair_preference_dataset``).
+The reference is live: a frozen copy of the starting model (for a LoRA policy, itself with its
+adapters disabled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel, Trainer, TrainingArguments
+
+from trainers.collators import prompt_completion_batch
+from trainers.kto_section import KTOStageConfig
+from trainers.logprobs import completion_logps
+from trainers.lora import has_adapters, live_reference
+from trainers.metric_window import MetricWindow
+from trainers.sections import section_fields
+from trainers.sharded_params import prepare_reference
+
+
+def kl_reference_point(kl_logratios: torch.Tensor) -> torch.Tensor:
+    """KTO's reference point (Ethayarajh et al., 2024, arXiv:2402.01306, eq. 7), estimated from
+    mismatched pairs ``(x_i, y_{i+1})`` of the batch, without gradient:
+
+        z₀ = max(0, mean_i [log π(y_{i+1} | x_i) − log ref(y_{i+1} | x_i)])
+    """
+    return kl_logratios.detach().mean().clamp(min=0)
+
+
+def kto_losses(
+    logratios: torch.Tensor,
+    desirable: torch.Tensor,
+    reference_point: torch.Tensor,
+    beta: float,
+    desirable_weight: float,
+    undesirable_weight: float,
+) -> torch.Tensor:
+    """KTO (Ethayarajh et al., 2024, arXiv:2402.01306, eq. 8): per completion, with the implicit
+    reward ``r = log π(y|x) − log ref(y|x)`` and the reference point ``z₀``,
+
+        desirable:    L = λ_D (1 − σ(β (r − z₀)))
+        undesirable:  L = λ_U (1 − σ(β (z₀ − r)))
+
+    ``desirable`` is a boolean per row; ``z₀`` a scalar (:func:`kl_reference_point`)."""
+    value = torch.where(desirable, beta * (logratios - reference_point), beta * (reference_point - logratios))
+    weight = torch.full_like(logratios, undesirable_weight).masked_fill(desirable, desirable_weight)
+    return weight * (1 - F.sigmoid(value))
+
+
+def unpaired(pairs) -> list[dict]:
+    """Preference pairs as unpaired rows: ``(prompt, chosen, desirable)`` and ``(prompt, rejected,
+    undesirable)`` for each pair, in the pairs' order (TRL's ``unpair_preference_dataset``). A list,
+    which the Trainer samples like a dataset: a ``datasets.Dataset`` built here would fingerprint its
+    builder with dill, whose bytecode listing a Prefect task logs."""
+    rows = []
+    for pair in pairs:
+        rows.append({"prompt_ids": pair["prompt_ids"], "completion_ids": pair["chosen_ids"], "desirable": True})
+        rows.append({"prompt_ids": pair["prompt_ids"], "completion_ids": pair["rejected_ids"], "desirable": False})
+    return rows
+
+
+@dataclass
+class UnpairedCollator:
+    """``2B`` rows: the ``B`` completions after their prompts, then the ``B`` KL completions (prompt
+    ``i`` with completion ``i + 1 mod B``); ``desirable`` holds the first ``B`` rows' labels."""
+
+    pad_token_id: int
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        prompts = [f["prompt_ids"] for f in features]
+        completions = [f["completion_ids"] for f in features]
+        mismatched = completions[1:] + completions[:1]
+        batch = prompt_completion_batch(prompts + prompts, completions + mismatched, self.pad_token_id)
+        batch["desirable"] = torch.tensor([bool(f["desirable"]) for f in features])
+        return batch
+
+
+@dataclass
+@section_fields(KTOStageConfig)
+class KTOConfig(TrainingArguments):
+    """``TrainingArguments`` plus the KTO section's fields (``beta``, the two weights), with its defaults."""
+
+    remove_unused_columns: bool = False  # the collator reads prompt_ids / completion_ids / desirable
+
+
+class KTOTrainer(MetricWindow, Trainer):
+    loss_is_scaled_for_ga = False  # compute_loss returns a per-micro-batch mean
+
+    def __init__(self, *args, ref_model: PreTrainedModel | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if ref_model is None and not has_adapters(self.model):
+            raise ValueError("KTO needs a ref_model (optional for a LoRA policy: itself with its adapters disabled)")
+        self.ref_model = None if ref_model is None else prepare_reference(ref_model, self.accelerator)
+        self.init_window()
+
+    def checkpoint_state(self) -> dict:
+        return {"window_metrics": self.window_state()}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        self.load_window_state(state["window_metrics"])
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        rows = inputs["desirable"].shape[0]
+        ids, mask, completion = inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"]
+        policy = completion_logps(model, ids, mask, completion)
+        with torch.no_grad(), live_reference(self.ref_model, model) as reference:
+            ref = completion_logps(reference, ids, mask, completion).logps
+        logratios = policy.logps - ref
+        # z₀ over every process's KL rows: the same reference point everywhere
+        kl = self.accelerator.gather(kl_reference_point(logratios[rows:])[None]).mean()
+        args, desirable = self.args, inputs["desirable"]
+        losses = kto_losses(logratios[:rows], desirable, kl, args.beta, args.desirable_weight, args.undesirable_weight)
+        loss = losses.mean()
+        rewards = args.beta * logratios[:rows].detach()
+        metrics = {"kl": kl, "num_tokens": mask[:rows].sum().float()}
+        for name, chosen in (("chosen", desirable), ("rejected", ~desirable)):
+            # 0 for a batch without such rows (a window's mean then counts it: small effect, logged as is)
+            count = chosen.sum().clamp(min=1)
+            metrics[f"rewards/{name}"] = rewards[chosen].sum() / count
+            metrics[f"logps/{name}"] = policy.logps[:rows].detach()[chosen].sum() / count
+        self.record_metrics(metrics, "train" if model.training else "eval")
+        return (loss, {"logratios": logratios[:rows]}) if return_outputs else loss
