@@ -334,6 +334,7 @@ def test_deploy_registers_prefect_yaml_with_config_defaults_on_a_process_pool(st
         "sft",
         "dpo",
         "grpo",
+        "kto",
         "reference",
         "evaluation",
         "compute",
