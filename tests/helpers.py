@@ -23,6 +23,11 @@ SMOKE = "alignflow-experiment/smoke"  # the deployment the session's `alignflow 
 QUIET_TRAINING = dict(report_to=[], save_strategy="no", disable_tqdm=True, dataloader_pin_memory=False)
 
 
+def alignflow(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The `alignflow` command of this checkout run with ``env``, from the project, output captured."""
+    return subprocess.run([*ALIGNFLOW, *args], cwd=PROJECT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def environment_without_services(*also: str) -> dict[str, str]:
     """This process's environment without its Prefect and MLflow settings (and the variables
     starting with ``also``): a subprocess started with it derives its own from its ``ALIGNFLOW_HOME``."""

@@ -21,7 +21,7 @@ from pathlib import Path
 from uuid import UUID
 
 import pytest
-from helpers import ALIGNFLOW, environment_without_services, mlflow_client
+from helpers import ALIGNFLOW, alignflow, environment_without_services, mlflow_client
 from helpers import PROJECT as PROJECT_ROOT
 from mlflow import MlflowClient
 from prefect import flow
@@ -50,12 +50,6 @@ def fresh_state_env(home: Path) -> dict[str, str]:
 def home(tmp_path, prefect_api_url):
     """A subprocess environment: its own state folder, the session's Prefect server."""
     return fresh_state_env(tmp_path / "home") | {"PREFECT_API_URL": prefect_api_url}
-
-
-def alignflow(env: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*ALIGNFLOW, *args], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
 
 
 def runs_by_name(client: MlflowClient) -> dict[str, object]:

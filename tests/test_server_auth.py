@@ -9,7 +9,6 @@ import json
 import shlex
 import stat
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import environment_without_services, free_port
+from helpers import ALIGNFLOW, alignflow, environment_without_services, free_port
 
 from infra.ops import servers
 
@@ -39,17 +38,6 @@ class AuthedServers:
     @property
     def secrets(self) -> list[str]:
         return [self.credentials.prefect_auth_string, self.credentials.mlflow_password]
-
-
-def alignflow(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "infra.ops.cli", *args],
-        env=env,
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def status_of(url: str, headers: dict[str, str] | None = None, data: bytes | None = None) -> int:
@@ -132,7 +120,7 @@ def test_a_run_with_the_credentials_is_tracked_and_stores_them_nowhere(authed):
     from mlflow import MlflowClient
 
     with subprocess.Popen(
-        [sys.executable, "-m", "infra.ops.cli", *RUN],
+        [*ALIGNFLOW, *RUN],
         env={key: value for key, value in authed.env.items() if key != "PREFECT_API_URL"},
         cwd=PROJECT_ROOT,
         stdout=subprocess.PIPE,
