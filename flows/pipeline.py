@@ -48,6 +48,7 @@ def experiment(
         base = resolve_model(config.model)
         data = prepare_dataset(config.data, base)
         models = {"base": base}
+        reward_models: dict[str, ModelHandle] = {}
         policy, held_out_rewards = base, None
         for stage in config.stages:
             spec, section = STAGES[stage], config.stage(stage)
@@ -56,10 +57,15 @@ def experiment(
             if spec.needs_reference_logps(section):
                 reference_logps = cache_ref_logps(data, policy, config.reference, parent_run_id, config.compute)
                 held_out_rewards = HeldOutRewards(reference_logps=reference_logps, beta=section.beta)
-            inputs = TrainInputs(policy, data, reference_logps, config.peft.for_stage(stage), config.compute)
-            policy = train(stage, section, inputs, parent_run_id, config.name, config.tracking, config.plugins)
-            link_stage(parent_run_id, stage, policy.mlflow_run_id)
-            models[stage] = policy
+            scorers = {name: reward_models[name] for name in spec.reward_models(section) if name in reward_models}
+            lora = config.peft.for_stage(stage)
+            inputs = TrainInputs(policy, data, reference_logps, lora, config.compute, reward_models=scorers)
+            trained = train(stage, section, inputs, parent_run_id, config.name, config.tracking, config.plugins)
+            link_stage(parent_run_id, stage, trained.mlflow_run_id)
+            if spec.produces == "reward_model":  # a scorer for later stages; the policy passes it by
+                reward_models[stage] = trained
+            else:
+                policy = models[stage] = trained
         return evaluate_and_gate(config, models, policy, data, held_out_rewards, parent_run_id)
 
 

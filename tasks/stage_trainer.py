@@ -44,6 +44,7 @@ def stage_inputs(
         dtype=inputs.compute.dtype,
         mixed_precision=inputs.compute.mixed_precision,
         cpu=inputs.compute.cpu,
+        reward_models={stage: ModelSource(m.path, m.revision) for stage, m in inputs.reward_models.items()},
     )
 
 

@@ -55,6 +55,12 @@ def stage_key_inputs(stage: str, section: TrainingConfig, inputs: TrainInputs, p
         "code": code_fingerprint(STAGES[stage].build.__module__, *plugins),
         # the global batch is per-device × processes; absent for one process, so its keys stay as they were
         **({"num_processes": inputs.compute.num_processes} if inputs.compute.multi_process else {}),
+        # the reward models it may score with (absent without any, so other keys stay as they were)
+        **(
+            {"reward_models": {k: m.fingerprint for k, m in inputs.reward_models.items()}}
+            if inputs.reward_models
+            else {}
+        ),
     }
 
 
@@ -216,6 +222,7 @@ def stage_params(stage: str, section: TrainingConfig, inputs: TrainInputs) -> di
     return {
         **{f"{stage}.{name}": value for name, value in section.model_dump().items()},
         "policy.init": inputs.policy.path,
+        **{f"reward_models.{name}": model.path for name, model in inputs.reward_models.items()},
         "data.fingerprint": data.fingerprint,
         # the lengths the data was cut to (`auto` in the config resolves to these)
         **{f"data.{name}": value for name, value in data.truncation.items() if name != "mode"},

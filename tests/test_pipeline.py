@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -258,6 +259,39 @@ def test_kto_after_sft_trains_on_the_unpaired_pairs_against_a_live_reference_and
     for metric in ("kl", "rewards/chosen", "rewards/rejected", "loss"):
         assert [m.step for m in client.get_metric_history(kto.info.run_id, metric)] == [2, 4], metric
     assert list(report.rows) == ["base", "sft", "kto"]
+
+
+def test_grpo_scored_by_the_reward_stage_of_the_same_run(prefect_api_url):
+    """SFT → reward → GRPO with `model:reward` as its only reward: the reward stage trains a scorer
+    from SFT's model (evaluated on the held-out pairs), the policy passes it by (GRPO starts from
+    SFT's model), GRPO logs the reward model's scores, and the report has no row for the scorer."""
+    overrides = [
+        "stages=[sft, reward, grpo]",
+        "reward.max_steps=4",
+        "reward.logging_steps=2",
+        "reward.eval_strategy=steps",
+        "reward.eval_steps=4",
+        "grpo.reward_funcs=[model:reward]",
+    ]
+    flow_run_id, report = run_flow(load_config(MINIMAL, [*UNIQUE, *overrides]))
+    states = task_states(flow_run_id)
+    assert states["train-reward"] == "Completed" and states["train-grpo"] == "Completed"
+    client, _, children = parent_and_children(flow_run_id)
+    reward = client.get_run(children["reward"].info.run_id)
+    assert reward.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(reward.info.run_id, "accuracy")] == [2, 4]
+    assert [m.step for m in client.get_metric_history(reward.info.run_id, "eval_accuracy")] == [4]
+    grpo = client.get_run(children["grpo"].info.run_id)
+    scores = client.get_metric_history(grpo.info.run_id, "rewards/model:reward/mean")
+    assert [m.step for m in scores] == [2, 4] and all(math.isfinite(m.value) for m in scores)
+    # both start from SFT's model; GRPO names the reward stage's
+    assert (
+        grpo.data.params["policy.init"] == reward.data.params["policy.init"] != grpo.data.params["reward_models.reward"]
+    )
+    assert grpo.data.params["reward_models.reward"].startswith(
+        reward.data.params["policy.init"].split("/sft-")[0] + "/reward-"
+    )
+    assert list(report.rows) == ["base", "sft", "grpo"]
 
 
 def test_a_flow_run_that_skipped_the_cli_fails_in_seconds_when_the_tracking_server_does_not_answer(

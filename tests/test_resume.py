@@ -90,6 +90,8 @@ CASES = {
     "sft": ("sft", ["sft.max_steps=4", "sft.save_steps=2", "sft.per_device_train_batch_size=8"], 2),
     # the live reference and the KL pairs of each batch: the same batches after the resume
     "kto": ("kto", ["kto.max_steps=4", "kto.save_steps=2", "kto.per_device_train_batch_size=8"], 2),
+    # a sequence classifier whose score head is fresh at the start: saved in the checkpoint
+    "reward": ("reward", ["reward.max_steps=4", "reward.save_steps=2", "reward.per_device_train_batch_size=8"], 2),
 }
 
 

@@ -335,6 +335,7 @@ def test_deploy_registers_prefect_yaml_with_config_defaults_on_a_process_pool(st
         "dpo",
         "grpo",
         "kto",
+        "reward",
         "reference",
         "evaluation",
         "compute",

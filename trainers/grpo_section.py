@@ -18,7 +18,7 @@ from trainers.grpo_losses import (
     RewardScaleName,
 )
 from trainers.layout import GenerationLayout, resolve_layout
-from trainers.rewards import RewardInputs, resolve_rewards
+from trainers.rewards import RewardInputs, check_reward_names, reward_model_target
 from trainers.sections import EvalStrategy, Seed, StageCompute, TrainingConfig
 
 COMPLETIONS_LOG_KEY = "completions"  # a table (column -> values) in the trainer's logs; trackers render it
@@ -99,7 +99,8 @@ class GRPOStageConfig(TrainingConfig):
     reward_funcs: list[str] = Field(
         default_factory=lambda: ["correctness"],
         min_length=1,
-        description="Registered reward names or import paths `module:function`.",
+        description="Registered reward names, import paths `module:function`, or a reward model: `model:<stage>` "
+        "(a reward stage of this experiment, e.g. `model:reward`) or `model:<path>`.",
     )
     reward_weights: list[float] | None = Field(None, description="One weight per reward function; default: all 1.")
     reward_inputs: RewardInputs = Field(
@@ -131,7 +132,12 @@ class GRPOStageConfig(TrainingConfig):
 
     @model_validator(mode="after")
     def _check_rewards(self) -> GRPOStageConfig:
-        resolve_rewards(self.reward_funcs, self.reward_weights)
+        check_reward_names(self.reward_funcs, self.reward_weights)
+        if self.reward_inputs != "data" and any(reward_model_target(f) for f in self.reward_funcs):
+            raise ValueError(
+                "reward_inputs: a reward model (model:…) scores prompts and completions as the data has them; "
+                "use reward_inputs: data"
+            )
         return self
 
     @model_validator(mode="after")

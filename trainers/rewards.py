@@ -14,6 +14,11 @@ a function written for TRL's ``GRPOTrainer`` runs unchanged. With ``reward_input
 ``prompts`` are the prompts as the chat template rendered them (special tokens included) and
 ``completions`` plain strings, whatever the data's format.
 
+A reward model is named ``model:<stage>`` (a reward stage of the same experiment, e.g.
+``model:reward``) or ``model:<path or hub id>``: its one logit scores each prompt and completion
+(:class:`trainers.reward_model.RewardModelScorer`). The stage's builder loads it
+(:func:`reward_model_target`); naming it here loads nothing.
+
 An import path is accepted only from a module the user allowed: one listed in the config's
 ``plugins`` (or a submodule of one), see :func:`allow_module`. Naming a reward never imports
 anything else: ``grpo.reward_funcs=[this:x]`` is an error, not ``import this``.
@@ -87,6 +92,19 @@ def check_signature(name: str, fn: RewardFunction) -> RewardFunction:
     return fn
 
 
+REWARD_MODEL_PREFIX = "model:"
+
+
+def reward_model_target(name: str) -> str | None:
+    """The stage name or model path of a ``model:…`` reward; None for any other reward."""
+    if not name.startswith(REWARD_MODEL_PREFIX):
+        return None
+    target = name[len(REWARD_MODEL_PREFIX) :]
+    if not target:
+        raise ValueError(f"reward {name!r}: name a reward stage (model:reward) or a model path after 'model:'")
+    return target
+
+
 def get_reward(name: str) -> RewardFunction:
     """A registered name, or an import path ``package.module:function`` / ``package.module.function``
     of a module allowed by :func:`allow_module` (the config's ``plugins``)."""
@@ -110,14 +128,24 @@ def get_reward(name: str) -> RewardFunction:
     return check_signature(name, fn)
 
 
+def check_reward_names(functions: Sequence[str], weights: Sequence[float] | None = None) -> None:
+    """What a config can check without loading a model: every name but ``model:…`` resolves, and
+    there is one weight per reward."""
+    resolve_rewards([f for f in functions if reward_model_target(f) is None])
+    if weights is not None and len(weights) != len(functions):
+        raise ValueError(f"reward_weights has {len(weights)} values for {len(functions)} reward_funcs")
+
+
 def resolve_rewards(
     functions: Sequence[str | RewardFunction], weights: Sequence[float] | None = None
 ) -> tuple[list[tuple[str, RewardFunction]], list[float]]:
     """``(name, function)`` pairs for names, import paths or callables, and one weight each
-    (default 1)."""
-    named = [
-        (f, get_reward(f)) if isinstance(f, str) else (f.__name__, check_signature(f.__name__, f)) for f in functions
-    ]
+    (default 1). A ``model:…`` reward comes as a callable (its stage's builder loads it)."""
+    named = []
+    for f in functions:
+        if isinstance(f, str) and reward_model_target(f) is not None:
+            raise ValueError(f"reward {f!r} names a reward model: pass it loaded (trainers.reward_model)")
+        named.append((f, get_reward(f)) if isinstance(f, str) else (f.__name__, check_signature(f.__name__, f)))
     weights = [1.0] * len(named) if weights is None else [float(w) for w in weights]
     if len(weights) != len(named):
         raise ValueError(f"reward_weights has {len(weights)} values for {len(named)} reward_funcs")

@@ -9,7 +9,7 @@ rank's error) is :mod:`tasks.launch`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Iterator, Literal, Union
 
@@ -35,6 +35,7 @@ class TrainInputs:
     reference_logps: ReferenceLogps | None = None
     lora: LoraSettings | None = None  # train LoRA adapters (``peft.for_stage``) instead of every weight
     compute: ComputeConfig = ComputeConfig()  # noqa: RUF009 (frozen): load dtype, mixed precision, processes
+    reward_models: dict[str, ModelHandle] = field(default_factory=dict)  # earlier reward stages' models, by stage
 
 
 class StageFolder(BaseModel):

@@ -1,9 +1,28 @@
-"""GRPO: group-relative policy optimisation on prompts, rewarded by the registered reward functions."""
+"""GRPO: group-relative policy optimisation on prompts, rewarded by the registered reward functions
+and reward models (``model:<reward stage or path>``)."""
 
 from __future__ import annotations
 
 from trainers.grpo_section import GRPOStageConfig, check_generation_layout
+from trainers.rewards import reward_model_target
 from trainers.stages.registry import StageInputs, StageSpec, register_stage
+
+
+def reward_functions(section: GRPOStageConfig, inputs: StageInputs) -> list:
+    """``reward_funcs`` with each ``model:…`` reward loaded: an earlier reward stage's model, or a path."""
+    from trainers.reward_model import RewardModelScorer, load_reward_model
+
+    functions: list = []
+    for name in section.reward_funcs:
+        target = reward_model_target(name)
+        if target is None:
+            functions.append(name)
+            continue
+        source = inputs.reward_models.get(target)
+        path, revision = (source.path, source.revision) if source is not None else (target, None)
+        model, tokenizer = load_reward_model(path, revision, inputs.dtype)
+        functions.append(RewardModelScorer(model, tokenizer, name))
+    return functions
 
 
 def build_grpo(section: GRPOStageConfig, inputs: StageInputs):
@@ -13,14 +32,20 @@ def build_grpo(section: GRPOStageConfig, inputs: StageInputs):
     # The KL anchor is the policy GRPO starts from (with LoRA: the policy, adapters disabled);
     # with β = 0 no reference is loaded at all.
     ref_model = inputs.load_reference() if section.beta > 0 else None
-    return GRPOTrainer(
+    rewards = reward_functions(section, inputs)
+    trainer = GRPOTrainer(
         model=model,
         ref_model=ref_model,
+        reward_funcs=rewards,
         args=section.training_arguments(GRPOConfig, **inputs.runtime_arguments()),
         train_dataset=inputs.splits["grpo_prompts"],
         processing_class=tokenizer,
         callbacks=inputs.callbacks,
     )
+    for scorer in rewards:
+        if not isinstance(scorer, str):
+            scorer.to(trainer.args.device)  # reward models score on the policy's device
+    return trainer
 
 
 GRPO = register_stage(
@@ -30,6 +55,8 @@ GRPO = register_stage(
         split="grpo_prompts",
         build=build_grpo,
         check=check_generation_layout,
-        description="Group-relative policy optimisation on the `grpo_prompts` split, rewarded by `reward_funcs`.",
+        reward_models=lambda section: tuple(t for f in section.reward_funcs if (t := reward_model_target(f))),
+        description="Group-relative policy optimisation on the `grpo_prompts` split, rewarded by `reward_funcs` "
+        "(registered functions, import paths, reward models).",
     )
 )

@@ -11,7 +11,7 @@ read specs; none of them names a stage.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
 
 from trainers.lora import LoraSettings
 from trainers.registry import Registry
@@ -44,6 +44,7 @@ class StageInputs:
     cpu: bool  # ``compute.cpu``: train on the CPU (several processes: gloo) even where there is a GPU
     callbacks: list = field(default_factory=list)
     lora: LoraSettings | None = None  # train LoRA adapters on the frozen policy instead of all its weights
+    reward_models: Mapping[str, ModelSource] = field(default_factory=dict)  # earlier reward stages' models, by stage
 
     def load_policy(self):
         """The policy and its tokenizer; with ``lora``, wrapped with fresh trainable adapters."""
@@ -103,6 +104,12 @@ class StageSpec:
     # Raises ValueError when the section cannot run with the compute section (e.g. GRPO's batch
     # layout over the processes); the experiment config runs it for every enabled stage when it loads.
     check: Callable[[Any, StageCompute], None] = no_check
+    # What its model is: the next stage's policy (a generating model, evaluated), or a reward model
+    # (a sequence scorer that later stages' reward functions name; the policy passes it by).
+    produces: Literal["policy", "reward_model"] = "policy"
+    # The reward models its section names (``model:<stage or path>`` targets): those that are earlier
+    # reward stages reach its trainer (``StageInputs.reward_models``) and its cache key.
+    reward_models: Callable[[Any], tuple[str, ...]] = lambda section: ()
 
     @property
     def title(self) -> str:

@@ -400,6 +400,11 @@ class ExperimentBase(Section):
         if unknown:
             raise ValueError(f"peft.stages: {unknown} not among the stages {self.stages}")
         for stage in self.stages:
+            if self.peft.for_stage(stage) and STAGES[stage].produces == "reward_model":
+                raise ValueError(
+                    f"peft: LoRA applies to {stage}, which trains a reward model (all its weights); list the stages "
+                    f"to adapt in peft.stages without {stage}"
+                )
             if self.peft.for_stage(stage) and getattr(self.stage(stage), "sync_ref_model", False):
                 raise ValueError(
                     f"{stage}.sync_ref_model mixes the policy into a separate reference model; with LoRA the "
@@ -453,6 +458,25 @@ class ExperimentBase(Section):
                 STAGES[stage].check(self.stage(stage), self.compute)
             except ValueError as error:
                 raise ValueError(f"{stage}: {error}") from None
+        return self
+
+    @model_validator(mode="after")
+    def _check_reward_models(self) -> ExperimentBase:
+        """A stage's ``model:<stage>`` reward names a reward stage before it; the last stage trains the policy."""
+        for index, stage in enumerate(self.stages):
+            for target in STAGES[stage].reward_models(self.stage(stage)):
+                if target not in STAGES:
+                    continue  # a model path or hub id
+                if STAGES[target].produces != "reward_model" or target not in self.stages[:index]:
+                    raise ValueError(
+                        f"{stage}.reward_funcs: model:{target} names a stage; it must be a reward stage listed before "
+                        f"{stage} in stages {self.stages}"
+                    )
+        if STAGES[self.stages[-1]].produces != "policy":
+            raise ValueError(
+                f"stages: the last stage, {self.stages[-1]}, trains a reward model; end with a stage that trains "
+                "the policy (e.g. grpo scored by model:reward)"
+            )
         return self
 
     def stage(self, name: str) -> TrainingConfig:

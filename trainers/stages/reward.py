@@ -1,0 +1,38 @@
+"""The reward model: a one-logit sequence classifier trained on the `preference` split's pairs with
+the Bradley–Terry loss, from the model the stage starts from. Its model does not become the next
+stage's policy: GRPO names it as a reward function (``grpo.reward_funcs: [model:reward]``)."""
+
+from __future__ import annotations
+
+from trainers.reward_section import RewardStageConfig
+from trainers.stages.registry import StageInputs, StageSpec, register_stage
+
+
+def build_reward(section: RewardStageConfig, inputs: StageInputs):
+    from trainers.reward_model import PairSequenceCollator, RewardConfig, RewardTrainer, load_reward_model
+
+    model, tokenizer = load_reward_model(inputs.policy.path, inputs.policy.revision, inputs.dtype)
+    eval_split = inputs.splits.get("preference_eval")
+    return RewardTrainer(
+        model=model,
+        args=section.training_arguments(RewardConfig, evaluates=eval_split is not None, **inputs.runtime_arguments()),
+        train_dataset=inputs.splits["preference"],
+        eval_dataset=eval_split,
+        data_collator=PairSequenceCollator(tokenizer.pad_token_id),
+        processing_class=tokenizer,
+        callbacks=inputs.callbacks,
+    )
+
+
+REWARD = register_stage(
+    StageSpec(
+        name="reward",
+        section=RewardStageConfig,
+        split="preference",
+        build=build_reward,
+        produces="reward_model",
+        description="A reward model (one-logit sequence classifier, Bradley–Terry loss) on the `preference` split's "
+        "pairs, from the current policy; later stages score with it (`grpo.reward_funcs: [model:reward]`), the "
+        "policy passes it by.",
+    )
+)
