@@ -119,19 +119,18 @@ class DPOTrainer(MetricWindow, Trainer):
             )
             self.add_callback(sync)
         self.reward_mean = RunningMean()
-        self.init_window()
 
     def checkpoint_state(self) -> dict:
         """What a resumed run needs beyond the ``Trainer``'s checkpoint (trainers/checkpoints.py):
         bco_pair's running mean δ, the metric windows and, with TR-DPO's sync, the reference weights."""
-        state = {"reward_mean": self.reward_mean.state_dict(), "window_metrics": self.window_state()}
+        state = super().checkpoint_state() | {"reward_mean": self.reward_mean.state_dict()}
         if self.args.sync_ref_model:
             state["ref_model"] = self.accelerator.unwrap_model(self.ref_model).state_dict()
         return state
 
     def load_checkpoint_state(self, state: dict) -> None:
+        super().load_checkpoint_state(state)
         self.reward_mean.load_state_dict(state["reward_mean"])
-        self.load_window_state(state["window_metrics"])
         if self.args.sync_ref_model:
             self.accelerator.unwrap_model(self.ref_model).load_state_dict(state["ref_model"])
 

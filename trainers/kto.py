@@ -99,13 +99,6 @@ class KTOTrainer(MetricWindow, Trainer):
         if ref_model is None and not has_adapters(self.model):
             raise ValueError("KTO needs a ref_model (optional for a LoRA policy: itself with its adapters disabled)")
         self.ref_model = None if ref_model is None else prepare_reference(ref_model, self.accelerator)
-        self.init_window()
-
-    def checkpoint_state(self) -> dict:
-        return {"window_metrics": self.window_state()}
-
-    def load_checkpoint_state(self, state: dict) -> None:
-        self.load_window_state(state["window_metrics"])
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         rows = inputs["desirable"].shape[0]

@@ -14,9 +14,22 @@ SUMMED_METRICS = {"num_tokens"}
 
 class MetricWindow:
     """Mixin for a ``transformers.Trainer`` subclass (listed before ``Trainer``): ``record_metrics``
-    in ``compute_loss``; each logged line then carries the window's metrics, ``eval_``-prefixed after
-    an evaluation. :meth:`window_state` / :meth:`load_window_state` carry the open window through a
-    checkpoint, so a resumed run logs what an uninterrupted one does."""
+        in ``compute_loss``; each logged line then carries the window's metrics, ``eval_``-prefixed after
+        an evaluation. :meth:`window_state` / :meth:`load_window_state` carry the open window through a
+        checkpoint (:meth:`checkpoint_state`), so a resumed run logs what an uninterrupted one does. The
+    windows open when the trainer is built."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.init_window()
+
+    def checkpoint_state(self) -> dict:
+        """What a resumed run needs beyond the ``Trainer``'s checkpoint (trainers/checkpoints.py): the
+        open windows. A trainer with more state extends it."""
+        return {"window_metrics": self.window_state()}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        self.load_window_state(state["window_metrics"])
 
     def init_window(self) -> None:
         self.window_metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}

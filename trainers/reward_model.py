@@ -102,16 +102,6 @@ class RewardTrainer(MetricWindow, Trainer):
 
     loss_is_scaled_for_ga = False  # compute_loss returns a per-micro-batch mean
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.init_window()
-
-    def checkpoint_state(self) -> dict:
-        return {"window_metrics": self.window_state()}
-
-    def load_checkpoint_state(self, state: dict) -> None:
-        self.load_window_state(state["window_metrics"])
-
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         rewards = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits[:, 0]
         chosen, rejected = rewards.float().chunk(2)
