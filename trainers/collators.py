@@ -23,15 +23,19 @@ def pad_left(sequences: list[list[int]], pad_token_id: int) -> tuple[torch.Tenso
     return ids, mask
 
 
-def prompt_completion_batch(prompts: list[list[int]], completions: list[list[int]], pad_token_id: int) -> dict:
-    """``input_ids`` = prompt + completion, padded right; ``completion_mask`` marks completion tokens."""
-    sequences = [p + c for p, c in zip(prompts, completions)]
-    masks = [[0] * len(p) + [1] * len(c) for p, c in zip(prompts, completions)]
+def sequence_batch(sequences: list[list[int]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """``input_ids`` padded right and their ``attention_mask``."""
     return {
         "input_ids": pad_right(sequences, pad_token_id),
         "attention_mask": pad_right([[1] * len(s) for s in sequences], 0),
-        "completion_mask": pad_right(masks, 0),
     }
+
+
+def prompt_completion_batch(prompts: list[list[int]], completions: list[list[int]], pad_token_id: int) -> dict:
+    """``input_ids`` = prompt + completion, padded right; ``completion_mask`` marks completion tokens."""
+    masks = [[0] * len(p) + [1] * len(c) for p, c in zip(prompts, completions)]
+    batch = sequence_batch([p + c for p, c in zip(prompts, completions)], pad_token_id)
+    return batch | {"completion_mask": pad_right(masks, 0)}
 
 
 @dataclass

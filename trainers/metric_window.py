@@ -14,10 +14,10 @@ SUMMED_METRICS = {"num_tokens"}
 
 class MetricWindow:
     """Mixin for a ``transformers.Trainer`` subclass (listed before ``Trainer``): ``record_metrics``
-        in ``compute_loss``; each logged line then carries the window's metrics, ``eval_``-prefixed after
-        an evaluation. :meth:`window_state` / :meth:`load_window_state` carry the open window through a
-        checkpoint (:meth:`checkpoint_state`), so a resumed run logs what an uninterrupted one does. The
-    windows open when the trainer is built."""
+    in ``compute_loss``; each logged line then carries the window's metrics, ``eval_``-prefixed after
+    an evaluation. The windows open when the trainer is built; :meth:`checkpoint_state` /
+    :meth:`load_checkpoint_state` carry the open windows through a checkpoint, so a resumed run logs
+    what an uninterrupted one does."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -23,7 +23,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from trainers.collators import pad_right
+from trainers.collators import sequence_batch
 from trainers.data import render_completion, render_prompt
 from trainers.devices import torch_dtype
 from trainers.metric_window import MetricWindow
@@ -78,10 +78,7 @@ class PairSequenceCollator:
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         sequences = [f["prompt_ids"] + f["chosen_ids"] for f in features]
         sequences += [f["prompt_ids"] + f["rejected_ids"] for f in features]
-        batch = {
-            "input_ids": pad_right(sequences, self.pad_token_id),
-            "attention_mask": pad_right([[1] * len(s) for s in sequences], 0),
-        }
+        batch = sequence_batch(sequences, self.pad_token_id)
         if "margin" in features[0]:
             batch["margin"] = torch.tensor([float(f["margin"]) for f in features])
         return batch
@@ -143,8 +140,6 @@ class RewardModelScorer:
         device = next(self.model.parameters()).device
         scores: list[float] = []
         for start in range(0, len(sequences), self.batch_size):
-            chunk = sequences[start : start + self.batch_size]
-            ids = pad_right(chunk, self.tokenizer.pad_token_id).to(device)
-            mask = pad_right([[1] * len(s) for s in chunk], 0).to(device)
-            scores += self.model(input_ids=ids, attention_mask=mask).logits[:, 0].float().tolist()
+            batch = sequence_batch(sequences[start : start + self.batch_size], self.tokenizer.pad_token_id)
+            scores += self.model(**{k: v.to(device) for k, v in batch.items()}).logits[:, 0].float().tolist()
         return scores

@@ -132,8 +132,16 @@ def check_reward_names(functions: Sequence[str], weights: Sequence[float] | None
     """What a config can check without loading a model: every name but ``model:…`` resolves, and
     there is one weight per reward."""
     resolve_rewards([f for f in functions if reward_model_target(f) is None])
-    if weights is not None and len(weights) != len(functions):
-        raise ValueError(f"reward_weights has {len(weights)} values for {len(functions)} reward_funcs")
+    reward_weights(weights, len(functions))
+
+
+def reward_weights(weights: Sequence[float] | None, count: int) -> list[float]:
+    """One weight per reward function, as floats; default: all 1."""
+    if weights is None:
+        return [1.0] * count
+    if len(weights) != count:
+        raise ValueError(f"reward_weights has {len(weights)} values for {count} reward_funcs")
+    return [float(w) for w in weights]
 
 
 def resolve_rewards(
@@ -146,10 +154,7 @@ def resolve_rewards(
         if isinstance(f, str) and reward_model_target(f) is not None:
             raise ValueError(f"reward {f!r} names a reward model: pass it loaded (trainers.reward_model)")
         named.append((f, get_reward(f)) if isinstance(f, str) else (f.__name__, check_signature(f.__name__, f)))
-    weights = [1.0] * len(named) if weights is None else [float(w) for w in weights]
-    if len(weights) != len(named):
-        raise ValueError(f"reward_weights has {len(weights)} values for {len(named)} reward_funcs")
-    return named, weights
+    return named, reward_weights(weights, len(named))
 
 
 def text_of(completion: str | list[dict]) -> str:

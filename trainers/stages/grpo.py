@@ -8,8 +8,9 @@ from trainers.rewards import reward_model_target
 from trainers.stages.registry import StageInputs, StageSpec, register_stage
 
 
-def reward_functions(section: GRPOStageConfig, inputs: StageInputs) -> list:
-    """``reward_funcs`` with each ``model:…`` reward loaded: an earlier reward stage's model, or a path."""
+def reward_functions(section: GRPOStageConfig, inputs: StageInputs, device) -> list:
+    """``reward_funcs`` with each ``model:…`` reward loaded on ``device`` (the policy's): an earlier
+    reward stage's model, or a path."""
     from trainers.reward_model import RewardModelScorer, load_reward_model
 
     functions: list = []
@@ -21,7 +22,7 @@ def reward_functions(section: GRPOStageConfig, inputs: StageInputs) -> list:
         source = inputs.reward_models.get(target)
         path, revision = (source.path, source.revision) if source is not None else (target, None)
         model, tokenizer = load_reward_model(path, revision, inputs.dtype)
-        functions.append(RewardModelScorer(model, tokenizer, name))
+        functions.append(RewardModelScorer(model, tokenizer, name).to(device))
     return functions
 
 
@@ -32,20 +33,16 @@ def build_grpo(section: GRPOStageConfig, inputs: StageInputs):
     # The KL anchor is the policy GRPO starts from (with LoRA: the policy, adapters disabled);
     # with β = 0 no reference is loaded at all.
     ref_model = inputs.load_reference() if section.beta > 0 else None
-    rewards = reward_functions(section, inputs)
-    trainer = GRPOTrainer(
+    args = section.training_arguments(GRPOConfig, **inputs.runtime_arguments())
+    return GRPOTrainer(
         model=model,
         ref_model=ref_model,
-        reward_funcs=rewards,
-        args=section.training_arguments(GRPOConfig, **inputs.runtime_arguments()),
+        reward_funcs=reward_functions(section, inputs, args.device),
+        args=args,
         train_dataset=inputs.splits["grpo_prompts"],
         processing_class=tokenizer,
         callbacks=inputs.callbacks,
     )
-    for scorer in rewards:
-        if not isinstance(scorer, str):
-            scorer.to(trainer.args.device)  # reward models score on the policy's device
-    return trainer
 
 
 GRPO = register_stage(
