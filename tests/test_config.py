@@ -278,6 +278,29 @@ def test_invalid_grpo_objective_options_are_config_errors(overrides, message):
         load_config(None, overrides)
 
 
+def test_the_generation_backend_and_its_engine_options():
+    assert load_config(None).grpo.generation_backend == "hf"
+    vllm = load_config(None, ["grpo.generation_backend=vllm", "grpo.vllm_importance_sampling_cap=2"]).grpo
+    assert (vllm.generation_backend, vllm.vllm_importance_sampling_cap, vllm.vllm_gpu_memory_utilization) == (
+        "vllm",
+        2.0,
+        0.3,
+    )
+    refused = {
+        "vllm_gpu_memory_utilization: 0.5 has no effect with generation_backend 'hf'": [
+            "grpo.vllm_gpu_memory_utilization=0.5"
+        ],
+        "vllm_importance_sampling_cap: 2.0 has no effect": ["grpo.vllm_importance_sampling_cap=2"],
+        "unknown generation_backend 'sglang'|Input should be 'hf' or 'vllm'": ["grpo.generation_backend=sglang"],
+        "grpo: generation_backend vllm runs one colocated engine in one training process for now; "
+        "compute.num_processes is 2": ["grpo.generation_backend=vllm", "compute.num_processes=2"],
+        "LoRA applies to grpo, whose generation_backend is vllm": ["grpo.generation_backend=vllm", "peft.enabled=true"],
+    }
+    for message, overrides in refused.items():
+        with pytest.raises(ValidationError, match=message):
+            load_config(None, overrides)
+
+
 def test_grpo_objective_options_that_load():
     grpo = load_config(None).grpo
     assert (grpo.policy_loss, grpo.importance_sampling_level, grpo.delta, grpo.entropy_coef) == (

@@ -8,6 +8,7 @@ import statistics
 import datasets
 import pytest
 import torch
+from policies import SHORT_GRPO, grpo_args
 from transformers import TrainerCallback
 
 from trainers.data import Truncation, tokenize_split
@@ -50,27 +51,9 @@ class RecordingTrainer(GRPOTrainer):
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
-def grpo_args(tmp_path, **settings) -> GRPOConfig:
-    """Arguments for a short test run: no reporting, no progress bars, no pinned memory."""
-    return GRPOConfig(
-        output_dir=str(tmp_path), report_to=[], disable_tqdm=True, dataloader_pin_memory=False, **settings
-    )
-
-
 def make_trainer(tiny, prompts, tmp_path, **overrides):
     model, tokenizer = tiny
-    settings = (
-        dict(
-            per_device_train_batch_size=4,
-            num_generations=2,
-            max_completion_length=4,
-            learning_rate=1e-3,
-            logging_steps=1,
-            save_strategy="no",
-        )
-        | overrides
-    )
-    args = grpo_args(tmp_path, **settings)
+    args = grpo_args(tmp_path, **(SHORT_GRPO | overrides))
     return RecordingTrainer(
         model=copy.deepcopy(model),
         args=args,

@@ -50,7 +50,19 @@ LLAMA_0_5B = dict(
     tie_word_embeddings=True,
     vocab_size=151_936,
 )
-BUILTIN_MODELS = {"tiny-llama": TINY_LLAMA, "llama-0.5b": LLAMA_0_5B}
+# The 20M-parameter shape on which generation dominates a GRPO step (vLLM against `generate`:
+# benchmarks/grpo.py): hidden 384, 8 layers, a padded vocabulary of 16,384 rows.
+LLAMA_20M = dict(
+    hidden_size=384,
+    intermediate_size=1024,
+    num_hidden_layers=8,
+    num_attention_heads=6,
+    num_key_value_heads=6,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+    vocab_size=16_384,
+)
+BUILTIN_MODELS = {"tiny-llama": TINY_LLAMA, "llama-20m": LLAMA_20M, "llama-0.5b": LLAMA_0_5B}
 
 
 def is_builtin(source: str) -> bool:

@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import GenerationConfig, PreTrainedModel, Trainer, TrainingArguments
 
-from trainers.collators import pad_left, prompt_completion_batch
+from trainers.collators import pad_left, pad_right, prompt_completion_batch
 from trainers.grpo_losses import (
     IMPORTANCE_LEVELS,
     ObjectiveParams,
@@ -37,9 +37,16 @@ from trainers.grpo_losses import (
     k3_kl,
     masked_mean,
     nan_std,
+    truncated_importance_weights,
     weighted_rewards,
 )
-from trainers.grpo_section import COMPLETIONS_LOG_KEY, GRPOStageConfig, check_policy_options, generation_layout
+from trainers.grpo_section import (
+    COMPLETIONS_LOG_KEY,
+    GRPOStageConfig,
+    check_engine_options,
+    check_policy_options,
+    generation_layout,
+)
 from trainers.layout import GenerationLayout
 from trainers.logprobs import next_token_logps
 from trainers.lora import has_adapters, live_reference
@@ -49,6 +56,7 @@ from trainers.sampling import sampling_processors
 from trainers.sections import section_fields
 from trainers.sharded_params import forward_model, prepare_reference, sharding_of
 from trainers.stopping import cut_at_first_stop, stop_token_ids
+from trainers.vllm_engine import ColocatedEngine, EngineOptions, SamplingOptions, require_vllm
 
 
 @dataclass
@@ -65,6 +73,7 @@ class GRPOConfig(TrainingArguments):
         super().__post_init__()
         self.layout  # noqa: B018  (check the batch arithmetic now, not at the first step)
         check_policy_options(self)
+        check_engine_options(self)
 
     @property
     def layout(self) -> GenerationLayout:
@@ -101,11 +110,55 @@ class GRPOConfig(TrainingArguments):
         """Whether a generation batch outlives the policy that sampled it (off-policy reuse)."""
         return self.layout.steps_per_generation > self.gradient_accumulation_steps or self.num_iterations > 1
 
+    @property
+    def engine_options(self) -> EngineOptions:
+        return EngineOptions(
+            gpu_memory_utilization=self.vllm_gpu_memory_utilization,
+            max_model_len=self.vllm_max_model_len,
+            enable_sleep_mode=self.vllm_enable_sleep_mode,
+            cpu_kv_cache_gib=self.vllm_cpu_kv_cache_gib,
+        )
+
+
+@dataclass(frozen=True)
+class Rollouts:
+    """Sampled completion tokens ``[N, L]`` (shorter rows padded with a stop token) and, when an engine
+    sampled them, each token's log-prob under the engine's sampling distribution (0 on padding)."""
+
+    tokens: torch.Tensor
+    engine_logps: torch.Tensor | None = None
+
 
 def completion_seed(seed: int, generation: int, row: int) -> int:
     """The seed of completion ``row`` of generation batch ``generation`` (1-based): ``seed``,
     ``generation`` and ``row`` packed into one 63-bit integer, distinct for every pair below 2²⁰ rows."""
     return (seed * 1_000_003 + generation) * 2**20 + row
+
+
+def token_position_values(prompts: list[list[int]], completions: list[list[int]], values: torch.Tensor) -> torch.Tensor:
+    """``values[i, j]`` (one per sampled completion token) placed at that token's position in the
+    ``prompt + completion`` rows of :func:`completion_batch` (0 elsewhere), so they are sliced with
+    ``input_ids``; position ``t`` holds the value of token ``t``, predicted at ``t − 1``."""
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    placed = torch.zeros(len(prompts), width, dtype=values.dtype)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+        placed[row, len(prompt) : len(prompt) + len(completion)] = values[row, : len(completion)]
+    return placed
+
+
+def check_engine_placement(model: torch.nn.Module, num_processes: int) -> None:
+    """vLLM is installed, and the policy is one the colocated engine serves. Not covered yet: LoRA
+    adapters (their merged weights would have to be pushed, then unmerged) and more than one
+    training process (an engine per rank needs vLLM's external launcher). The experiment config
+    refuses both at load time too."""
+    require_vllm()
+    if has_adapters(model):
+        raise ValueError("generation_backend vllm: a LoRA policy is not supported yet; use generation_backend hf")
+    if num_processes > 1:
+        raise ValueError(
+            f"generation_backend vllm: {num_processes} training processes; the colocated engine runs with one "
+            "process for now (use generation_backend hf)"
+        )
 
 
 def keep_rows(features: list[dict]) -> list[dict]:
@@ -201,6 +254,12 @@ class GRPOTrainer(Trainer):
         )
         self.buffer = GenerationBuffer(args.num_iterations)
         self.generation_calls = 0
+        self.engine: ColocatedEngine | None = None  # generation_backend vllm: built at the first generation
+        self.engine_sampling = SamplingOptions(
+            args.temperature, args.top_k, args.top_p, args.max_completion_length, self.stop_ids
+        )
+        if args.generation_backend == "vllm":
+            check_engine_placement(self.model, self.accelerator.num_processes)
         self.window: dict[str, list[float]] = defaultdict(list)  # metrics since the last log
         self.window_started: float | None = None
         self.window_start_step = 0
@@ -261,12 +320,18 @@ class GRPOTrainer(Trainer):
         return super().training_step(model, self.buffer.next_slice(), None)
 
     @torch.no_grad()
-    def generate(self, model, prompts: list[list[int]]) -> torch.Tensor:
-        """Sampled completion tokens ``[N, ≤ max_completion_length]`` for left-padded prompts (with
-        ``generation_seed``: each completion sampled alone, under its own seed, see :meth:`generate_seeded`),
-        by the unwrapped policy; with sharded parameters every process generates in lockstep
-        (trainers/sharded_params.py), each as many calls as the others."""
+    def generate(self, model, prompts: list[list[int]]) -> Rollouts:
+        """Sampled completion tokens ``[N, ≤ max_completion_length]`` by the ``generation_backend``."""
         self.generation_calls += 1
+        if self.args.generation_backend == "vllm":
+            return self.generate_with_engine(model, prompts)
+        return Rollouts(self.generate_with_policy(model, prompts))
+
+    def generate_with_policy(self, model, prompts: list[list[int]]) -> torch.Tensor:
+        """Completions for left-padded prompts (with ``generation_seed``: each completion sampled
+        alone, under its own seed, see :meth:`generate_seeded`), by the unwrapped policy's ``generate``;
+        with sharded parameters every process generates in lockstep (trainers/sharded_params.py),
+        each as many calls as the others."""
         with forward_model(model, self.accelerator, self.sharding) as unwrapped:
             was_training = unwrapped.training
             unwrapped.eval()
@@ -284,6 +349,37 @@ class GRPOTrainer(Trainer):
                 completions = output[:, input_ids.shape[1] :].cpu()
             unwrapped.train(was_training)
         return completions
+
+    def generate_with_engine(self, model, prompts: list[list[int]]) -> Rollouts:
+        """Completions sampled by the colocated vLLM engine, its weights synced to the policy's
+        first if an optimizer step changed them; each completion under its own seed
+        (:meth:`completion_seeds`)."""
+        if self.engine is None:
+            policy = self.accelerator.unwrap_model(model)
+            self.engine = ColocatedEngine(policy, self.args.engine_options, self.args.seed, self.state.global_step)
+        with self.sharding.full_parameters(model) as weights:
+            self.engine.wake(weights, self.state.global_step)
+        samples = self.engine.generate(prompts, self.completion_seeds(len(prompts)), self.engine_sampling)
+        self.engine.rest()
+        stop = self.stop_ids[0]
+        tokens = pad_right(samples.tokens, stop)
+        logps = torch.tensor([row + [0.0] * (tokens.shape[1] - len(row)) for row in samples.logps])
+        return Rollouts(tokens, logps)
+
+    def completion_seeds(self, count: int) -> list[int]:
+        """One seed per completion: with ``generation_seed``, :func:`completion_seed` of its place in the
+        generation batch over all processes; otherwise drawn from this process's torch generator."""
+        if self.args.generation_seed is None:
+            return torch.randint(0, 2**62, (count,)).tolist()
+        first_row = self.accelerator.process_index * count
+        return [completion_seed(self.args.generation_seed, self.generation_calls, first_row + i) for i in range(count)]
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self.engine is not None:
+                self.engine.close()  # its memory back before evaluation; the sync count stays readable
 
     def generate_seeded(self, model, prompts: list[list[int]]) -> torch.Tensor:
         """Each completion generated alone under the seed :func:`completion_seed` of its place in the
@@ -315,11 +411,13 @@ class GRPOTrainer(Trainer):
         limit = args.max_prompt_length
         prompts = [r["prompt_ids"][-limit:] if limit else r["prompt_ids"] for r in rows]
         started = time.perf_counter()
-        generated = self.generate(model, prompts)
+        rollouts = self.generate(model, prompts)
         self.window["time/generation"].append(time.perf_counter() - started)
         batch, completions, truncated = completion_batch(
-            prompts, generated, self.stop_ids, tokenizer.pad_token_id, args.mask_truncated_completions
+            prompts, rollouts.tokens, self.stop_ids, tokenizer.pad_token_id, args.mask_truncated_completions
         )
+        if rollouts.engine_logps is not None:
+            batch["engine_logps"] = token_position_values(prompts, completions, rollouts.engine_logps)
 
         bare = [c[:-1] if not cut else c for c, cut in zip(completions, truncated)]  # without the stop token
         texts = tokenizer.batch_decode(bare, skip_special_tokens=True)
@@ -343,6 +441,8 @@ class GRPOTrainer(Trainer):
             batch, tokens_per_step=active / (args.layout.steps_per_generation * self.accelerator.num_processes)
         )
         self.add_sampling_logps(model, slices)
+        if rollouts.engine_logps is not None:
+            self.record_engine_mismatch(slices)
         self.record_generation(rewards, per_function, completions, truncated)
         self.latest_samples = self.sample_table(prompt_texts, texts, rewards[local], per_function[:, local])
         return slices
@@ -361,12 +461,13 @@ class GRPOTrainer(Trainer):
 
     @torch.no_grad()
     def add_sampling_logps(self, model, slices: list[dict[str, torch.Tensor]]) -> None:
-        """``old_logps`` (the sampling policy) when the batch is reused off-policy, and
-        ``ref_logps`` when β > 0; computed once per generation batch."""
+        """``old_logps`` (the sampling policy) when the batch is reused off-policy or an engine
+        sampled it (its log-probs are compared with the policy's), and ``ref_logps`` when β > 0;
+        computed once per generation batch."""
         if self.args.beta > 0:
             with live_reference(self.ref_model, self.model) as reference:
                 self.add_token_logps(reference, slices, "ref_logps")
-        if self.args.reuses_generations:
+        if self.args.reuses_generations or "engine_logps" in slices[0]:
             with forward_model(model, self.accelerator, self.sharding) as policy:
                 self.add_token_logps(policy, slices, "old_logps")
 
@@ -385,6 +486,17 @@ class GRPOTrainer(Trainer):
             ).logps
             part[name] = logps.cpu()
         source.train(was_training)
+
+    def record_engine_mismatch(self, slices: list[dict[str, torch.Tensor]]) -> None:
+        """Mean and max |log π_old − log π_engine| over the batch's completion tokens (all processes):
+        how far the engine's sampling distribution is from the policy the trainer holds."""
+        gaps = [
+            (part["old_logps"] - part["engine_logps"][:, 1:]).abs()[part["completion_mask"][:, 1:].bool()]
+            for part in slices
+        ]
+        gap = self.gather(torch.cat(gaps))
+        self.window["vllm/logp_diff_mean"].append(gap.mean().item())
+        self.window["vllm/logp_diff_max"].append(gap.max().item())
 
     # ---- loss ------------------------------------------------------------------------------
 
@@ -409,6 +521,10 @@ class GRPOTrainer(Trainer):
         advantages = inputs["advantages"]
         log_ratio = self.log_ratio(logps, old_logps, mask)
         per_token = self.objective(log_ratio, logps, advantages, self.objective_params)
+        if args.vllm_importance_sampling_cap is not None:
+            per_token = per_token * truncated_importance_weights(
+                old_logps, inputs["engine_logps"][:, 1:], args.vllm_importance_sampling_cap
+            )
         if args.entropy_coef:
             per_token = per_token - args.entropy_coef * entropy  # the one use of the entropy's gradient
         metrics = {}

@@ -4,7 +4,7 @@ the experiment config and :class:`trainers.grpo.GRPOConfig` both take their GRPO
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -22,6 +22,7 @@ from trainers.rewards import RewardInputs, check_reward_names, reward_model_targ
 from trainers.sections import EvalStrategy, Seed, StageCompute, TrainingConfig
 
 COMPLETIONS_LOG_KEY = "completions"  # a table (column -> values) in the trainer's logs; trackers render it
+GenerationBackendName = Literal["hf", "vllm"]
 
 
 class GRPOStageConfig(TrainingConfig):
@@ -125,6 +126,29 @@ class GRPOStageConfig(TrainingConfig):
         None, ge=1, description="Keep the last N prompt tokens; default: as prepared (`data.max_prompt_length`)."
     )
     max_completion_length: int = Field(6, ge=1, description="Generated tokens per completion at most.")
+    generation_backend: GenerationBackendName = Field(
+        "hf",
+        description="What samples the completions: `hf`, the policy's own `generate`; `vllm`, a vLLM engine colocated "
+        "in the training process, fed the policy's weights once per generation round (needs vLLM: `make install-vllm`, "
+        "docs/algorithms/grpo.md).",
+    )
+    vllm_gpu_memory_utilization: float = Field(
+        0.3, gt=0.0, le=1.0, description="vllm: the GPU memory share the engine may take (weights and KV cache)."
+    )
+    vllm_max_model_len: int | None = Field(
+        None, ge=1, description="vllm: the longest prompt + completion; default: the model's max_position_embeddings."
+    )
+    vllm_enable_sleep_mode: bool = Field(
+        False, description="vllm: the engine gives its GPU memory back between generations (GPUs only)."
+    )
+    vllm_cpu_kv_cache_gib: int = Field(1, ge=1, description="vllm on a CPU: the KV cache's size in GiB.")
+    vllm_importance_sampling_cap: float | None = Field(
+        None,
+        ge=1.0,
+        description="vllm: weight each token's loss by min(π_old / π_vllm, cap), the truncated importance-sampling "
+        "correction of the engine's and the trainer's log-prob mismatch (TRL's vllm_importance_sampling_correction); "
+        "null: off.",
+    )
     log_completions_steps: int = Field(
         100, ge=0, description="Log a table of sample completions every N steps; 0 = never."
     )
@@ -138,6 +162,11 @@ class GRPOStageConfig(TrainingConfig):
                 "reward_inputs: a reward model (model:…) scores prompts and completions as the data has them; "
                 "use reward_inputs: data"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_engine_options(self) -> GRPOStageConfig:
+        check_engine_options(self)
         return self
 
     @model_validator(mode="after")
@@ -168,14 +197,30 @@ def generation_layout(options: Any, num_processes: int) -> GenerationLayout:
     )
 
 
-def check_generation_layout(section: GRPOStageConfig, compute: StageCompute) -> None:
+def check_grpo_compute(section: GRPOStageConfig, compute: StageCompute) -> None:
     """The stage's load-time check: the layout over ``compute.num_processes``, as the trainer
     resolves it over its world size, so one that does not divide over the processes is a config
-    error instead of a failure in the ranks after the stages before GRPO have trained."""
+    error instead of a failure in the ranks after the stages before GRPO have trained; and the
+    colocated vLLM engine on one process only (for now)."""
     try:
         generation_layout(section, compute.num_processes)
     except ValueError as error:
         raise ValueError(f"batch layout over compute.num_processes ({compute.num_processes}): {error}") from None
+    if section.generation_backend == "vllm" and compute.num_processes > 1:
+        raise ValueError(
+            f"generation_backend vllm runs one colocated engine in one training process for now; "
+            f"compute.num_processes is {compute.num_processes} (use generation_backend hf)"
+        )
+
+
+def check_engine_options(options: Any) -> None:
+    """A ``vllm_*`` option away from its default has no effect unless vLLM generates."""
+    if options.generation_backend == "vllm":
+        return
+    for field in [name for name in GRPOStageConfig.model_fields if name.startswith("vllm_")]:
+        value, default = getattr(options, field), GRPOStageConfig.model_fields[field].default
+        if value != default:
+            raise ValueError(f"{field}: {value} has no effect with generation_backend {options.generation_backend!r}")
 
 
 def objective_fields() -> set[str]:

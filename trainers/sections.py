@@ -128,7 +128,7 @@ class TrainingConfig(Section):
         class has them: ``TrainingArguments``' own, or added by :func:`section_fields`), except
         ``warmup_ratio`` (``warmup_steps`` below 1 is a fraction of the steps), ``save_steps`` (0
         turns step saving off), ``gradient_checkpointing`` (``activation_checkpointing``, its
-        current name), ``bf16: auto`` (resolved for this machine) and ``eval_strategy``, which
+        name since transformers 5.2x), ``bf16: auto`` (resolved for this machine) and ``eval_strategy``, which
         applies when the trainer ``evaluates`` (has a held-out split) and is ``no`` otherwise.
         ``bf16: true`` (or ``compute.mixed_precision: bf16``) on a machine without a GPU is CPU
         autocast. ``runtime`` holds what is not a stage's configuration (``output_dir``, the
@@ -137,7 +137,7 @@ class TrainingConfig(Section):
         values["warmup_steps"] = values.pop("warmup_ratio")
         values["save_strategy"] = "steps" if self.save_steps else "no"
         values["per_device_eval_batch_size"] = self.per_device_train_batch_size
-        values["activation_checkpointing"] = values.pop("gradient_checkpointing")
+        values[checkpointing_argument(arguments_class)] = values.pop("gradient_checkpointing")
         values["bf16"] = bf16_available() if self.bf16 == "auto" else self.bf16
         if not evaluates:
             values["eval_strategy"] = "no"
@@ -145,6 +145,13 @@ class TrainingConfig(Section):
         if values["bf16"] and not accelerator_available():
             values["use_cpu"] = True  # bf16 autocast on the CPU; transformers refuses it otherwise
         return arguments_class(**values)
+
+
+def checkpointing_argument(arguments_class: type) -> str:
+    """``activation_checkpointing``, the argument's name in current transformers, or
+    ``gradient_checkpointing`` in the releases before it (vLLM pins one: ``make install-vllm``)."""
+    names = {field.name for field in dataclasses.fields(arguments_class)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
 
 
 def bf16_available() -> bool:

@@ -26,7 +26,7 @@ from trainers.sections import Section, Seed, TrainingConfig
 from trainers.stages import STAGES, StageName
 
 # Kept in step with trainers.builtin_model.BUILTIN_MODELS (which imports torch; tests check both agree).
-BUILTIN_MODEL_NAMES = ("tiny-llama", "llama-0.5b")
+BUILTIN_MODEL_NAMES = ("tiny-llama", "llama-20m", "llama-0.5b")
 # Suffixes that trainers.data reads as local files (anything else is a `datasets.load_dataset` name).
 LOCAL_DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -404,6 +404,11 @@ class ExperimentBase(Section):
                 raise ValueError(
                     f"peft: LoRA applies to {stage}, which trains a reward model (all its weights); list the stages "
                     f"to adapt in peft.stages without {stage}"
+                )
+            if self.peft.for_stage(stage) and getattr(self.stage(stage), "generation_backend", "hf") == "vllm":
+                raise ValueError(
+                    f"peft: LoRA applies to {stage}, whose generation_backend is vllm; the colocated engine does not "
+                    f"serve LoRA policies yet: use {stage}.generation_backend: hf (or leave {stage} out of peft.stages)"
                 )
             if self.peft.for_stage(stage) and getattr(self.stage(stage), "sync_ref_model", False):
                 raise ValueError(

@@ -1,0 +1,142 @@
+"""The colocated vLLM engine (``generation_backend: vllm``) against the policy it serves: greedy tokens
+after a weight sync equal HF's for a tied and an untied model, sampled tokens follow the model's
+distribution with their log-probs, and GRPO syncs the weights exactly once per generation round.
+
+Runs in the vLLM environment that ``make test`` builds (``.venv-vllm``: vLLM pins its own
+transformers); this module imports vllm only through the engine."""
+
+import datasets
+import pytest
+import torch
+from policies import SHORT_GRPO, grpo_args
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from trainers.builtin_model import TINY_LLAMA, build_char_tokenizer
+from trainers.data import Truncation, tokenize_split
+from trainers.grpo import GRPOTrainer
+from trainers.synthetic import AdditionTask, generate_addition
+from trainers.vllm_engine import ColocatedEngine, EngineOptions, SamplingOptions
+
+pytestmark = pytest.mark.vllm
+
+OPTIONS = EngineOptions(gpu_memory_utilization=0.3, max_model_len=None, enable_sleep_mode=False, cpu_kv_cache_gib=1)
+NEW_TOKENS = 8
+DRAWS = 20_000
+
+
+def random_llama(tie: bool) -> tuple[LlamaForCausalLM, object]:
+    """The built-in shape with weights of std 0.2 (greedy tokens vary from prompt to prompt, unlike
+    a fresh model's), tied or untied embeddings."""
+    tokenizer = build_char_tokenizer()
+    config = LlamaConfig(
+        **{**TINY_LLAMA, "tie_word_embeddings": tie},
+        vocab_size=len(tokenizer),
+        initializer_range=0.2,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval(), tokenizer
+
+
+def chat_prompts(tokenizer, count: int) -> list[list[int]]:
+    return [
+        tokenizer(f"<|user|>{a}+{b}=<|assistant|>", add_special_tokens=False).input_ids
+        for a in range(count // 4 + 1)
+        for b in range(4)
+    ][:count]
+
+
+def hf_greedy(model, prompts: list[list[int]], stop: int) -> list[list[int]]:
+    """Each prompt's greedy completion by ``generate``, up to and including the stop token."""
+    completions = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        output = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=stop
+        )[0, len(prompt) :].tolist()
+        completions.append(output[: output.index(stop) + 1] if stop in output else output)
+    return completions
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_greedy_tokens_after_a_sync_equal_hf_greedy_on_the_new_weights(tie):
+    model, tokenizer = random_llama(tie)
+    prompts = chat_prompts(tokenizer, 24)
+    greedy = SamplingOptions(
+        temperature=0.0, top_k=0, top_p=1.0, max_tokens=NEW_TOKENS, stop_ids=(tokenizer.eos_token_id,)
+    )
+    engine = ColocatedEngine(model, OPTIONS, seed=0, step=0)
+    try:
+        before = engine.generate(prompts, list(range(len(prompts))), greedy).tokens
+        assert before == hf_greedy(model, prompts, tokenizer.eos_token_id)
+        with torch.no_grad():  # a training step's worth of change; the tied head moves with the embeddings
+            for param in model.parameters():
+                param.add_(torch.randn_like(param) * 0.05)
+        engine.sync(dict(model.named_parameters()), step=1)
+        engine.sync(dict(model.named_parameters()), step=1)  # the engine holds step 1's weights already
+        after = engine.generate(prompts, list(range(len(prompts))), greedy).tokens
+    finally:
+        engine.close()
+    assert engine.syncs == 1
+    assert after == hf_greedy(model, prompts, tokenizer.eos_token_id)
+    assert sum(a != b for a, b in zip(before, after)) >= len(prompts) // 2  # the sync changed what it generates
+
+
+def test_sampled_tokens_follow_the_models_distribution_and_carry_their_log_probs():
+    model, tokenizer = random_llama(tie=True)
+    prompt = chat_prompts(tokenizer, 1)[0]
+    temperature = 0.7
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0, -1].double().div(temperature).log_softmax(-1)
+    sampling = SamplingOptions(temperature=temperature, top_k=0, top_p=1.0, max_tokens=1, stop_ids=())
+    torch.manual_seed(5)
+    engine = ColocatedEngine(model, OPTIONS, seed=0, step=0)
+    after_engine = torch.rand(3)
+    torch.manual_seed(5)
+    assert torch.equal(after_engine, torch.rand(3))  # building an engine leaves the trainer's random stream alone
+    try:
+        samples = engine.generate([prompt] * DRAWS, list(range(DRAWS)), sampling)
+    finally:
+        engine.close()
+    tokens = torch.tensor([row[0] for row in samples.tokens])
+    observed = torch.bincount(tokens, minlength=len(expected)).double() / DRAWS
+    probabilities = expected.exp()
+    # Each token expected ≥ 20 times on its own, the rare ones as one bucket (a lone draw of a 1e-6
+    # token is no evidence, but 4σ of its own would call it one).
+    frequent = probabilities * DRAWS >= 20
+    buckets = torch.cat([probabilities[frequent], probabilities[~frequent].sum().reshape(1)])
+    seen = torch.cat([observed[frequent], observed[~frequent].sum().reshape(1)])
+    sigma = (buckets * (1 - buckets) / DRAWS).sqrt()
+    assert frequent.sum() >= 10
+    assert torch.all((seen - buckets).abs() <= 4 * sigma), (seen, buckets)
+    logps = torch.tensor([row[0] for row in samples.logps], dtype=torch.float64)
+    assert torch.allclose(logps, expected[tokens], atol=1e-4)  # after temperature: the distribution that sampled
+
+
+def grpo_trainer(tmp_path, backend: str, **settings) -> GRPOTrainer:
+    model, tokenizer = random_llama(tie=True)
+    rows = generate_addition(AdditionTask(max_operand=9, num_eval_problems=20))["grpo_prompts"]
+    prompts, _ = tokenize_split(rows, "grpo_prompts", tokenizer, Truncation(32, 16))
+    return GRPOTrainer(
+        model=model,
+        args=grpo_args(tmp_path, **SHORT_GRPO, seed=1, generation_backend=backend, **settings),
+        train_dataset=datasets.Dataset.from_list(prompts),
+        processing_class=tokenizer,
+        reward_funcs=[lambda prompts, completions, **_: [float(sum(map(ord, c)) % 7) for c in completions]],
+    )
+
+
+def test_grpo_syncs_the_weights_once_per_generation_round_and_logs_the_log_prob_gap(tmp_path):
+    trainer = grpo_trainer(tmp_path, "vllm", max_steps=6, steps_per_generation=2, vllm_importance_sampling_cap=2.0)
+    trainer.train()
+    assert trainer.state.global_step == 6
+    assert trainer.generation_calls == 3
+    assert trainer.engine.syncs == 2  # before the 2nd and 3rd rounds; the 1st samples the weights it was built from
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    gaps = [entry["vllm/logp_diff_max"] for entry in logs if "vllm/logp_diff_max" in entry]
+    assert len(logs) == 6 and len(gaps) == 3  # one per generation round, in the log of its first step
+    # Every round's engine holds the policy that the trainer scores the batch with: only kernel noise
+    # separates the two (a stale tied output head gave gaps of 0.1 here).
+    assert max(gaps) < 1e-5, gaps

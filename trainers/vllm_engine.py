@@ -1,0 +1,184 @@
+"""A vLLM engine colocated with a training process: GRPO's rollouts with ``generation_backend: vllm``.
+
+The engine runs in the trainer's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the policy's
+weights reach it by an in-place reload through ``collective_rpc``: no rebuild, no second copy on
+disk after the first. It is built from the policy as it is at the first generation (saved once to a
+temporary folder) and synced whenever the policy has taken an optimizer step since the last sync,
+i.e. once per generation round. With ``enable_sleep_mode`` (GPUs) it sleeps between generations
+to give its memory back to training; the weights are woken, synced, then the KV cache woken, so a
+sync always lands on awake weights (trl#5312: a sync into sleeping weights is silently lost).
+
+vLLM samples each completion under its own seed and returns the log-prob of every sampled token
+under the *processed* distribution (after temperature), which the trainer compares with its own.
+
+This is the one module that touches vLLM's internals (the worker's ``model_runner.reload_weights``);
+``tests/test_vllm.py`` holds it to the installed version (greedy tokens equal HF's after a sync).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+
+# The engine core must run in this process for the weight reload to reach its model; set before vllm
+# is imported (vllm reads it at import).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """What the GRPO section configures of the engine (``vllm_*`` fields)."""
+
+    gpu_memory_utilization: float
+    max_model_len: int | None
+    enable_sleep_mode: bool
+    cpu_kv_cache_gib: int
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    temperature: float
+    top_k: int
+    top_p: float
+    max_tokens: int
+    stop_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class EngineSamples:
+    """Per prompt, the sampled tokens (up to and including the stop token, if any) and each one's
+    log-prob under the engine's sampling distribution."""
+
+    tokens: list[list[int]]
+    logps: list[list[float]]
+
+
+def require_vllm() -> None:
+    """A clear error, before any training, where vLLM is not installed."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ModuleNotFoundError(
+            "generation_backend vllm: vLLM is not installed in this environment; `make install-vllm` builds "
+            ".venv-vllm with it (run .venv-vllm/bin/alignflow), see docs/algorithms/grpo.md"
+        )
+
+
+@contextmanager
+def preserved_random_states() -> Iterator[None]:
+    """Python's, numpy's and torch's (CPU and CUDA) random states as they were before the block: the
+    trainer's random streams go on as if no engine had been built (a run resumed before the first
+    generation builds its engine at another point of them than the uninterrupted run)."""
+    python, numpy = random.getstate(), np.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+    random.setstate(python)
+    np.random.set_state(numpy)
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Checkpoint names that are no parameter of their own but share one's storage (tied input and
+    output embeddings): alias -> the parameter's name. ``named_parameters`` lists a tied weight once,
+    while vLLM's CPU backend keeps its own copy of the output head, which a sync must refresh too."""
+    parameters = {param.data_ptr(): name for name, param in model.named_parameters()}
+    return {
+        name: parameters[tensor.data_ptr()]
+        for name, tensor in model.state_dict().items()
+        if tensor.data_ptr() in parameters and parameters[tensor.data_ptr()] != name
+    }
+
+
+class ColocatedEngine:
+    """One vLLM ``LLM`` on this process's device, built from ``model`` as it is at optimizer step
+    ``step`` and fed its weights again after each step that changed them. ``syncs`` counts the
+    weight pushes (tests assert on it)."""
+
+    def __init__(self, model: torch.nn.Module, options: EngineOptions, seed: int, step: int):
+        from vllm import LLM
+
+        device = next(model.parameters()).device
+        if device.type == "cpu":
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(options.cpu_kv_cache_gib)
+        with tempfile.TemporaryDirectory(prefix="alignflow-vllm-") as folder:
+            model.save_pretrained(folder, safe_serialization=True)
+            with preserved_random_states():  # vLLM seeds Python's, numpy's and torch's generators with `seed`
+                self.llm = LLM(
+                    model=folder,
+                    dtype=next(model.parameters()).dtype,
+                    seed=seed,
+                    max_model_len=options.max_model_len or model.config.max_position_embeddings,
+                    gpu_memory_utilization=options.gpu_memory_utilization,
+                    enable_sleep_mode=options.enable_sleep_mode,
+                    enforce_eager=device.type == "cpu",
+                    skip_tokenizer_init=True,  # prompts arrive as token ids; completions leave as token ids
+                    generation_config="vllm",  # the trainer's sampling settings, not the folder's defaults
+                    logprobs_mode="processed_logprobs",  # after temperature: the distribution that sampled
+                )
+        self.aliases = tied_aliases(model)
+        self.sleeps = options.enable_sleep_mode
+        self.synced_step = step
+        self.syncs = 0
+        if self.sleeps:
+            self.llm.sleep(level=1)
+
+    def push_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Reload the engine's weights in place from ``(name, tensor)`` pairs named as in the HF model."""
+        pairs = [(name, tensor.detach()) for name, tensor in weights]
+        self.llm.collective_rpc(lambda worker: worker.model_runner.reload_weights(weights_iterator=iter(pairs)))
+        self.syncs += 1
+
+    def sync(self, weights: dict[str, torch.Tensor], step: int) -> None:
+        """Push ``weights`` (the policy's parameters by name, at optimizer step ``step``) unless the
+        engine holds them; a tied weight is pushed under each of its names."""
+        if step != self.synced_step:
+            aliased = [(alias, weights[name]) for alias, name in self.aliases.items()]
+            self.push_weights([*weights.items(), *aliased])
+            self.synced_step = step
+
+    def generate(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingOptions) -> EngineSamples:
+        from vllm import SamplingParams
+
+        requests = [{"prompt_token_ids": prompt} for prompt in prompts]
+        params = [
+            SamplingParams(
+                temperature=sampling.temperature,
+                top_k=sampling.top_k if sampling.top_k > 0 else -1,
+                top_p=sampling.top_p,
+                max_tokens=sampling.max_tokens,
+                stop_token_ids=list(sampling.stop_ids),
+                seed=seed,
+                logprobs=0,  # the sampled token's own log-prob
+                detokenize=False,
+            )
+            for seed in seeds
+        ]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        tokens = [list(out.outputs[0].token_ids) for out in outputs]
+        logps = [
+            [position[token].logprob for token, position in zip(row, out.outputs[0].logprobs)]
+            for row, out in zip(tokens, outputs)
+        ]
+        return EngineSamples(tokens, logps)
+
+    def wake(self, weights: dict[str, torch.Tensor], step: int) -> None:
+        """Before a generation: wake the weights, sync them, then wake the KV cache."""
+        if self.sleeps:
+            self.llm.wake_up(tags=["weights"])
+        self.sync(weights, step)
+        if self.sleeps:
+            self.llm.wake_up(tags=["kv_cache"])
+
+    def rest(self) -> None:
+        """After a generation: give the engine's memory back (sleep mode)."""
+        if self.sleeps:
+            self.llm.sleep(level=1)
+
+    def close(self) -> None:
+        del self.llm
