@@ -6,6 +6,7 @@ from pydantic import ValidationError
 
 from infra.core.config import ExperimentConfig, config_errors, did_you_mean, load_config, merge_onto
 from infra.ops.cli import main
+from trainers.evaluation import GenerationSpec
 from trainers.losses import PREFERENCE_LOSSES
 from trainers.rewards import REWARD_FUNCTIONS
 
@@ -279,7 +280,10 @@ def test_invalid_grpo_objective_options_are_config_errors(overrides, message):
 
 
 def test_the_generation_backend_and_its_engine_options():
-    assert load_config(None).grpo.generation_backend == "hf"
+    assert (load_config(None).grpo.generation_backend, load_config(None).evaluation.generation_backend) == ("hf", "hf")
+    assert load_config(None, ["evaluation.generation_backend=vllm"]).evaluation.generation() == GenerationSpec(
+        5, 4, 1.0, 256, 0, "vllm"
+    )
     vllm = load_config(None, ["grpo.generation_backend=vllm", "grpo.vllm_importance_sampling_cap=2"]).grpo
     assert (vllm.generation_backend, vllm.vllm_importance_sampling_cap, vllm.vllm_gpu_memory_utilization) == (
         "vllm",
@@ -294,7 +298,10 @@ def test_the_generation_backend_and_its_engine_options():
         "unknown generation_backend 'sglang'|Input should be 'hf' or 'vllm'": ["grpo.generation_backend=sglang"],
         "grpo: generation_backend vllm runs one colocated engine in one training process for now; "
         "compute.num_processes is 2": ["grpo.generation_backend=vllm", "compute.num_processes=2"],
-        "LoRA applies to grpo, whose generation_backend is vllm": ["grpo.generation_backend=vllm", "peft.enabled=true"],
+        "evaluation.generation_backend vllm scores on one process; compute.num_processes is 2": [
+            "evaluation.generation_backend=vllm",
+            "compute.num_processes=2",
+        ],
     }
     for message, overrides in refused.items():
         with pytest.raises(ValidationError, match=message):

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from trainers.collators import PreferenceCollator, pad_left
+from trainers.collators import PreferenceCollator, pad_left, pad_right
 from trainers.logprobs import completion_logps
 from trainers.losses import reward_metrics
 from trainers.metrics import ANSWER_METRICS, PREFERENCE_METRICS, bootstrap_ci, exact_match, pass_at_k
 from trainers.sharding import batches_of, gather_shards, local_shard
 from trainers.stopping import cut_at_first_stop, stop_token_ids
+from trainers.vllm_engine import ColocatedEngine, EngineOptions, SamplingOptions, require_vllm
+
+# The evaluation's engine holds one model and nothing trains beside it: most of a GPU's memory.
+EVALUATION_ENGINE = EngineOptions(
+    gpu_memory_utilization=0.8, max_model_len=None, enable_sleep_mode=False, cpu_kv_cache_gib=1
+)
 
 
 @dataclass(frozen=True)
@@ -24,6 +30,7 @@ class GenerationSpec:
     temperature: float = 1.0
     batch_size: int = 256
     seed: int = 0
+    backend: Literal["hf", "vllm"] = "hf"
 
 
 @dataclass(frozen=True)
@@ -87,24 +94,64 @@ def generate_completions(
             eos_token_id=list(stop_ids),
             **sampling,
         )
-        generated, _ = cut_at_first_stop(output[:, input_ids.shape[1] :], stop_ids)
-        texts = tokenizer.batch_decode(generated, skip_special_tokens=True)
-        flat = [Completion(text, len(tokens)) for text, tokens in zip(texts, generated)]
-        completions += [flat[i : i + num_return_sequences] for i in range(0, len(flat), num_return_sequences)]
+        completions += decoded(tokenizer, output[:, input_ids.shape[1] :], stop_ids, num_return_sequences)
     return gather_shards(completions, state)
+
+
+def decoded(
+    tokenizer: PreTrainedTokenizerBase, generated: torch.Tensor, stop_ids: tuple[int, ...], per_prompt: int
+) -> list[list[Completion]]:
+    """Generated rows (``per_prompt`` consecutive rows per prompt) cut at their first stop token and
+    decoded without special tokens."""
+    kept, _ = cut_at_first_stop(generated, stop_ids)
+    texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
+    flat = [Completion(text, len(tokens)) for text, tokens in zip(texts, kept)]
+    return [flat[i : i + per_prompt] for i in range(0, len(flat), per_prompt)]
+
+
+def engine_completions(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], spec: GenerationSpec
+) -> tuple[list[list[Completion]], list[list[Completion]]]:
+    """Greedy and ``spec.num_samples`` sampled completions of every prompt by a vLLM engine built from
+    ``model``; sample ``j`` of prompt ``i`` under its own seed (``spec.seed``, ``i`` and ``j``), so a
+    prompt's samples do not depend on the others or on the batching."""
+    stop_ids = stop_token_ids(tokenizer, model.generation_config)
+    engine = ColocatedEngine(model, EVALUATION_ENGINE, spec.seed, step=0)
+    try:
+        greedy = engine.generate(
+            prompts, [spec.seed] * len(prompts), SamplingOptions(0.0, 0, 1.0, spec.max_new_tokens, stop_ids)
+        )
+        n = spec.num_samples
+        seeds = [(spec.seed * 1_000_003 + i) * 1024 + j for i in range(len(prompts)) for j in range(n)]
+        sampling = SamplingOptions(spec.temperature, 0, 1.0, spec.max_new_tokens, stop_ids)
+        sampled = engine.generate([p for p in prompts for _ in range(n)], seeds, sampling)
+    finally:
+        engine.close()
+    stop = stop_ids[0]
+    return (
+        decoded(tokenizer, pad_right(greedy.tokens, stop), stop_ids, 1),
+        decoded(tokenizer, pad_right(sampled.tokens, stop), stop_ids, n),
+    )
 
 
 def score_prompts(
     model, tokenizer, rows: list[dict], spec: GenerationSpec, state: Any | None = None
 ) -> list[PromptResult]:
-    """Greedy and ``num_samples`` sampled completions of every prompt, same seeds for every model
-    (sharded over the processes of ``state``, see :func:`generate_completions`)."""
+    """Greedy and ``num_samples`` sampled completions of every prompt, same seeds for every model,
+    by the spec's backend: the model's ``generate`` (sharded over the processes of ``state``, see
+    :func:`generate_completions`) or a vLLM engine (one process)."""
     prompts = [r["prompt_ids"] for r in rows]
-    options = {"spec": spec, "state": state}
-    greedy = generate_completions(model, tokenizer, prompts, do_sample=False, num_return_sequences=1, **options)
-    sampled = generate_completions(
-        model, tokenizer, prompts, do_sample=True, num_return_sequences=spec.num_samples, **options
-    )
+    if spec.backend == "vllm":
+        require_vllm()
+        if state is not None and state.num_processes > 1:
+            raise ValueError("evaluation.generation_backend vllm scores on one process; use hf to shard the evaluation")
+        greedy, sampled = engine_completions(model, tokenizer, prompts, spec)
+    else:
+        options = {"spec": spec, "state": state}
+        greedy = generate_completions(model, tokenizer, prompts, do_sample=False, num_return_sequences=1, **options)
+        sampled = generate_completions(
+            model, tokenizer, prompts, do_sample=True, num_return_sequences=spec.num_samples, **options
+        )
     return [
         PromptResult(tokenizer.decode(row["prompt_ids"], skip_special_tokens=False), row["answer"], g[0], s)
         for row, g, s in zip(rows, greedy, sampled)

@@ -18,8 +18,9 @@ import copy
 import math
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch.utils.data import DataLoader
@@ -56,7 +57,7 @@ from trainers.sampling import sampling_processors
 from trainers.sections import section_fields
 from trainers.sharded_params import forward_model, prepare_reference, sharding_of
 from trainers.stopping import cut_at_first_stop, stop_token_ids
-from trainers.vllm_engine import ColocatedEngine, EngineOptions, SamplingOptions, require_vllm
+from trainers.vllm_engine import ColocatedEngine, EngineOptions, SamplingOptions, require_vllm, serving_weights
 
 
 @dataclass
@@ -146,14 +147,10 @@ def token_position_values(prompts: list[list[int]], completions: list[list[int]]
     return placed
 
 
-def check_engine_placement(model: torch.nn.Module, num_processes: int) -> None:
-    """vLLM is installed, and the policy is one the colocated engine serves. Not covered yet: LoRA
-    adapters (their merged weights would have to be pushed, then unmerged) and more than one
-    training process (an engine per rank needs vLLM's external launcher). The experiment config
-    refuses both at load time too."""
+def check_engine_placement(num_processes: int) -> None:
+    """vLLM is installed, and one training process: an engine per rank needs vLLM's external
+    launcher, not built yet (the experiment config refuses it at load time too)."""
     require_vllm()
-    if has_adapters(model):
-        raise ValueError("generation_backend vllm: a LoRA policy is not supported yet; use generation_backend hf")
     if num_processes > 1:
         raise ValueError(
             f"generation_backend vllm: {num_processes} training processes; the colocated engine runs with one "
@@ -259,7 +256,7 @@ class GRPOTrainer(Trainer):
             args.temperature, args.top_k, args.top_p, args.max_completion_length, self.stop_ids
         )
         if args.generation_backend == "vllm":
-            check_engine_placement(self.model, self.accelerator.num_processes)
+            check_engine_placement(self.accelerator.num_processes)
         self.window: dict[str, list[float]] = defaultdict(list)  # metrics since the last log
         self.window_started: float | None = None
         self.window_start_step = 0
@@ -357,7 +354,7 @@ class GRPOTrainer(Trainer):
         if self.engine is None:
             policy = self.accelerator.unwrap_model(model)
             self.engine = ColocatedEngine(policy, self.args.engine_options, self.args.seed, self.state.global_step)
-        with self.sharding.full_parameters(model) as weights:
+        with self.policy_weights(model) as weights:
             self.engine.wake(weights, self.state.global_step)
         samples = self.engine.generate(prompts, self.completion_seeds(len(prompts)), self.engine_sampling)
         self.engine.rest()
@@ -365,6 +362,17 @@ class GRPOTrainer(Trainer):
         tokens = pad_right(samples.tokens, stop)
         logps = torch.tensor([row + [0.0] * (tokens.shape[1] - len(row)) for row in samples.logps])
         return Rollouts(tokens, logps)
+
+    @contextmanager
+    def policy_weights(self, model) -> Iterator[dict[str, torch.Tensor]]:
+        """The policy's weights as the engine loads them: whole parameters (gathered when sharded),
+        or a LoRA policy's merged weights (:func:`~trainers.vllm_engine.serving_weights`)."""
+        unwrapped = self.accelerator.unwrap_model(model)
+        if has_adapters(unwrapped):
+            yield serving_weights(unwrapped)
+            return
+        with self.sharding.full_parameters(model) as weights:
+            yield weights
 
     def completion_seeds(self, count: int) -> list[int]:
         """One seed per completion: with ``generation_seed``, :func:`completion_seed` of its place in the

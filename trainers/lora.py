@@ -77,6 +77,27 @@ def live_reference(ref_model: torch.nn.Module | None, policy: torch.nn.Module) -
         policy.train(was_training)
 
 
+def merged_weights(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The LoRA ``policy``'s weights as a plain checkpoint of its base architecture names them: each
+    adapted layer's ``W + (α/r)·B·A`` (computed out of place: merging in place and unmerging after
+    would leave rounding error in the frozen ``W`` at every call), every other parameter as it is;
+    no adapter parameters. What an inference engine that serves the base architecture loads."""
+    from peft.tuners.lora import LoraLayer
+
+    base = policy.get_base_model()
+    (adapter,) = policy.active_adapters
+    weights = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            weight = module.get_base_layer().weight
+            weights[f"{name}.weight"] = weight.detach() + module.get_delta_weight(adapter).detach().to(weight.dtype)
+    for name, param in base.named_parameters():
+        plain = name.replace(".base_layer.", ".")
+        if "lora_" not in name and plain not in weights:
+            weights[plain] = param.detach()
+    return weights
+
+
 def trainable_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 

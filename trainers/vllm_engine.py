@@ -17,6 +17,7 @@ This is the one module that touches vLLM's internals (the worker's ``model_runne
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import random
@@ -27,6 +28,8 @@ from typing import Iterable, Iterator
 
 import numpy as np
 import torch
+
+from trainers.lora import has_adapters, merged_weights
 
 # The engine core must run in this process for the weight reload to reach its model; set before vllm
 # is imported (vllm reads it at import).
@@ -83,6 +86,17 @@ def preserved_random_states() -> Iterator[None]:
     np.random.set_state(numpy)
 
 
+def serving_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights an engine serving ``model``'s base architecture loads, by their checkpoint names:
+    the parameters, or with LoRA adapters the merged weights (:func:`~trainers.lora.merged_weights`).
+    A merged push costs what a full fine-tune's does, and the engine then runs the base model's
+    kernels; serving the adapter instead would need vLLM's LoRA kernels and an adapter reload per
+    round."""
+    if has_adapters(model):
+        return merged_weights(model)
+    return {name: param.detach() for name, param in model.named_parameters()}
+
+
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     """Checkpoint names that are no parameter of their own but share one's storage (tied input and
     output embeddings): alias -> the parameter's name. ``named_parameters`` lists a tied weight once,
@@ -101,13 +115,19 @@ class ColocatedEngine:
     weight pushes (tests assert on it)."""
 
     def __init__(self, model: torch.nn.Module, options: EngineOptions, seed: int, step: int):
+        from safetensors.torch import save_file
         from vllm import LLM
 
+        base = model.get_base_model() if has_adapters(model) else model
         device = next(model.parameters()).device
         if device.type == "cpu":
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(options.cpu_kv_cache_gib)
         with tempfile.TemporaryDirectory(prefix="alignflow-vllm-") as folder:
-            model.save_pretrained(folder, safe_serialization=True)
+            config = copy.deepcopy(base.config)
+            config.architectures = [type(base).__name__]
+            config.save_pretrained(folder)
+            weights = {name: tensor.contiguous() for name, tensor in serving_weights(model).items()}
+            save_file(weights, os.path.join(folder, "model.safetensors"))
             with preserved_random_states():  # vLLM seeds Python's, numpy's and torch's generators with `seed`
                 self.llm = LLM(
                     model=folder,
@@ -121,7 +141,7 @@ class ColocatedEngine:
                     generation_config="vllm",  # the trainer's sampling settings, not the folder's defaults
                     logprobs_mode="processed_logprobs",  # after temperature: the distribution that sampled
                 )
-        self.aliases = tied_aliases(model)
+        self.aliases = tied_aliases(base)
         self.sleeps = options.enable_sleep_mode
         self.synced_step = step
         self.syncs = 0

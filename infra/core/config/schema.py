@@ -275,12 +275,19 @@ class EvaluationConfig(Section):
         20, ge=0, description="Rows of the samples table (prompt, completion, reward, correct) per model."
     )
     seed: Seed = Field(0, description="Seed of sampling and of the bootstrap; the same for every model.")
+    generation_backend: Literal["hf", "vllm"] = Field(
+        "hf",
+        description="What generates the greedy and sampled completions: `hf`, the model's `generate`; `vllm`, a vLLM "
+        "engine built from the model (one process; needs vLLM: `make install-vllm`, docs/evaluation.md).",
+    )
 
     def generation(self):
         """These settings as the trainers' evaluation takes them (imports torch)."""
         from trainers.evaluation import GenerationSpec
 
-        return GenerationSpec(self.max_new_tokens, self.num_samples, self.temperature, self.batch_size, self.seed)
+        return GenerationSpec(
+            self.max_new_tokens, self.num_samples, self.temperature, self.batch_size, self.seed, self.generation_backend
+        )
 
 
 class PromotionConfig(Section):
@@ -405,11 +412,6 @@ class ExperimentBase(Section):
                     f"peft: LoRA applies to {stage}, which trains a reward model (all its weights); list the stages "
                     f"to adapt in peft.stages without {stage}"
                 )
-            if self.peft.for_stage(stage) and getattr(self.stage(stage), "generation_backend", "hf") == "vllm":
-                raise ValueError(
-                    f"peft: LoRA applies to {stage}, whose generation_backend is vllm; the colocated engine does not "
-                    f"serve LoRA policies yet: use {stage}.generation_backend: hf (or leave {stage} out of peft.stages)"
-                )
             if self.peft.for_stage(stage) and getattr(self.stage(stage), "sync_ref_model", False):
                 raise ValueError(
                     f"{stage}.sync_ref_model mixes the policy into a separate reference model; with LoRA the "
@@ -454,6 +456,11 @@ class ExperimentBase(Section):
                 f"compute.mixed_precision ({self.compute.mixed_precision}) applies to every stage; "
                 f"{', '.join(f'{stage}.bf16' for stage in doubled)} sets it again: set one of them"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_evaluation_with_compute(self) -> ExperimentBase:
+        check_evaluation_compute(self.evaluation, self.compute)
         return self
 
     @model_validator(mode="after")
@@ -540,6 +547,20 @@ class EvaluationRequest(Section):
     @property
     def run_name(self) -> str:
         return self.tracking.run_name or self.name
+
+    @model_validator(mode="after")
+    def _check_evaluation_with_compute(self) -> EvaluationRequest:
+        check_evaluation_compute(self.evaluation, self.compute)
+        return self
+
+
+def check_evaluation_compute(evaluation: EvaluationConfig, compute: ComputeConfig) -> None:
+    """vLLM scores on one process: the evaluation is not sharded over ``compute.num_processes``."""
+    if evaluation.generation_backend == "vllm" and compute.num_processes > 1:
+        raise ValueError(
+            f"evaluation.generation_backend vllm scores on one process; compute.num_processes is "
+            f"{compute.num_processes} (use generation_backend hf to shard the evaluation over them)"
+        )
 
 
 def seeded_fields() -> list[str]:
