@@ -1,7 +1,8 @@
 """The colocated vLLM engine (``generation_backend: vllm``) against the policy it serves: greedy tokens
 after a weight sync equal HF's for a tied and an untied model, sampled tokens follow the model's
 distribution with their log-probs, GRPO syncs the weights exactly once per generation round, and the
-evaluation decodes on vLLM as on HF, and a LoRA policy is served by its merged weights.
+evaluation decodes on vLLM as on HF, a LoRA policy is served by its merged weights, and the pipeline
+runs with both on vLLM.
 
 Runs in the vLLM environment that ``make test`` builds (``.venv-vllm``: vLLM pins its own
 transformers); this module imports vllm only through the engine."""
@@ -11,6 +12,7 @@ import dataclasses
 import datasets
 import pytest
 import torch
+from helpers import MINIMAL, alignflow, environment_without_services, mlflow_client
 from policies import SHORT_GRPO, grpo_args
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -196,3 +198,25 @@ def test_a_lora_policy_is_served_merged_and_its_frozen_weights_stay_as_they_were
     assert synced == hf_greedy(policy, prompts, tokenizer.eos_token_id)
     assert sum(a != b for a, b in zip(built, synced)) >= 12
     assert all(torch.equal(param, frozen[name]) for name, param in policy.named_parameters() if name in frozen)
+
+
+def test_the_pipeline_trains_and_evaluates_with_vllm_and_logs_the_log_prob_gap(tmp_path):
+    """``alignflow run`` in this environment (vLLM's transformers): GRPO's rollouts and the evaluation
+    on vLLM, GRPO's configured steps, the gap in MLflow, the evaluation table printed."""
+    home = tmp_path / "state"
+    result = alignflow(
+        environment_without_services() | {"ALIGNFLOW_HOME": str(home)},
+        "run",
+        MINIMAL,
+        "stages=[sft,grpo]",
+        "grpo.generation_backend=vllm",
+        "evaluation.generation_backend=vllm",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| grpo |" in result.stdout + result.stderr  # the evaluation table
+    client = mlflow_client(home)
+    (grpo,) = client.search_runs([e.experiment_id for e in client.search_experiments()], "attributes.run_name = 'grpo'")
+    gaps = client.get_metric_history(grpo.info.run_id, "vllm/logp_diff_max")
+    assert [point.step for point in gaps] == [2, 4]  # minimal: 4 steps, 2 per generation round, a log every 2
+    assert max(point.value for point in gaps) < 1e-5
+    assert grpo.data.params["grpo.generation_backend"] == "vllm"
