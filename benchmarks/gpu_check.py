@@ -11,6 +11,7 @@ evaluation ran on the GPU (the GPU memory they allocated holds at least the mode
     .venv/bin/python benchmarks/gpu_check.py                      # on a CUDA machine (a few minutes)
     .venv/bin/python benchmarks/gpu_check.py --model builtin:tiny-llama --steps 2 --allow-cpu   # logic smoke
     .venv/bin/python benchmarks/gpu_check.py --sharding fsdp --processes 2   # or zero3 (pip install deepspeed)
+    .venv-vllm/bin/python benchmarks/gpu_check.py --backend vllm   # GRPO's rollouts and the evaluation on vLLM
 
 ``--sharding fsdp|zero3|ddp`` runs instead the check of sharded parameters
 (benchmarks/sharded_check.py) under ``accelerate launch`` with infra/core/accelerate's config: GRPO
@@ -56,6 +57,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sharding", choices=sorted(SHARDING_CHECKS), help="check sharded parameters instead")
     parser.add_argument("--processes", type=int, default=1, help="processes (GPUs) of the --sharding check")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (models, caches; GBs) at the end")
+    parser.add_argument(
+        "--backend",
+        choices=["hf", "vllm"],
+        default="hf",
+        help="GRPO's and the evaluation's generation backend (vllm: a machine with vLLM installed)",
+    )
     return parser.parse_args(argv)
 
 
@@ -127,8 +134,9 @@ def pair_token_count(rows) -> int:
     return sum(len(r["prompt_ids"]) * 2 + len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in rows)
 
 
-def train_stage(stage: str, section, inputs, reports, parameters: int, gpu: bool):
-    """Build the stage with the pipeline's builder, train it, save its model; its handle."""
+def train_stage(stage: str, section, inputs, reports, parameters: int, gpu: bool, logs: dict | None = None):
+    """Build the stage with the pipeline's builder, train it, save its model; its handle (and its
+    trainer's last log window in ``logs``)."""
     from tasks.models import checkpoint_handle
     from trainers.stages import STAGES
 
@@ -138,6 +146,8 @@ def train_stage(stage: str, section, inputs, reports, parameters: int, gpu: bool
         trainer.train()
         box["tokens"] = counter.tokens
     counter.handle.remove()
+    if logs is not None:
+        logs.update(next(entry for entry in reversed(trainer.state.log_history) if "loss" in entry))
     model_dir = Path(inputs.output_dir) / "model"
     trainer.save_model(str(model_dir))
     return checkpoint_handle(model_dir, stage)
@@ -290,21 +300,37 @@ def run_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:
         parameters,
         gpu,
     )
+    grpo_logs: dict = {}
     grpo = train_stage(
         "grpo",
         GRPOStageConfig(
             per_device_train_batch_size=options.batch_size,
             num_generations=options.num_generations,
             log_completions_steps=0,
+            generation_backend=options.backend,
             **{k: v for k, v in steps.items() if k != "eval_strategy"},
         ),
         inputs("grpo", dpo, splits),
         reports,
         parameters,
         gpu,
+        grpo_logs,
+    )
+    generating, training = grpo_logs["time/generation_per_step"], grpo_logs["time/training_per_step"]
+    tokens_per_second = grpo_logs["completions/mean_length"] * options.batch_size / generating
+    gap = (
+        f", on-policy |Δ logp| mean {grpo_logs['vllm/logp_diff_mean']:.2e}, max {grpo_logs['vllm/logp_diff_max']:.2e}"
+        if options.backend == "vllm"
+        else ""
+    )
+    print(
+        f"gpu_check: GRPO on {options.backend}: {generating:.3f} s generating and {training:.3f} s training per "
+        f"step, {tokens_per_second:,.0f} generated tokens/s{gap}"
     )
 
-    evaluation = EvaluationConfig(num_prompts=options.eval_prompts, bootstrap_resamples=100)
+    evaluation = EvaluationConfig(
+        num_prompts=options.eval_prompts, bootstrap_resamples=100, generation_backend=options.backend
+    )
     prompts = splits["eval_prompts"].to_list()[: options.eval_prompts]
     pairs = with_reference_columns(ref)["preference_eval"].to_list()
     with measured("evaluation", 2 * parameters, reports, gpu) as box:
