@@ -352,8 +352,7 @@ class GRPOTrainer(Trainer):
         first if an optimizer step changed them; each completion under its own seed
         (:meth:`completion_seeds`)."""
         if self.engine is None:
-            policy = self.accelerator.unwrap_model(model)
-            self.engine = ColocatedEngine(policy, self.args.engine_options, self.args.seed, self.state.global_step)
+            self.start_engine(model)
         with self.policy_weights(model) as weights:
             self.engine.wake(weights, self.state.global_step)
         samples = self.engine.generate(prompts, self.completion_seeds(len(prompts)), self.engine_sampling)
@@ -362,6 +361,14 @@ class GRPOTrainer(Trainer):
         tokens = pad_right(samples.tokens, stop)
         logps = torch.tensor([row + [0.0] * (tokens.shape[1] - len(row)) for row in samples.logps])
         return Rollouts(tokens, logps)
+
+    def start_engine(self, model) -> None:
+        """Build the colocated engine from the policy as it is now; its start-up is logged once as
+        ``time/engine_start``."""
+        started = time.perf_counter()
+        policy = self.accelerator.unwrap_model(model)
+        self.engine = ColocatedEngine(policy, self.args.engine_options, self.args.seed, self.state.global_step)
+        self.window["time/engine_start"].append(time.perf_counter() - started)
 
     @contextmanager
     def policy_weights(self, model) -> Iterator[dict[str, torch.Tensor]]:
@@ -418,6 +425,8 @@ class GRPOTrainer(Trainer):
         tokenizer = self.processing_class
         limit = args.max_prompt_length
         prompts = [r["prompt_ids"][-limit:] if limit else r["prompt_ids"] for r in rows]
+        if args.generation_backend == "vllm" and self.engine is None:
+            self.start_engine(model)  # once, outside time/generation
         started = time.perf_counter()
         rollouts = self.generate(model, prompts)
         self.window["time/generation"].append(time.perf_counter() - started)
@@ -449,8 +458,6 @@ class GRPOTrainer(Trainer):
             batch, tokens_per_step=active / (args.layout.steps_per_generation * self.accelerator.num_processes)
         )
         self.add_sampling_logps(model, slices)
-        if rollouts.engine_logps is not None:
-            self.record_engine_mismatch(slices)
         self.record_generation(rewards, per_function, completions, truncated)
         self.latest_samples = self.sample_table(prompt_texts, texts, rewards[local], per_function[:, local])
         return slices
@@ -469,13 +476,12 @@ class GRPOTrainer(Trainer):
 
     @torch.no_grad()
     def add_sampling_logps(self, model, slices: list[dict[str, torch.Tensor]]) -> None:
-        """``old_logps`` (the sampling policy) when the batch is reused off-policy or an engine
-        sampled it (its log-probs are compared with the policy's), and ``ref_logps`` when β > 0;
-        computed once per generation batch."""
+        """``old_logps`` (the sampling policy) when the batch is reused off-policy, and
+        ``ref_logps`` when β > 0; computed once per generation batch."""
         if self.args.beta > 0:
             with live_reference(self.ref_model, self.model) as reference:
                 self.add_token_logps(reference, slices, "ref_logps")
-        if self.args.reuses_generations or "engine_logps" in slices[0]:
+        if self.args.reuses_generations:
             with forward_model(model, self.accelerator, self.sharding) as policy:
                 self.add_token_logps(policy, slices, "old_logps")
 
@@ -494,17 +500,6 @@ class GRPOTrainer(Trainer):
             ).logps
             part[name] = logps.cpu()
         source.train(was_training)
-
-    def record_engine_mismatch(self, slices: list[dict[str, torch.Tensor]]) -> None:
-        """Mean and max |log π_old − log π_engine| over the batch's completion tokens (all processes):
-        how far the engine's sampling distribution is from the policy the trainer holds."""
-        gaps = [
-            (part["old_logps"] - part["engine_logps"][:, 1:]).abs()[part["completion_mask"][:, 1:].bool()]
-            for part in slices
-        ]
-        gap = self.gather(torch.cat(gaps))
-        self.window["vllm/logp_diff_mean"].append(gap.mean().item())
-        self.window["vllm/logp_diff_max"].append(gap.max().item())
 
     # ---- loss ------------------------------------------------------------------------------
 
@@ -529,13 +524,19 @@ class GRPOTrainer(Trainer):
         advantages = inputs["advantages"]
         log_ratio = self.log_ratio(logps, old_logps, mask)
         per_token = self.objective(log_ratio, logps, advantages, self.objective_params)
-        if args.vllm_importance_sampling_cap is not None:
-            per_token = per_token * truncated_importance_weights(
-                old_logps, inputs["engine_logps"][:, 1:], args.vllm_importance_sampling_cap
-            )
+        metrics = {}
+        if "engine_logps" in inputs:
+            # π_old as the trainer computes it (stored, or this pass on an on-policy batch) against the
+            # engine's log-probs of the same tokens: how far the engine's sampler is from the policy
+            engine_logps = inputs["engine_logps"][:, 1:]
+            gap = (old_logps - engine_logps).abs()[mask.bool()]
+            if gap.numel():  # a slice of masked completions only has none
+                metrics |= {"vllm/logp_diff_mean": gap.mean(), "vllm/logp_diff_max": gap.max()}
+            if args.vllm_importance_sampling_cap is not None:
+                weights = truncated_importance_weights(old_logps, engine_logps, args.vllm_importance_sampling_cap)
+                per_token = per_token * weights
         if args.entropy_coef:
             per_token = per_token - args.entropy_coef * entropy  # the one use of the entropy's gradient
-        metrics = {}
         if args.top_entropy_quantile < 1.0:
             selected = high_entropy_mask(entropy.detach(), mask, args.top_entropy_quantile)
             per_token = per_token * selected
@@ -568,10 +569,12 @@ class GRPOTrainer(Trainer):
         return self.accelerator.gather(tensor.to(self.accelerator.device)).cpu()
 
     def record_step(self, metrics: dict[str, torch.Tensor]) -> None:
+        """A micro-step's metrics, over the processes: the mean, or the max of a ``…_max`` metric
+        (which the logged window also takes the max of)."""
         names = list(metrics)
         gathered = self.gather(torch.stack([metrics[n].detach().float() for n in names]).unsqueeze(0))
-        for name, value in zip(names, gathered.mean(0).tolist()):
-            self.window[name].append(value)
+        for name, mean, top in zip(names, gathered.mean(0).tolist(), gathered.amax(0).tolist()):
+            self.window[name].append(top if name.endswith("_max") else mean)
 
     def record_generation(
         self, rewards: torch.Tensor, per_function: torch.Tensor, completions: list[list[int]], truncated: list[bool]
@@ -610,7 +613,9 @@ class GRPOTrainer(Trainer):
         steps = self.state.global_step - self.window_start_step
         if self.window and steps > 0:
             generation_seconds = sum(self.window.pop("time/generation", []))
-            logs.update({name: sum(v) / len(v) for name, v in self.window.items() if v})
+            logs.update(
+                {name: max(v) if name.endswith("_max") else sum(v) / len(v) for name, v in self.window.items() if v}
+            )
             step_seconds = (time.perf_counter() - self.window_started) / steps
             logs["time/generation_per_step"] = generation_seconds / steps
             logs["time/training_per_step"] = step_seconds - generation_seconds / steps
