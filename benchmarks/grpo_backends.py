@@ -1,7 +1,7 @@
 """GRPO's generation backends on the built-in task (issue 28): the default experiment's SFT and GRPO
 stages, trained once with ``grpo.generation_backend=hf`` and once with ``vllm``, then the hf-trained
 model evaluated again with ``evaluation.generation_backend=vllm``; all in one state folder, so SFT
-(and, for the third run, GRPO) come from the cache.
+comes from the cache (GRPO is not a cached stage: the third run trains it again, to the same curve).
 
     .venv-vllm/bin/python benchmarks/grpo_backends.py            # ~6 min on 2 free cores
     .venv-vllm/bin/python benchmarks/grpo_backends.py --report-only
