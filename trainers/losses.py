@@ -335,9 +335,9 @@ def aot_pair_loss(pairs: PairLogps, params: LossParams) -> torch.Tensor:
     """AOT on the reward distributions (Melnyk et al., 2024, arXiv:2406.05882): optimal transport in
     one dimension makes the distribution of chosen rewards dominate that of rejected rewards in the
     first order, quantile by quantile; it never uses which chosen goes with which rejected (the
-    paper's unpaired setting; the name follows TRL's). The sigmoid loss on *sorted* log-ratios: with
-    ``↑`` sorting over the pairs of the batch, ``u = sort↑(π_c − ref_c)``, ``v = sort↑(π_r − ref_r)``,
-    pair ``i``:
+    paper's unpaired setting; TRL's name before v0.28, now ``aot_unpaired``). The sigmoid loss on
+    *sorted* log-ratios: with ``↑`` sorting over the pairs of the batch, ``u = sort↑(π_c − ref_c)``,
+    ``v = sort↑(π_r − ref_r)``, pair ``i``:
 
         d_i = u_i − v_i,    L_i = −(1 − ε) log σ(βd_i) − ε log σ(−βd_i)
 
