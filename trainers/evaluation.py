@@ -9,7 +9,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from trainers.collators import PreferenceCollator, pad_left, pad_right
+from trainers.collators import PreferenceCollator, pad_left
 from trainers.logprobs import completion_logps
 from trainers.losses import reward_metrics
 from trainers.metrics import ANSWER_METRICS, PREFERENCE_METRICS, bootstrap_ci, exact_match, pass_at_k
@@ -127,10 +127,9 @@ def engine_completions(
         sampled = engine.generate([p for p in prompts for _ in range(n)], seeds, sampling)
     finally:
         engine.close()
-    stop = stop_ids[0]
     return (
-        decoded(tokenizer, pad_right(greedy.tokens, stop), stop_ids, 1),
-        decoded(tokenizer, pad_right(sampled.tokens, stop), stop_ids, n),
+        decoded(tokenizer, greedy.padded(stop_ids[0])[0], stop_ids, 1),
+        decoded(tokenizer, sampled.padded(stop_ids[0])[0], stop_ids, n),
     )
 
 

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import GenerationConfig, PreTrainedModel, Trainer, TrainingArguments
 
-from trainers.collators import pad_left, pad_right, prompt_completion_batch
+from trainers.collators import pad_left, prompt_completion_batch
 from trainers.grpo_losses import (
     IMPORTANCE_LEVELS,
     ObjectiveParams,
@@ -45,6 +45,7 @@ from trainers.grpo_section import (
     COMPLETIONS_LOG_KEY,
     GRPOStageConfig,
     check_engine_options,
+    check_engine_processes,
     check_policy_options,
     generation_layout,
 )
@@ -147,15 +148,9 @@ def token_position_values(prompts: list[list[int]], completions: list[list[int]]
     return placed
 
 
-def check_engine_placement(num_processes: int) -> None:
-    """vLLM is installed, and one training process: an engine per rank needs vLLM's external
-    launcher, not built yet (the experiment config refuses it at load time too)."""
-    require_vllm()
-    if num_processes > 1:
-        raise ValueError(
-            f"generation_backend vllm: {num_processes} training processes; the colocated engine runs with one "
-            "process for now (use generation_backend hf)"
-        )
+def is_max_metric(name: str) -> bool:
+    """A ``…_max`` metric takes the max over processes and over the logging window; others the mean."""
+    return name.endswith("_max")
 
 
 def keep_rows(features: list[dict]) -> list[dict]:
@@ -256,7 +251,8 @@ class GRPOTrainer(Trainer):
             args.temperature, args.top_k, args.top_p, args.max_completion_length, self.stop_ids
         )
         if args.generation_backend == "vllm":
-            check_engine_placement(self.accelerator.num_processes)
+            require_vllm()
+            check_engine_processes(args.generation_backend, self.accelerator.num_processes, "the process count")
         self.window: dict[str, list[float]] = defaultdict(list)  # metrics since the last log
         self.window_started: float | None = None
         self.window_start_step = 0
@@ -351,20 +347,18 @@ class GRPOTrainer(Trainer):
         """Completions sampled by the colocated vLLM engine, its weights synced to the policy's
         first if an optimizer step changed them; each completion under its own seed
         (:meth:`completion_seeds`)."""
-        if self.engine is None:
-            self.start_engine(model)
+        self.ensure_engine(model)
         with self.policy_weights(model) as weights:
             self.engine.wake(weights, self.state.global_step)
         samples = self.engine.generate(prompts, self.completion_seeds(len(prompts)), self.engine_sampling)
         self.engine.rest()
-        stop = self.stop_ids[0]
-        tokens = pad_right(samples.tokens, stop)
-        logps = torch.tensor([row + [0.0] * (tokens.shape[1] - len(row)) for row in samples.logps])
-        return Rollouts(tokens, logps)
+        return Rollouts(*samples.padded(self.stop_ids[0]))
 
-    def start_engine(self, model) -> None:
-        """Build the colocated engine from the policy as it is now; its start-up is logged once as
-        ``time/engine_start``."""
+    def ensure_engine(self, model) -> None:
+        """Build the colocated engine from the policy as it is now, unless it is built; its start-up
+        is logged once as ``time/engine_start``."""
+        if self.engine is not None:
+            return
         started = time.perf_counter()
         policy = self.accelerator.unwrap_model(model)
         self.engine = ColocatedEngine(policy, self.args.engine_options, self.args.seed, self.state.global_step)
@@ -425,8 +419,8 @@ class GRPOTrainer(Trainer):
         tokenizer = self.processing_class
         limit = args.max_prompt_length
         prompts = [r["prompt_ids"][-limit:] if limit else r["prompt_ids"] for r in rows]
-        if args.generation_backend == "vllm" and self.engine is None:
-            self.start_engine(model)  # once, outside time/generation
+        if args.generation_backend == "vllm":
+            self.ensure_engine(model)  # outside time/generation
         started = time.perf_counter()
         rollouts = self.generate(model, prompts)
         self.window["time/generation"].append(time.perf_counter() - started)
@@ -574,7 +568,7 @@ class GRPOTrainer(Trainer):
         names = list(metrics)
         gathered = self.gather(torch.stack([metrics[n].detach().float() for n in names]).unsqueeze(0))
         for name, mean, top in zip(names, gathered.mean(0).tolist(), gathered.amax(0).tolist()):
-            self.window[name].append(top if name.endswith("_max") else mean)
+            self.window[name].append(top if is_max_metric(name) else mean)
 
     def record_generation(
         self, rewards: torch.Tensor, per_function: torch.Tensor, completions: list[list[int]], truncated: list[bool]
@@ -614,7 +608,7 @@ class GRPOTrainer(Trainer):
         if self.window and steps > 0:
             generation_seconds = sum(self.window.pop("time/generation", []))
             logs.update(
-                {name: max(v) if name.endswith("_max") else sum(v) / len(v) for name, v in self.window.items() if v}
+                {name: max(v) if is_max_metric(name) else sum(v) / len(v) for name, v in self.window.items() if v}
             )
             step_seconds = (time.perf_counter() - self.window_started) / steps
             logs["time/generation_per_step"] = generation_seconds / steps

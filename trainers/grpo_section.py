@@ -206,10 +206,16 @@ def check_grpo_compute(section: GRPOStageConfig, compute: StageCompute) -> None:
         generation_layout(section, compute.num_processes)
     except ValueError as error:
         raise ValueError(f"batch layout over compute.num_processes ({compute.num_processes}): {error}") from None
-    if section.generation_backend == "vllm" and compute.num_processes > 1:
+    check_engine_processes(section.generation_backend, compute.num_processes, "compute.num_processes")
+
+
+def check_engine_processes(generation_backend: str, num_processes: int, counted: str) -> None:
+    """The colocated vLLM engine runs with one training process (an engine per rank needs vLLM's
+    external launcher, not built yet); ``counted`` names where ``num_processes`` comes from."""
+    if generation_backend == "vllm" and num_processes > 1:
         raise ValueError(
             f"generation_backend vllm runs one colocated engine in one training process for now; "
-            f"compute.num_processes is {compute.num_processes} (use generation_backend hf)"
+            f"{counted} is {num_processes} (use generation_backend hf)"
         )
 
 

@@ -29,6 +29,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
+from trainers.collators import pad_right
 from trainers.lora import has_adapters, merged_weights
 
 # The engine core must run in this process for the weight reload to reach its model; set before vllm
@@ -62,6 +63,12 @@ class EngineSamples:
 
     tokens: list[list[int]]
     logps: list[list[float]]
+
+    def padded(self, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[N, longest]`` tokens padded with ``pad_id`` (a stop token: cut there later) and their
+        log-probs padded with 0."""
+        tokens = pad_right(self.tokens, pad_id)
+        return tokens, torch.tensor([row + [0.0] * (tokens.shape[1] - len(row)) for row in self.logps])
 
 
 def require_vllm() -> None:
