@@ -43,7 +43,7 @@ def experiment(
     if defaults := deployment_default_config():
         config = merge_onto(config, defaults)
     # before any run is started: a setting this machine cannot run fails here; the train task launches processes
-    check_compute(config.compute, launched=True)
+    check_compute(config.compute)
     with tracked_run(start_parent_run(config, parent_run_id=nest_under)) as parent_run_id:
         base = resolve_model(config.model)
         data = prepare_dataset(config.data, base)

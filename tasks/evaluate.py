@@ -6,9 +6,8 @@ import dataclasses
 import json
 import math
 import shutil
-from dataclasses import dataclass
+import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import datasets
 from prefect import get_run_logger, task
@@ -20,13 +19,12 @@ from infra.core.config import ComputeConfig, EvaluationConfig, compute_device
 from infra.core.fingerprints import atomic_directory, code_fingerprint, hash_value
 from infra.core.handles import ModelHandle, PreparedData, ReferenceLogps
 from infra.core.settings import get_settings
-from infra.core.stage_io import StageFolder
+from infra.core.stage_io import EvaluateJob, StageFolder
+from tasks.launch import launch
 from tasks.reference import with_reference_columns
 from tasks.tracking import client, log_metrics, stage_run_id, tracked_run
 from trainers.devices import load_dtype
-
-if TYPE_CHECKING:
-    from trainers.evaluation import PromptResult
+from trainers.metrics import ModelScores
 
 # Shown in the printed table; every metric (CIs, pass@k, lengths) goes to MLflow.
 TABLE_COLUMNS = {
@@ -83,27 +81,6 @@ def format_cell(metrics: dict[str, float], name: str) -> str:
     return f"{metrics[name]:.3f}{interval}"
 
 
-def samples_table(results: list[PromptResult], rows: int) -> dict[str, list]:
-    """First ``rows`` prompts (as rendered, special tokens included, as GRPO's completion tables
-    show them) with their first sample; the reward is the task's exact-match score."""
-    shown = results[:rows]
-    correct = [r.samples_correct[0] for r in shown]
-    return {
-        "prompt": [r.prompt for r in shown],
-        "answer": [r.answer for r in shown],
-        "completion": [r.samples[0].text for r in shown],
-        "reward": [float(c) for c in correct],
-        "correct": correct,
-    }
-
-
-@dataclass(frozen=True)
-class ModelScores:
-    metrics: dict[str, float]
-    samples: dict[str, list]  # the samples table
-    per_prompt: dict[str, list[float]]
-
-
 def score_model(
     handle: ModelHandle,
     prompts: list[dict],
@@ -112,23 +89,49 @@ def score_model(
     beta: float | None,
     compute: ComputeConfig,
 ) -> ModelScores:
-    """Every metric of one model, on this machine's GPU where there is one (unless ``compute.cpu``),
-    loaded in ``compute.dtype``."""
-    from trainers.evaluation import answer_metrics, per_prompt_scores, preference_rewards, score_prompts
+    """Every metric of one model (``trainers.evaluation.evaluate_model``), loaded in ``compute.dtype``
+    on this machine's GPU where there is one (unless ``compute.cpu``), or launched over
+    ``compute.num_processes`` with the same result."""
+    if compute.num_processes > 1:
+        return launched_scores(handle, prompts, pairs, config, beta, compute)
+    from trainers.evaluation import evaluate_model
     from trainers.modeling import load_causal_lm
 
     model, tokenizer = load_causal_lm(handle.path, handle.revision, compute.dtype, compute_device(compute.cpu))
-    scores = ModelScores({}, {}, {})
-    if prompts:
-        results = score_prompts(model, tokenizer, prompts, config.generation())
-        scores = ModelScores(
-            answer_metrics(results, config.pass_k, config.seed, config.bootstrap_resamples),
-            samples_table(results, config.num_logged_samples),
-            per_prompt_scores(results, config.pass_k),
+    return evaluate_model(model, tokenizer, prompts, pairs, config.spec(), beta)
+
+
+def launched_scores(
+    handle: ModelHandle,
+    prompts: list[dict],
+    pairs: list[dict] | None,
+    config: EvaluationConfig,
+    beta: float | None,
+    compute: ComputeConfig,
+) -> ModelScores:
+    """:func:`score_model` by an :class:`EvaluateJob`: the rows go to its launch folder (on the state
+    folder's storage, which every machine reads), each process scores its share of the batches."""
+    launches = get_settings().launches
+    launches.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="evaluate-", dir=launches))  # evaluations may run side by side
+    try:
+        rows = {EvaluateJob.PROMPTS: prompts, EvaluateJob.PAIRS: pairs}
+        datasets.DatasetDict({name: datasets.Dataset.from_list(r) for name, r in rows.items() if r}).save_to_disk(
+            folder / "rows"
         )
-    if pairs:
-        scores.metrics.update(preference_rewards(model, tokenizer, pairs, beta, config.batch_size))
-    return scores
+        job = EvaluateJob(
+            plugins=(),
+            launch_dir=folder / "launch",
+            model=handle.path,
+            revision=handle.revision,
+            splits=folder / "rows",
+            compute=compute,
+            evaluation=config,
+            beta=beta,
+        )
+        return launch(job, f"evaluation of {handle.stage}").scores
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 SCORES_FILE = "scores.json"

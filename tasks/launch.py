@@ -5,11 +5,15 @@ the task's logs, and collect rank 0's result, or raise the error of the rank tha
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import shutil
 from pathlib import Path
+from typing import Callable
 
+from prefect import get_run_logger
+from prefect.exceptions import MissingContextError
 from pydantic import BaseModel
 
 from infra.core.launching import Finished, run_process_group
@@ -47,7 +51,17 @@ def failure(name: str, finished: Finished, launch_dir: Path) -> Exception:
     return REPEATING_ERRORS.get(first.error, LaunchFailed)(message)
 
 
-def launch(spec: LaunchSpec, name: str, log) -> BaseModel:
+def run_log(line: str) -> None:
+    """A launch's output line: into the task run's logs, or the ``alignflow`` logger outside a run
+    (a script, a benchmark)."""
+    try:
+        logger = get_run_logger()
+    except MissingContextError:
+        logger = logging.getLogger("alignflow")
+    logger.info(line)
+
+
+def launch(spec: LaunchSpec, name: str, log: Callable[[str], None] = run_log) -> BaseModel:
     """Run ``spec`` over its ``compute``'s processes from its launch folder (emptied first), each output
     line to ``log``; rank 0's result, or the failed rank's error raised."""
     shutil.rmtree(spec.launch_dir, ignore_errors=True)

@@ -11,7 +11,6 @@ stage's run, the others with nothing that logs.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 from typing import Callable
@@ -49,7 +48,7 @@ def loaded_model(spec: ReferenceJob | EvaluateJob):
 
     state = PartialState(cpu=spec.compute.cpu)
     check_world_size(spec.world_size, state.num_processes)
-    model, tokenizer = load_causal_lm(spec.model, dtype=spec.compute.dtype, device=state.device)
+    model, tokenizer = load_causal_lm(spec.model, spec.revision, spec.compute.dtype, state.device)
     return model, tokenizer, state
 
 
@@ -59,28 +58,26 @@ def reference(spec: ReferenceJob) -> BaseModel:
     from trainers.reference import reference_logps
 
     model, tokenizer, state = loaded_model(spec)
-    rows = datasets.load_from_disk(str(spec.splits))["preference"].to_list()
-    chosen, rejected = reference_logps(
-        model, tokenizer.pad_token_id, rows, spec.batch_size, progress=False, state=state
-    )
-    return spec.result(world_size=state.num_processes, chosen=chosen, rejected=rejected)
+    splits = datasets.load_from_disk(str(spec.splits))
+    columns = {
+        split: reference_logps(
+            model, tokenizer.pad_token_id, splits[split].to_list(), spec.batch_size, progress=False, state=state
+        )
+        for split in spec.preference_splits
+    }
+    return spec.result(world_size=state.num_processes, columns=columns)
 
 
 def evaluate(spec: EvaluateJob) -> BaseModel:
     import datasets
 
-    from trainers.evaluation import answer_metrics, preference_rewards, score_prompts
+    from trainers.evaluation import evaluate_model
 
     model, tokenizer, state = loaded_model(spec)
     splits = datasets.load_from_disk(str(spec.splits))
-    config = spec.evaluation
-    results = score_prompts(model, tokenizer, splits[spec.eval_split].to_list(), config.generation(), state)
-    metrics = answer_metrics(results, config.pass_k, config.seed, config.bootstrap_resamples)
-    pairs = splits["preference"].to_list()
-    metrics |= preference_rewards(model, tokenizer, pairs, spec.beta, config.batch_size, state)
-    return spec.result(
-        world_size=state.num_processes, metrics=metrics, results=[dataclasses.asdict(r) for r in results]
-    )
+    prompts, pairs = (splits[name].to_list() if name in splits else [] for name in (spec.PROMPTS, spec.PAIRS))
+    scores = evaluate_model(model, tokenizer, prompts, pairs, spec.evaluation.spec(), spec.beta, state)
+    return spec.result(world_size=state.num_processes, scores=scores)
 
 
 RUNNERS: dict[type, Callable] = {TrainJob: train, ReferenceJob: reference, EvaluateJob: evaluate}

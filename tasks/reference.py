@@ -4,7 +4,9 @@ experiment and machine that asks for the same data and reference."""
 
 from __future__ import annotations
 
+import shutil
 import time
+from pathlib import Path
 
 import datasets
 import numpy as np
@@ -19,7 +21,9 @@ from infra.core.fingerprints import code_fingerprint, hash_value
 from infra.core.handles import ModelHandle, PreparedData, ReferenceLogps
 from infra.core.refcache import CacheEntry, CacheIntegrityError, Columns, ReferenceCache
 from infra.core.settings import get_settings
+from infra.core.stage_io import ReferenceJob
 from tasks.caching import computed_once
+from tasks.launch import launch
 from tasks.results import CACHED_RESULT, checked_cache_key
 from tasks.tracking import log_dataset_input, log_metrics
 from trainers.data import REF_COLUMNS
@@ -87,19 +91,21 @@ class PrefectProgress:
 
 def compute_columns(ref: ReferenceLogps) -> dict[str, Columns]:
     """Reference log-probs of every preference split in row order (row id = position in the split),
-    on this machine's GPU where there is one (unless ``ref.cpu``), in ``ref.dtype``: the dtype of
-    its key, which must be the loaded model's."""
+    in ``ref.dtype`` (the dtype of its key, which must be the loaded model's), on this machine's GPU
+    where there is one (unless ``compute.cpu``), or launched over ``compute.num_processes``."""
+    prepared = datasets.load_from_disk(ref.data.path)
+    splits = [split for split in PREFERENCE_SPLITS if split in prepared]
+    if ref.compute.num_processes > 1:
+        return launched_columns(ref, splits)
     from trainers.modeling import load_causal_lm
     from trainers.reference import reference_logps
 
-    data, reference = ref.data, ref.reference
-    model, tokenizer = load_causal_lm(reference.path, reference.revision, ref.dtype, compute_device(ref.cpu))
+    reference = ref.reference
+    model, tokenizer = load_causal_lm(reference.path, reference.revision, ref.dtype, compute_device(ref.compute.cpu))
     if model_dtype(model) != ref.dtype:
         raise CacheIntegrityError(
             f"reference {reference.path} loaded in {model_dtype(model)}, but its cache key says {ref.dtype}"
         )
-    prepared = datasets.load_from_disk(data.path)
-    splits = [split for split in PREFERENCE_SPLITS if split in prepared]
     progress = PrefectProgress(sum(len(prepared[split]) for split in splits))
     return {
         split: reference_logps(
@@ -107,6 +113,25 @@ def compute_columns(ref: ReferenceLogps) -> dict[str, Columns]:
         )
         for split in splits
     }
+
+
+def launched_columns(ref: ReferenceLogps, splits: list[str]) -> dict[str, Columns]:
+    """:func:`compute_columns` by a :class:`ReferenceJob` over ``ref.compute``'s processes, each
+    scoring its share of the batches: the same values as one process (``trainers.sharding``)."""
+    job = ReferenceJob(
+        plugins=(),
+        launch_dir=get_settings().launches / f"reference-{ref.key}",  # one launch per key: under its lock
+        model=ref.reference.path,
+        revision=ref.reference.revision,
+        splits=Path(ref.data.path),
+        compute=ref.compute.model_copy(update={"dtype": ref.dtype}),
+        preference_splits=tuple(splits),
+        batch_size=ref.batch_size,
+    )
+    try:
+        return launch(job, "reference log-probs").columns
+    finally:
+        shutil.rmtree(job.launch_dir, ignore_errors=True)
 
 
 def ensure_entry(ref: ReferenceLogps, mlflow_run_id: str | None = None) -> tuple[CacheEntry, bool]:
@@ -166,7 +191,7 @@ def cache_ref_logps(
     compute: ComputeConfig = ComputeConfig(),  # noqa: B008 (frozen)
 ) -> ReferenceLogps:
     """Reference log-probs of every preference pair: read from the cache, or computed into it once
-    (device and dtype from ``compute``). Logs the stage's wall time and pairs/s to the parent MLflow run."""
+    (device, dtype and processes from ``compute``). Logs the stage's wall time and pairs/s to the parent MLflow run."""
     dtype = reference_dtype(reference, compute)
     ref = ReferenceLogps(
         key=reference_key(data, reference, dtype),
@@ -175,7 +200,7 @@ def cache_ref_logps(
         reference=reference,
         batch_size=config.batch_size,
         dtype=dtype,
-        cpu=compute.cpu,
+        compute=compute,
     )
     started = time.perf_counter()
     entry, computed = ensure_entry(ref, parent_run_id)

@@ -190,7 +190,7 @@ def run_stage(
                     checkpoint=checkpoint,
                     final=final is not None,
                 )
-                launch(spec, stage, get_run_logger().info)
+                launch(spec, stage)
             adapter = folder.adapter_dir if inputs.lora is not None else None
         else:
             trainer = stage_trainer.tracked_trainer(

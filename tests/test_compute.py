@@ -131,18 +131,15 @@ def test_settings_the_hardware_cannot_run_are_refused(settings, hardware, messag
     ],
 )
 def test_settings_the_hardware_can_run_pass(settings, hardware):
-    check_compute(ComputeConfig(**settings), hardware, launched=True)
+    check_compute(ComputeConfig(**settings), hardware)
 
 
 @pytest.mark.unit
-def test_several_processes_need_a_flow_that_launches_them_on_machine_0():
-    with pytest.raises(ComputeError, match="this flow runs in one process; only the experiment flow's training"):
-        check_compute(ComputeConfig(num_processes=2, cpu=True), CPU_ONLY)
-    check_compute(ComputeConfig(cpu=True), CPU_ONLY)
-    check_compute(ComputeConfig(num_processes=2, cpu=True), CPU_ONLY, launched=True)
+def test_the_flow_runs_on_machine_0_which_launches_every_multi_process_part():
+    check_compute(ComputeConfig(num_processes=2, cpu=True), CPU_ONLY)
     two_machines = ComputeConfig(num_processes=4, num_machines=2, machine_rank=1, main_process_ip="10.0.0.1")
     with pytest.raises(ComputeError, match="compute.machine_rank: the flow runs on machine 0"):
-        check_compute(two_machines, TWO_GPUS, launched=True)
+        check_compute(two_machines, TWO_GPUS)
 
 
 @pytest.mark.unit
@@ -249,14 +246,6 @@ def test_the_gpu_check_refuses_to_run_without_a_gpu_and_its_cpu_smoke_runs_every
     assert "the reference pass and the evaluation ran on cpu" in done.stdout
     assert "gpu_check: GRPO on hf: " in done.stdout and " generated tokens/s\n" in done.stdout
     assert list(tmp_path.iterdir()) == []  # its work folder (GBs with the default model) is removed
-
-
-@pytest.mark.unit
-def test_the_cli_refuses_several_processes_for_the_evaluation_flow(capsys):
-    with pytest.raises(SystemExit) as stop:
-        cli.main(["evaluate", "configs/evaluate.yaml", "compute.cpu=true", "compute.num_processes=2"])
-    assert stop.value.code == 2
-    assert "compute.num_processes / num_machines: this flow runs in one process" in capsys.readouterr().err
 
 
 @pytest.mark.unit

@@ -9,9 +9,11 @@ of both, and a KL term to a live reference. Each rank runs one torch thread.
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import textwrap
+from contextlib import contextmanager
 from pathlib import Path
 
 import datasets
@@ -21,8 +23,9 @@ from helpers import free_port
 from safetensors.torch import load_file
 
 from infra.core.config import ComputeConfig, EvaluationConfig
-from infra.core.handles import PreparedData
-from infra.core.stage_io import EvaluateJob, ReferenceJob, TrainInputs
+from infra.core.handles import PreparedData, ReferenceLogps
+from infra.core.settings import get_settings
+from infra.core.stage_io import TrainInputs
 from tasks.launch import RANK_MODULE, launch, untracked_train_job
 from tasks.models import checkpoint_handle
 from trainers.data import Truncation, tokenize_split
@@ -54,15 +57,6 @@ def run(job, folder: Path):
         result = launch(job, job.job, lambda line: None)
     assert result.world_size == job.world_size
     return result
-
-
-def run_on_the_model(workdir, job_type, processes: int, **fields) -> dict:
-    """A job of ``job_type`` over the workdir's model and splits on ``processes`` CPU processes; its result."""
-    spec, folder = workdir
-    name = f"{job_type.model_fields['job'].default}{processes}"
-    model = {"model": spec["model"], "splits": spec["splits"], "compute": cpu(processes)}
-    job = job_type(plugins=(), launch_dir=folder / name, **model, **fields)
-    return run(job, folder).model_dump()
 
 
 def train(workdir, stage: str, section: dict, processes: int, name: str, plugins: tuple[str, ...] = ()):
@@ -246,33 +240,72 @@ def test_a_group_may_straddle_processes_but_a_generation_batch_holds_whole_group
     assert len(seeds) == 8
 
 
+@contextmanager
+def one_torch_thread():
+    """The in-process side of a comparison with ranks of one torch thread each (their reductions alike)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def launch_log(monkeypatch, caplog):
+    """Ranks of one torch thread; the launch lines (``tasks.launch.run_log``) in ``caplog``."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    with caplog.at_level(logging.INFO, logger="alignflow"):
+        yield caplog
+
+
 @pytest.mark.slow
-def test_the_reference_pass_sharded_over_two_processes_gives_the_same_cache_entry(workdir, tmp_path):
-    from infra.core.refcache import ReferenceCache
+def test_the_reference_task_over_two_processes_writes_the_cache_entry_one_process_writes(handles, tmp_path, launch_log):
+    from tasks.reference import ensure_entry, reference_key
 
-    # 16 pairs: 6 batches of 3, 3 per process (the last short)
-    one, two = (run_on_the_model(workdir, ReferenceJob, processes, batch_size=3) for processes in (1, 2))
-    assert two["chosen"] == one["chosen"] and two["rejected"] == one["rejected"]  # bit for bit
-    assert len(one["chosen"]) == 16
-    store = ReferenceCache(str(tmp_path / "cache"))
-    digests = [
-        store.get_or_compute(key, lambda run=run: {"preference": (run["chosen"], run["rejected"])}, inputs={})[0].digest
-        for key, run in (("one", one), ("two", two))
-    ]
-    assert digests[0] == digests[1]
+    policy, data, _ = handles
+    assert data.rows["preference"] > 2 * 5 and data.rows["preference"] % 5  # batches on both ranks, the last short
+    entries = {}
+    for processes in (1, 2):
+        ref = ReferenceLogps(
+            key=reference_key(data, policy),
+            root=str(tmp_path / f"cache-{processes}"),
+            data=data,
+            reference=policy,
+            batch_size=5,
+            compute=cpu(processes),
+        )
+        with one_torch_thread():
+            entries[processes], computed = ensure_entry(ref)
+        assert computed
+    assert "reference log-probs on 2 processes: " in launch_log.text  # launched, not run in this process
+    assert (
+        entries[2].rows == entries[1].rows == {split: data.rows[split] for split in ("preference", "preference_eval")}
+    )
+    assert entries[2].digest == entries[1].digest  # the same Parquet bytes: bit-identical log-probs
+    assert list(get_settings().launches.glob("reference-*")) == []  # the launch folder goes with the launch
 
 
 @pytest.mark.slow
-def test_the_evaluation_sharded_over_two_processes_gives_the_same_table(workdir):
-    # 8 prompts with answers: 3 batches, 2 + 1 over the processes
+def test_the_evaluation_task_over_two_processes_scores_what_one_process_scores(workdir, launch_log):
+    from tasks.evaluate import score_model
+
+    spec, _ = workdir
+    splits = datasets.load_from_disk(str(spec["splits"]))
+    prompts, pairs = splits["grpo_prompts"].to_list(), splits["preference"].to_list()  # 8 prompts, 16 pairs
+    # 3 prompt batches (2 + 1 over the processes), 6 pair batches; seeded sampling in every batch
     evaluation = EvaluationConfig(max_new_tokens=3, num_samples=2, pass_k=[1, 2], batch_size=3, seed=5)
-    fields = {"eval_split": "grpo_prompts", "evaluation": evaluation, "beta": 0.1}
-    one, two = (run_on_the_model(workdir, EvaluateJob, processes, **fields) for processes in (1, 2))
-    assert two["results"] == one["results"] and len(one["results"]) == 8
-    assert two["metrics"] == one["metrics"]
-    assert {"greedy_accuracy", "sampled_accuracy", "pass_at_2", "rewards/accuracies"} <= one["metrics"].keys()
+    with one_torch_thread():
+        one = score_model(spec["policy"], prompts, pairs, evaluation, 0.1, ComputeConfig(cpu=True))
+    two = score_model(spec["policy"], prompts, pairs, evaluation, 0.1, cpu(2))
+    assert "evaluation of init on 2 processes: " in launch_log.text
+    assert two == one
+    assert {"greedy_accuracy", "sampled_accuracy", "pass_at_2", "rewards/accuracies"} <= one.metrics.keys()
+    assert len(one.per_prompt["sampled_accuracy"]) == 8 and len(one.samples["completion"]) == 8
     # the samples differ between batches: each batch has its own seed, not one stream cut in shards
-    assert len({tuple(s["text"] for s in r["samples"]) for r in one["results"]}) > 1
+    assert len(set(one.samples["completion"])) > 1
+    assert list(get_settings().launches.glob("evaluate-*")) == []
 
 
 @pytest.mark.unit

@@ -5,6 +5,7 @@ as the task's error."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +23,7 @@ from tasks.train import worth_retrying
 from trainers.divergence import NonFiniteTraining
 from trainers.dpo_section import DPOStageConfig
 from trainers.launch import RankError
+from trainers.metrics import ModelScores
 
 pytestmark = pytest.mark.unit
 
@@ -70,13 +72,15 @@ def test_a_spec_missing_a_field_or_with_an_unknown_one_is_refused(tmp_path):
         read_spec(tmp_path / "spec.json")
 
 
-def test_an_evaluate_job_needs_its_beta(tmp_path):
-    fields = dict(
-        plugins=(), launch_dir=tmp_path, model="m", splits=tmp_path, compute=ComputeConfig(), eval_split="eval_prompts"
-    )
+def test_an_evaluate_job_needs_its_beta_and_its_result_keeps_a_nan_metric(tmp_path):
+    fields = dict(plugins=(), launch_dir=tmp_path, model="m", revision=None, splits=tmp_path, compute=ComputeConfig())
     with pytest.raises(ValidationError, match=r"beta\n  Field required"):
         EvaluateJob(**fields, evaluation=EvaluationConfig())
-    assert EvaluateJob(**fields, evaluation=EvaluationConfig(), beta=0.1).world_size == 1
+    job = EvaluateJob(**fields, evaluation=EvaluationConfig(), beta=None)
+    assert job.world_size == 1
+    result = job.result(world_size=1, scores=ModelScores({"rewards/margins": math.nan, "greedy_accuracy": 0.5}, {}, {}))
+    read = job.result.model_validate_json(result.model_dump_json()).scores
+    assert math.isnan(read.metrics["rewards/margins"]) and read.metrics["greedy_accuracy"] == 0.5
 
 
 def test_the_stage_folder_layout(tmp_path, monkeypatch):

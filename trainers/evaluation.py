@@ -12,7 +12,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trainers.collators import PreferenceCollator, pad_left
 from trainers.logprobs import completion_logps
 from trainers.losses import reward_metrics
-from trainers.metrics import ANSWER_METRICS, PREFERENCE_METRICS, bootstrap_ci, exact_match, pass_at_k
+from trainers.metrics import ANSWER_METRICS, PREFERENCE_METRICS, ModelScores, bootstrap_ci, exact_match, pass_at_k
 from trainers.sharding import batches_of, gather_shards, local_shard
 from trainers.stopping import cut_at_first_stop, stop_token_ids
 from trainers.vllm_engine import ColocatedEngine, EngineOptions, SamplingOptions, require_vllm
@@ -31,6 +31,17 @@ class GenerationSpec:
     batch_size: int = 256
     seed: int = 0
     backend: Literal["hf", "vllm"] = "hf"
+
+
+@dataclass(frozen=True)
+class EvaluationSpec:
+    """What one model's evaluation computes besides its completions (:func:`evaluate_model`)."""
+
+    generation: GenerationSpec
+    pass_k: tuple[int, ...] = (1, 4)
+    bootstrap_resamples: int = 1000  # for the 95% CIs, seeded by ``generation.seed``
+    num_logged_samples: int = 20  # rows of the samples table
+    pair_batch_size: int = 256  # held-out pairs per forward
 
 
 @dataclass(frozen=True)
@@ -208,3 +219,44 @@ def preference_rewards(
         for name in totals:
             totals[name] += batch_sums[name]
     return {name: value / len(rows) for name, value in totals.items()}
+
+
+def samples_table(results: list[PromptResult], rows: int) -> dict[str, list]:
+    """First ``rows`` prompts (as rendered, special tokens included, as GRPO's completion tables
+    show them) with their first sample; the reward is the task's exact-match score."""
+    shown = results[:rows]
+    correct = [r.samples_correct[0] for r in shown]
+    return {
+        "prompt": [r.prompt for r in shown],
+        "answer": [r.answer for r in shown],
+        "completion": [r.samples[0].text for r in shown],
+        "reward": [float(c) for c in correct],
+        "correct": correct,
+    }
+
+
+def evaluate_model(
+    model,
+    tokenizer,
+    prompts: list[dict],
+    pairs: list[dict] | None,
+    spec: EvaluationSpec,
+    beta: float | None,
+    state: Any | None = None,
+) -> ModelScores:
+    """Every metric of one model: answer metrics of ``prompts`` (with their samples table and
+    per-prompt values) and implicit rewards at ``beta`` of ``pairs`` (rows with ``ref_*`` log-probs).
+    With ``state`` (a launch's ``PartialState``) the work is sharded over its processes and every
+    process returns what one process would."""
+    scores = ModelScores({}, {}, {})
+    if prompts:
+        results = score_prompts(model, tokenizer, prompts, spec.generation, state)
+        pass_k = list(spec.pass_k)
+        scores = ModelScores(
+            answer_metrics(results, pass_k, spec.generation.seed, spec.bootstrap_resamples),
+            samples_table(results, spec.num_logged_samples),
+            per_prompt_scores(results, pass_k),
+        )
+    if pairs:
+        scores.metrics.update(preference_rewards(model, tokenizer, pairs, beta, spec.pair_batch_size, state))
+    return scores

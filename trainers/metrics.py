@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from math import comb
 
 import numpy as np
 
 PREFERENCE_METRICS = ("rewards/accuracies", "rewards/margins", "logratios/margins")
 ANSWER_METRICS = ("greedy_accuracy", "sampled_accuracy")
+
+
+@dataclass(frozen=True)
+class ModelScores:
+    """One model's evaluation (``trainers.evaluation.evaluate_model``): what the table and MLflow show."""
+
+    metrics: dict[str, float]
+    samples: dict[str, list]  # the samples table: prompt, answer, completion, reward, correct
+    per_prompt: dict[str, list[float]]  # metric -> one value per held-out prompt
 
 
 def per_prompt_metric_names(pass_ks: list[int], num_samples: int) -> list[str]:

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer
 
+from infra.core.config.compute import ComputeConfig
 from infra.core.settings import get_settings
 
 HOME = "$ALIGNFLOW_HOME"
@@ -75,7 +76,8 @@ class ReferenceLogps(Handle):
     reference: ModelHandle
     batch_size: int
     dtype: str = "float32"  # the reference forward's (part of the key)
-    cpu: bool = False  # computed on the CPU even where there is a GPU (``compute.cpu``)
+    # where it is computed: the CPU or the GPU, and over how many processes (``compute.num_processes``)
+    compute: ComputeConfig = ComputeConfig()  # noqa: RUF009 (frozen)
 
     @property
     def path(self) -> str:

@@ -60,6 +60,11 @@ class Settings(BaseSettings):
         return self.root / "cache" / "eval"
 
     @property
+    def launches(self) -> Path:
+        """Launch folders of the sharded reference passes, one per cache key (a stage's is in its folder)."""
+        return self.root / "launches"
+
+    @property
     def model_cache(self) -> Path:
         return self.root / "cache" / "models"
 

@@ -20,6 +20,7 @@ from infra.core.fingerprints import staging_copies
 from infra.core.handles import ModelHandle, PreparedData, ReferenceLogps
 from infra.core.settings import get_settings
 from trainers.lora import LoraSettings
+from trainers.metrics import ModelScores
 from trainers.plugins import import_plugins
 from trainers.sections import TrainingConfig
 from trainers.stages import STAGES, StageName
@@ -178,43 +179,50 @@ class TrainJob(LaunchedJob):
         return data
 
 
-class ReferenceResult(BaseModel):
-    world_size: int
-    chosen: list[float]
-    rejected: list[float]
-
-
 class ModelJob(LaunchedJob):
-    """A job over one model and the prepared splits (a ``save_to_disk`` folder), loaded as ``compute`` says."""
+    """A job over one model (a folder or hub id at ``revision``) and prepared rows (a ``save_to_disk``
+    folder of splits), loaded in ``compute.dtype`` on each process's device."""
 
     model: str
+    revision: str | None
     splits: Path
     compute: ComputeConfig
 
 
+class ReferenceResult(BaseModel):
+    world_size: int
+    columns: dict[str, tuple[list[float], list[float]]]  # split -> chosen and rejected log-probs, in row order
+
+
 class ReferenceJob(ModelJob):
-    """Reference log-probs of the ``preference`` split, sharded over the processes."""
+    """Reference log-probs of the ``preference_splits`` of ``splits``, their batches sharded over the
+    processes (``tasks.reference`` when ``compute.num_processes > 1``)."""
 
     job: Literal["reference"] = "reference"
+    preference_splits: tuple[str, ...]
     batch_size: int = Field(ge=1)
 
     result: ClassVar[type[BaseModel]] = ReferenceResult
 
 
 class EvaluateResult(BaseModel):
+    model_config = ConfigDict(ser_json_inf_nan="constants")  # a NaN metric comes back as NaN, not null
+
     world_size: int
-    metrics: dict[str, float]
-    results: list[dict[str, Any]]
+    scores: ModelScores
 
 
 class EvaluateJob(ModelJob):
-    """Answer metrics of ``eval_split``'s prompts and implicit rewards (at ``beta``) of the
-    ``preference`` pairs, sharded over the processes."""
+    """One model's evaluation (``trainers.evaluation.evaluate_model``) of the :attr:`PROMPTS` and
+    :attr:`PAIRS` splits of ``splits`` (either may be absent), sharded over the processes
+    (``tasks.evaluate`` when ``compute.num_processes > 1``)."""
 
     job: Literal["evaluate"] = "evaluate"
-    eval_split: str
     evaluation: EvaluationConfig
-    beta: float
+    beta: float | None
+
+    PROMPTS: ClassVar[str] = "prompts"  # held-out prompts with answers
+    PAIRS: ClassVar[str] = "pairs"  # held-out pairs with their reference log-probs
 
     result: ClassVar[type[BaseModel]] = EvaluateResult
 

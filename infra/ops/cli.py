@@ -236,14 +236,14 @@ def load_or_exit(schema, args: argparse.Namespace, reader=None):
     return config
 
 
-def check_compute_or_exit(config, args: argparse.Namespace, launched: bool = False) -> None:
-    """Exit 2 when this machine cannot run ``config.compute`` (device count, bfloat16; several
-    processes unless the flow ``launched`` them): before the flow starts. This looks at the
+def check_compute_or_exit(config, args: argparse.Namespace) -> None:
+    """Exit 2 when this machine cannot run ``config.compute`` (device count, bfloat16, machine rank):
+    before the flow starts. This looks at the
     hardware, so it imports torch."""
     from infra.core.config import ComputeError, check_compute
 
     try:
-        check_compute(config.compute, launched=launched)
+        check_compute(config.compute)
     except ComputeError as error:
         print(f"alignflow: invalid config: {config_place(args)}{error}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -341,7 +341,7 @@ def run_command(args: argparse.Namespace) -> int:
     config = load_or_exit(ExperimentConfig, args)
 
     def check() -> None:
-        check_compute_or_exit(config, args, launched=True)
+        check_compute_or_exit(config, args)
         check_model_or_exit(config.model.source, args)
 
     return run_flow(

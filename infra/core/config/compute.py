@@ -153,18 +153,12 @@ def uses_gpu(compute: ComputeConfig, hardware: Hardware) -> bool:
     return hardware.cuda_devices > 0 and not compute.cpu
 
 
-ONE_PROCESS_ONLY = (
-    "compute.num_processes / num_machines: this flow runs in one process; only the experiment flow's "
-    "training stages run over several (README: Scaling out)"
-)
-
-
-def check_compute(compute: ComputeConfig, hardware: Hardware | None = None, *, launched: bool = False) -> None:
+def check_compute(compute: ComputeConfig, hardware: Hardware | None = None) -> None:
     """Raise :class:`ComputeError` naming the field when ``compute`` cannot run here: more processes
     per machine than GPUs (without ``cpu``), several processes with neither GPUs nor ``cpu``, fp16
-    without a GPU, bfloat16 on a GPU without it. Several processes need a caller that ``launched``
-    them (the experiment flow's train task), on machine 0. ``hardware`` defaults to this
-    machine's, detected only when a rule needs it."""
+    without a GPU, bfloat16 on a GPU without it; a flow started anywhere but machine 0 (it launches
+    every multi-process stage, reference pass and evaluation from there). ``hardware`` defaults to
+    this machine's, detected only when a rule needs it."""
     facts = (lambda: hardware) if hardware is not None else functools.cache(detect_hardware)
 
     def gpu() -> bool:  # with compute.cpu, no hardware is read
@@ -185,8 +179,6 @@ def check_compute(compute: ComputeConfig, hardware: Hardware | None = None, *, l
             f"compute.{field}: this machine's CUDA device does not support bfloat16; use fp16 mixed precision "
             "and dtype float32"
         )
-    if compute.multi_process and not launched:
-        raise ComputeError(ONE_PROCESS_ONLY)
     if compute.machine_rank != 0:
         raise ComputeError(
             "compute.machine_rank: the flow runs on machine 0 and launches its part of each stage; the other "

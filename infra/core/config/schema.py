@@ -289,6 +289,14 @@ class EvaluationConfig(Section):
             self.max_new_tokens, self.num_samples, self.temperature, self.batch_size, self.seed, self.generation_backend
         )
 
+    def spec(self):
+        """The whole evaluation of one model as the trainers take it (imports torch)."""
+        from trainers.evaluation import EvaluationSpec
+
+        return EvaluationSpec(
+            self.generation(), tuple(self.pass_k), self.bootstrap_resamples, self.num_logged_samples, self.batch_size
+        )
+
 
 class PromotionConfig(Section):
     registered_model: str | None = Field(
