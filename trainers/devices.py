@@ -52,3 +52,23 @@ def model_dtype(model: torch.nn.Module) -> str:
 def mixed_precision_arguments(mixed_precision: str) -> dict[str, bool]:
     """``TrainingArguments`` of ``compute.mixed_precision`` (nothing for ``no``, so a stage's own ``bf16`` holds)."""
     return {} if mixed_precision == "no" else {mixed_precision: True}
+
+
+# Config fields that count a mixture of experts' routed experts (Mixtral, Qwen-MoE, DeepSeek, OLMoE…).
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
+def routes_to_experts(model_config) -> bool:
+    """Whether the model routes each token to some of several experts: a step may then leave an
+    expert's trainable weights without a gradient."""
+    counts = (getattr(model_config, name, None) for name in EXPERT_COUNTS)
+    return any(isinstance(count, int) and count > 1 for count in counts)
+
+
+def ddp_arguments(model: torch.nn.Module) -> dict[str, bool]:
+    """``TrainingArguments.ddp_find_unused_parameters`` from what the model needs. DDP's search for
+    parameters without a gradient walks the autograd graph every step and warns on every rank when
+    it finds none; the Trainer turns it on whenever gradient checkpointing is off (always, for a
+    LoRA model). Only a mixture of experts needs it: a dense model uses every trainable parameter
+    in every forward."""
+    return {"ddp_find_unused_parameters": routes_to_experts(model.config)}

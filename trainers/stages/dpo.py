@@ -19,7 +19,7 @@ def build_dpo(section: DPOStageConfig, inputs: StageInputs):
     return DPOTrainer(
         model=model,
         ref_model=ref_model,
-        args=section.training_arguments(DPOConfig, evaluates=eval_split is not None, **inputs.runtime_arguments()),
+        args=section.training_arguments(DPOConfig, evaluates=eval_split is not None, **inputs.runtime_arguments(model)),
         train_dataset=inputs.splits["preference"],
         eval_dataset=eval_split,
         data_collator=PreferenceCollator(tokenizer.pad_token_id),

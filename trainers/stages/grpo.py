@@ -33,7 +33,7 @@ def build_grpo(section: GRPOStageConfig, inputs: StageInputs):
     # The KL anchor is the policy GRPO starts from (with LoRA: the policy, adapters disabled);
     # with β = 0 no reference is loaded at all.
     ref_model = inputs.load_reference() if section.beta > 0 else None
-    args = section.training_arguments(GRPOConfig, **inputs.runtime_arguments())
+    args = section.training_arguments(GRPOConfig, **inputs.runtime_arguments(model))
     return GRPOTrainer(
         model=model,
         ref_model=ref_model,

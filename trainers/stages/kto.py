@@ -16,7 +16,7 @@ def build_kto(section: KTOStageConfig, inputs: StageInputs):
     return KTOTrainer(
         model=model,
         ref_model=inputs.load_reference(),
-        args=section.training_arguments(KTOConfig, evaluates=eval_split is not None, **inputs.runtime_arguments()),
+        args=section.training_arguments(KTOConfig, evaluates=eval_split is not None, **inputs.runtime_arguments(model)),
         train_dataset=unpaired(inputs.splits["preference"]),
         eval_dataset=None if eval_split is None else unpaired(eval_split),
         data_collator=UnpairedCollator(tokenizer.pad_token_id),

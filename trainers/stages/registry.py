@@ -63,12 +63,13 @@ class StageInputs:
             return None
         return load_causal_lm(self.reference.path, self.reference.revision, self.dtype)[0]
 
-    def runtime_arguments(self) -> dict[str, Any]:
+    def runtime_arguments(self, model) -> dict[str, Any]:
         """Trainer arguments that are not configuration: where to write, the pipeline's own logging,
-        and ``compute.mixed_precision`` (the Trainer puts the model on its device)."""
+        ``compute.mixed_precision`` (the Trainer puts the model on its device) and what DDP needs
+        of ``model`` (the one the trainer trains)."""
         import torch
 
-        from trainers.devices import mixed_precision_arguments
+        from trainers.devices import ddp_arguments, mixed_precision_arguments
 
         return dict(
             output_dir=self.output_dir,
@@ -77,6 +78,7 @@ class StageInputs:
             logging_nan_inf_filter=False,  # a non-finite loss is logged as it is (trainers.callbacks.FiniteGuard)
             dataloader_pin_memory=torch.cuda.is_available(),
             **mixed_precision_arguments(self.mixed_precision),
+            **ddp_arguments(model),
             **({"use_cpu": True} if self.cpu else {}),
         )
 

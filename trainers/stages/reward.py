@@ -15,7 +15,9 @@ def build_reward(section: RewardStageConfig, inputs: StageInputs):
     eval_split = inputs.splits.get("preference_eval")
     return RewardTrainer(
         model=model,
-        args=section.training_arguments(RewardConfig, evaluates=eval_split is not None, **inputs.runtime_arguments()),
+        args=section.training_arguments(
+            RewardConfig, evaluates=eval_split is not None, **inputs.runtime_arguments(model)
+        ),
         train_dataset=inputs.splits["preference"],
         eval_dataset=eval_split,
         data_collator=PairSequenceCollator(tokenizer.pad_token_id),

@@ -20,7 +20,7 @@ def build_sft(section: SFTConfig, inputs: StageInputs):
         args=section.training_arguments(
             TrainingArguments,
             evaluates=eval_split is not None,
-            **inputs.runtime_arguments(),
+            **inputs.runtime_arguments(model),
             remove_unused_columns=False,
         ),
         train_dataset=inputs.splits["sft"],
