@@ -5,10 +5,13 @@ the task's logs, and collect rank 0's result, or raise the error of the rank tha
 
 from __future__ import annotations
 
+import argparse
+import functools
 import logging
 import os
 import shlex
 import shutil
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -16,8 +19,10 @@ from prefect import get_run_logger
 from prefect.exceptions import MissingContextError
 from pydantic import BaseModel
 
+from infra.core.gang import Gang, GangError
 from infra.core.launching import Finished, run_process_group
-from infra.core.stage_io import LaunchSpec, StageFolder, TrainInputs, TrainJob
+from infra.core.settings import get_settings
+from infra.core.stage_io import LaunchSpec, StageFolder, TrainInputs, TrainJob, read_spec
 from tasks.metric_sender import MetricsNotDelivered
 from trainers.divergence import NonFiniteTraining
 from trainers.launch import RankError
@@ -41,14 +46,17 @@ REPEATING_ERRORS: dict[str, type[Exception]] = {
 
 def failure(name: str, finished: Finished, launch_dir: Path) -> Exception:
     """The task's error for a launch that exited with ``finished.returncode``: the traceback of the
-    rank that failed first (else the launch's last output lines); one of :data:`REPEATING_ERRORS` as itself."""
+    rank that failed first, on any machine (else why the launch was stopped, or its last output
+    lines); one of :data:`REPEATING_ERRORS` as itself."""
     first = RankError.first(launch_dir)
-    if first is None:
-        detail = "no rank reported an error; the launch's last output:\n" + "\n".join(finished.tail[-TRACEBACK_LINES:])
-        return LaunchFailed(f"{name}: the launch exited with code {finished.returncode}; {detail}")
-    lines = first.traceback.rstrip().splitlines()[-TRACEBACK_LINES:]
-    message = f"{name}: rank {first.rank} failed ({first.error}):\n" + "\n".join(lines)
-    return REPEATING_ERRORS.get(first.error, LaunchFailed)(message)
+    if first is not None:
+        lines = first.traceback.rstrip().splitlines()[-TRACEBACK_LINES:]
+        message = f"{name}: rank {first.rank} failed ({first.error}):\n" + "\n".join(lines)
+        return REPEATING_ERRORS.get(first.error, LaunchFailed)(message)
+    if finished.stopped_because is not None:
+        return LaunchFailed(f"{name}: stopped: {finished.stopped_because}")
+    detail = "no rank reported an error; the launch's last output:\n" + "\n".join(finished.tail[-TRACEBACK_LINES:])
+    return LaunchFailed(f"{name}: the launch exited with code {finished.returncode}; {detail}")
 
 
 def run_log(line: str) -> None:
@@ -61,30 +69,68 @@ def run_log(line: str) -> None:
     logger.info(line)
 
 
+def machine_command(spec: LaunchSpec, machine: int) -> str:
+    """What machine ``machine`` runs for its part of ``spec``'s launch, from the same checkout."""
+    home = f"ALIGNFLOW_HOME={shlex.quote(str(get_settings().root))}"
+    return f"cd {shlex.quote(str(PROJECT_ROOT))} && {home} {shlex.join(machine_runner(spec, machine))}"
+
+
+def machine_runner(spec: LaunchSpec, machine: int) -> list[str]:
+    return [sys.executable, "-m", __name__, str(spec.spec_file), "--machine-rank", str(machine)]
+
+
 def launch(spec: LaunchSpec, name: str, log: Callable[[str], None] = run_log) -> BaseModel:
     """Run ``spec`` over its ``compute``'s processes from its launch folder (emptied first), each output
-    line to ``log``; rank 0's result, or the failed rank's error raised."""
+    line to ``log``; rank 0's result, or the failed rank's error raised. With several machines this is
+    machine 0's part: the others run :func:`machine_command`, and the machines start and stop as one
+    (:mod:`infra.core.gang`)."""
     shutil.rmtree(spec.launch_dir, ignore_errors=True)
     spec.launch_dir.mkdir(parents=True)
     spec.spec_file.write_text(spec.model_dump_json(indent=2))
-    compute = spec.compute
-    command = compute.launch_command(spec.spec_file, RANK_MODULE)
-    log(f"{name} on {compute.num_processes} processes: {shlex.join(command)}")
-    for machine in range(1, compute.num_machines):
-        other = compute.model_copy(update={"machine_rank": machine}).launch_command(spec.spec_file, RANK_MODULE)
-        log(f"machine {machine} must run, from the same checkout: {shlex.join(other)}")
-    # each line reaches the logs when it is printed; torch's launcher keeps a log folder per launch
-    # in the temp folder and never removes it: it goes to the launch folder's, removed afterwards
-    temporary = spec.launch_dir / "tmp"
-    temporary.mkdir()
-    env = os.environ | {"PYTHONUNBUFFERED": "1", "TMPDIR": str(temporary)}
-    try:
-        finished = run_process_group(command, log, cwd=PROJECT_ROOT, env=env)
-    finally:
-        shutil.rmtree(temporary, ignore_errors=True)
+    for machine in range(1, spec.compute.num_machines):
+        log(f"{name}: machine {machine} must run: {machine_command(spec, machine)}")
+    finished = run_machine(spec, 0, name, log)
     if finished.returncode != 0:
         raise failure(name, finished, spec.launch_dir)
     return spec.result.model_validate_json(spec.result_file.read_text())
+
+
+def ended_because(finished: Finished | None) -> str:
+    if finished is None:
+        return "its part was stopped before its launch ended (cancelled, interrupted or timed out)"
+    return finished.stopped_because or f"its launch exited with code {finished.returncode}"
+
+
+def run_machine(spec: LaunchSpec, machine: int, name: str, log: Callable[[str], None]) -> Finished:
+    """Machine ``machine``'s part of ``spec``'s launch: with several machines, join the others (a
+    :class:`LaunchFailed` naming those that do not join in time) and stop when one of them fails;
+    then ``accelerate launch`` of this machine's ranks, each output line to ``log``."""
+    compute = spec.compute.model_copy(update={"machine_rank": machine})
+    gang = None
+    if compute.num_machines > 1:
+        gang = Gang(spec.launch_dir, compute.num_machines, machine, compute.join_timeout)
+        log(f"{name}: machine {machine} joined; waiting up to {compute.join_timeout} s for the others")
+    finished, reason = None, None
+    # torch's launcher keeps a log folder per launch in the temp folder and never removes it: it
+    # goes to the launch folder's, removed afterwards
+    temporary = spec.launch_dir / f"tmp-{machine}"
+    try:
+        if gang is not None:
+            try:
+                gang.wait_for_all()
+            except GangError as error:
+                reason = str(error)
+                raise LaunchFailed(f"{name}: {error}") from None
+        command = compute.launch_command(spec.spec_file, RANK_MODULE)
+        log(f"{name} on {compute.num_processes} processes: {shlex.join(command)}")
+        temporary.mkdir()
+        env = os.environ | {"PYTHONUNBUFFERED": "1", "TMPDIR": str(temporary)}  # each line as it is printed
+        finished = run_process_group(command, log, cwd=PROJECT_ROOT, env=env, watch=gang.watch if gang else None)
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+        if gang is not None and (finished is None or finished.returncode != 0):
+            gang.fail(reason or ended_because(finished))  # the other machines stop theirs
+    return finished
 
 
 def untracked_train_job(
@@ -106,3 +152,26 @@ def untracked_train_job(
         checkpoint=None,
         final=False,
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tasks.launch SPEC --machine-rank M``: machine M's part of a multi-machine launch
+    (what machine 0's task logs as :func:`machine_command`)."""
+    parser = argparse.ArgumentParser(prog="python -m tasks.launch", description=main.__doc__)
+    parser.add_argument("spec", type=Path, help="the launch's spec.json, on the shared state folder")
+    parser.add_argument("--machine-rank", type=int, required=True)
+    args = parser.parse_args(argv)
+    spec = read_spec(args.spec)
+    if not 0 < args.machine_rank < spec.compute.num_machines:
+        raise SystemExit(f"--machine-rank must be 1..{spec.compute.num_machines - 1} (machine 0 runs the task)")
+    name = f"machine {args.machine_rank}"
+    try:
+        finished = run_machine(spec, args.machine_rank, name, functools.partial(print, flush=True))
+    except LaunchFailed as error:
+        raise SystemExit(str(error)) from None
+    if finished.returncode != 0:
+        raise SystemExit(str(failure(name, finished, spec.launch_dir)))
+
+
+if __name__ == "__main__":
+    main()

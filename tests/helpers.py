@@ -139,3 +139,30 @@ def chat_tokenizer(style: str):
     )
     tokenizer.chat_template = template
     return tokenizer
+
+
+def processes_naming(marker: str, also: str = "") -> list[int]:
+    """Live processes (not zombies) whose command line names ``marker`` (and ``also``)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, ValueError, IndexError):
+            continue
+        if marker in command and also in command and state != "Z" and int(proc.name) != os.getpid():
+            found.append(int(proc.name))
+    return found
+
+
+def launched_pids(marker: str) -> list[int]:
+    """A launch's launcher and ranks: live processes that run ``tasks.launched_rank`` and name ``marker``."""
+    return processes_naming(marker, "tasks.launched_rank")
+
+
+def wait_until_gone(pids: list[int], marker: str, timeout: float = 90) -> list[int]:
+    """The launched processes among ``pids`` still alive after up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while (left := [pid for pid in launched_pids(marker) if pid in pids]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left

@@ -12,21 +12,25 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import sys
 import textwrap
+import threading
+import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
 import pytest
 import torch
-from helpers import free_port
+from helpers import free_port, processes_naming
 from safetensors.torch import load_file
 
 from infra.core.config import ComputeConfig, EvaluationConfig
 from infra.core.handles import PreparedData, ReferenceLogps
 from infra.core.settings import get_settings
 from infra.core.stage_io import TrainInputs
-from tasks.launch import RANK_MODULE, launch, untracked_train_job
+from tasks.launch import RANK_MODULE, LaunchFailed, launch, untracked_train_job
 from tasks.models import checkpoint_handle
 from trainers.data import Truncation, tokenize_split
 from trainers.modeling import load_causal_lm
@@ -38,6 +42,17 @@ REPO = Path(__file__).resolve().parents[1]
 REWARD_PLUGIN = """
 def first_code_point(prompts, completions, **columns):
     return [None if not c else float(ord(c[0]) % 5) for c in completions]
+"""
+# A plugin that fails on rank 1 only, as the rank reads its spec: before the rendezvous, so rank 0
+# waits for it there (no collective whose peer died tells it) until the launch is stopped.
+FAILING_REWARD_PLUGIN = """
+import os
+
+if os.environ.get("RANK") == "1":
+    raise ConnectionError("the reward server cannot be reached from rank 1")
+
+def constant(prompts, completions, **columns):
+    return [0.0 for _ in completions]
 """
 
 
@@ -66,6 +81,64 @@ def train(workdir, stage: str, section: dict, processes: int, name: str, plugins
     spec, folder = workdir
     inputs = TrainInputs(spec["policy"], spec["data"], compute=cpu(processes))
     return run(untracked_train_job(stage, section, inputs, folder / name, plugins), folder).model_dump()
+
+
+def two_machines(join_timeout: int = 60) -> ComputeConfig:
+    """Two "machines" of one CPU process each, both on this host."""
+    return ComputeConfig(
+        cpu=True,
+        num_processes=2,
+        num_machines=2,
+        main_process_ip="127.0.0.1",
+        main_process_port=free_port(),
+        join_timeout=join_timeout,
+    )
+
+
+@dataclass
+class MachineOne:
+    """Machine 1's part of a launch, started as its worker would start it once machine 0 wrote the spec."""
+
+    spec_file: Path
+    folder: Path
+    log: Path
+    process: subprocess.Popen | None = None
+
+    def start_when_ready(self) -> threading.Thread:
+        def start() -> None:
+            deadline = time.monotonic() + 60
+            while not self.spec_file.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(self.folder)}
+            command = [sys.executable, "-m", "tasks.launch", str(self.spec_file), "--machine-rank", "1"]
+            with self.log.open("w") as output:
+                self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT)
+
+        starter = threading.Thread(target=start, daemon=True)
+        starter.start()
+        return starter
+
+    def finish(self) -> tuple[int, str]:
+        self.process.wait(timeout=120)
+        return self.process.returncode, self.log.read_text()
+
+
+def train_on_two_machines(workdir, stage: str, section: dict, name: str, plugins: tuple[str, ...] = ()):
+    """``train`` over :func:`two_machines`: machine 0's part is the pipeline's launch, here; machine 1's
+    is ``python -m tasks.launch`` (what machine 0 logs for it). Machine 0's result (or its error),
+    machine 1's exit status and output, and the job."""
+    spec, folder = workdir
+    job = untracked_train_job(
+        stage, section, TrainInputs(spec["policy"], spec["data"], compute=two_machines()), folder / name, plugins
+    )
+    machine_one = MachineOne(job.spec_file, folder, folder / f"{name}-machine-1.log")
+    starter = machine_one.start_when_ready()
+    try:
+        result = run(job, folder).model_dump()
+    except LaunchFailed as error:
+        result = error
+    starter.join()
+    return result, *machine_one.finish(), job
 
 
 def weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -104,6 +177,7 @@ def workdir(tmp_path_factory, tiny_checkpoint, tiny):
     )
     splits.save_to_disk(folder / "splits")
     (folder / "ddp_rewards.py").write_text(textwrap.dedent(REWARD_PLUGIN))
+    (folder / "ddp_failing_rewards.py").write_text(textwrap.dedent(FAILING_REWARD_PLUGIN))
     data = PreparedData(
         path=str(folder / "splits"), fingerprint="ddp", rows={}, dropped={}, token_fingerprints={}, truncation={}
     )
@@ -151,6 +225,14 @@ def test_dpo_on_two_processes_of_two_pairs_equals_one_process_of_four(workdir):
     assert one_logs[0]["num_tokens"] == two_logs[0]["num_tokens"] > 0
     assert one_logs[0]["loss"] != one_logs[-1]["loss"]  # it trained
     assert_same_weights(folder / "dpo1", folder / "dpo2", spec["model"], 1e-5)
+    # two machines of one process each: the same ranks, the same result
+    machines, returncode, output = train_on_two_machines(
+        workdir, "dpo", section | {"per_device_train_batch_size": 2}, "dpo2m"
+    )[:3]
+    assert returncode == 0, output
+    assert machines["world_size"] == 2 and train_logs(machines) == two_logs
+    assert_same_weights(folder / "dpo1", folder / "dpo2m", spec["model"], 1e-5)
+    assert largest_difference(weights(folder / "dpo2"), weights(folder / "dpo2m")) == 0.0
 
 
 @pytest.mark.slow
@@ -181,6 +263,49 @@ def test_grpo_on_two_processes_equals_one_process_with_a_group_across_ranks(work
     assert any(entry["reward_std"] > 0 for entry in one_logs)  # advantages were not all 0: it learned something
     assert one_logs[-1]["kl"] > 0  # the policy moved away from its reference
     assert_same_weights(folder / "grpo1", folder / "grpo2", spec["model"], 1e-4)
+
+
+@pytest.mark.slow
+def test_a_machine_that_never_joins_fails_the_launch_naming_it_and_no_rank_starts(workdir):
+    spec, folder = workdir
+    inputs = TrainInputs(spec["policy"], spec["data"], compute=two_machines(join_timeout=3))
+    job = untracked_train_job("sft", {"max_steps": 1}, inputs, folder / "alone")
+    lines: list[str] = []
+    started = time.monotonic()
+    with pytest.raises(LaunchFailed, match=r"sft: machine 1 did not join within 3 s \(compute.join_timeout\)"):
+        launch(job, "sft", lines.append)
+    assert time.monotonic() - started < 3 + 5
+    assert f"sft: machine 1 must run: cd {REPO} && ALIGNFLOW_HOME=" in lines[0]
+    assert not [line for line in lines if "sft on 2 processes" in line]  # no accelerate launch anywhere
+    assert (
+        job.launch_dir / "machine-0.failed"
+    ).read_text() == "machine 1 did not join within 3 s (compute.join_timeout)"
+    assert processes_naming(str(job.launch_dir)) == []
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_on_machine_1_stops_machine_0_with_its_traceback_and_leaves_no_process(workdir):
+    section = {
+        "max_steps": 3,
+        "num_generations": 2,
+        "generation_batch_size": 2,
+        "per_device_train_batch_size": 1,
+        "max_completion_length": 4,
+        "log_completions_steps": 0,
+        "reward_funcs": ["ddp_failing_rewards:constant"],
+        "beta": 0.0,
+    }
+    started = time.monotonic()
+    error, returncode, output, job = train_on_two_machines(
+        workdir, "grpo", section, "grpo-fails", ("ddp_failing_rewards",)
+    )
+    assert isinstance(error, LaunchFailed)
+    assert "train: rank 1 failed (ConnectionError)" in str(error)
+    assert "ConnectionError: the reward server cannot be reached from rank 1" in str(error)
+    assert returncode == 1 and "machine 1: rank 1 failed (ConnectionError)" in output, output
+    assert time.monotonic() - started < 40  # not the rendezvous' timeout (60 s here, 300 s by default)
+    assert processes_naming(str(job.launch_dir)) == []
+    assert not (job.folder.model_dir).exists()
 
 
 @pytest.mark.unit
@@ -216,6 +341,8 @@ def test_the_launch_command_is_built_from_the_compute_section():
         "no",
         "--main_process_ip",
         "10.0.0.1",
+        "--rdzv_conf",
+        "timeout=300",
         "-m",
         "tasks.launched_rank",
         "spec.json",

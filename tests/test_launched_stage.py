@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import SMOKE, free_port, mlflow_client
+from helpers import SMOKE, free_port, launched_pids, mlflow_client, wait_until_gone
 from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
@@ -76,27 +76,6 @@ def flow_run_logs(flow_run_id) -> list[str]:
     with get_client(sync_client=True) as client:
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
     return [log.message for log in logs]
-
-
-def launched_pids(marker: str) -> list[int]:
-    """Live processes (not zombies) whose command line names ``marker`` (the launcher and its ranks)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, ValueError, IndexError):
-            continue
-        if marker in command and "tasks.launched_rank" in command and state != "Z":
-            found.append(int(proc.name))
-    return found
-
-
-def wait_until_gone(pids: list[int], marker: str, timeout: float = 90) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while (left := [pid for pid in launched_pids(marker) if pid in pids]) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return left
 
 
 @pytest.mark.flow

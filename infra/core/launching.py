@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ STOP_GRACE_S = 15.0  # below the 30 s a Prefect runner waits before it SIGKILLs 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 POLL_S = 0.05
+WATCH_S = 0.5  # between a launch's watch calls (run_process_group)
 Stream = Union[int, IO, None]  # what subprocess.Popen takes for stdin, stdout, stderr
 
 
@@ -48,6 +50,7 @@ def stop_with_parent() -> None:
 class Finished:
     returncode: int
     tail: list[str]  # the last lines of its output
+    stopped_because: str | None = None  # why the watch stopped it (``run_process_group``)
 
 
 @dataclass(frozen=True)
@@ -170,19 +173,36 @@ def run_process_group(
     cwd: Path | str | None = None,
     env: dict[str, str] | None = None,
     tail_lines: int = 60,
+    watch: Callable[[], str | None] | None = None,
 ) -> Finished:
     """Run ``command`` to its end, calling ``on_line`` with each line of its output; its group is
-    stopped however this returns or raises."""
+    stopped however this returns or raises. ``watch`` is asked every ``WATCH_S`` seconds while it
+    runs: a reason it returns stops the group, and is the result's ``stopped_because``."""
     group = ProcessGroup.start(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     process = group.process
     tail: deque[str] = deque(maxlen=tail_lines)
-    try:
+
+    def read() -> None:
         for line in process.stdout:
             line = line.rstrip("\n")
             tail.append(line)
             on_line(line)
+
+    reason = None
+    try:
+        if watch is None:
+            read()
+        else:
+            reader = threading.Thread(target=read, name="launch-output", daemon=True)
+            reader.start()
+            while reader.is_alive() and reason is None:
+                reader.join(WATCH_S)
+                reason = watch() if reader.is_alive() else None
+            if reason is not None:
+                group.stop()
+            reader.join()
         process.wait()
     finally:
         group.stop()  # a cancelled wait, or members left behind by a launcher that exited
         process.stdout.close()
-    return Finished(process.returncode, list(tail))
+    return Finished(process.returncode, list(tail), reason)

@@ -52,6 +52,12 @@ class ComputeConfig(Section):
     machine_rank: int = Field(0, ge=0, description="This machine's rank (0 on the machine with main_process_ip).")
     main_process_ip: str | None = Field(None, description="Address of machine 0; needed when num_machines > 1.")
     main_process_port: int = Field(29500, ge=1, le=65535, description="Port of the rendezvous on machine 0.")
+    join_timeout: int = Field(
+        300,
+        ge=1,
+        description="Seconds every machine's part of a multi-machine launch waits for the others to join; then the "
+        "launch fails on every machine, naming the machines that did not join.",
+    )
     mixed_precision: MixedPrecision = Field(
         "no", description="Autocast of every training stage: `bf16`, `fp16` (CUDA only) or `no`."
     )
@@ -122,6 +128,8 @@ class ComputeConfig(Section):
             "mixed_precision": self.mixed_precision,
             "dynamo_backend": "no",
             "main_process_ip": self.main_process_ip,
+            # torch's rendezvous waits as long as the machines' join (600 s by default, silently)
+            "rdzv_conf": f"timeout={self.join_timeout}" if self.num_machines > 1 else None,
         }
         for name, value in options.items():
             if value is not None:
