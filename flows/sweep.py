@@ -25,7 +25,15 @@ from tasks.data import prepare_dataset
 from tasks.evaluate import EvalReport
 from tasks.models import checkpoint_handle, resolve_model
 from tasks.search import PlannedTrial, Search, plan, sweep_errors
-from tasks.sweep import TrialResult, check_deployment, final_metrics, log_sweep, trial_run_id, trial_slots
+from tasks.sweep import (
+    TrialResult,
+    check_deployment,
+    fail_lost_attempts,
+    final_metrics,
+    log_sweep,
+    trial_run_id,
+    trial_slots,
+)
 from tasks.tracking import client, start_parent_run, tracked_run
 
 
@@ -68,12 +76,15 @@ def trial(
     """One trial: an experiment flow run nested under the sweep's MLflow run, holding one of the
     sweep's concurrency slots while it runs. A failing experiment is a failed trial, not a failed task."""
     with concurrency(slots, occupy=1, strict=True):
+        lost = fail_lost_attempts(config.tracking.experiment_name, sweep_run_id, config.run_name)
         state = launch_experiment(config, sweep_run_id, deployment)
     flow_run_id = str(state.state_details.flow_run_id)
     run_id = trial_run_id(config.tracking.experiment_name, sweep_run_id, flow_run_id)
     if run_id is not None:
         client().set_tag(run_id, "alignflow.trial", str(number))
-    result = TrialResult(number=number, params=params, status="failed", mlflow_run_id=run_id, flow_run_id=flow_run_id)
+    result = TrialResult(
+        number=number, params=params, status="failed", mlflow_run_id=run_id, flow_run_id=flow_run_id, lost_attempts=lost
+    )
     if not state.is_completed():
         return result.model_copy(update={"error": failure(state)})
     return result.model_copy(update={"status": "completed", "metrics": final_metrics(run_id)})

@@ -12,6 +12,7 @@ import os
 import shlex
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -22,7 +23,7 @@ from pydantic import BaseModel
 from infra.core.gang import Gang, GangError
 from infra.core.launching import Finished, run_process_group
 from infra.core.settings import get_settings
-from infra.core.stage_io import LaunchSpec, StageFolder, TrainInputs, TrainJob, read_spec
+from infra.core.stage_io import LAUNCHED_AT, LaunchSpec, StageFolder, TrainInputs, TrainJob, read_spec
 from tasks.metric_sender import MetricsNotDelivered
 from trainers.divergence import NonFiniteTraining
 from trainers.launch import RankError
@@ -124,7 +125,8 @@ def run_machine(spec: LaunchSpec, machine: int, name: str, log: Callable[[str], 
         command = compute.launch_command(spec.spec_file, RANK_MODULE)
         log(f"{name} on {compute.num_processes} processes: {shlex.join(command)}")
         temporary.mkdir()
-        env = os.environ | {"PYTHONUNBUFFERED": "1", "TMPDIR": str(temporary)}  # each line as it is printed
+        # each line as it is printed
+        env = os.environ | {"PYTHONUNBUFFERED": "1", "TMPDIR": str(temporary), LAUNCHED_AT: str(time.time())}
         finished = run_process_group(command, log, cwd=PROJECT_ROOT, env=env, watch=gang.watch if gang else None)
     finally:
         shutil.rmtree(temporary, ignore_errors=True)

@@ -11,15 +11,31 @@ stage's run, the others with nothing that logs.
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
 from pydantic import BaseModel
 
 from infra.core.launching import stop_with_parent
-from infra.core.stage_io import EvaluateJob, LaunchSpec, ReferenceJob, TrainJob, read_spec
+from infra.core.stage_io import LAUNCHED_AT, EvaluateJob, LaunchSpec, ReferenceJob, TrainJob, read_spec
 from trainers.launch import check_world_size, rank, run_as_launched_process
+
+IMPORTED = time.time()  # the rank's interpreter start and this module's imports are behind it
+
+
+def report_start(ready: str) -> None:
+    """On each machine's first rank, one line of where the launch's fixed cost went: from the launch
+    to this rank running (launcher, interpreter, imports) and from there to ``ready``."""
+    launched_at = os.environ.get(LAUNCHED_AT)
+    if launched_at is not None and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(
+            f"rank {rank()}: running {IMPORTED - float(launched_at):.1f} s after the launch started (launcher, "
+            f"interpreter, imports); {ready} {time.time() - IMPORTED:.1f} s later",
+            flush=True,
+        )
 
 
 def train(spec: TrainJob) -> BaseModel:
@@ -33,6 +49,7 @@ def train(spec: TrainJob) -> BaseModel:
         spec.stage, spec.section, spec.inputs, spec.folder.path, run_id, spec.log_checkpoints, policy_from=final
     )
     check_world_size(spec.world_size, trainer.accelerator.num_processes)
+    report_start("trainer built (spec, model, data, process group)")
     if run_id is not None:
         log_model_params(run_id, trainer, spec.inputs)
     train_from(trainer, spec.checkpoint, final)
@@ -49,6 +66,7 @@ def loaded_model(spec: ReferenceJob | EvaluateJob):
     state = PartialState(cpu=spec.compute.cpu)
     check_world_size(spec.world_size, state.num_processes)
     model, tokenizer = load_causal_lm(spec.model, spec.revision, spec.compute.dtype, state.device)
+    report_start("model loaded (spec, process group, model)")
     return model, tokenizer, state
 
 

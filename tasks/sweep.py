@@ -29,6 +29,7 @@ class TrialResult(BaseModel):
     flow_run_id: str | None = None
     metrics: dict[str, float] = {}  # the final stage's evaluation metrics (`final/<metric>` of its run)
     error: str | None = None
+    lost_attempts: int = 0  # earlier attempts whose process was lost (a Dask worker that died): it ran again
 
     def objective(self, metric: str) -> float | None:
         value = self.metrics.get(metric) if self.status == "completed" else None
@@ -65,6 +66,30 @@ def trial_run_id(experiment: str, sweep_run_id: str, flow_run_id: str) -> str | 
         f"tags.mlflow.parentRunId = '{sweep_run_id}' and tags.`prefect.flow_run_id` = '{flow_run_id}'",
     )
     return runs[0].info.run_id if runs else None
+
+
+LOST_ATTEMPT = "alignflow.lost_attempt"
+
+
+def fail_lost_attempts(experiment: str, sweep_run_id: str, run_name: str) -> int:
+    """Mark FAILED the trial's earlier attempts still RUNNING under the sweep's run, as the trial
+    starts again: their process was lost (Dask reschedules a trial whose worker died), so nothing
+    else would end them. A trial runs one attempt at a time, so a RUNNING one is never live here."""
+    lost = client().search_runs(
+        [experiment_id(experiment)],
+        f"tags.mlflow.parentRunId = '{sweep_run_id}' and tags.mlflow.runName = '{run_name}' "
+        "and attributes.status = 'RUNNING'",
+    )
+    for run in lost:
+        # its stage and evaluation runs, left RUNNING with it
+        children = client().search_runs(
+            [run.info.experiment_id],
+            f"tags.mlflow.parentRunId = '{run.info.run_id}' and attributes.status = 'RUNNING'",
+        )
+        for ended in [*children, run]:
+            client().set_tag(ended.info.run_id, LOST_ATTEMPT, "its process was lost mid-trial; the trial ran again")
+            client().set_terminated(ended.info.run_id, status="FAILED")
+    return len(lost)
 
 
 def final_metrics(run_id: str) -> dict[str, float]:
@@ -104,7 +129,7 @@ def separation(trials: list[TrialResult], best: TrialResult, metric: str, direct
 
 def trial_rows(trials: list[TrialResult], metric: str) -> list[dict[str, object]]:
     return [
-        {"trial": t.number, "status": t.status}
+        {"trial": t.number, "status": t.status, "lost attempts": t.lost_attempts}
         | {key: str(value) for key, value in t.params.items()}
         | {metric: t.objective(metric) if t.objective(metric) is not None else math.nan}
         | {"MLflow run": t.mlflow_run_id or "", "error": (t.error or "").splitlines()[0][:200] if t.error else ""}

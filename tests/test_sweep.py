@@ -250,7 +250,7 @@ def test_the_sweep_command_keeps_its_temporary_server_until_prefect_sent_its_las
     command = [*ALIGNFLOW, "sweep", "configs/sweep.yaml", *TINY, *one_trial]
     result = subprocess.run(command, cwd=PROJECT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "| trial | status | sft.learning_rate |" in result.stdout + result.stderr  # the sweep's summary
+    assert "| trial | status | lost attempts | sft.learning_rate |" in result.stdout + result.stderr  # the sweep's summary
     assert "Error logging to API" not in result.stdout + result.stderr
 
 

@@ -194,3 +194,25 @@ def test_a_best_trial_that_ties_or_lies_in_its_own_interval_is_not_separated():
     assert verdict([trial(0, 0.30), trial(1, 0.25)]) == (0, None)  # no interval: a strict difference
     assert verdict([trial(0, 0.30, 0.22, 0.38), trial(1, 0.25)], "minimize") == (1, None)  # trial 1 has no interval
     assert verdict([trial(4, 0.5, 0.4, 0.6)]) == (4, None)  # alone
+
+
+def test_a_trial_that_starts_again_fails_its_lost_attempt_and_the_attempts_stage_runs(monkeypatch):
+    """What a trial does first (``flows.sweep.trial``): the attempt a dead Dask worker left RUNNING
+    under the sweep's run, and its stage run, are FAILED and tagged; other trials' runs are left alone."""
+    from tasks.sweep import LOST_ATTEMPT, fail_lost_attempts, trial_rows
+    from tasks.tracking import client, experiment_id
+
+    experiment = experiment_id("lost-attempts")
+    sweep = client().create_run(experiment, run_name="grid").info.run_id
+    nested = {"mlflow.parentRunId": sweep}
+    lost = client().create_run(experiment, run_name="grid-3", tags=nested).info.run_id
+    lost_stage = client().create_run(experiment, run_name="sft", tags={"mlflow.parentRunId": lost}).info.run_id
+    other = client().create_run(experiment, run_name="grid-4", tags=nested).info.run_id
+    assert fail_lost_attempts("lost-attempts", sweep, "grid-3") == 1
+    for run_id, status in ((lost, "FAILED"), (lost_stage, "FAILED"), (other, "RUNNING"), (sweep, "RUNNING")):
+        run = client().get_run(run_id)
+        assert run.info.status == status, run_id
+        assert (LOST_ATTEMPT in run.data.tags) == (status == "FAILED")
+    assert fail_lost_attempts("lost-attempts", sweep, "grid-3") == 0  # the next attempt finds none
+    retried = TrialResult(number=3, params={"dpo.beta": 0.1}, status="completed", lost_attempts=1)
+    assert trial_rows([retried], "sampled_accuracy")[0]["lost attempts"] == 1

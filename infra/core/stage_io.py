@@ -109,6 +109,11 @@ class StageFolder(BaseModel):
         return staging_copies(self.model_dir)
 
 
+# Set by the parent side to the launch's start (Unix time): each machine's first rank reports how
+# long it took to start (``tasks.launched_rank``).
+LAUNCHED_AT = "ALIGNFLOW_LAUNCHED_AT"
+
+
 class LaunchedJob(BaseModel):
     """What every launched job says: the plugins imported first, the folder of its spec, errors and
     result, and (:attr:`compute`) the processes it runs on; a launch that silently ran fewer fails."""
