@@ -25,6 +25,7 @@ from infra.core.launching import Finished, run_process_group
 from infra.core.settings import get_settings
 from infra.core.stage_io import LAUNCHED_AT, LaunchSpec, StageFolder, TrainInputs, TrainJob, read_spec
 from tasks.metric_sender import MetricsNotDelivered
+from tasks.placement import ByHand, OnDask
 from trainers.divergence import NonFiniteTraining
 from trainers.launch import RankError
 
@@ -88,9 +89,22 @@ def launch(spec: LaunchSpec, name: str, log: Callable[[str], None] = run_log) ->
     shutil.rmtree(spec.launch_dir, ignore_errors=True)
     spec.launch_dir.mkdir(parents=True)
     spec.spec_file.write_text(spec.model_dump_json(indent=2))
-    for machine in range(1, spec.compute.num_machines):
-        log(f"{name}: machine {machine} must run: {machine_command(spec, machine)}")
-    finished = run_machine(spec, 0, name, log)
+    compute = spec.compute
+    placement = None
+    if compute.num_machines > 1:
+        placement = (
+            OnDask(compute.machine_scheduler, name, log, machine_part)
+            if compute.machine_scheduler
+            else ByHand(name, log, machine_command)
+        )
+        for machine in range(1, compute.num_machines):
+            placement.place(spec, machine)
+    try:
+        finished = run_machine(spec, 0, name, log)
+    finally:
+        if placement is not None:
+            gang = Gang(spec.launch_dir, compute.num_machines, 0, compute.join_timeout)
+            placement.release(gang.joined)
     if finished.returncode != 0:
         raise failure(name, finished, spec.launch_dir)
     return spec.result.model_validate_json(spec.result_file.read_text())
@@ -154,6 +168,12 @@ def untracked_train_job(
         checkpoint=None,
         final=False,
     )
+
+
+def machine_part(spec_file: str, machine: int) -> Finished:
+    """Machine ``machine``'s part of the launch whose spec is ``spec_file``, where a placement runs it
+    (``tasks.placement``): its output to the ``alignflow`` logger; a join that fails raises."""
+    return run_machine(read_spec(Path(spec_file)), machine, f"machine {machine}", run_log)
 
 
 def main(argv: list[str] | None = None) -> None:

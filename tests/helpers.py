@@ -11,7 +11,9 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 PROJECT = Path(__file__).resolve().parents[1]
 ALIGNFLOW = [sys.executable, "-m", "infra.ops.cli"]  # the `alignflow` command of this checkout
@@ -166,3 +168,29 @@ def wait_until_gone(pids: list[int], marker: str, timeout: float = 90) -> list[i
     while (left := [pid for pid in launched_pids(marker) if pid in pids]) and time.monotonic() < deadline:
         time.sleep(0.5)
     return left
+
+
+@contextmanager
+def dask_cluster(env: dict[str, str], workers: list[list[str]]) -> Iterator[tuple[str, list[subprocess.Popen]]]:
+    """`dask scheduler` and one `dask worker` per entry of ``workers`` (its extra arguments) on
+    loopback, each in its own process group (a worker's nanny starts the worker process in it);
+    every group is stopped afterwards, all its processes."""
+    from distributed import Client
+
+    from infra.core.launching import stop_group
+
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    dask = str(Path(sys.executable).parent / "dask")
+    commands = [[dask, "scheduler", "--host", "127.0.0.1", "--port", str(port), "--dashboard-address", ":0"]]
+    commands += [[dask, "worker", address, "--nthreads", "1", "--no-dashboard", *extra] for extra in workers]
+    processes = []
+    try:
+        for command in commands:
+            processes.append(subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.DEVNULL))
+        with Client(address, timeout=180) as client:
+            client.wait_for_workers(len(workers), timeout=180)
+        yield address, processes
+    finally:
+        for process in reversed(processes):
+            stop_group(process, grace=30)  # the whole group: a nanny's worker process can outlive the nanny

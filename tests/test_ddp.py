@@ -23,7 +23,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from helpers import free_port, processes_naming
+from helpers import dask_cluster, free_port, processes_naming
 from safetensors.torch import load_file
 
 from infra.core.config import ComputeConfig, EvaluationConfig
@@ -32,6 +32,7 @@ from infra.core.settings import get_settings
 from infra.core.stage_io import TrainInputs
 from tasks.launch import RANK_MODULE, LaunchFailed, launch, untracked_train_job
 from tasks.models import checkpoint_handle
+from tasks.placement import machine_resource
 from trainers.data import Truncation, tokenize_split
 from trainers.modeling import load_causal_lm
 from trainers.reference import reference_logps
@@ -60,7 +61,7 @@ def cpu(processes: int) -> ComputeConfig:
     return ComputeConfig(cpu=True, num_processes=processes, main_process_port=free_port())
 
 
-def run(job, folder: Path):
+def run(job, folder: Path, lines: list[str] | None = None):
     """Run the typed job under ``accelerate launch`` (the pipeline's parent side); rank 0's result."""
     with pytest.MonkeyPatch.context() as patch:
         for name, value in {
@@ -69,7 +70,7 @@ def run(job, folder: Path):
             "TOKENIZERS_PARALLELISM": "false",
         }.items():
             patch.setenv(name, value)
-        lines: list[str] = []
+        lines = [] if lines is None else lines
         result = launch(job, job.job, lines.append)
     assert result.world_size == job.world_size
     # DDP searches for unused parameters only in a model that may leave some out (trainers.devices.ddp_arguments)
@@ -225,14 +226,24 @@ def test_dpo_on_two_processes_of_two_pairs_equals_one_process_of_four(workdir):
     assert one_logs[0]["num_tokens"] == two_logs[0]["num_tokens"] > 0
     assert one_logs[0]["loss"] != one_logs[-1]["loss"]  # it trained
     assert_same_weights(folder / "dpo1", folder / "dpo2", spec["model"], 1e-5)
-    # two machines of one process each: the same ranks, the same result
-    machines, returncode, output = train_on_two_machines(
-        workdir, "dpo", section | {"per_device_train_batch_size": 2}, "dpo2m"
-    )[:3]
+    # two machines of one process each: the same ranks, the same result; machine 1's part started
+    # by hand (its command) or placed on the Dask worker that offers machine 1's resource
+    two_section = section | {"per_device_train_batch_size": 2}
+    by_hand, returncode, output = train_on_two_machines(workdir, "dpo", two_section, "dpo2m")[:3]
     assert returncode == 0, output
-    assert machines["world_size"] == 2 and train_logs(machines) == two_logs
-    assert_same_weights(folder / "dpo1", folder / "dpo2m", spec["model"], 1e-5)
-    assert largest_difference(weights(folder / "dpo2"), weights(folder / "dpo2m")) == 0.0
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    with dask_cluster(env, [["--resources", f"{machine_resource(1)}=1"]]) as (address, _):
+        compute = two_machines().model_copy(update={"machine_scheduler": address})
+        job = untracked_train_job(
+            "dpo", two_section, TrainInputs(spec["policy"], spec["data"], compute=compute), folder / "dpo2d"
+        )
+        lines: list[str] = []
+        on_dask = run(job, folder, lines).model_dump()
+    assert any("train: machine 1's part submitted to the Dask worker with alignflow-machine-1" in ln for ln in lines)
+    assert any(line.startswith("train: machine 1's part exited with 0; its last lines:") for line in lines)
+    for machines, name in ((by_hand, "dpo2m"), (on_dask, "dpo2d")):
+        assert machines["world_size"] == 2 and train_logs(machines) == two_logs
+        assert largest_difference(weights(folder / "dpo2"), weights(folder / name)) == 0.0
 
 
 @pytest.mark.slow

@@ -7,18 +7,15 @@ import json
 import os
 import socket
 import subprocess
-import sys
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import pytest
-from helpers import ALIGNFLOW, PROJECT, SMOKE, environment_without_services, free_port, mlflow_client
+from helpers import ALIGNFLOW, PROJECT, SMOKE, dask_cluster, environment_without_services, mlflow_client
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from infra.core.config import load_config
-from infra.core.launching import group_alive, stop_group
+from infra.core.launching import group_alive
 from infra.core.settings import get_settings
 from infra.core.stage_io import StageFolder
 from infra.core.sweep import SweepConfig, read_sweep_tree
@@ -162,34 +159,6 @@ def test_the_best_trial_passes_the_promotion_gate_when_asked(grid):
     assert all("alignflow.promotion" not in client.get_run(t.mlflow_run_id).data.tags for t in report.trials)
 
 
-def wait_for_workers(address: str, count: int, timeout: float = 180) -> None:
-    from distributed import Client
-
-    with Client(address, timeout=timeout) as client:
-        client.wait_for_workers(count, timeout=timeout)
-
-
-@contextmanager
-def dask_cluster(env: dict[str, str]) -> Iterator[tuple[str, list[subprocess.Popen]]]:
-    """`dask scheduler` and two `dask worker` processes on loopback, each in its own process group
-    (a worker's nanny starts the worker process in it); every group is stopped afterwards, all its
-    processes."""
-    port = free_port()
-    address = f"tcp://127.0.0.1:{port}"
-    dask = str(Path(sys.executable).parent / "dask")
-    commands = [[dask, "scheduler", "--host", "127.0.0.1", "--port", str(port), "--dashboard-address", ":0"]]
-    commands += [[dask, "worker", address, "--nthreads", "1", "--no-dashboard", "--name", f"w{i}"] for i in (0, 1)]
-    processes = []
-    try:
-        for command in commands:
-            processes.append(subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.DEVNULL))
-        wait_for_workers(address, 2)
-        yield address, processes
-    finally:
-        for process in reversed(processes):
-            stop_group(process, grace=30)  # the whole group: a nanny's worker process can outlive the nanny
-
-
 @pytest.mark.flow
 def test_a_sweep_on_an_external_scheduler_where_one_trial_fails_alone(
     prefect_api_url, state_dir, tmp_path, monkeypatch, capsys
@@ -206,7 +175,7 @@ def test_a_sweep_on_an_external_scheduler_where_one_trial_fails_alone(
     bad.write_text(json.dumps(pairs[0]) + "\n" + json.dumps({"prompt": "1+1=", "rejected": "3"}) + "\n")
     env = {**os.environ, "ALIGNFLOW_HOME": str(state_dir), "PREFECT_API_URL": prefect_api_url, "OMP_NUM_THREADS": "1"}
     monkeypatch.setenv("PREFECT_API_URL", prefect_api_url)  # the command's own check for a shared API
-    with dask_cluster(env) as (address, processes):
+    with dask_cluster(env, [["--name", "w0"], ["--name", "w1"]]) as (address, processes):
         overrides = [f"address={address}", "max_concurrent=1", "base.tracking.experiment_name=sweep-external"]
         space = "space={data.preference.path: [" + f"{good}, {bad}" + "]}"
         assert main(["sweep", "configs/sweep.yaml", *TINY, *overrides, space]) == 1  # a trial failed
@@ -250,7 +219,9 @@ def test_the_sweep_command_keeps_its_temporary_server_until_prefect_sent_its_las
     command = [*ALIGNFLOW, "sweep", "configs/sweep.yaml", *TINY, *one_trial]
     result = subprocess.run(command, cwd=PROJECT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "| trial | status | lost attempts | sft.learning_rate |" in result.stdout + result.stderr  # the sweep's summary
+    assert (
+        "| trial | status | lost attempts | sft.learning_rate |" in result.stdout + result.stderr
+    )  # the sweep's summary
     assert "Error logging to API" not in result.stdout + result.stderr
 
 

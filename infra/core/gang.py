@@ -66,8 +66,11 @@ class Gang:
                 pass  # machine 0 removed the launch folder: the launch is over
             self._beaten = now
 
+    def joined(self, machine: int) -> bool:
+        return self.alive_file(machine).exists()
+
     def missing(self) -> list[int]:
-        return [m for m in self.others() if not self.alive_file(m).exists()]
+        return [m for m in self.others() if not self.joined(m)]
 
     def wait_for_all(self) -> None:
         """Join and wait until every machine has joined; :class:`GangError` naming the machines

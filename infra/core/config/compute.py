@@ -52,6 +52,12 @@ class ComputeConfig(Section):
     machine_rank: int = Field(0, ge=0, description="This machine's rank (0 on the machine with main_process_ip).")
     main_process_ip: str | None = Field(None, description="Address of machine 0; needed when num_machines > 1.")
     main_process_port: int = Field(29500, ge=1, le=65535, description="Port of the rendezvous on machine 0.")
+    machine_scheduler: str | None = Field(
+        None,
+        description="A Dask scheduler (`tcp://host:8786`) whose workers start machines 1…N−1's part of every launch: "
+        "machine M's worker offers the resource `alignflow-machine-M` (`dask worker tcp://host:8786 --nthreads 1 "
+        "--resources alignflow-machine-1=1`). Null: each other machine's part is started by hand (the logged command).",
+    )
     join_timeout: int = Field(
         300,
         ge=1,

@@ -1,0 +1,95 @@
+"""Where machines 1…N−1's parts of a multi-machine launch start (machine 0's is the task's own):
+by hand, from the command machine 0 logs, or on a Dask worker of that machine. Machine 0 places
+them once it has written the spec; the gang (``infra.core.gang``) then starts and stops all of
+them as one, whoever started them.
+
+Dask, because the project runs it already (sweeps) and a worker per machine with a resource naming
+that machine is all it takes: ``dask worker tcp://host:8786 --nthreads 1 --resources
+alignflow-machine-1=1`` on machine 1. Another engine (Prefect work queues, Ray placement groups) is
+one more :class:`Placement`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Callable, Protocol
+
+from infra.core.launching import Finished
+from infra.core.stage_io import LaunchSpec
+
+Log = Callable[[str], None]
+
+
+def machine_resource(machine: int) -> str:
+    """The Dask worker resource of machine ``machine``."""
+    return f"alignflow-machine-{machine}"
+
+
+class Placement(Protocol):
+    def place(self, spec: LaunchSpec, machine: int) -> None:
+        """Start ``machine``'s part of ``spec``'s launch (its spec is written)."""
+
+    def release(self, started: Callable[[int], bool]) -> None:
+        """After machine 0's part ended: the parts that ``started`` (joined the gang) have ended or
+        end (the gang stops them on a failure), the others are withdrawn; their last output is logged."""
+
+
+class ByHand:
+    """Nothing starts the other machines: machine 0 logs the command each must run."""
+
+    def __init__(self, name: str, log: Log, command: Callable[[LaunchSpec, int], str]):
+        self.name, self.log, self.command = name, log, command
+
+    def place(self, spec: LaunchSpec, machine: int) -> None:
+        self.log(f"{self.name}: machine {machine} must run: {self.command(spec, machine)}")
+
+    def release(self, started: Callable[[int], bool]) -> None:
+        pass
+
+
+class OnDask:
+    """Each machine's part as a task on the Dask worker that offers its resource."""
+
+    TAIL_LINES = 10  # of a machine's output, logged on machine 0 when its part ended
+
+    def __init__(self, address: str, name: str, log: Log, part: Callable[[str, int], Finished]):
+        from distributed import Client
+
+        self.client = Client(address, timeout=30, set_as_default=False)
+        self.name, self.log, self.part = name, log, part
+        self.futures: dict[int, object] = {}
+
+    def place(self, spec: LaunchSpec, machine: int) -> None:
+        resource = machine_resource(machine)
+        self.futures[machine] = self.client.submit(
+            self.part,
+            str(spec.spec_file),
+            machine,
+            resources={resource: 1},
+            key=f"{resource}-{uuid.uuid4().hex[:8]}",
+            pure=False,
+            retries=0,
+        )
+        self.log(
+            f"{self.name}: machine {machine}'s part submitted to the Dask worker with {resource} "
+            f"({self.client.scheduler.address})"
+        )
+
+    def release(self, started: Callable[[int], bool]) -> None:
+        try:
+            for machine, future in self.futures.items():
+                if not started(machine):
+                    future.cancel()  # no worker offered its resource in time: the gang failed it
+                    self.log(f"{self.name}: machine {machine}'s part never started on Dask; withdrawn")
+                    continue
+                try:
+                    finished = future.result(timeout=60)
+                except Exception as error:  # its worker died, or its part raised
+                    self.log(f"{self.name}: machine {machine}'s part ended with {type(error).__name__}: {error}")
+                    continue
+                tail = "\n".join(finished.tail[-self.TAIL_LINES :])
+                self.log(
+                    f"{self.name}: machine {machine}'s part exited with {finished.returncode}; its last lines:\n{tail}"
+                )
+        finally:
+            self.client.close()
