@@ -11,6 +11,7 @@ import logging
 import os
 import shlex
 import shutil
+import socket
 import sys
 import time
 from pathlib import Path
@@ -168,6 +169,14 @@ def untracked_train_job(
         checkpoint=None,
         final=False,
     )
+
+
+def launched_hosts(spec: LaunchSpec) -> list[str]:
+    """The host each machine's part of ``spec``'s finished launch ran on, in machine order."""
+    compute = spec.compute
+    if compute.num_machines == 1:
+        return [socket.gethostname()]
+    return Gang(spec.launch_dir, compute.num_machines, 0, compute.join_timeout).hosts()
 
 
 def machine_part(spec_file: str, machine: int) -> Finished:

@@ -17,6 +17,7 @@ whose stages are all finished loads neither torch nor transformers.
 from __future__ import annotations
 
 import shutil
+import socket
 from pathlib import Path
 from typing import Sequence
 
@@ -30,7 +31,7 @@ from infra.core.settings import get_settings
 from infra.core.stage_io import StageFolder, TrainInputs, TrainJob
 from infra.core.storage import prune_checkpoints
 from tasks.caching import computed_once
-from tasks.launch import REPEATING_ERRORS, launch
+from tasks.launch import REPEATING_ERRORS, launch, launched_hosts
 from tasks.models import checkpoint_handle, record_adapter_base
 from tasks.results import CACHED_RESULT, checked_cache_key
 from tasks.tracking import client, log_new_params, mark_resumed, stage_run_id, tracked_run
@@ -191,6 +192,7 @@ def run_stage(
                     final=final is not None,
                 )
                 launch(spec, stage)
+            hosts = launched_hosts(spec)
             adapter = folder.adapter_dir if inputs.lora is not None else None
         else:
             trainer = stage_trainer.tracked_trainer(
@@ -200,6 +202,10 @@ def run_stage(
             stage_trainer.train_from(trainer, checkpoint, final)
             with atomic_directory(folder.model_dir) as staging:
                 adapter = save_stage_model(trainer, staging, folder.adapter_dir)
+            hosts = [socket.gethostname()]
+        # where it ran: the machines in machine order, and the processes over all of them
+        client().set_tag(run_id, "alignflow.machines", ",".join(hosts))
+        client().set_tag(run_id, "alignflow.processes", str(inputs.compute.num_processes))
         logged = log_checkpoints != "none"
         handle = checkpoint_handle(
             folder.model_dir, stage, mlflow_run_id=run_id, source=f"runs:/{run_id}/model" if logged else None

@@ -274,6 +274,16 @@ def test_grpo_on_two_processes_equals_one_process_with_a_group_across_ranks(work
     assert any(entry["reward_std"] > 0 for entry in one_logs)  # advantages were not all 0: it learned something
     assert one_logs[-1]["kl"] > 0  # the policy moved away from its reference
     assert_same_weights(folder / "grpo1", folder / "grpo2", spec["model"], 1e-4)
+    # two machines of one process each (machine 1 by hand): the same ranks, the same result
+    two_section = section | {"per_device_train_batch_size": 2}
+    machines, returncode, output = train_on_two_machines(workdir, "grpo", two_section, "grpo2m", plugins)[:3]
+    assert returncode == 0, output
+    untimed = [
+        [{k: v for k, v in e.items() if not k.startswith("time/")} for e in logs]
+        for logs in (two_logs, train_logs(machines))
+    ]
+    assert untimed[1] == untimed[0]
+    assert largest_difference(weights(folder / "grpo2"), weights(folder / "grpo2m")) == 0.0
 
 
 @pytest.mark.slow

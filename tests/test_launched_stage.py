@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -103,7 +104,7 @@ def test_two_processes_from_the_task_equal_one_process_in_it_and_resume_from_a_c
     assert is_complete(folder / "checkpoint-2") and (folder / "checkpoint-2" / COMPLETE_MARKER).is_file()
     assert not list(folder.glob(".model.tmp-*"))
     # torch's launcher leaves a log folder per launch in the temp folder: the launch's own, removed
-    assert not (StageFolder(path=folder).launch_dir / "tmp").exists()
+    assert not (StageFolder(path=folder).launch_dir / "tmp-0").exists()
     assert not [p for p in Path(tempfile.gettempdir()).glob("torchelastic_*") if p.stat().st_mtime >= started]
 
     client = mlflow_client()
@@ -111,6 +112,8 @@ def test_two_processes_from_the_task_equal_one_process_in_it_and_resume_from_a_c
     assert run.info.status == "FINISHED"
     assert run.data.params["dpo.per_device_train_batch_size"] == "2"
     assert int(run.data.params["model.trainable_parameters"]) > 0  # logged by rank 0
+    assert (run.data.tags["alignflow.processes"], run.data.tags["alignflow.machines"]) == ("2", socket.gethostname())
+    assert client.get_run(single.mlflow_run_id).data.tags["alignflow.processes"] == "1"
     for key in ("loss", "rewards/accuracies", "num_tokens"):
         steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
         assert steps == [1, 2, 3], key  # once per step: rank 0 only

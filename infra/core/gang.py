@@ -66,6 +66,16 @@ class Gang:
                 pass  # machine 0 removed the launch folder: the launch is over
             self._beaten = now
 
+    def hosts(self) -> list[str]:
+        """The host each machine's part ran on, in machine order ("?" for one that never joined)."""
+        found = []
+        for machine in range(self.machines):
+            try:
+                found.append(json.loads(self.alive_file(machine).read_text())["host"])
+            except (OSError, ValueError, KeyError):
+                found.append("?")
+        return found
+
     def joined(self, machine: int) -> bool:
         return self.alive_file(machine).exists()
 

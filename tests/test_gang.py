@@ -1,0 +1,54 @@
+"""The gang of a multi-machine launch (``infra.core.gang``): joining, the join timeout, and what
+stops a machine's ranks, on files in a folder (the shared launch folder) and this machine's clock."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from infra.core.gang import Gang, GangError
+
+pytestmark = pytest.mark.unit
+
+
+def test_every_machine_joins_then_the_wait_ends_and_the_hosts_are_known(tmp_path):
+    zero, one = (Gang(tmp_path, 2, machine, join_timeout=5) for machine in (0, 1))
+    one.beat()
+    zero.wait_for_all()
+    assert zero.missing() == [] and zero.hosts() == [socket.gethostname()] * 2
+    assert json.loads(zero.alive_file(1).read_text())["host"] == socket.gethostname()
+    assert zero.failure() is None
+
+
+def test_a_machine_that_does_not_join_is_named_when_the_join_timeout_ends(tmp_path):
+    three = Gang(tmp_path, 3, 0, join_timeout=0.6)
+    Gang(tmp_path, 3, 2, join_timeout=0.6).beat()
+    started = time.monotonic()
+    with pytest.raises(GangError, match=r"^machine 1 did not join within 0.6 s \(compute.join_timeout\)$"):
+        three.wait_for_all()
+    assert 0.6 <= time.monotonic() - started < 2
+    assert three.hosts() == [socket.gethostname(), "?", socket.gethostname()]
+
+
+def test_a_failed_machine_a_rank_error_or_a_stopped_heartbeat_stops_the_others(tmp_path):
+    zero, one = Gang(tmp_path, 2, 0, join_timeout=5, stale_after=0.4), Gang(tmp_path, 2, 1, join_timeout=5)
+    one.beat()
+    assert zero.watch() is None
+    time.sleep(0.6)  # machine 1's file unchanged for longer than stale_after, as seen here
+    assert zero.watch() == "machine 1 stopped answering (no heartbeat for 0.4 s)"
+    one.fail("its launch exited with code 1\nand more lines")
+    assert zero.failure() == "machine 1 failed: its launch exited with code 1"
+    (tmp_path / "machine-1.failed").unlink()
+    error = {"rank": 1, "time": time.time(), "error": "ConnectionError", "traceback": "..."}
+    (tmp_path / "error-rank-1.json").write_text(json.dumps(error))
+    assert zero.failure() == "rank 1 failed (ConnectionError)"
+
+
+def test_a_machine_outliving_the_launch_folder_neither_beats_nor_fails_into_it(tmp_path):
+    gone = Gang(tmp_path / "removed", 2, 1, join_timeout=5)
+    gone.beat()
+    gone.fail("stopped")
+    assert not (tmp_path / "removed").exists()
