@@ -157,6 +157,14 @@ def processes_naming(marker: str, also: str = "") -> list[int]:
     return found
 
 
+def gone_within(marker: str, timeout: float) -> list[int]:
+    """The processes naming ``marker`` still alive after waiting up to ``timeout`` seconds for none."""
+    deadline = time.monotonic() + timeout
+    while (left := processes_naming(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
 def launched_pids(marker: str) -> list[int]:
     """A launch's launcher and ranks: live processes that run ``tasks.launched_rank`` and name ``marker``."""
     return processes_naming(marker, "tasks.launched_rank")

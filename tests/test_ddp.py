@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -23,7 +24,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from helpers import dask_cluster, free_port, processes_naming
+from helpers import dask_cluster, free_port, gone_within, processes_naming
 from safetensors.torch import load_file
 
 from infra.core.config import ComputeConfig, EvaluationConfig
@@ -327,6 +328,55 @@ def test_a_rank_that_fails_on_machine_1_stops_machine_0_with_its_traceback_and_l
     assert time.monotonic() - started < 40  # not the rendezvous' timeout (60 s here, 300 s by default)
     assert processes_naming(str(job.launch_dir)) == []
     assert not (job.folder.model_dir).exists()
+
+
+@pytest.mark.slow
+def test_killing_machine_1_mid_stage_fails_both_sides_and_the_rerun_resumes_to_the_uninterrupted_weights(workdir):
+    from trainers.checkpoints import checkpoints, discard_incomplete_checkpoints, is_complete
+
+    spec, folder = workdir
+    section = {"max_steps": 40, "save_steps": 2, "per_device_train_batch_size": 2, "logging_steps": 1}
+    section |= {"learning_rate": 1e-4, "lr_scheduler_type": "constant", "eval_strategy": "no", "seed": 0}
+    train(workdir, "dpo", section, 2, "dpo-whole")  # uninterrupted, 1 machine × 2 processes
+    job = untracked_train_job(
+        "dpo", section, TrainInputs(spec["policy"], spec["data"], compute=two_machines()), folder / "dpo-killed"
+    )
+    machine_one = MachineOne(job.spec_file, folder, folder / "dpo-killed-machine-1.log")
+    starter = machine_one.start_when_ready()
+    outcome: list[BaseException] = []
+
+    def machine_zero() -> None:
+        try:
+            run(job, folder)
+        except BaseException as error:  # noqa: BLE001 (handed to the test)
+            outcome.append(error)
+
+    zero = threading.Thread(target=machine_zero)
+    zero.start()
+    starter.join()
+    deadline = time.monotonic() + 120
+    while not any(is_complete(c) for c in job.folder.path.glob("checkpoint-*")):
+        assert time.monotonic() < deadline and zero.is_alive(), "no checkpoint before the end"
+        time.sleep(0.05)
+    machine_one.process.send_signal(signal.SIGKILL)  # machine 1's part, as a worker killed with it
+    killed_at = time.monotonic()
+    zero.join(timeout=90)
+    assert not zero.is_alive() and isinstance(outcome[0], LaunchFailed), outcome
+    assert time.monotonic() - killed_at < 45  # gloo's closed connection, or the heartbeat (30 s)
+    assert "train: rank 0 failed" in str(outcome[0]) or "machine 1 stopped answering" in str(outcome[0])
+    assert gone_within(str(job.launch_dir), 30) == []  # machine 1's ranks stop on their launcher's death
+    assert not job.folder.model_dir.exists()
+
+    discard_incomplete_checkpoints(job.folder.path)
+    latest = checkpoints(job.folder.path)[0]
+    assert 2 <= int(latest.name.rsplit("-", 1)[1]) < 40
+    resumed = job.model_copy(update={"checkpoint": latest})
+    machine_one = MachineOne(job.spec_file, folder, folder / "dpo-resumed-machine-1.log")
+    starter = machine_one.start_when_ready()
+    run(resumed, folder)
+    starter.join()
+    assert machine_one.finish()[0] == 0
+    assert largest_difference(weights(folder / "dpo-whole"), weights(folder / "dpo-killed")) <= 1e-6
 
 
 @pytest.mark.unit
