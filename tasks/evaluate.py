@@ -195,7 +195,9 @@ def read_scores(path: Path) -> ModelScores:
     return ModelScores(**stored["scores"])
 
 
-@task(name="evaluate")
+# log_prints off: the rows of a launched evaluation are written with datasets, whose dill prints a
+# bytecode listing that Prefect's print capture would log (see tasks.data.prepare_dataset).
+@task(name="evaluate", log_prints=False)
 def evaluate(
     models: dict[str, ModelHandle],
     data: PreparedData,
