@@ -29,7 +29,7 @@ def test_a_machine_that_does_not_join_is_named_when_the_join_timeout_ends(tmp_pa
     started = time.monotonic()
     with pytest.raises(GangError, match=r"^machine 1 did not join within 0.6 s \(compute.join_timeout\)$"):
         three.wait_for_all()
-    assert 0.6 <= time.monotonic() - started < 2
+    assert 0.6 <= time.monotonic() - started < 5
     assert three.hosts() == [socket.gethostname(), "?", socket.gethostname()]
 
 
