@@ -21,7 +21,6 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -33,7 +32,7 @@ import datasets
 from infra.core.config import ComputeConfig
 from infra.core.handles import PreparedData
 from infra.core.stage_io import TrainInputs
-from tasks.launch import launch, untracked_train_job
+from tasks.launch import launch, machine_runner, untracked_train_job
 from tasks.models import checkpoint_handle
 from trainers.builtin_model import save_builtin_model
 from trainers.data import Truncation, tokenize_split
@@ -116,8 +115,7 @@ def run(inputs: TrainInputs, compute: ComputeConfig, pairs: int, steps: int, fol
 def run_machine_one(spec_file: Path) -> None:
     while not spec_file.exists():
         time.sleep(0.05)
-    command = [sys.executable, "-m", "tasks.launch", str(spec_file), "--machine-rank", "1"]
-    subprocess.run(command, cwd=REPO, check=True, capture_output=True)
+    subprocess.run(machine_runner(spec_file, 1), cwd=REPO, check=True, capture_output=True)
 
 
 def main() -> None:

@@ -75,11 +75,18 @@ def run_log(line: str) -> None:
 def machine_command(spec: LaunchSpec, machine: int) -> str:
     """What machine ``machine`` runs for its part of ``spec``'s launch, from the same checkout."""
     home = f"ALIGNFLOW_HOME={shlex.quote(str(get_settings().root))}"
-    return f"cd {shlex.quote(str(PROJECT_ROOT))} && {home} {shlex.join(machine_runner(spec, machine))}"
+    return f"cd {shlex.quote(str(PROJECT_ROOT))} && {home} {shlex.join(machine_runner(spec.spec_file, machine))}"
 
 
-def machine_runner(spec: LaunchSpec, machine: int) -> list[str]:
-    return [sys.executable, "-m", __name__, str(spec.spec_file), "--machine-rank", str(machine)]
+def machine_runner(spec_file: Path, machine: int) -> list[str]:
+    """The command of machine ``machine``'s part of the launch whose spec is ``spec_file`` (:func:`main`)."""
+    return [sys.executable, "-m", __name__, str(spec_file), "--machine-rank", str(machine)]
+
+
+def gang_of(spec: LaunchSpec, machine: int) -> Gang:
+    """Machine ``machine``'s view of the gang of ``spec``'s launch."""
+    compute = spec.compute
+    return Gang(spec.launch_dir, compute.num_machines, machine, compute.join_timeout)
 
 
 def launch(spec: LaunchSpec, name: str, log: Callable[[str], None] = run_log) -> BaseModel:
@@ -104,8 +111,7 @@ def launch(spec: LaunchSpec, name: str, log: Callable[[str], None] = run_log) ->
         finished = run_machine(spec, 0, name, log)
     finally:
         if placement is not None:
-            gang = Gang(spec.launch_dir, compute.num_machines, 0, compute.join_timeout)
-            placement.release(gang.joined)
+            placement.release(gang_of(spec, 0).joined)
     if finished.returncode != 0:
         raise failure(name, finished, spec.launch_dir)
     return spec.result.model_validate_json(spec.result_file.read_text())
@@ -124,7 +130,7 @@ def run_machine(spec: LaunchSpec, machine: int, name: str, log: Callable[[str], 
     compute = spec.compute.model_copy(update={"machine_rank": machine})
     gang = None
     if compute.num_machines > 1:
-        gang = Gang(spec.launch_dir, compute.num_machines, machine, compute.join_timeout)
+        gang = gang_of(spec, machine)
         log(f"{name}: machine {machine} joined; waiting up to {compute.join_timeout} s for the others")
     finished, reason = None, None
     # torch's launcher keeps a log folder per launch in the temp folder and never removes it: it
@@ -173,10 +179,9 @@ def untracked_train_job(
 
 def launched_hosts(spec: LaunchSpec) -> list[str]:
     """The host each machine's part of ``spec``'s finished launch ran on, in machine order."""
-    compute = spec.compute
-    if compute.num_machines == 1:
+    if spec.compute.num_machines == 1:
         return [socket.gethostname()]
-    return Gang(spec.launch_dir, compute.num_machines, 0, compute.join_timeout).hosts()
+    return gang_of(spec, 0).hosts()
 
 
 def machine_part(spec_file: str, machine: int) -> Finished:

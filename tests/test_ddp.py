@@ -13,7 +13,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -31,7 +30,7 @@ from infra.core.config import ComputeConfig, EvaluationConfig
 from infra.core.handles import PreparedData, ReferenceLogps
 from infra.core.settings import get_settings
 from infra.core.stage_io import TrainInputs
-from tasks.launch import RANK_MODULE, LaunchFailed, launch, untracked_train_job
+from tasks.launch import RANK_MODULE, LaunchFailed, launch, machine_runner, untracked_train_job
 from tasks.models import checkpoint_handle
 from tasks.placement import machine_resource
 from trainers.data import Truncation, tokenize_split
@@ -112,7 +111,7 @@ class MachineOne:
             while not self.spec_file.exists() and time.monotonic() < deadline:
                 time.sleep(0.1)
             env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(self.folder)}
-            command = [sys.executable, "-m", "tasks.launch", str(self.spec_file), "--machine-rank", "1"]
+            command = machine_runner(self.spec_file, 1)
             with self.log.open("w") as output:
                 self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT)
 

@@ -35,13 +35,14 @@ class GenerationSpec:
 
 @dataclass(frozen=True)
 class EvaluationSpec:
-    """What one model's evaluation computes besides its completions (:func:`evaluate_model`)."""
+    """What one model's evaluation computes besides its completions (:func:`evaluate_model`); the
+    defaults are ``EvaluationConfig``'s (``EvaluationConfig.spec``)."""
 
     generation: GenerationSpec
-    pass_k: tuple[int, ...] = (1, 4)
-    bootstrap_resamples: int = 1000  # for the 95% CIs, seeded by ``generation.seed``
-    num_logged_samples: int = 20  # rows of the samples table
-    pair_batch_size: int = 256  # held-out pairs per forward
+    pass_k: tuple[int, ...]
+    bootstrap_resamples: int  # for the 95% CIs, seeded by ``generation.seed``
+    num_logged_samples: int  # rows of the samples table
+    pair_batch_size: int  # held-out pairs per forward
 
 
 @dataclass(frozen=True)
