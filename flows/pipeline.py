@@ -12,7 +12,7 @@ from infra.core.handles import ModelHandle, PreparedData
 from infra.core.stage_io import TrainInputs
 from tasks.data import prepare_dataset
 from tasks.evaluate import EvalReport, HeldOutRewards, evaluate
-from tasks.models import resolve_model
+from tasks.models import resolve_model, resolve_teacher
 from tasks.promote import find_champion, promote
 from tasks.reference import cache_ref_logps
 from tasks.tracking import link_stage, start_parent_run, tracked_run
@@ -58,8 +58,11 @@ def experiment(
                 reference_logps = cache_ref_logps(data, policy, config.reference, parent_run_id, config.compute)
                 held_out_rewards = HeldOutRewards(reference_logps=reference_logps, beta=section.beta)
             scorers = {name: reward_models[name] for name in spec.reward_models(section) if name in reward_models}
+            teacher = resolve_teacher(spec.teacher(section))
             lora = config.peft.for_stage(stage)
-            inputs = TrainInputs(policy, data, reference_logps, lora, config.compute, reward_models=scorers)
+            inputs = TrainInputs(
+                policy, data, reference_logps, lora, config.compute, reward_models=scorers, teacher=teacher
+            )
             trained = train(stage, section, inputs, parent_run_id, config.name, config.tracking, config.plugins)
             link_stage(parent_run_id, stage, trained.mlflow_run_id)
             if spec.produces == "reward_model":  # a scorer for later stages; the policy passes it by

@@ -21,6 +21,7 @@ from infra.core.settings import get_settings
 from tasks.tracking import client
 from trainers.builtin_model import builtin_spec, is_builtin, save_builtin_model
 from trainers.lora import ADAPTER_CONFIG, is_adapter_folder
+from trainers.stages import ModelSource
 from trainers.tokenizer_identity import TOKENIZER_JSON, tokenizer_identity
 
 # What determines a model's outputs (not training_args.bin or generation_config.json, which name runs and folders).
@@ -176,6 +177,13 @@ def download_mlflow_model(uri: str) -> Path:
 @task(name="resolve-model")
 def resolve_model(config: ModelConfig, stage: str = "base") -> ModelHandle:
     return model_handle(config, stage)
+
+
+def resolve_teacher(source: ModelSource | None) -> ModelHandle | None:
+    """A distillation stage's teacher (``StageSpec.teacher``) as a handle; None for a stage without one."""
+    if source is None:
+        return None
+    return resolve_model(ModelConfig(source=source.path, revision=source.revision), "teacher")
 
 
 def model_handle(config: ModelConfig, stage: str = "base") -> ModelHandle:

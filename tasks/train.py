@@ -62,6 +62,17 @@ def stage_key_inputs(stage: str, section: TrainingConfig, inputs: TrainInputs, p
             if inputs.reward_models
             else {}
         ),
+        # a distillation stage's teacher: its weights and tokenizer
+        **(
+            {
+                "teacher": [
+                    inputs.teacher.weights_fingerprint or inputs.teacher.fingerprint,
+                    inputs.teacher.tokenizer_fingerprint,
+                ]
+            }
+            if inputs.teacher is not None
+            else {}
+        ),
     }
 
 
@@ -229,6 +240,7 @@ def stage_params(stage: str, section: TrainingConfig, inputs: TrainInputs) -> di
         **{f"{stage}.{name}": value for name, value in section.model_dump().items()},
         "policy.init": inputs.policy.path,
         **{f"reward_models.{name}": model.path for name, model in inputs.reward_models.items()},
+        **({"teacher.path": inputs.teacher.path} if inputs.teacher is not None else {}),
         "data.fingerprint": data.fingerprint,
         # the lengths the data was cut to (`auto` in the config resolves to these)
         **{f"data.{name}": value for name, value in data.truncation.items() if name != "mode"},

@@ -93,6 +93,17 @@ def tiny_checkpoint(tiny, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def teacher_checkpoint(tmp_path_factory):
+    """The built-in model with other weights (seed 1) and the same tokenizer, saved as a checkpoint
+    folder, as its handle: a distillation teacher."""
+    from tasks.models import checkpoint_handle
+    from trainers.builtin_model import save_builtin_model
+
+    folder = save_builtin_model("builtin:tiny-llama", 1, tmp_path_factory.mktemp("teacher-checkpoint") / "model")
+    return checkpoint_handle(folder, "teacher")
+
+
+@pytest.fixture(scope="session")
 def handles(tiny_checkpoint):
     """A stage's inputs as handles: the tiny model's checkpoint (the policy and the reference), a
     real prepared dataset and a real reference-cache entry for them."""

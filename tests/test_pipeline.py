@@ -261,6 +261,33 @@ def test_kto_after_sft_trains_on_the_unpaired_pairs_against_a_live_reference_and
     assert list(report.rows) == ["base", "sft", "kto"]
 
 
+def test_distill_after_sft_learns_from_a_teacher_folder_and_is_evaluated(prefect_api_url, teacher_checkpoint):
+    """The `distill` stage in the flow: SFT's model is the student, the teacher a checkpoint folder
+    resolved as a model (named in the run's params, in its stage key); its MLflow run has the
+    divergence and the on-policy fraction at every logging step, and it is evaluated."""
+    overrides = [
+        "stages=[sft, distill]",
+        f"distill.teacher_model={teacher_checkpoint.path}",
+        "distill.max_steps=4",
+        "distill.per_device_train_batch_size=8",
+        "distill.logging_steps=2",
+        "distill.max_new_tokens=8",
+    ]
+    flow_run_id, report = run_flow(load_config(MINIMAL, [*UNIQUE, *overrides]))
+    states = task_states(flow_run_id)
+    assert states["train-distill"] == "Completed"
+    client, _, children = parent_and_children(flow_run_id)
+    distill = client.get_run(children["distill"].info.run_id)
+    assert distill.info.status == "FINISHED" and distill.data.params["distill.lmbda"] == "0.5"
+    assert distill.data.params["teacher.path"] == teacher_checkpoint.path
+    for metric in ("loss", "on_policy", "completion_length", "logps/teacher", "logps/student"):
+        assert [m.step for m in client.get_metric_history(distill.info.run_id, metric)] == [2, 4], metric
+    # seed 0, λ = 0.5: steps 0, 1 and 3 sample from the student, step 2 reads the data
+    on_policy = [m.value for m in client.get_metric_history(distill.info.run_id, "on_policy")]
+    assert on_policy == [1.0, 0.5]
+    assert list(report.rows) == ["base", "sft", "distill"]
+
+
 def test_grpo_scored_by_the_reward_stage_of_the_same_run(prefect_api_url):
     """SFT → reward → GRPO with `model:reward` as its only reward: the reward stage trains a scorer
     from SFT's model (evaluated on the held-out pairs), the policy passes it by (GRPO starts from

@@ -29,17 +29,21 @@ from trainers.stages import STAGES
 pytestmark = pytest.mark.slow  # training: seconds a test
 
 
-def build(stage: str, overrides: list[str], handles, output_dir: Path):
+def build(stage: str, overrides: list[str], handles, output_dir: Path, teacher=None):
     policy, data, reference_logps = handles
-    section = load_config(None, overrides).stage(stage)
+    teaching = [f"{stage}.teacher_model={teacher.path}"] if teacher is not None else []
+    section = load_config(None, [*overrides, *teaching]).stage(stage)
     logps = reference_logps if STAGES[stage].needs_reference_logps(section) else None
-    trainer = STAGES[stage].build(section, stage_inputs(stage, TrainInputs(policy, data, logps), str(output_dir), []))
+    inputs = TrainInputs(policy, data, logps, teacher=teacher)
+    trainer = STAGES[stage].build(section, stage_inputs(stage, inputs, str(output_dir), []))
     trainer.add_callback(CheckpointCompletion(trainer))
     return trainer
 
 
-def train(stage, overrides, handles, output_dir, resume_from: Path | None = None, extra_state: bool = True):
-    trainer = build(stage, overrides, handles, output_dir)
+def train(
+    stage, overrides, handles, output_dir, resume_from: Path | None = None, extra_state: bool = True, teacher=None
+):
+    trainer = build(stage, overrides, handles, output_dir, teacher)
     if resume_from is not None and extra_state:
         restore_extra_state(trainer, resume_from)
     trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
@@ -92,16 +96,28 @@ CASES = {
     "kto": ("kto", ["kto.max_steps=4", "kto.save_steps=2", "kto.per_device_train_batch_size=8"], 2),
     # a sequence classifier whose score head is fresh at the start: saved in the checkpoint
     "reward": ("reward", ["reward.max_steps=4", "reward.save_steps=2", "reward.per_device_train_batch_size=8"], 2),
+    # the student's samples of step 3 (on-policy at λ = 0.5, seed 0; step 2 is not) after the resume
+    "distill": (
+        "distill",
+        [
+            "distill.max_steps=4",
+            "distill.save_steps=2",
+            "distill.per_device_train_batch_size=8",
+            "distill.max_new_tokens=8",
+        ],
+        2,
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_resumed_stage_ends_with_the_weights_of_an_uninterrupted_one(case, handles, tmp_path):
+def test_a_resumed_stage_ends_with_the_weights_of_an_uninterrupted_one(case, handles, teacher_checkpoint, tmp_path):
     stage, overrides, step = CASES[case]
-    full = train(stage, overrides, handles, tmp_path / "full")
+    teacher = teacher_checkpoint if stage == "distill" else None
+    full = train(stage, overrides, handles, tmp_path / "full", teacher=teacher)
     checkpoint = resumed_copy(tmp_path / "full", step, tmp_path / "resumed")
     assert is_complete(checkpoint)
-    resumed = train(stage, overrides, handles, tmp_path / "resumed", resume_from=checkpoint)
+    resumed = train(stage, overrides, handles, tmp_path / "resumed", resume_from=checkpoint, teacher=teacher)
     assert resumed.state.global_step == full.state.global_step
     assert max_difference(full.model, resumed.model) <= 1e-6
 

@@ -60,10 +60,10 @@ def test_seed_aggregates_two_seeds_against_hand_computed_mean_and_sd():
 
 def test_seed_sets_every_seeded_field_and_a_conflicting_one_is_an_error():
     config = load_config("configs/minimal.yaml", ["seed=7"])
-    stages = ["sft", "dpo", "grpo", "kto", "reward"]
+    stages = ["sft", "dpo", "grpo", "kto", "reward", "distill"]
     assert seeded_fields() == ["model.seed", *(f"{stage}.seed" for stage in stages), "evaluation.seed"]
     seeds = [config.model.seed, *(config.stage(stage).seed for stage in stages)]
-    assert [*seeds, config.evaluation.seed] == [7] * 7
+    assert [*seeds, config.evaluation.seed] == [7] * 8
     assert config.data.builtin.seed == 0 and config.data.seed == 0  # the task and the mixture stay fixed
     assert ExperimentConfig.model_validate(config.model_dump()) == config  # a dumped config validates again
     assert load_config("configs/minimal.yaml", ["seed=7", "dpo.seed=7"]).dpo.seed == 7

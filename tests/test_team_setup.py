@@ -336,6 +336,7 @@ def test_deploy_registers_prefect_yaml_with_config_defaults_on_a_process_pool(st
         "grpo",
         "kto",
         "reward",
+        "distill",
         "reference",
         "evaluation",
         "compute",

@@ -24,7 +24,7 @@ from typing import Iterator, Sequence
 
 import torch
 from torch.utils.data import DataLoader
-from transformers import GenerationConfig, PreTrainedModel, Trainer, TrainingArguments
+from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from trainers.collators import pad_left, prompt_completion_batch
 from trainers.grpo_losses import (
@@ -54,7 +54,7 @@ from trainers.logprobs import next_token_logps
 from trainers.lora import has_adapters, live_reference
 from trainers.rewards import RewardError, RewardFunction, resolve_rewards, reward_kwargs, score_completions
 from trainers.samplers import generation_dataloader
-from trainers.sampling import sampling_processors
+from trainers.sampling import sampled_generation_config, sampling_processors
 from trainers.sections import section_fields
 from trainers.sharded_params import forward_model, prepare_reference, sharding_of
 from trainers.stopping import cut_at_first_stop, stop_token_ids
@@ -237,12 +237,8 @@ class GRPOTrainer(Trainer):
         tokenizer = self.processing_class
         self.sampling = sampling_processors(args.temperature, args.top_k, args.top_p)
         self.stop_ids = stop_token_ids(tokenizer, self.model.generation_config)
-        self.generation_config = GenerationConfig(
-            do_sample=False,  # the tokens are sampled by ``self.sampling``: greedy emits them
-            max_new_tokens=args.max_completion_length,
-            use_cache=True,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=list(self.stop_ids),
+        self.generation_config = sampled_generation_config(
+            args.max_completion_length, tokenizer.pad_token_id, self.stop_ids
         )
         self.buffer = GenerationBuffer(args.num_iterations)
         self.generation_calls = 0

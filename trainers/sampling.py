@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 from transformers import (
+    GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -46,3 +47,15 @@ def sampling_processors(temperature: float = 1.0, top_k: int = 0, top_p: float =
         *([TopPLogitsWarper(top_p)] if top_p < 1.0 else []),
     ]
     return LogitsProcessorList([*warpers, InverseCdfSampling()])
+
+
+def sampled_generation_config(max_new_tokens: int, pad_token_id: int, stop_ids: tuple[int, ...]) -> GenerationConfig:
+    """``generate``'s config beside :func:`sampling_processors`: greedy over the processors' output
+    (which leaves only the drawn token), stopping at any of ``stop_ids``."""
+    return GenerationConfig(
+        do_sample=False,  # the tokens are sampled by the processors: greedy emits them
+        max_new_tokens=max_new_tokens,
+        use_cache=True,
+        pad_token_id=pad_token_id,
+        eos_token_id=list(stop_ids),
+    )

@@ -37,6 +37,7 @@ class TrainInputs:
     lora: LoraSettings | None = None  # train LoRA adapters (``peft.for_stage``) instead of every weight
     compute: ComputeConfig = ComputeConfig()  # noqa: RUF009 (frozen): load dtype, mixed precision, processes
     reward_models: dict[str, ModelHandle] = field(default_factory=dict)  # earlier reward stages' models, by stage
+    teacher: ModelHandle | None = None  # a distillation stage's frozen teacher
 
 
 class StageFolder(BaseModel):

@@ -8,7 +8,7 @@ import importlib
 
 from trainers.stages.registry import STAGES, ModelSource, StageInputs, StageName, StageSpec
 
-STAGE_MODULES = ("sft", "dpo", "grpo", "kto", "reward")
+STAGE_MODULES = ("sft", "dpo", "grpo", "kto", "reward", "distill")
 
 for _module in STAGE_MODULES:
     importlib.import_module(f"{__name__}.{_module}")

@@ -45,6 +45,7 @@ class StageInputs:
     callbacks: list = field(default_factory=list)
     lora: LoraSettings | None = None  # train LoRA adapters on the frozen policy instead of all its weights
     reward_models: Mapping[str, ModelSource] = field(default_factory=dict)  # earlier reward stages' models, by stage
+    teacher: ModelSource | None = None  # the frozen model a distillation stage learns from
 
     def load_policy(self):
         """The policy and its tokenizer; with ``lora``, wrapped with fresh trainable adapters."""
@@ -112,6 +113,8 @@ class StageSpec:
     # The reward models its section names (``model:<stage or path>`` targets): those that are earlier
     # reward stages reach its trainer (``StageInputs.reward_models``) and its cache key.
     reward_models: Callable[[Any], tuple[str, ...]] = lambda section: ()
+    # The frozen teacher its section names (a model source the flow resolves; ``StageInputs.teacher``).
+    teacher: Callable[[Any], ModelSource | None] = lambda section: None
 
     @property
     def title(self) -> str:

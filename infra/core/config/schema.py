@@ -499,6 +499,17 @@ class ExperimentBase(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_teachers(self) -> ExperimentBase:
+        for stage in self.stages:
+            teacher = STAGES[stage].teacher(self.stage(stage))
+            if teacher is not None:
+                try:
+                    check_model_source(teacher.path)
+                except ValueError as error:
+                    raise ValueError(f"{stage}.teacher_model: {error}") from None
+        return self
+
     def stage(self, name: str) -> TrainingConfig:
         """The config section of stage ``name``."""
         return getattr(self, name)

@@ -1,0 +1,51 @@
+"""On-policy distillation (GKD): the policy, the student, learns the teacher's next-token
+distributions on the `sft` split's prompts, over its own samples (a fraction λ of the steps) or the
+data's completions."""
+
+from __future__ import annotations
+
+from trainers.distill_section import DistillStageConfig, check_distill
+from trainers.stages.registry import ModelSource, StageInputs, StageSpec, register_stage
+
+
+def build_distill(section: DistillStageConfig, inputs: StageInputs):
+    from trainers.distill import DistillConfig, DistillTrainer, PromptCompletionCollator, check_same_vocabulary
+    from trainers.modeling import load_causal_lm
+
+    model, tokenizer = inputs.load_policy()
+    if inputs.teacher is None:
+        raise ValueError("distill: the stage's inputs carry no teacher model")
+    teacher, teacher_tokenizer = load_causal_lm(inputs.teacher.path, inputs.teacher.revision, inputs.dtype)
+    check_same_vocabulary(tokenizer, teacher_tokenizer, inputs.teacher.path)
+    eval_split = inputs.splits.get("sft_eval")
+    return DistillTrainer(
+        model=model,
+        teacher_model=teacher,
+        args=section.training_arguments(
+            DistillConfig, evaluates=eval_split is not None, **inputs.runtime_arguments(model)
+        ),
+        train_dataset=inputs.splits["sft"],
+        eval_dataset=eval_split,
+        data_collator=PromptCompletionCollator(tokenizer.pad_token_id),
+        processing_class=tokenizer,
+        callbacks=inputs.callbacks,
+    )
+
+
+def teacher_of(section: DistillStageConfig) -> ModelSource | None:
+    return None if section.teacher_model is None else ModelSource(section.teacher_model, section.teacher_revision)
+
+
+DISTILL = register_stage(
+    StageSpec(
+        name="distill",
+        section=DistillStageConfig,
+        split="sft",
+        build=build_distill,
+        check=check_distill,
+        teacher=teacher_of,
+        description="On-policy distillation (GKD) from `distill.teacher_model`, frozen: the generalized JSD between "
+        "teacher and student next-token distributions on the student's samples (a fraction λ of the steps) or the "
+        "`sft` split's completions.",
+    )
+)
