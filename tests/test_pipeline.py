@@ -291,9 +291,12 @@ def test_distill_after_sft_learns_from_a_teacher_folder_and_is_evaluated(prefect
 def test_grpo_scored_by_the_reward_stage_of_the_same_run(prefect_api_url):
     """SFT → reward → GRPO with `model:reward` as its only reward: the reward stage trains a scorer
     from SFT's model (evaluated on the held-out pairs), the policy passes it by (GRPO starts from
-    SFT's model), GRPO logs the reward model's scores, and the report has no row for the scorer."""
+    SFT's model), GRPO logs the reward model's scores, and the report has no row for the scorer.
+    The reward model is configs/rlhf.yaml's: the likelihood head (the classifier's scoring after a
+    save is tests/test_reward_model.py's)."""
     overrides = [
         "stages=[sft, reward, grpo]",
+        "reward.head=likelihood",
         "reward.max_steps=4",
         "reward.logging_steps=2",
         "reward.eval_strategy=steps",
@@ -311,6 +314,7 @@ def test_grpo_scored_by_the_reward_stage_of_the_same_run(prefect_api_url):
     grpo = client.get_run(children["grpo"].info.run_id)
     scores = client.get_metric_history(grpo.info.run_id, "rewards/model:reward/mean")
     assert [m.step for m in scores] == [2, 4] and all(math.isfinite(m.value) for m in scores)
+    assert all(m.value < 0 for m in scores)  # mean log-probs: the saved causal LM scored as a likelihood model
     # both start from SFT's model; GRPO names the reward stage's
     assert (
         grpo.data.params["policy.init"] == reward.data.params["policy.init"] != grpo.data.params["reward_models.reward"]

@@ -5,6 +5,7 @@ training to held-out pairwise accuracy, and the saved model scoring completions 
 from __future__ import annotations
 
 import math
+import typing
 
 import pytest
 import torch
@@ -13,13 +14,16 @@ from pydantic import ValidationError
 
 from infra.core.config import load_config
 from trainers.reward_model import (
+    REWARD_HEADS,
     PairSequenceCollator,
     RewardConfig,
     RewardModelScorer,
     RewardTrainer,
     bradley_terry_losses,
     load_reward_model,
+    saved_head,
 )
+from trainers.reward_section import RewardHeadName
 from trainers.rewards import resolve_rewards
 
 
@@ -58,7 +62,16 @@ def test_the_collator_puts_every_chosen_sequence_before_every_rejected_one():
     batch = PairSequenceCollator(pad_token_id=0)(pairs)
     assert batch["input_ids"].tolist() == [[1, 2, 0], [5, 6, 7], [1, 3, 4], [5, 6, 8]]
     assert batch["attention_mask"].tolist() == [[1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 1, 1]]
+    assert batch["completion_mask"].tolist() == [[0, 1, 0], [0, 0, 1], [0, 1, 1], [0, 0, 1]]
     assert batch["margin"].tolist() == [0.5, 2.0]
+
+
+@pytest.mark.unit
+def test_the_heads_of_the_section_are_the_registered_heads():
+    assert set(typing.get_args(RewardHeadName)) == set(REWARD_HEADS)
+    assert load_config(None, ["reward.head=likelihood"]).reward.head == "likelihood"
+    with pytest.raises(ValidationError, match="reward.head"):
+        load_config(None, ["reward.head=value"])
 
 
 @pytest.mark.unit
@@ -108,7 +121,8 @@ def sequence_reward(model, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.unit
 def test_the_trainers_loss_equals_the_per_sequence_formula(reward_start, tiny_pairs, tmp_path):
-    model, tokenizer = load_reward_model(reward_start)
+    model, tokenizer, head = load_reward_model(reward_start, head="classifier")
+    assert head == "classifier"
     model = model.double()
     torch.manual_seed(0)
     torch.nn.init.normal_(model.score.weight, std=0.5)  # a non-trivial head: scores differ between sequences
@@ -125,6 +139,51 @@ def test_the_trainers_loss_equals_the_per_sequence_formula(reward_start, tiny_pa
     assert loss.item() != pytest.approx(math.log(2), abs=1e-3)
 
 
+def mean_logp(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """(1/|y|) Σ_t log p(y_t | x, y_<t) of one unpadded sequence, with plain log_softmax."""
+    ids = prompt + completion
+    logits = model(torch.tensor([ids])).logits[0]
+    positions = range(len(prompt) - 1, len(ids) - 1)
+    return sum(torch.log_softmax(logits[p], -1)[ids[p + 1]] for p in positions) / len(completion)
+
+
+@pytest.mark.unit
+def test_the_likelihood_heads_loss_and_gradient_and_its_scores_equal_the_mean_log_prob_formula(
+    reward_start, tiny_pairs, tmp_path
+):
+    model, tokenizer, head = load_reward_model(reward_start, head="likelihood")
+    assert head == "likelihood" and type(model).__name__ == "LlamaForCausalLM"
+    model = model.double()
+    args = RewardConfig(output_dir=str(tmp_path), head="likelihood", **QUIET_TRAINING)
+    trainer = RewardTrainer(model=model, args=args, train_dataset=tiny_pairs[:4])
+    pairs = tiny_pairs[:3]
+    loss = trainer.compute_loss(model, PairSequenceCollator(tokenizer.pad_token_id)(pairs))
+    loss.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    want = 0
+    for pair in pairs:
+        rc = mean_logp(model, pair["prompt_ids"], pair["chosen_ids"])
+        rr = mean_logp(model, pair["prompt_ids"], pair["rejected_ids"])
+        want = want - torch.nn.functional.logsigmoid(rc - rr) / len(pairs)
+    want.backward()
+    assert loss.item() == pytest.approx(want.item(), abs=1e-9)
+    for name, parameter in model.named_parameters():
+        assert torch.allclose(got[name], parameter.grad, atol=1e-9, rtol=0), name
+    scorer = RewardModelScorer(model, tokenizer, head, name="model:lm", batch_size=2)
+    rows = [("1+2=", "3"), ("4+4=", "8"), ("9+0=", "19")]
+    scores = scorer(prompts=[p for p, _ in rows], completions=[c for _, c in rows])
+    with torch.no_grad():
+        expected = []
+        for prompt, completion in rows:
+            prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            expected.append(mean_logp(model, prompt_ids, completion_ids).item())
+    assert scores == pytest.approx(expected, abs=1e-6)  # returned as float32
+    with pytest.raises(ValueError, match="head 'classifier' scores with a …ForSequenceClassification model"):
+        RewardTrainer(model=model, args=RewardConfig(output_dir=str(tmp_path), **QUIET_TRAINING))
+
+
 @pytest.mark.slow
 def test_training_separates_its_pairs_and_the_saved_model_scores_completions_as_it_trained(
     reward_start, tiny, tmp_path
@@ -138,7 +197,7 @@ def test_training_separates_its_pairs_and_the_saved_model_scores_completions_as_
     rows = generate_addition(AdditionTask(max_operand=9, num_eval_problems=20))["preference"][:16]
     pairs, dropped = tokenize_split(rows, "preference", tokenizer, Truncation(32, 16))
     assert dropped == 0
-    model, tokenizer = load_reward_model(reward_start)
+    model, tokenizer, _ = load_reward_model(reward_start, head="classifier")
     args = RewardConfig(
         output_dir=str(tmp_path / "out"),
         num_train_epochs=30,
@@ -159,7 +218,9 @@ def test_training_separates_its_pairs_and_the_saved_model_scores_completions_as_
 
     # the saved model, loaded as GRPO loads it, scores prompts and completions as the data has them,
     # tokenized as its training sequences were: the same scores
-    scorer = RewardModelScorer(*load_reward_model(str(tmp_path / "rm")), name="model:rm", batch_size=3)
+    model, tokenizer, head = load_reward_model(str(tmp_path / "rm"))
+    assert head == "classifier" and saved_head(reward_start) == "likelihood"  # read off the architecture
+    scorer = RewardModelScorer(model, tokenizer, head, name="model:rm", batch_size=3)
     prompts = [r["prompt"] for r in rows[:4]] * 2
     completions = [r["chosen"] for r in rows[:4]] + [r["rejected"] for r in rows[:4]]
     scores = scorer(prompts=prompts, completions=completions, completion_ids=[], answer=[None] * 8)

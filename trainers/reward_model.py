@@ -1,21 +1,32 @@
-"""A reward model: a sequence classifier with one logit, trained on preference pairs with the
+"""A reward model: a scorer of prompt + completion sequences, trained on preference pairs with the
 Bradley–Terry loss (:class:`RewardTrainer`), then used to score completions
-(:class:`RewardModelScorer`, a GRPO reward function).
+(:class:`RewardModelScorer`, a GRPO reward function). Its *head* (:data:`REWARD_HEADS`) says what
+the score is:
 
-The model is ``AutoModelForSequenceClassification`` with ``num_labels=1`` loaded from the causal LM
-the stage starts from (its score head fresh, the rest of its weights shared). transformers reads the
-logit at each sequence's last token that is not padding (``config.pad_token_id``); the sequences
-are the prompt and the completion as the data preparation tokenizes them (the completion's EOS
-included), so training and scoring read the same position.
+* ``classifier``: ``AutoModelForSequenceClassification`` with ``num_labels=1`` loaded from the
+  causal LM the stage starts from (its score head fresh, the rest of its weights shared).
+  transformers reads the logit at each sequence's last token that is not padding
+  (``config.pad_token_id``).
+* ``likelihood``: the causal LM itself; the score is its mean log-prob of the completion's tokens,
+  ``(1/|y|) Σ_t log π(y_t | x, y_<t)``, SimPO's reference-free implicit reward (Meng et al. 2024,
+  arXiv:2405.14734) without its β. A small model that already solves the task holds what a fresh
+  score head must learn in its next-token distributions.
+
+The sequences are the prompt and the completion as the data preparation tokenizes them (the
+completion's EOS included), so training and scoring read the same tokens. A saved reward model's
+head is read off its architecture (``…ForSequenceClassification`` or ``…ForCausalLM``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -23,11 +34,13 @@ from transformers import (
     TrainingArguments,
 )
 
-from trainers.collators import sequence_batch
+from trainers.collators import prompt_completion_batch
 from trainers.data import render_completion, render_prompt
 from trainers.devices import torch_dtype
+from trainers.logprobs import completion_logps
 from trainers.metric_window import MetricWindow
 from trainers.modeling import load_tokenizer
+from trainers.registry import Registry
 from trainers.reward_section import RewardStageConfig
 from trainers.sections import section_fields
 
@@ -55,17 +68,62 @@ def bradley_terry_losses(
     return losses
 
 
+@dataclass(frozen=True)
+class RewardHead:
+    """What a reward model is: the transformers class that loads it (``num_labels`` for a
+    classifier) and how it scores a batch of ``prompt_completion_batch`` rows, one score per row."""
+
+    auto_class: type
+    architecture_suffix: str  # of a saved model's ``config.architectures``
+    score: Callable[[PreTrainedModel, dict[str, torch.Tensor]], torch.Tensor]
+    load_options: tuple[tuple[str, int], ...] = ()
+
+
+def classifier_scores(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+
+
+def likelihood_scores(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    logps = completion_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+    return logps.logps / logps.num_tokens
+
+
+REWARD_HEADS: Registry[RewardHead] = Registry("reward head", "reward.head")
+REWARD_HEADS.add(
+    "classifier",
+    RewardHead(
+        AutoModelForSequenceClassification, "ForSequenceClassification", classifier_scores, (("num_labels", 1),)
+    ),
+)
+REWARD_HEADS.add("likelihood", RewardHead(AutoModelForCausalLM, "ForCausalLM", likelihood_scores))
+
+
+def saved_head(path: str, revision: str | None = None) -> str:
+    """The head of a saved reward model (or of a causal LM: ``likelihood``), from its architecture."""
+    architectures = AutoConfig.from_pretrained(path, revision=revision).architectures or []
+    for name, head in REWARD_HEADS.items():
+        if any(architecture.endswith(head.architecture_suffix) for architecture in architectures):
+            return name
+    raise ValueError(
+        f"{path} is neither a sequence classifier nor a causal LM (architectures {architectures}): it cannot score "
+        "completions as a reward model"
+    )
+
+
 def load_reward_model(
-    path: str, revision: str | None = None, dtype: str = "auto"
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A one-logit sequence classifier from ``path`` (a causal LM: a fresh score head; a saved
-    reward model: its own), with the tokenizer's padding token in its config."""
+    path: str, revision: str | None = None, dtype: str = "auto", head: str | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    """The reward model at ``path`` with ``head`` (None: the saved model's own, :func:`saved_head`),
+    its tokenizer (whose padding token the model's config gets) and the head's name. A classifier
+    loaded from a causal LM gets a fresh score head."""
+    head = head or saved_head(path, revision)
+    spec = REWARD_HEADS.lookup(head)
     tokenizer = load_tokenizer(path, revision)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        path, revision=revision, num_labels=1, dtype=torch_dtype(dtype)
+    model = spec.auto_class.from_pretrained(
+        path, revision=revision, dtype=torch_dtype(dtype), **dict(spec.load_options)
     )
     model.config.pad_token_id = tokenizer.pad_token_id
-    return model, tokenizer
+    return model, tokenizer, head
 
 
 @dataclass
@@ -76,9 +134,9 @@ class PairSequenceCollator:
     pad_token_id: int
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        sequences = [f["prompt_ids"] + f["chosen_ids"] for f in features]
-        sequences += [f["prompt_ids"] + f["rejected_ids"] for f in features]
-        batch = sequence_batch(sequences, self.pad_token_id)
+        prompts = [f["prompt_ids"] for f in features]
+        completions = [f["chosen_ids"] for f in features] + [f["rejected_ids"] for f in features]
+        batch = prompt_completion_batch(prompts + prompts, completions, self.pad_token_id)
         if "margin" in features[0]:
             batch["margin"] = torch.tensor([float(f["margin"]) for f in features])
         return batch
@@ -93,15 +151,25 @@ class RewardConfig(TrainingArguments):
 
 
 class RewardTrainer(MetricWindow, Trainer):
-    """Trains a one-logit sequence classifier on preference pairs with :func:`bradley_terry_losses`;
+    """Trains a reward model (``args.head``) on preference pairs with :func:`bradley_terry_losses`;
     logs the pairs' ``accuracy`` (r_c > r_r), mean ``margin`` and rewards, ``eval_``-prefixed on the
     held-out pairs."""
 
     loss_is_scaled_for_ga = False  # compute_loss returns a per-micro-batch mean
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.head = REWARD_HEADS.lookup(self.args.head)
+        model_class = type(self.model).__name__
+        if not model_class.endswith(self.head.architecture_suffix):
+            raise ValueError(
+                f"head {self.args.head!r} scores with a …{self.head.architecture_suffix} model, not a {model_class}: "
+                "load it with load_reward_model(path, head=…)"
+            )
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        rewards = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits[:, 0]
-        chosen, rejected = rewards.float().chunk(2)
+        rewards = self.head.score(model, inputs)
+        chosen, rejected = rewards.to(torch.promote_types(rewards.dtype, torch.float32)).chunk(2)
         losses = bradley_terry_losses(chosen, rejected, inputs.get("margin"), self.args.center_rewards_coefficient)
         loss = losses.mean()
         difference = (chosen - rejected).detach()
@@ -121,9 +189,12 @@ class RewardModelScorer:
     (:func:`~trainers.data.render_prompt`, :func:`~trainers.data.render_completion`), scored in
     batches of ``batch_size`` without gradient. :meth:`to` puts the model on a device (the policy's)."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str, batch_size: int = 64):
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, head: str, name: str, batch_size: int = 64
+    ):
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
+        self.score = REWARD_HEADS.lookup(head).score
         self.__name__ = name
         self.batch_size = batch_size
 
@@ -133,13 +204,14 @@ class RewardModelScorer:
 
     @torch.no_grad()
     def __call__(self, *, prompts: list, completions: list, **kwargs) -> list[float]:
-        sequences = [
-            render_prompt(self.tokenizer, prompt) + render_completion(self.tokenizer, completion, prompt)
-            for prompt, completion in zip(prompts, completions)
-        ]
+        rendered_prompts = [render_prompt(self.tokenizer, prompt) for prompt in prompts]
+        rendered = [render_completion(self.tokenizer, c, p) for p, c in zip(prompts, completions)]
         device = next(self.model.parameters()).device
         scores: list[float] = []
-        for start in range(0, len(sequences), self.batch_size):
-            batch = sequence_batch(sequences[start : start + self.batch_size], self.tokenizer.pad_token_id)
-            scores += self.model(**{k: v.to(device) for k, v in batch.items()}).logits[:, 0].float().tolist()
+        for start in range(0, len(rendered), self.batch_size):
+            end = start + self.batch_size
+            batch = prompt_completion_batch(
+                rendered_prompts[start:end], rendered[start:end], self.tokenizer.pad_token_id
+            )
+            scores += self.score(self.model, {k: v.to(device) for k, v in batch.items()}).float().tolist()
         return scores

@@ -3,12 +3,23 @@ config and :class:`trainers.reward_model.RewardConfig` both take their fields fr
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from trainers.sections import SchedulerName, TrainingConfig
 
+# Kept in step with trainers.reward_model.REWARD_HEADS (which imports torch; a test checks both agree).
+RewardHeadName = Literal["classifier", "likelihood"]
+
 
 class RewardStageConfig(TrainingConfig):
+    head: RewardHeadName = Field(
+        "classifier",
+        description="What scores a sequence: `classifier`, a one-logit head on the last token's state "
+        "(AutoModelForSequenceClassification, TRL's reward model); `likelihood`, the model's own mean log-prob "
+        "of the completion's tokens (SimPO's reference-free implicit reward; the causal LM is trained).",
+    )
     num_train_epochs: float = Field(3.0, gt=0, description="Epochs over the preference pairs.")
     per_device_train_batch_size: int = Field(16, ge=1, description="Pairs per step (two sequences each).")
     learning_rate: float = Field(1e-3, gt=0)

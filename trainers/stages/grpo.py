@@ -21,8 +21,8 @@ def reward_functions(section: GRPOStageConfig, inputs: StageInputs, device) -> l
             continue
         source = inputs.reward_models.get(target)
         path, revision = (source.path, source.revision) if source is not None else (target, None)
-        model, tokenizer = load_reward_model(path, revision, inputs.dtype)
-        functions.append(RewardModelScorer(model, tokenizer, name).to(device))
+        model, tokenizer, head = load_reward_model(path, revision, inputs.dtype)
+        functions.append(RewardModelScorer(model, tokenizer, head, name).to(device))
     return functions
 
 

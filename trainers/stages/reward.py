@@ -11,7 +11,7 @@ from trainers.stages.registry import StageInputs, StageSpec, register_stage
 def build_reward(section: RewardStageConfig, inputs: StageInputs):
     from trainers.reward_model import PairSequenceCollator, RewardConfig, RewardTrainer, load_reward_model
 
-    model, tokenizer = load_reward_model(inputs.policy.path, inputs.policy.revision, inputs.dtype)
+    model, tokenizer, _ = load_reward_model(inputs.policy.path, inputs.policy.revision, inputs.dtype, section.head)
     eval_split = inputs.splits.get("preference_eval")
     return RewardTrainer(
         model=model,
