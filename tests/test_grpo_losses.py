@@ -22,7 +22,9 @@ from trainers.grpo_losses import (
     group_advantages,
     high_entropy_mask,
     k3_kl,
+    normalized_advantages,
     sapo_objective,
+    sequence_kl,
     sequence_log_ratio,
     token_entropy,
     token_log_ratio,
@@ -512,3 +514,28 @@ def test_the_docs_tables_list_every_registered_objective_level_and_aggregation()
         assert f"| `{name}` |" in section, name
     for name in GRPO_LOSSES:
         assert f"`{name}`" in section, name
+
+
+def test_the_reward_side_kl_sums_each_completions_log_ratio_to_the_reference():
+    old = torch.tensor([[0.0, -1.0, -2.0, -0.5], [-0.3, -0.2, -4.0, -1.0]], dtype=F64)
+    ref = torch.tensor([[-9.0, -1.5, -1.0, -0.5], [-0.1, -0.7, -3.0, -2.0]], dtype=F64)
+    mask = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1]], dtype=F64)
+    # row 0: (−1 + 1.5) + (−2 + 1); row 1: (−0.3 + 0.1) + (−0.2 + 0.7) + (−4 + 3) + (−1 + 2)
+    assert sequence_kl(old, ref, mask).tolist() == pytest.approx([-0.5, 0.3], abs=1e-12)
+
+
+def test_normalised_advantages_have_mean_zero_and_unit_std_over_the_scored_completions():
+    advantages = torch.tensor([1.0, 0.0, 3.0, -2.0, 0.0], dtype=F64)
+    scored = torch.tensor([True, False, True, True, True])
+    got = normalized_advantages(advantages, scored)
+    values = [1.0, 3.0, -2.0, 0.0]
+    mean = sum(values) / 4
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / 3)
+    want = [
+        (1.0 - mean) / (std + 1e-4),
+        0.0,
+        (3.0 - mean) / (std + 1e-4),
+        (-2.0 - mean) / (std + 1e-4),
+        (0.0 - mean) / (std + 1e-4),
+    ]
+    assert got.tolist() == pytest.approx(want, abs=1e-12)

@@ -349,6 +349,77 @@ def constant_reward(prompts, completions, **columns):
     return [1.0] * len(completions)
 
 
+def sequence_logp(model, ids: list[int], completion_positions: list[int]) -> float:
+    """Σ_t log p(x_t | x_<t) over ``completion_positions`` of one unpadded row (plain log_softmax)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0]
+    return sum(torch.log_softmax(logits[t - 1], -1)[ids[t]].item() for t in completion_positions)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_the_kl_in_the_reward_lowers_each_reward_by_beta_times_its_sequence_kl(tiny, prompts, tmp_path, normalize):
+    """``use_kl_in_reward`` (TRL's RLOO): r_i − β Σ_t (log π_old − log π_ref) before RLOO's baseline,
+    from per-row forwards of the policy and of a reference that differs from it; the slices keep no
+    reference log-probs (the loss has no KL term) and, on-policy, no π_old. ``normalize_advantages``
+    then standardises the advantages over the batch."""
+    returned = []
+
+    def digit_count(prompts, completions, **columns):
+        values = [float(sum(ch.isdigit() for ch in c)) for c in completions]
+        returned.extend(values)
+        return values
+
+    model, tokenizer = tiny
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(3)
+        for parameter in reference.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    trainer = GRPOTrainer(
+        model=copy.deepcopy(model),
+        ref_model=reference,
+        args=grpo_args(
+            tmp_path,
+            per_device_train_batch_size=8,
+            num_generations=4,
+            max_completion_length=4,
+            beta=0.5,
+            use_kl_in_reward=True,
+            advantage_estimator="rloo",
+            scale_rewards="none",
+            normalize_advantages=normalize,
+        ),
+        train_dataset=datasets.Dataset.from_list(prompts),
+        processing_class=tokenizer,
+        reward_funcs=[digit_count],
+    )
+    (batch,) = trainer.generate_and_score(trainer.model, [prompts[0]] * 4 + [prompts[1]] * 4)
+    assert "ref_logps" not in batch and "old_logps" not in batch
+    kl = []
+    for ids, attention, completion in zip(batch["input_ids"], batch["attention_mask"], batch["completion_mask"]):
+        row = ids[attention.bool()].tolist()
+        positions = completion.nonzero().flatten().tolist()
+        kl.append(sequence_logp(trainer.model, row, positions) - sequence_logp(reference, row, positions))
+    penalized = [r - 0.5 * k for r, k in zip(returned, kl)]
+    expected = []
+    for group in (penalized[:4], penalized[4:]):
+        expected += [r - (sum(group) - r) / 3 for r in group]
+    if normalize:
+        mean, spread = statistics.mean(expected), statistics.stdev(expected) + 1e-4
+        expected = [(a - mean) / spread for a in expected]
+    assert min(abs(k) for k in kl) > 1e-3  # the reference differs: every row pays a KL
+    assert batch["advantages"].tolist() == pytest.approx(expected, abs=1e-4)
+    assert trainer.window["reward_kl"] == [pytest.approx(statistics.mean(kl), abs=1e-5)]
+    assert trainer.window["reward"] == [pytest.approx(statistics.mean(returned))]  # the task's reward, as scored
+
+
+def test_the_kl_in_the_reward_needs_a_coefficient_and_no_loss_side_correction():
+    with pytest.raises(ValueError, match="use_kl_in_reward needs beta > 0"):
+        GRPOStageConfig(use_kl_in_reward=True)
+    with pytest.raises(ValueError, match="with use_kl_in_reward the loss has none"):
+        GRPOStageConfig(use_kl_in_reward=True, beta=0.1, use_bias_correction_kl=True)
+
+
 OBJECTIVE_OPTIONS = {
     "gspo": dict(importance_sampling_level="sequence"),
     "gspo_wide": dict(importance_sampling_level="sequence", sequence_epsilon=0.2, sequence_epsilon_high=0.3),
@@ -360,6 +431,9 @@ OBJECTIVE_OPTIONS = {
     "entropy_bonus": dict(entropy_coef=0.01),
     "top_entropy_quantile": dict(top_entropy_quantile=0.2),
     "rloo": dict(advantage_estimator="rloo", scale_rewards="none"),
+    "rloo_kl_in_reward": dict(
+        advantage_estimator="rloo", scale_rewards="none", use_kl_in_reward=True, normalize_advantages=True
+    ),
 }
 
 
@@ -382,8 +456,10 @@ def test_a_short_run_per_objective_and_option_trains_the_policy_and_not_the_refe
     trainer.train()
     logs = [log for log in trainer.state.log_history if "loss" in log]
     assert len(logs) == 2 and all(math.isfinite(log["loss"]) for log in logs)
-    # the first step's policy is the reference (k3 of equal log-probs is exactly 0); it moved after it
-    assert logs[0]["kl"] == 0.0 and logs[1]["kl"] > 0.0
+    if trainer.args.use_kl_in_reward:  # one generation batch, sampled by the reference itself: no KL to pay
+        assert "kl" not in logs[0] and logs[0]["reward_kl"] == 0.0
+    else:  # the first step's policy is the reference (k3 of equal log-probs is exactly 0); it moved after it
+        assert logs[0]["kl"] == 0.0 and logs[1]["kl"] > 0.0
     assert any(not torch.equal(p, b) for p, b in zip(trainer.model.parameters(), before))
     assert all(torch.equal(p, b) for p, b in zip(trainer.ref_model.parameters(), reference_before))
     assert ("clip_ratio/low_mean" in logs[0]) == (trainer.objective.name == "clip")

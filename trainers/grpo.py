@@ -38,6 +38,8 @@ from trainers.grpo_losses import (
     k3_kl,
     masked_mean,
     nan_std,
+    normalized_advantages,
+    sequence_kl,
     truncated_importance_weights,
     weighted_rewards,
 )
@@ -439,15 +441,22 @@ class GRPOTrainer(Trainer):
                 f"no reward function scored any of the {rewards.numel()} completions of the generation batch at "
                 f"step {self.state.global_step}: {names} returned None or nan for each"
             )
-        advantages = group_advantages(rewards, args.num_generations, args.scale_rewards, args.advantage_estimator)
         local = slice(self.accelerator.process_index * len(rows), (self.accelerator.process_index + 1) * len(rows))
-
         active = self.gather(batch["completion_mask"].sum().reshape(1)).sum().item()
-        batch["advantages"] = advantages[local]
         slices = self.split(
             batch, tokens_per_step=active / (args.layout.steps_per_generation * self.accelerator.num_processes)
         )
         self.add_sampling_logps(model, slices)
+        scored = rewards
+        if args.use_kl_in_reward:
+            kl = self.reward_kl(slices)
+            scored = rewards - args.beta * kl
+            self.window["reward_kl"].append(kl.mean().item())
+        advantages = group_advantages(scored, args.num_generations, args.scale_rewards, args.advantage_estimator)
+        if args.normalize_advantages:
+            advantages = normalized_advantages(advantages, ~rewards.isnan())
+        for part, values in zip(slices, advantages[local].split(args.per_device_train_batch_size)):
+            part["advantages"] = values
         self.record_generation(rewards, per_function, completions, truncated)
         self.latest_samples = self.sample_table(prompt_texts, texts, rewards[local], per_function[:, local])
         return slices
@@ -466,14 +475,25 @@ class GRPOTrainer(Trainer):
 
     @torch.no_grad()
     def add_sampling_logps(self, model, slices: list[dict[str, torch.Tensor]]) -> None:
-        """``old_logps`` (the sampling policy) when the batch is reused off-policy, and
-        ``ref_logps`` when β > 0; computed once per generation batch."""
+        """``old_logps`` (the sampling policy) when the batch is reused off-policy or the KL is in the
+        reward, and ``ref_logps`` when β > 0; computed once per generation batch."""
         if self.args.beta > 0:
             with live_reference(self.ref_model, self.model) as reference:
                 self.add_token_logps(reference, slices, "ref_logps")
-        if self.args.reuses_generations:
+        if self.args.reuses_generations or self.args.use_kl_in_reward:
             with forward_model(model, self.accelerator, self.sharding) as policy:
                 self.add_token_logps(policy, slices, "old_logps")
+
+    def reward_kl(self, slices: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Each completion's :func:`sequence_kl`, over every process in generation-batch order. The
+        slices then drop what the loss must not read: ``ref_logps`` (the loss has no KL term) and, on
+        an on-policy batch, ``old_logps``."""
+        local = [sequence_kl(p["old_logps"], p["ref_logps"], p["completion_mask"][:, 1:]) for p in slices]
+        for part in slices:
+            del part["ref_logps"]
+            if not self.args.reuses_generations:
+                del part["old_logps"]
+        return self.gather(torch.cat(local))
 
     def add_token_logps(self, source: torch.nn.Module, slices: list[dict[str, torch.Tensor]], name: str) -> None:
         """``slice[name]``: ``source``'s per-token log-probs of each slice's completions (in eval mode)."""

@@ -97,6 +97,19 @@ def group_advantages(
     return advantages.nan_to_num(nan=0.0).flatten()
 
 
+def sequence_kl(old_logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The sampled completion's KL estimate to the reference, summed over its tokens (k1; TRL's
+    RLOO, verl's ``kl_penalty: kl``): ``Σ_t m_t (log π_old(y_t) − log π_ref(y_t))``, per row."""
+    return ((old_logps - ref_logps) * mask).sum(-1)
+
+
+def normalized_advantages(advantages: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """``(A − mean A) / (std A + 1e-4)`` over the scored completions of the generation batch (TRL's
+    ``normalize_advantages``; unbiased std); an unscored completion's advantage stays 0."""
+    values = advantages[scored]
+    return torch.where(scored, (advantages - values.mean()) / (values.std() + 1e-4), torch.zeros_like(advantages))
+
+
 def weighted_rewards(scores: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``r_j = Σ_f w_f · s_{f,j}`` over the functions that scored row ``j`` (``NaN`` = ``None`` is
     skipped); ``NaN`` for a row that no function scored."""

@@ -97,6 +97,16 @@ class GRPOStageConfig(TrainingConfig):
         "completions (RLOO; TRL's RLOOTrainer is `rloo` with scale_rewards: none).",
     )
     scale_rewards: RewardScaleName = Field("group", description="Advantage divisor: group std, batch std or none.")
+    normalize_advantages: bool = Field(
+        False,
+        description="Normalise the advantages over the whole generation batch (mean 0, std 1) after the estimator "
+        "and scale (TRL's RLOO option).",
+    )
+    use_kl_in_reward: bool = Field(
+        False,
+        description="Put the KL into the reward instead of the loss: r − β Σ_t (log π_old − log π_ref) over the "
+        "completion's tokens, before the advantages (TRL's RLOOTrainer; verl's name). Needs beta > 0.",
+    )
     reward_funcs: list[str] = Field(
         default_factory=lambda: ["correctness"],
         min_length=1,
@@ -261,3 +271,7 @@ def check_policy_options(options: Any) -> None:
             raise ValueError(f"delta ({options.delta}) must exceed 1 + {level.clip_range[1]} ({1 + upper})")
     if options.use_bias_correction_kl and options.beta == 0:
         raise ValueError("use_bias_correction_kl needs beta > 0 (there is no KL term with beta = 0)")
+    if options.use_kl_in_reward and options.beta == 0:
+        raise ValueError("use_kl_in_reward needs beta > 0, the coefficient of the KL it subtracts from the reward")
+    if options.use_kl_in_reward and options.use_bias_correction_kl:
+        raise ValueError("use_bias_correction_kl weights the loss's k3 term; with use_kl_in_reward the loss has none")
