@@ -7,7 +7,7 @@ from prefect import flow
 from infra.core.config import EvaluationRequest, ModelConfig, check_compute
 from tasks.data import prepare_dataset
 from tasks.evaluate import EvalReport, HeldOutRewards, evaluate
-from tasks.models import resolve_model
+from tasks.models import resolve_model, resolve_scorer
 from tasks.reference import cache_ref_logps
 from tasks.tracking import start_parent_run, tracked_run
 
@@ -30,7 +30,14 @@ def evaluation(request: EvaluationRequest) -> EvalReport:
             reference_logps = cache_ref_logps(data, reference, request.reference, parent_run_id, request.compute)
             held_out_rewards = HeldOutRewards(reference_logps=reference_logps, beta=request.beta)
         report = evaluate(
-            models, data, held_out_rewards, request.evaluation, parent_run_id, request.name, compute=request.compute
+            models,
+            data,
+            held_out_rewards,
+            request.evaluation,
+            parent_run_id,
+            request.name,
+            compute=request.compute,
+            reward_model=resolve_scorer(request.evaluation.reward_model, {}),
         )
         print(report.summary())
         return report

@@ -12,7 +12,7 @@ from infra.core.handles import ModelHandle, PreparedData
 from infra.core.stage_io import TrainInputs
 from tasks.data import prepare_dataset
 from tasks.evaluate import EvalReport, HeldOutRewards, evaluate
-from tasks.models import resolve_model, resolve_teacher
+from tasks.models import resolve_model, resolve_scorer, resolve_teacher
 from tasks.promote import find_champion, promote
 from tasks.reference import cache_ref_logps
 from tasks.tracking import link_stage, start_parent_run, tracked_run
@@ -69,7 +69,8 @@ def experiment(
                 reward_models[stage] = trained
             else:
                 policy = models[stage] = trained
-        return evaluate_and_gate(config, models, policy, data, held_out_rewards, parent_run_id)
+        scorer = resolve_scorer(config.evaluation.reward_model, reward_models)
+        return evaluate_and_gate(config, models, policy, data, held_out_rewards, parent_run_id, scorer)
 
 
 def evaluate_and_gate(
@@ -79,6 +80,7 @@ def evaluate_and_gate(
     data: PreparedData,
     held_out_rewards: HeldOutRewards | None,
     parent_run_id: str,
+    reward_model: ModelHandle | None = None,
 ) -> EvalReport:
     """Evaluate ``models`` (and, with the promotion gate on, the current champion beside them, on
     the same prompts and seeds), then pass ``policy``, the final stage's model, to the gate."""
@@ -87,7 +89,15 @@ def evaluate_and_gate(
         models = models | champion.models()
     final = config.stages[-1]
     report = evaluate(
-        models, data, held_out_rewards, config.evaluation, parent_run_id, config.name, final, config.compute
+        models,
+        data,
+        held_out_rewards,
+        config.evaluation,
+        parent_run_id,
+        config.name,
+        final,
+        config.compute,
+        reward_model,
     )
     print(report.summary())
     if config.promotion.registered_model:

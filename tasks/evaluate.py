@@ -35,6 +35,7 @@ TABLE_COLUMNS = {
     "rewards/accuracies": "DPO reward acc",
     "rewards/margins": "DPO margin",
     "logratios/margins": "log-ratio margin",
+    "reward_model_score": "RM score",
 }
 
 
@@ -88,17 +89,22 @@ def score_model(
     config: EvaluationConfig,
     beta: float | None,
     compute: ComputeConfig,
+    reward_model: ModelHandle | None = None,
 ) -> ModelScores:
     """Every metric of one model (``trainers.evaluation.evaluate_model``), loaded in ``compute.dtype``
     on this machine's GPU where there is one (unless ``compute.cpu``), or launched over
-    ``compute.num_processes`` with the same result."""
+    ``compute.num_processes`` with the same result; ``reward_model`` scores its samples."""
     if compute.num_processes > 1:
-        return launched_scores(handle, prompts, pairs, config, beta, compute)
-    from trainers.evaluation import evaluate_model
+        return launched_scores(handle, prompts, pairs, config, beta, compute, reward_model)
+    from trainers.evaluation import evaluate_model, evaluation_scorer
     from trainers.modeling import load_causal_lm
 
-    model, tokenizer = load_causal_lm(handle.path, handle.revision, compute.dtype, compute_device(compute.cpu))
-    return evaluate_model(model, tokenizer, prompts, pairs, config.spec(), beta)
+    device = compute_device(compute.cpu)
+    model, tokenizer = load_causal_lm(handle.path, handle.revision, compute.dtype, device)
+    scorer = None
+    if reward_model is not None:
+        scorer = evaluation_scorer(reward_model.path, reward_model.revision, compute.dtype, model.device, tokenizer)
+    return evaluate_model(model, tokenizer, prompts, pairs, config.spec(), beta, reward_model=scorer)
 
 
 def launched_scores(
@@ -108,6 +114,7 @@ def launched_scores(
     config: EvaluationConfig,
     beta: float | None,
     compute: ComputeConfig,
+    reward_model: ModelHandle | None = None,
 ) -> ModelScores:
     """:func:`score_model` by an :class:`EvaluateJob`: the rows go to its launch folder (on the state
     folder's storage, which every machine reads), each process scores its share of the batches."""
@@ -128,6 +135,7 @@ def launched_scores(
             compute=compute,
             evaluation=config,
             beta=beta,
+            reward_model=reward_model,
         )
         return launch(job, f"evaluation of {handle.stage}").scores
     finally:
@@ -144,9 +152,11 @@ def scores_key(
     config: EvaluationConfig,
     beta,
     dtype: str = "float32",
+    reward_model: ModelHandle | None = None,
 ) -> str:
     """What a model's scores are a function of: its weights and tokenizer, the dtype it runs in, the
-    prepared held-out prompts (and pairs with their reference log-probs), the evaluation settings and the code."""
+    prepared held-out prompts (and pairs with their reference log-probs), the evaluation settings,
+    the reward model that scores its samples, and the code."""
     return hash_value(
         {
             "dtype": dtype,
@@ -156,6 +166,8 @@ def scores_key(
             "pairs": None if pairs_from is None else {"reference_logps": pairs_from.key, "beta": beta},
             "evaluation": config.model_dump(mode="json"),
             "code": code_fingerprint(__name__),
+            # absent without one, so other keys stay as they were
+            **({"reward_model": reward_model.weights_fingerprint or reward_model.fingerprint} if reward_model else {}),
         }
     )
 
@@ -168,6 +180,7 @@ def cached_score_model(
     beta: float | None,
     key: str,
     compute: ComputeConfig,
+    reward_model: ModelHandle | None = None,
 ) -> ModelScores:
     """:func:`score_model`, computed once per content key under the evaluation cache (a model
     evaluated again, e.g. the champion or an unchanged stage, is neither loaded nor run)."""
@@ -179,7 +192,7 @@ def cached_score_model(
     except (OSError, ValueError, KeyError, TypeError) as problem:
         get_run_logger().warning("evaluation cache entry %s is unreadable (%s): scoring again", folder, problem)
         shutil.rmtree(folder, ignore_errors=True)
-    scores = score_model(handle, prompts, pairs, config, beta, compute)
+    scores = score_model(handle, prompts, pairs, config, beta, compute, reward_model)
     with atomic_directory(folder) as staging:
         content = dataclasses.asdict(scores)
         (staging / SCORES_FILE).write_text(json.dumps({"sha256": hash_value(content), "scores": content}))
@@ -207,9 +220,11 @@ def evaluate(
     config_name: str,
     final_label: str | None = None,
     compute: ComputeConfig = ComputeConfig(),  # noqa: B008 (frozen)
+    reward_model: ModelHandle | None = None,
 ) -> EvalReport:
     """Score every model; implicit-reward metrics skip the reference itself (its margin is 0 by
-    definition). ``final_label``'s metrics are also logged on the parent run as ``final/<metric>``."""
+    definition); ``reward_model`` (``evaluation.reward_model``, resolved) scores every model's
+    samples. ``final_label``'s metrics are also logged on the parent run as ``final/<metric>``."""
     prepared = datasets.load_from_disk(data.path)
     prompts = prepared["eval_prompts"].to_list()[: config.num_prompts] if "eval_prompts" in prepared else []
     pairs, reference_fingerprint, beta = None, None, None
@@ -231,8 +246,8 @@ def evaluate(
             model_pairs = None if model.fingerprint == reference_fingerprint else pairs
             pairs_from = held_out_rewards.reference_logps if model_pairs else None
             dtype = load_dtype(model.path, model.revision, compute.dtype)
-            key = scores_key(model, data, pairs_from, config, beta, dtype)
-            scores = cached_score_model(model, prompts, model_pairs, config, beta, key, compute)
+            key = scores_key(model, data, pairs_from, config, beta, dtype, reward_model)
+            scores = cached_score_model(model, prompts, model_pairs, config, beta, key, compute, reward_model)
             rows[label], per_prompt[label] = scores.metrics, scores.per_prompt
             log_metrics(run_id, {f"{label}/{name}": value for name, value in rows[label].items()})
             log_metrics(parent_run_id, {f"eval/{label}/{name}": value for name, value in rows[label].items()})

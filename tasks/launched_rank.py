@@ -89,12 +89,16 @@ def reference(spec: ReferenceJob) -> BaseModel:
 def evaluate(spec: EvaluateJob) -> BaseModel:
     import datasets
 
-    from trainers.evaluation import evaluate_model
+    from trainers.evaluation import evaluate_model, evaluation_scorer
 
     model, tokenizer, state = loaded_model(spec)
     splits = datasets.load_from_disk(str(spec.splits))
     prompts, pairs = (splits[name].to_list() if name in splits else [] for name in (spec.PROMPTS, spec.PAIRS))
-    scores = evaluate_model(model, tokenizer, prompts, pairs, spec.evaluation.spec(), spec.beta, state)
+    scorer = None
+    if spec.reward_model is not None:
+        rm = spec.reward_model
+        scorer = evaluation_scorer(rm.path, rm.revision, spec.compute.dtype, state.device, tokenizer)
+    scores = evaluate_model(model, tokenizer, prompts, pairs, spec.evaluation.spec(), spec.beta, state, scorer)
     return spec.result(world_size=state.num_processes, scores=scores)
 
 

@@ -179,6 +179,16 @@ def resolve_model(config: ModelConfig, stage: str = "base") -> ModelHandle:
     return model_handle(config, stage)
 
 
+def resolve_scorer(name: str | None, trained: dict[str, ModelHandle]) -> ModelHandle | None:
+    """``evaluation.reward_model``: a reward stage's model of this run (``trained``, by stage), or a
+    saved reward model's source resolved as a model; None for none."""
+    if name is None:
+        return None
+    if name in trained:
+        return trained[name]
+    return resolve_model(ModelConfig(source=name), "reward_model")
+
+
 def resolve_teacher(source: ModelSource | None) -> ModelHandle | None:
     """A distillation stage's teacher (``StageSpec.teacher``) as a handle; None for a stage without one."""
     if source is None:

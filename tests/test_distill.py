@@ -17,10 +17,10 @@ from trainers.distill import (
     DistillConfig,
     DistillTrainer,
     PromptCompletionCollator,
-    check_same_vocabulary,
     draws_on_policy,
     generalized_jsd,
 )
+from trainers.modeling import check_same_vocabulary
 
 
 def written_jsd(student: torch.Tensor, teacher: torch.Tensor, beta: float, tau: float) -> torch.Tensor:
@@ -106,9 +106,9 @@ def test_a_teacher_with_another_vocabulary_is_refused(tiny):
     _, tokenizer = tiny
     other = copy.deepcopy(tokenizer)
     other.add_tokens(["<extra>"])
-    check_same_vocabulary(tokenizer, copy.deepcopy(tokenizer), "same")
-    with pytest.raises(ValueError, match="the teacher elsewhere has another tokenizer than the student"):
-        check_same_vocabulary(tokenizer, other, "elsewhere")
+    check_same_vocabulary(tokenizer, copy.deepcopy(tokenizer), "the teacher same", "why")
+    with pytest.raises(ValueError, match=r"the teacher elsewhere has another tokenizer \(104 vs 103 tokens"):
+        check_same_vocabulary(tokenizer, other, "the teacher elsewhere", "why")
 
 
 def perturbed(model, scale: float, seed: int):

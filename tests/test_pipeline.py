@@ -302,6 +302,7 @@ def test_grpo_scored_by_the_reward_stage_of_the_same_run(prefect_api_url):
         "reward.eval_strategy=steps",
         "reward.eval_steps=4",
         "grpo.reward_funcs=[model:reward]",
+        "evaluation.reward_model=reward",
     ]
     flow_run_id, report = run_flow(load_config(MINIMAL, [*UNIQUE, *overrides]))
     states = task_states(flow_run_id)
@@ -323,6 +324,13 @@ def test_grpo_scored_by_the_reward_stage_of_the_same_run(prefect_api_url):
         reward.data.params["policy.init"].split("/sft-")[0] + "/reward-"
     )
     assert list(report.rows) == ["base", "sft", "grpo"]
+    # the evaluation scores every model's samples by the reward stage's model: mean log-probs
+    assert all(row["reward_model_score"] < 0 for row in report.rows.values())
+    assert "| RM score |" in report.markdown()
+    evaluate_run = client.get_run(children["evaluate"].info.run_id)
+    assert evaluate_run.data.metrics["grpo/reward_model_score"] == pytest.approx(
+        report.rows["grpo"]["reward_model_score"]
+    )
 
 
 def test_a_flow_run_that_skipped_the_cli_fails_in_seconds_when_the_tracking_server_does_not_answer(

@@ -229,3 +229,49 @@ def test_training_separates_its_pairs_and_the_saved_model_scores_completions_as_
         want += [sequence_reward(trainer.model, p["prompt_ids"] + p["rejected_ids"]).item() for p in pairs[:4]]
     assert scores == pytest.approx(want, abs=1e-5)
     assert all(c > r for c, r in zip(scores[:4], scores[4:]))
+
+
+@pytest.mark.unit
+def test_the_evaluation_reward_model_is_a_reward_stage_of_the_run_or_an_existing_source(tmp_path):
+    config = load_config(
+        None, ["stages=[sft, reward, grpo]", "grpo.reward_funcs=[model:reward]", "evaluation.reward_model=reward"]
+    )
+    assert config.evaluation.reward_model == "reward"
+    refused = {
+        "evaluation.reward_model: sft names a stage; it must be a reward stage": ["evaluation.reward_model=sft"],
+        "evaluation.reward_model: reward names a stage": ["evaluation.reward_model=reward"],  # not among the stages
+        "evaluation.reward_model: model folder .* does not exist": [f"evaluation.reward_model={tmp_path / 'gone'}"],
+    }
+    for message, overrides in refused.items():
+        with pytest.raises(ValidationError, match=message):
+            load_config(None, overrides)
+
+
+@pytest.mark.unit
+def test_the_evaluation_scores_each_models_samples_by_the_reward_model(reward_start, tiny, tiny_pairs):
+    """``reward_model_score``: each prompt's mean score of its sampled token ids (stop token
+    included), here the likelihood head's mean log-prob, computed per sample by hand; its CI and
+    per-prompt values beside exact match."""
+    from trainers.evaluation import EvaluationSpec, GenerationSpec, evaluate_model, evaluation_scorer
+
+    model, tokenizer = tiny
+    rows = [{"prompt_ids": p["prompt_ids"], "answer": "7"} for p in tiny_pairs[:5]]
+    spec = EvaluationSpec(GenerationSpec(max_new_tokens=4, num_samples=3, batch_size=2), (1,), 50, 2, 4)
+    scorer = evaluation_scorer(reward_start, None, "float32", "cpu", tokenizer)
+    scores = evaluate_model(model, tokenizer, rows, None, spec, None, reward_model=scorer)
+    plain = evaluate_model(model, tokenizer, rows, None, spec, None)
+    assert "reward_model_score" not in plain.metrics
+    assert {k: v for k, v in scores.metrics.items() if "reward_model" not in k} == plain.metrics  # the same samples
+
+    from trainers.evaluation import score_prompts
+
+    results = score_prompts(model, tokenizer, rows, spec.generation)
+    with torch.no_grad():
+        want = [
+            sum(mean_logp(scorer.model, list(r.prompt_ids), list(s.token_ids)).item() for s in r.samples) / 3
+            for r in results
+        ]
+    assert scores.per_prompt["reward_model_score"] == pytest.approx(want, abs=1e-5)
+    assert scores.metrics["reward_model_score"] == pytest.approx(sum(want) / 5, abs=1e-5)
+    low, high = scores.metrics["reward_model_score_ci_low"], scores.metrics["reward_model_score_ci_high"]
+    assert low <= scores.metrics["reward_model_score"] <= high and low < high

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainingArguments
+from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from trainers.collators import pad_left, prompt_completion_batch
 from trainers.distill_section import DistillStageConfig
@@ -67,16 +67,6 @@ def draws_on_policy(seed: int, step: int, micro_step: int, lmbda: float) -> bool
     """Whether micro-batch ``micro_step`` of optimizer step ``step`` trains on the student's own
     samples: true with probability λ, decided by the seed and the step alone."""
     return derived_seed(seed, "on-policy", step, micro_step) / 2**63 < lmbda
-
-
-def check_same_vocabulary(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase, teacher_path: str):
-    """The divergence compares distributions token by token: both models must read the same ids."""
-    if student.get_vocab() != teacher.get_vocab():
-        raise ValueError(
-            f"the teacher {teacher_path} has another tokenizer than the student ({len(teacher)} vs {len(student)} "
-            "tokens, or the same count with other ids): distillation compares next-token distributions id by id; "
-            "use a teacher of the student's family"
-        )
 
 
 @dataclass

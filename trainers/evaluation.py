@@ -12,7 +12,17 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trainers.collators import PreferenceCollator, pad_left
 from trainers.logprobs import completion_logps
 from trainers.losses import reward_metrics
-from trainers.metrics import ANSWER_METRICS, PREFERENCE_METRICS, ModelScores, bootstrap_ci, exact_match, pass_at_k
+from trainers.metrics import (
+    ANSWER_METRICS,
+    PREFERENCE_METRICS,
+    REWARD_MODEL_METRIC,
+    ModelScores,
+    bootstrap_ci,
+    exact_match,
+    pass_at_k,
+)
+from trainers.modeling import check_same_vocabulary
+from trainers.reward_model import RewardModelScorer, load_scorer
 from trainers.sharding import batches_of, gather_shards, local_shard
 from trainers.stopping import cut_at_first_stop, stop_token_ids
 from trainers.vllm_engine import ColocatedEngine, EngineOptions, SamplingOptions, require_vllm
@@ -49,6 +59,7 @@ class EvaluationSpec:
 class Completion:
     text: str
     num_tokens: int  # generated tokens up to and including the first stop token
+    token_ids: tuple[int, ...] = ()  # those tokens
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,7 @@ class PromptResult:
     answer: str
     greedy: Completion
     samples: list[Completion]
+    prompt_ids: tuple[int, ...] = ()
 
     @property
     def greedy_correct(self) -> bool:
@@ -117,7 +129,7 @@ def decoded(
     decoded without special tokens."""
     kept, _ = cut_at_first_stop(generated, stop_ids)
     texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
-    flat = [Completion(text, len(tokens)) for text, tokens in zip(texts, kept)]
+    flat = [Completion(text, len(tokens), tuple(tokens)) for text, tokens in zip(texts, kept)]
     return [flat[i : i + per_prompt] for i in range(0, len(flat), per_prompt)]
 
 
@@ -164,7 +176,13 @@ def score_prompts(
             model, tokenizer, prompts, do_sample=True, num_return_sequences=spec.num_samples, **options
         )
     return [
-        PromptResult(tokenizer.decode(row["prompt_ids"], skip_special_tokens=False), row["answer"], g[0], s)
+        PromptResult(
+            tokenizer.decode(row["prompt_ids"], skip_special_tokens=False),
+            row["answer"],
+            g[0],
+            s,
+            tuple(row["prompt_ids"]),
+        )
         for row, g, s in zip(rows, greedy, sampled)
     ]
 
@@ -236,6 +254,28 @@ def samples_table(results: list[PromptResult], rows: int) -> dict[str, list]:
     }
 
 
+def evaluation_scorer(path: str, revision: str | None, dtype: str, device, tokenizer) -> RewardModelScorer:
+    """``evaluation.reward_model`` loaded on ``device``; it must read the evaluated models' token ids."""
+    scorer = load_scorer(path, revision, dtype, device, "evaluation.reward_model")
+    check_same_vocabulary(
+        tokenizer, scorer.tokenizer, f"evaluation.reward_model {path}", "it scores the models' sampled token ids"
+    )
+    return scorer
+
+
+def reward_model_scores(
+    scorer: RewardModelScorer, results: list[PromptResult], batch_size: int, state: Any | None = None
+) -> list[float]:
+    """Each prompt's mean score of its sampled completions (prompt and sampled token ids, the stop
+    token included) by ``scorer``; with ``state`` each process scores its share of the batches."""
+    sequences = [(r.prompt_ids, s.token_ids) for r in results for s in r.samples]
+    _, mine = local_shard(batches_of(sequences, batch_size), state)
+    scores = [score for part in mine for score in scorer.score_ids(part)]
+    flat = [score for part in gather_shards([scores], state) for score in part]
+    n = len(results[0].samples)
+    return [sum(flat[i : i + n]) / n for i in range(0, len(flat), n)]
+
+
 def evaluate_model(
     model,
     tokenizer,
@@ -244,11 +284,13 @@ def evaluate_model(
     spec: EvaluationSpec,
     beta: float | None,
     state: Any | None = None,
+    reward_model: RewardModelScorer | None = None,
 ) -> ModelScores:
     """Every metric of one model: answer metrics of ``prompts`` (with their samples table and
-    per-prompt values) and implicit rewards at ``beta`` of ``pairs`` (rows with ``ref_*`` log-probs).
-    With ``state`` (a launch's ``PartialState``) the work is sharded over its processes and every
-    process returns what one process would."""
+    per-prompt values), the ``reward_model``'s mean score of its samples, and implicit rewards at
+    ``beta`` of ``pairs`` (rows with ``ref_*`` log-probs). With ``state`` (a launch's
+    ``PartialState``) the work is sharded over its processes and every process returns what one
+    process would."""
     scores = ModelScores({}, {}, {})
     if prompts:
         results = score_prompts(model, tokenizer, prompts, spec.generation, state)
@@ -258,6 +300,17 @@ def evaluate_model(
             samples_table(results, spec.num_logged_samples),
             per_prompt_scores(results, pass_k),
         )
+        if reward_model is not None:
+            values = reward_model_scores(reward_model, results, spec.pair_batch_size, state)
+            low, high = bootstrap_ci(values, spec.generation.seed, spec.bootstrap_resamples)
+            scores.metrics.update(
+                {
+                    REWARD_MODEL_METRIC: sum(values) / len(values),
+                    f"{REWARD_MODEL_METRIC}_ci_low": low,
+                    f"{REWARD_MODEL_METRIC}_ci_high": high,
+                }
+            )
+            scores.per_prompt[REWARD_MODEL_METRIC] = values
     if pairs:
         scores.metrics.update(preference_rewards(model, tokenizer, pairs, beta, spec.pair_batch_size, state))
     return scores

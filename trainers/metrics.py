@@ -9,6 +9,8 @@ import numpy as np
 
 PREFERENCE_METRICS = ("rewards/accuracies", "rewards/margins", "logratios/margins")
 ANSWER_METRICS = ("greedy_accuracy", "sampled_accuracy")
+# The mean score of a model's sampled completions by the evaluation's reward model (``evaluation.reward_model``).
+REWARD_MODEL_METRIC = "reward_model_score"
 
 
 @dataclass(frozen=True)

@@ -31,3 +31,14 @@ def load_causal_lm(
         model.to(device)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+def check_same_vocabulary(
+    own: PreTrainedTokenizerBase, other: PreTrainedTokenizerBase, other_role: str, why: str
+) -> None:
+    """``other`` (``other_role``: "the teacher /path") reads the token ids ``own`` writes."""
+    if own.get_vocab() != other.get_vocab():
+        raise ValueError(
+            f"{other_role} has another tokenizer ({len(other)} vs {len(own)} tokens, or the same count with other "
+            f"ids): {why}"
+        )

@@ -20,7 +20,7 @@ head is read off its architecture (``…ForSequenceClassification`` or ``…ForC
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -204,14 +204,27 @@ class RewardModelScorer:
 
     @torch.no_grad()
     def __call__(self, *, prompts: list, completions: list, **kwargs) -> list[float]:
-        rendered_prompts = [render_prompt(self.tokenizer, prompt) for prompt in prompts]
-        rendered = [render_completion(self.tokenizer, c, p) for p, c in zip(prompts, completions)]
+        rendered = [
+            (render_prompt(self.tokenizer, p), render_completion(self.tokenizer, c, p))
+            for p, c in zip(prompts, completions)
+        ]
+        return self.score_ids(rendered)
+
+    @torch.no_grad()
+    def score_ids(self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[float]:
+        """Scores of ``(prompt ids, completion ids)`` pairs, in batches of ``batch_size``."""
         device = next(self.model.parameters()).device
         scores: list[float] = []
-        for start in range(0, len(rendered), self.batch_size):
-            end = start + self.batch_size
+        for start in range(0, len(sequences), self.batch_size):
+            part = sequences[start : start + self.batch_size]
             batch = prompt_completion_batch(
-                rendered_prompts[start:end], rendered[start:end], self.tokenizer.pad_token_id
+                [list(p) for p, _ in part], [list(c) for _, c in part], self.tokenizer.pad_token_id
             )
             scores += self.score(self.model, {k: v.to(device) for k, v in batch.items()}).float().tolist()
         return scores
+
+
+def load_scorer(path: str, revision: str | None, dtype: str, device, name: str) -> RewardModelScorer:
+    """The saved reward model at ``path`` as a scorer on ``device``, named ``name`` in logs."""
+    model, tokenizer, head = load_reward_model(path, revision, dtype)
+    return RewardModelScorer(model, tokenizer, head, name).to(device)

@@ -226,6 +226,7 @@ class EvaluateJob(ModelJob):
     job: Literal["evaluate"] = "evaluate"
     evaluation: EvaluationConfig
     beta: float | None
+    reward_model: ModelHandle | None = None  # scores the samples (``evaluation.reward_model``, resolved)
 
     PROMPTS: ClassVar[str] = "prompts"  # held-out prompts with answers
     PAIRS: ClassVar[str] = "pairs"  # held-out pairs with their reference log-probs

@@ -9,14 +9,19 @@ from trainers.stages.registry import ModelSource, StageInputs, StageSpec, regist
 
 
 def build_distill(section: DistillStageConfig, inputs: StageInputs):
-    from trainers.distill import DistillConfig, DistillTrainer, PromptCompletionCollator, check_same_vocabulary
-    from trainers.modeling import load_causal_lm
+    from trainers.distill import DistillConfig, DistillTrainer, PromptCompletionCollator
+    from trainers.modeling import check_same_vocabulary, load_causal_lm
 
     model, tokenizer = inputs.load_policy()
     if inputs.teacher is None:
         raise ValueError("distill: the stage's inputs carry no teacher model")
     teacher, teacher_tokenizer = load_causal_lm(inputs.teacher.path, inputs.teacher.revision, inputs.dtype)
-    check_same_vocabulary(tokenizer, teacher_tokenizer, inputs.teacher.path)
+    check_same_vocabulary(
+        tokenizer,
+        teacher_tokenizer,
+        f"the teacher {inputs.teacher.path}",
+        "distillation compares next-token distributions id by id; use a teacher of the student's family",
+    )
     eval_split = inputs.splits.get("sft_eval")
     return DistillTrainer(
         model=model,

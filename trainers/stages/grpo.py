@@ -11,7 +11,7 @@ from trainers.stages.registry import StageInputs, StageSpec, register_stage
 def reward_functions(section: GRPOStageConfig, inputs: StageInputs, device) -> list:
     """``reward_funcs`` with each ``model:…`` reward loaded on ``device`` (the policy's): an earlier
     reward stage's model, or a path."""
-    from trainers.reward_model import RewardModelScorer, load_reward_model
+    from trainers.reward_model import load_scorer
 
     functions: list = []
     for name in section.reward_funcs:
@@ -21,8 +21,7 @@ def reward_functions(section: GRPOStageConfig, inputs: StageInputs, device) -> l
             continue
         source = inputs.reward_models.get(target)
         path, revision = (source.path, source.revision) if source is not None else (target, None)
-        model, tokenizer, head = load_reward_model(path, revision, inputs.dtype)
-        functions.append(RewardModelScorer(model, tokenizer, head, name).to(device))
+        functions.append(load_scorer(path, revision, inputs.dtype, device, name))
     return functions
 
 

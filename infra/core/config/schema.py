@@ -99,6 +99,14 @@ def check_model_source(source: str) -> str:
 ModelSource = Annotated[str, AfterValidator(check_model_source)]
 
 
+def check_source_field(source: str, field: str) -> None:
+    """:func:`check_model_source` for a field that also takes other values, its error prefixed with the field."""
+    try:
+        check_model_source(source)
+    except ValueError as error:
+        raise ValueError(f"{field}: {error}") from None
+
+
 class ModelConfig(Section):
     source: ModelSource = Field(
         "builtin:tiny-llama", description="`builtin:tiny-llama`, a Hugging Face model id or a local checkpoint path."
@@ -279,6 +287,13 @@ class EvaluationConfig(Section):
         "hf",
         description="What generates the greedy and sampled completions: `hf`, the model's `generate`; `vllm`, a vLLM "
         "engine built from the model (one process; needs vLLM: `make install-vllm`, docs/evaluation.md).",
+    )
+    reward_model: str | None = Field(
+        None,
+        description="Score every model's sampled completions with this reward model, reported as "
+        "`reward_model_score` (the mean, with its 95% CI) beside exact match: a reward stage of the experiment "
+        "(e.g. `reward`) or a saved reward model's source (folder, `runs:/…`, `models:/…`, hub id). It must share "
+        "the models' tokenizer. null: none.",
     )
 
     def generation(self):
@@ -500,14 +515,26 @@ class ExperimentBase(Section):
         return self
 
     @model_validator(mode="after")
+    def _check_evaluation_reward_model(self) -> ExperimentBase:
+        name = self.evaluation.reward_model
+        if name is None:
+            return self
+        if name in STAGES:
+            if STAGES[name].produces != "reward_model" or name not in self.stages:
+                raise ValueError(
+                    f"evaluation.reward_model: {name} names a stage; it must be a reward stage among stages "
+                    f"{self.stages}"
+                )
+            return self
+        check_source_field(name, "evaluation.reward_model")
+        return self
+
+    @model_validator(mode="after")
     def _check_teachers(self) -> ExperimentBase:
         for stage in self.stages:
             teacher = STAGES[stage].teacher(self.stage(stage))
             if teacher is not None:
-                try:
-                    check_model_source(teacher.path)
-                except ValueError as error:
-                    raise ValueError(f"{stage}.teacher_model: {error}") from None
+                check_source_field(teacher.path, f"{stage}.teacher_model")
         return self
 
     def stage(self, name: str) -> TrainingConfig:
@@ -570,6 +597,12 @@ class EvaluationRequest(Section):
     @model_validator(mode="after")
     def _check_evaluation_with_compute(self) -> EvaluationRequest:
         check_evaluation_compute(self.evaluation, self.compute)
+        return self
+
+    @model_validator(mode="after")
+    def _reward_model_is_a_source(self) -> EvaluationRequest:
+        if self.evaluation.reward_model is not None:
+            check_source_field(self.evaluation.reward_model, "evaluation.reward_model")
         return self
 
 
