@@ -15,6 +15,7 @@ from infra.core.handles import ModelHandle, PreparedData
 from infra.core.settings import get_settings
 from trainers.clipping import TextClip
 from trainers.data import (
+    MARGIN,
     SPLIT_FIELDS,
     DataValidationError,
     RenderedRow,
@@ -151,6 +152,13 @@ def prepare_split(
         )
     if not rows:
         raise ValueError(f"split {split!r}: the sources' weight / num_samples select no rows")
+    with_margin = sum(MARGIN in row for row in rows)
+    if 0 < with_margin < len(rows):
+        names = ", ".join(name for name, _, _ in parts)
+        raise DataValidationError(
+            f"split {split!r} ({names}): {with_margin} of {len(rows)} pairs have a '{MARGIN}': give every pair one, "
+            "or none"
+        )
     return rows, report
 
 

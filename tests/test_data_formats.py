@@ -27,6 +27,7 @@ from trainers.data import (
     validate_rows,
 )
 from trainers.modeling import load_tokenizer
+from trainers.reward_model import PairSequenceCollator
 
 pytestmark = pytest.mark.unit
 
@@ -464,3 +465,31 @@ def test_a_malformed_row_names_file_row_and_field_in_every_file_format(tmp_path,
     with pytest.raises(DataValidationError) as error:
         validate_rows(load_rows(str(path)), SPLIT_FIELDS["sft"], str(path))
     assert str(error.value) == f"{path}: row 1: field 'completion' is an empty completion"
+
+
+def test_a_margin_column_of_the_pairs_is_kept_as_a_number_and_checked(tiny, tmp_path):
+    """Llama 2's margin for the reward model's loss: read from JSON numbers and CSV text alike, kept
+    in the prepared pairs; a value that is not a finite number names the file, row and field; a
+    split where only some pairs have one is an error."""
+    _, tokenizer = tiny
+    rows = [{"prompt": "1+1=", "chosen": "2", "rejected": "3", "margin": 1.5}]
+    rows += [{"prompt": "2+2=", "chosen": "4", "rejected": "5", "margin": "0.25"}]  # as a CSV file reads it
+    source = str(tmp_path / "pairs.jsonl")
+    parts = [(source, render_rows(rows, "preference", tokenizer, source), None)]
+    prepared, _ = prepare_split(parts, "preference", Truncation(32, 16), seed=0)
+    assert [row["margin"] for row in prepared] == [1.5, 0.25]
+    assert PairSequenceCollator(tokenizer.pad_token_id)(prepared)["margin"].tolist() == [1.5, 0.25]
+    for bad in ("high", float("nan"), True):
+        with pytest.raises(DataValidationError, match=rf"{source}: row 1: field 'margin' must be a finite number"):
+            render_rows([rows[0], {**rows[1], "margin": bad}], "preference", tokenizer, source)
+    partial = [
+        (
+            source,
+            render_rows(
+                [rows[0], {k: v for k, v in rows[1].items() if k != "margin"}], "preference", tokenizer, source
+            ),
+            None,
+        )
+    ]
+    with pytest.raises(DataValidationError, match="1 of 2 pairs have a 'margin': give every pair one, or none"):
+        prepare_split(partial, "preference", Truncation(32, 16), seed=0)

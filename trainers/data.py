@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,10 @@ SPLIT_FIELDS: dict[str, tuple[str, ...]] = {
     "grpo_prompts": ("prompt",),  # an `answer` column, when present, reaches the reward functions
 }
 COMPLETION_FIELDS = {"completion", "chosen", "rejected"}
+PAIR_SPLITS = ("preference", "preference_eval")
+# An optional column of preference pairs: how much better the chosen answer is (Llama 2's margin in
+# the reward model's Bradley–Terry loss, trainers.reward_model); kept through preparation as a float.
+MARGIN = "margin"
 # The reference's cached log-probs, joined onto the preference splits as these columns.
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 LOCAL_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
@@ -361,6 +366,7 @@ class RenderedRow:
     answer: str | None
     terminated: bool
     source_row: str | None = None  # the row as read, JSON (REWARD_SPLITS only)
+    margin: float | None = None  # a preference pair's ``margin`` column, when it has one
 
     @property
     def longest(self) -> int:
@@ -407,8 +413,25 @@ def render_rows(
         terminated = all(ids and ids[-1] in stops for ids in completions.values())
         answer = str(row["answer"]) if "answer" in row else None
         source_row = json.dumps(row, default=str) if split in REWARD_SPLITS else None
-        rendered.append(RenderedRow(prompt, completions, answer, terminated, source_row))
+        margin = pair_margin(row, f"{source}: row {index}") if split in PAIR_SPLITS else None
+        rendered.append(RenderedRow(prompt, completions, answer, terminated, source_row, margin))
     return rendered
+
+
+def pair_margin(row: dict, where: str) -> float | None:
+    """A preference row's ``margin``: a finite number (a CSV file's text of one too); None without one."""
+    value = row.get(MARGIN)
+    if value is None:
+        return None
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not math.isfinite(number):
+        raise DataValidationError(f"{where}: field '{MARGIN}' must be a finite number, got {value!r}")
+    return number
 
 
 def truncate_rows(rendered: list[RenderedRow], truncation: Truncation) -> TokenizedSplit:
@@ -440,6 +463,8 @@ def truncate_rows(rendered: list[RenderedRow], truncation: Truncation) -> Tokeni
             out["answer"] = row.answer
         if row.source_row is not None:
             out[SOURCE_ROW] = row.source_row
+        if row.margin is not None:
+            out[MARGIN] = row.margin
         kept.append(out)
     return TokenizedSplit(kept, dropped, prompts_cut, unterminated, completions_cut, kept_cut, identical)
 
