@@ -95,7 +95,6 @@ def test_reward_models_in_the_config_name_an_earlier_reward_stage_or_a_path():
             "grpo.reward_funcs=[model:x]",
             "grpo.reward_inputs=rendered",
         ],
-        "LoRA applies to reward": ["stages=[sft, reward, grpo]", "peft.enabled=true"],
     }
     for message, overrides in refused.items():
         with pytest.raises(ValidationError, match=message):
@@ -275,3 +274,33 @@ def test_the_evaluation_scores_each_models_samples_by_the_reward_model(reward_st
     assert scores.metrics["reward_model_score"] == pytest.approx(sum(want) / 5, abs=1e-5)
     low, high = scores.metrics["reward_model_score_ci_low"], scores.metrics["reward_model_score_ci_high"]
     assert low <= scores.metrics["reward_model_score"] <= high and low < high
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head", ["classifier", "likelihood"])
+def test_a_lora_reward_model_trains_its_adapters_and_head_and_is_saved_merged(reward_start, tiny_pairs, tmp_path, head):
+    """With LoRA only the adapters (and a classifier's whole score head) train; the stage saves the
+    merged model, which loads as a plain reward model of its head and scores as the adapted one did."""
+    from trainers.lora import LoraSettings, add_adapters, save_stage_model, trainable_parameters
+
+    base, tokenizer, _ = load_reward_model(reward_start, head=head)
+    total = sum(p.numel() for p in base.parameters())
+    model = add_adapters(base, LoraSettings(r=4, alpha=8), REWARD_HEADS.lookup(head).peft_task_type)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    args = RewardConfig(output_dir=str(tmp_path / "out"), head=head, max_steps=5, learning_rate=1e-2, **QUIET_TRAINING)
+    collator = PairSequenceCollator(tokenizer.pad_token_id)
+    trainer = RewardTrainer(
+        model=model, args=args, train_dataset=tiny_pairs[:16], data_collator=collator, processing_class=tokenizer
+    )
+    trainable = trainable_parameters(trainer.model)
+    assert 0 < trainable < total / 10
+    trainer.train()
+    assert all(torch.equal(p, frozen[n]) for n, p in trainer.model.named_parameters() if n in frozen)
+    batch = collator(tiny_pairs[:4])
+    with torch.no_grad():
+        adapted = REWARD_HEADS.lookup(head).score(trainer.model.eval(), batch)
+    save_stage_model(trainer, tmp_path / "model", tmp_path / "adapter")
+    merged, _, saved = load_reward_model(str(tmp_path / "model"))
+    assert saved == head
+    with torch.no_grad():
+        assert torch.allclose(REWARD_HEADS.lookup(head).score(merged.eval(), batch), adapted, atol=1e-5)

@@ -37,9 +37,10 @@ class LoraSettings(Section):
     )
 
 
-def add_adapters(model: PreTrainedModel, settings: LoraSettings) -> PreTrainedModel:
+def add_adapters(model: PreTrainedModel, settings: LoraSettings, task_type: str = "CAUSAL_LM") -> PreTrainedModel:
     """``model`` frozen, with fresh LoRA adapters on ``settings.target_modules`` (the only
-    trainable parameters)."""
+    trainable parameters, with, for a ``SEQ_CLS`` model, its whole score head: peft saves and
+    trains the classifier head of that task type in full)."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
@@ -47,7 +48,7 @@ def add_adapters(model: PreTrainedModel, settings: LoraSettings) -> PreTrainedMo
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=settings.target_modules,
-        task_type="CAUSAL_LM",
+        task_type=task_type,
     )
     return get_peft_model(model, config)
 

@@ -76,6 +76,7 @@ class RewardHead:
     auto_class: type
     architecture_suffix: str  # of a saved model's ``config.architectures``
     score: Callable[[PreTrainedModel, dict[str, torch.Tensor]], torch.Tensor]
+    peft_task_type: str  # LoRA adapters for this kind of model (``trainers.lora.add_adapters``)
     load_options: tuple[tuple[str, int], ...] = ()
 
 
@@ -92,10 +93,14 @@ REWARD_HEADS: Registry[RewardHead] = Registry("reward head", "reward.head")
 REWARD_HEADS.add(
     "classifier",
     RewardHead(
-        AutoModelForSequenceClassification, "ForSequenceClassification", classifier_scores, (("num_labels", 1),)
+        AutoModelForSequenceClassification,
+        "ForSequenceClassification",
+        classifier_scores,
+        "SEQ_CLS",
+        (("num_labels", 1),),
     ),
 )
-REWARD_HEADS.add("likelihood", RewardHead(AutoModelForCausalLM, "ForCausalLM", likelihood_scores))
+REWARD_HEADS.add("likelihood", RewardHead(AutoModelForCausalLM, "ForCausalLM", likelihood_scores, "CAUSAL_LM"))
 
 
 def saved_head(path: str, revision: str | None = None) -> str:

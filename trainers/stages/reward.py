@@ -9,9 +9,12 @@ from trainers.stages.registry import StageInputs, StageSpec, register_stage
 
 
 def build_reward(section: RewardStageConfig, inputs: StageInputs):
-    from trainers.reward_model import PairSequenceCollator, RewardConfig, RewardTrainer, load_reward_model
+    from trainers.lora import add_adapters
+    from trainers.reward_model import REWARD_HEADS, PairSequenceCollator, RewardConfig, RewardTrainer, load_reward_model
 
     model, tokenizer, _ = load_reward_model(inputs.policy.path, inputs.policy.revision, inputs.dtype, section.head)
+    if inputs.lora is not None:  # saved merged (trainers.lora.save_stage_model), as a full reward model is
+        model = add_adapters(model, inputs.lora, REWARD_HEADS.lookup(section.head).peft_task_type)
     eval_split = inputs.splits.get("preference_eval")
     return RewardTrainer(
         model=model,

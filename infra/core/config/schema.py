@@ -430,11 +430,6 @@ class ExperimentBase(Section):
         if unknown:
             raise ValueError(f"peft.stages: {unknown} not among the stages {self.stages}")
         for stage in self.stages:
-            if self.peft.for_stage(stage) and STAGES[stage].produces == "reward_model":
-                raise ValueError(
-                    f"peft: LoRA applies to {stage}, which trains a reward model (all its weights); list the stages "
-                    f"to adapt in peft.stages without {stage}"
-                )
             if self.peft.for_stage(stage) and getattr(self.stage(stage), "sync_ref_model", False):
                 raise ValueError(
                     f"{stage}.sync_ref_model mixes the policy into a separate reference model; with LoRA the "
