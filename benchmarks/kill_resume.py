@@ -1,6 +1,6 @@
 """kill -9 at random points, 3 times per stage, each followed by the identical rerun (issue 11's acceptance).
 
-    .venv/bin/python benchmarks/kill_resume.py [--kills 3] [--seed 0] [--stages sft dpo grpo] [--keep]
+    .venv/bin/python benchmarks/kill_resume.py [--kills 3] [--seed 0] [--chain default|toolbox] [--stages …] [--keep]
 
 Each trial starts a real ``alignflow run`` of the kill-test config (``tests/killing.py``) in a
 fresh state folder, SIGKILLs its process group once the stage has a random number of complete
@@ -37,6 +37,7 @@ configure_environment()
 
 from killing import (  # noqa: E402
     STAGES,
+    TOOLBOX,
     Kill,
     compare_metrics,
     duplicate_steps,
@@ -53,6 +54,9 @@ from killing import (  # noqa: E402
 # The kill-test config's checkpoint steps at which a kill may be armed (the last one or two would
 # leave the stage too little time to be killed before it finishes).
 KILL_AFTER = {"sft": [3, 6, 9, 12, 15, 18], "dpo": [3, 6, 9, 12, 15, 18], "grpo": [3, 6, 9, 12]}
+KILL_AFTER |= {stage: [3, 6, 9, 12, 15, 18] for stage in ("kto", "reward", "distill")}
+# `--chain toolbox` runs the kill-test config with `stages=[sft, reward, kto, distill]`.
+CHAINS = {"default": STAGES, "toolbox": TOOLBOX}
 
 
 def running_runs(home: Path) -> int:
@@ -61,12 +65,13 @@ def running_runs(home: Path) -> int:
     return len(client.search_runs([experiment.experiment_id], "attributes.status = 'RUNNING'"))
 
 
-def trial(config: Path, home: Path, reference: Path, api: str, kill: Kill) -> dict:
-    run_and_kill(config, home, api, kill)
-    earlier = STAGES[: STAGES.index(kill.stage)]
+def trial(config: Path, home: Path, reference: Path, api: str, kill: Kill, chain: tuple[str, ...]) -> dict:
+    overrides = chain_overrides(chain)
+    run_and_kill(config, home, api, kill, overrides)
+    earlier = chain[: chain.index(kill.stage)]
     before = {name: stage_snapshot(home, name) for name in earlier}
     started = time.monotonic()
-    run(config, home, api)
+    run(config, home, api, overrides)
     histories = metric_histories(home, kill.stage)
     tags = stage_run_tags(home, kill.stage)
     return {
@@ -75,13 +80,17 @@ def trial(config: Path, home: Path, reference: Path, api: str, kill: Kill) -> di
         "killed at (s)": f"{kill.seconds:.1f}",
         "complete ckpts": ",".join(map(str, kill.checkpoints_at_kill)),
         "resumed from": tags.get("alignflow.resumed_from_step", "-"),
-        "max |Δw|": f"{max(max_weight_difference(home, reference, name) for name in STAGES):.1e}",
+        "max |Δw|": f"{max(max_weight_difference(home, reference, name) for name in chain):.1e}",
         "dup. steps": len(duplicate_steps(histories)),
         "metric diffs": len(compare_metrics(histories, metric_histories(reference, kill.stage))),
         "earlier reused": all(stage_snapshot(home, name) == before[name] for name in earlier),
         "RUNNING left": running_runs(home),
         "rerun (s)": f"{time.monotonic() - started:.1f}",
     }
+
+
+def chain_overrides(chain: tuple[str, ...]) -> list[str]:
+    return [] if chain == STAGES else [f"stages=[{', '.join(chain)}]"]
 
 
 def passed(row: dict) -> bool:
@@ -93,10 +102,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=3, help="kills per stage")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES)
+    parser.add_argument("--chain", default="default", choices=sorted(CHAINS), help="the stages the runs train")
+    parser.add_argument(
+        "--stages", nargs="+", choices=sorted(KILL_AFTER), help="the chain's stages to kill (default all)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the state folders (printed) for inspection")
     args = parser.parse_args()
     rng = random.Random(args.seed)
+    chain = CHAINS[args.chain]
+    stages = args.stages or list(chain)
+    if not set(stages) <= set(chain):
+        parser.error(f"--stages {stages}: the {args.chain} chain trains {list(chain)}")
 
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
@@ -112,13 +128,13 @@ def main() -> int:
     with prefect_test_harness(server_startup_timeout=120):
         api = PREFECT_API_URL.value()
         started = time.monotonic()
-        run(config, work / "uninterrupted", api)
+        run(config, work / "uninterrupted", api, chain_overrides(chain))
         print(f"uninterrupted run: {time.monotonic() - started:.1f} s", flush=True)
-        for stage in args.stages:
+        for stage in stages:
             for index in range(args.kills):
                 kill = Kill(stage, after_step=rng.choice(KILL_AFTER[stage]), delay=rng.uniform(0, 0.3))
                 try:
-                    row = trial(config, work / f"{stage}-{index}", work / "uninterrupted", api, kill)
+                    row = trial(config, work / f"{stage}-{index}", work / "uninterrupted", api, kill, chain)
                 except AssertionError as error:
                     row = {"stage": stage, "kill after": f"ckpt {kill.after_step}", "error": str(error)[:200]}
                 row["ok"] = "error" not in row and passed(row)

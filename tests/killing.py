@@ -22,6 +22,9 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "killtest"
 STAGES = ("sft", "dpo", "grpo")
+# The other stages, in one chain the config also describes (``stages=[…]``): the reward model
+# passes the policy by, KTO trains from SFT's model, distillation from KTO's.
+TOOLBOX = ("sft", "reward", "kto", "distill")
 # Enough steps after each stage's first checkpoint to kill it there; checkpoints at logging steps
 # (logging_steps=1), DPO with bco_pair's running mean, GRPO with checkpoints inside a generation
 # batch (save_steps=3, two steps per batch).
@@ -40,6 +43,15 @@ grpo:
   save_steps: 3
   entropy_coef: 0.1
   log_completions_steps: 6
+kto: {{max_steps: 24, per_device_train_batch_size: 8, logging_steps: 1, save_steps: 3}}
+reward: {{max_steps: 24, per_device_train_batch_size: 8, logging_steps: 1, save_steps: 3, head: likelihood}}
+distill:
+  max_steps: 24
+  per_device_train_batch_size: 8
+  logging_steps: 1
+  save_steps: 3
+  teacher_model: "builtin:tiny-llama"
+  max_new_tokens: 6
 evaluation: {{num_prompts: 4, num_samples: 2}}
 """
 
@@ -101,12 +113,14 @@ class Kill:
     seconds: float = 0.0  # from start to kill
 
 
-def run_and_kill(config: Path, home: Path, prefect_api_url: str | None, kill: Kill, timeout: float = 600) -> Kill:
+def run_and_kill(
+    config: Path, home: Path, prefect_api_url: str | None, kill: Kill, overrides: list[str] = (), timeout: float = 600
+) -> Kill:
     """Start ``alignflow run``; once ``kill.stage`` has a complete checkpoint of step ``after_step``
     or later (and ``delay`` seconds more), SIGKILL its process group. Fails if the stage finished first."""
     started = time.monotonic()
     process = subprocess.Popen(
-        command(config),
+        command(config, overrides),
         cwd=ROOT,
         env=environment(home, prefect_api_url),
         stdout=subprocess.DEVNULL,

@@ -493,3 +493,29 @@ def test_a_margin_column_of_the_pairs_is_kept_as_a_number_and_checked(tiny, tmp_
     ]
     with pytest.raises(DataValidationError, match="1 of 2 pairs have a 'margin': give every pair one, or none"):
         prepare_split(partial, "preference", Truncation(32, 16), seed=0)
+
+
+def test_unpaired_rows_keep_their_label_and_a_bad_label_names_the_row(tiny, tmp_path):
+    """TRL's unpaired format (KTO): prompt, completion and a boolean label (CSV text too)."""
+    _, tokenizer = tiny
+    rows = [
+        {"prompt": "1+1=", "completion": "2", "label": True},
+        {"prompt": "1+1=", "completion": "3", "label": "false"},  # as a CSV file reads it
+    ]
+    source = str(tmp_path / "feedback.jsonl")
+    validate_rows(rows, SPLIT_FIELDS["unpaired"], source)
+    prepared, _ = prepare_split(
+        [(source, render_rows(rows, "unpaired", tokenizer, source), None)], "unpaired", Truncation(32, 16), 0
+    )
+    ids, eos = tokenizer.convert_tokens_to_ids, tokenizer.eos_token_id
+    assert prepared == [
+        {"prompt_ids": ids(list("1+1=")), "completion_ids": ids(["2"]) + [eos], "label": True},
+        {"prompt_ids": ids(list("1+1=")), "completion_ids": ids(["3"]) + [eos], "label": False},
+    ]
+    for bad, message in (
+        (1, "must be true or false, got 1"),
+        ("yes", "must be true or false, got 'yes'"),
+        (None, "is missing"),
+    ):
+        with pytest.raises(DataValidationError, match=rf"{source}: row 1: field 'label' {message}"):
+            render_rows([rows[0], {**rows[1], "label": bad}], "unpaired", tokenizer, source)

@@ -61,10 +61,10 @@ def test_pairs_unpair_in_order_and_each_prompt_gets_the_next_rows_completion_for
     ]
     rows = unpaired(datasets.Dataset.from_list(pairs))
     assert rows == [
-        {"prompt_ids": [1], "completion_ids": [2], "desirable": True},
-        {"prompt_ids": [1], "completion_ids": [3], "desirable": False},
-        {"prompt_ids": [4], "completion_ids": [5], "desirable": True},
-        {"prompt_ids": [4], "completion_ids": [6, 7], "desirable": False},
+        {"prompt_ids": [1], "completion_ids": [2], "label": True},
+        {"prompt_ids": [1], "completion_ids": [3], "label": False},
+        {"prompt_ids": [4], "completion_ids": [5], "label": True},
+        {"prompt_ids": [4], "completion_ids": [6, 7], "label": False},
     ]
     batch = UnpairedCollator(pad_token_id=0)(rows[1:])
     assert batch["input_ids"].tolist() == [[1, 3, 0], [4, 5, 0], [4, 6, 7], [1, 5, 0], [4, 6, 7], [4, 3, 0]]
@@ -127,7 +127,7 @@ def test_the_trainers_loss_and_gradient_equal_the_per_sequence_formula_in_float6
     total = 0
     for r in rows:
         value = logratio(r["prompt_ids"], r["completion_ids"])
-        if r["desirable"]:
+        if r["label"]:
             total = total + WD * (1 - torch.sigmoid(BETA * (value - z0)))
         else:
             total = total + WU * (1 - torch.sigmoid(BETA * (z0 - value)))
@@ -156,3 +156,44 @@ def test_training_raises_desirable_rewards_over_undesirable_and_leaves_the_refer
     )
     assert logs[-1]["rewards/chosen"] > logs[-1]["rewards/rejected"]
     assert all(torch.equal(p, b) for p, b in zip(reference.parameters(), before))
+
+
+@pytest.mark.unit
+def test_kto_needs_unpaired_completions_or_preference_pairs(tmp_path):
+    feedback = tmp_path / "feedback.jsonl"
+    feedback.write_text('{"prompt": "1+1=", "completion": "2", "label": true}\n')
+    config = load_config(None, ["stages=[kto]", "data.builtin=null", f"data.unpaired.path={feedback}"])
+    assert config.data.unpaired.path == str(feedback)
+    with pytest.raises(ValidationError, match="stage 'kto' needs data.unpaired or data.preference"):
+        load_config(None, ["stages=[kto]", "data.builtin=null", f"data.sft.path={feedback}"])
+
+
+@pytest.mark.slow
+def test_the_stage_trains_on_the_unpaired_split_when_there_is_one(tiny_checkpoint, pairs, tmp_path):
+    from trainers.stages import STAGES, ModelSource, StageInputs
+
+    labelled = [
+        {"prompt_ids": p["prompt_ids"], "completion_ids": p["chosen_ids"], "label": i % 3 > 0}
+        for i, p in enumerate(pairs)
+    ]
+    splits = {"preference": datasets.Dataset.from_list(list(pairs)), "unpaired": datasets.Dataset.from_list(labelled)}
+    source = ModelSource(tiny_checkpoint.path)
+    section = load_config(None, ["stages=[kto]", "kto.per_device_train_batch_size=4"]).kto
+    inputs = StageInputs(source, source, splits, str(tmp_path), dtype="float32", mixed_precision="no", cpu=True)
+    trainer = STAGES["kto"].build(section, inputs)
+    assert trainer.train_dataset.to_list() == labelled
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert batch["desirable"].shape == (4,) and batch["input_ids"].shape[0] == 8
+    without = STAGES["kto"].build(
+        section,
+        StageInputs(
+            source,
+            source,
+            {"preference": splits["preference"]},
+            str(tmp_path),
+            dtype="float32",
+            mixed_precision="no",
+            cpu=True,
+        ),
+    )
+    assert len(without.train_dataset) == 2 * len(pairs)  # the pairs, unpaired

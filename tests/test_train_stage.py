@@ -37,7 +37,8 @@ def handles(tiny_checkpoint, tmp_path_factory):
 
 def build(stage, section, handles, tmp_path, with_reference_logps=False):
     policy, data, reference_logps = handles
-    inputs = TrainInputs(policy, data, reference_logps if with_reference_logps else None)
+    # the tiny model also teaches the stages that distil (the others read no teacher)
+    inputs = TrainInputs(policy, data, reference_logps if with_reference_logps else None, teacher=policy)
     return STAGES[stage].build(section, stage_inputs(stage, inputs, str(tmp_path), []))
 
 

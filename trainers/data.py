@@ -41,12 +41,15 @@ SPLIT_FIELDS: dict[str, tuple[str, ...]] = {
     "preference_eval": ("prompt", "chosen", "rejected"),
     "eval_prompts": ("prompt", "answer"),
     "grpo_prompts": ("prompt",),  # an `answer` column, when present, reaches the reward functions
+    "unpaired": ("prompt", "completion"),  # and `label` (LABEL): KTO's labelled completions
 }
 COMPLETION_FIELDS = {"completion", "chosen", "rejected"}
 PAIR_SPLITS = ("preference", "preference_eval")
 # An optional column of preference pairs: how much better the chosen answer is (Llama 2's margin in
 # the reward model's Bradley–Terry loss, trainers.reward_model); kept through preparation as a float.
 MARGIN = "margin"
+# The unpaired split's label (TRL's unpaired format): true for a desirable completion; kept as a bool.
+LABEL = "label"
 # The reference's cached log-probs, joined onto the preference splits as these columns.
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 LOCAL_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
@@ -367,6 +370,7 @@ class RenderedRow:
     terminated: bool
     source_row: str | None = None  # the row as read, JSON (REWARD_SPLITS only)
     margin: float | None = None  # a preference pair's ``margin`` column, when it has one
+    label: bool | None = None  # an unpaired row's ``label``
 
     @property
     def longest(self) -> int:
@@ -414,8 +418,21 @@ def render_rows(
         answer = str(row["answer"]) if "answer" in row else None
         source_row = json.dumps(row, default=str) if split in REWARD_SPLITS else None
         margin = pair_margin(row, f"{source}: row {index}") if split in PAIR_SPLITS else None
-        rendered.append(RenderedRow(prompt, completions, answer, terminated, source_row, margin))
+        label = unpaired_label(row, f"{source}: row {index}") if split == "unpaired" else None
+        rendered.append(RenderedRow(prompt, completions, answer, terminated, source_row, margin, label))
     return rendered
+
+
+def unpaired_label(row: dict, where: str) -> bool:
+    """An unpaired row's ``label``: a bool, or a CSV file's text ``true`` / ``false``."""
+    value = row.get(LABEL)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    if value is None:
+        raise DataValidationError(f"{where}: field '{LABEL}' is missing")
+    raise DataValidationError(f"{where}: field '{LABEL}' must be true or false, got {value!r}")
 
 
 def pair_margin(row: dict, where: str) -> float | None:
@@ -465,6 +482,8 @@ def truncate_rows(rendered: list[RenderedRow], truncation: Truncation) -> Tokeni
             out[SOURCE_ROW] = row.source_row
         if row.margin is not None:
             out[MARGIN] = row.margin
+        if row.label is not None:
+            out[LABEL] = row.label
         kept.append(out)
     return TokenizedSplit(kept, dropped, prompts_cut, unterminated, completions_cut, kept_cut, identical)
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from trainers.collators import prompt_completion_batch
+from trainers.data import LABEL
 from trainers.kto_section import KTOStageConfig
 from trainers.logprobs import completion_logps
 from trainers.lora import has_adapters, live_reference
@@ -56,14 +57,15 @@ def kto_losses(
 
 
 def unpaired(pairs) -> list[dict]:
-    """Preference pairs as unpaired rows: ``(prompt, chosen, desirable)`` and ``(prompt, rejected,
-    undesirable)`` for each pair, in the pairs' order (TRL's ``unpair_preference_dataset``). A list,
-    which the Trainer samples like a dataset: a ``datasets.Dataset`` built here would fingerprint its
-    builder with dill, whose bytecode listing a Prefect task logs."""
+    """Preference pairs as unpaired rows, as the ``unpaired`` split has them: ``(prompt, chosen,
+    label true)`` and ``(prompt, rejected, label false)`` for each pair, in the pairs' order (TRL's
+    ``unpair_preference_dataset``). A list, which the Trainer samples like a dataset: a
+    ``datasets.Dataset`` built here would fingerprint its builder with dill, whose bytecode listing
+    a Prefect task logs."""
     rows = []
     for pair in pairs:
-        rows.append({"prompt_ids": pair["prompt_ids"], "completion_ids": pair["chosen_ids"], "desirable": True})
-        rows.append({"prompt_ids": pair["prompt_ids"], "completion_ids": pair["rejected_ids"], "desirable": False})
+        rows.append({"prompt_ids": pair["prompt_ids"], "completion_ids": pair["chosen_ids"], LABEL: True})
+        rows.append({"prompt_ids": pair["prompt_ids"], "completion_ids": pair["rejected_ids"], LABEL: False})
     return rows
 
 
@@ -79,7 +81,7 @@ class UnpairedCollator:
         completions = [f["completion_ids"] for f in features]
         mismatched = completions[1:] + completions[:1]
         batch = prompt_completion_batch(prompts + prompts, completions + mismatched, self.pad_token_id)
-        batch["desirable"] = torch.tensor([bool(f["desirable"]) for f in features])
+        batch["desirable"] = torch.tensor([bool(f[LABEL]) for f in features])
         return batch
 
 
@@ -88,7 +90,7 @@ class UnpairedCollator:
 class KTOConfig(TrainingArguments):
     """``TrainingArguments`` plus the KTO section's fields (``beta``, the two weights), with its defaults."""
 
-    remove_unused_columns: bool = False  # the collator reads prompt_ids / completion_ids / desirable
+    remove_unused_columns: bool = False  # the collator reads prompt_ids / completion_ids / label
 
 
 class KTOTrainer(MetricWindow, Trainer):

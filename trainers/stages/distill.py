@@ -45,7 +45,7 @@ DISTILL = register_stage(
     StageSpec(
         name="distill",
         section=DistillStageConfig,
-        split="sft",
+        splits=("sft",),
         build=build_distill,
         check=check_distill,
         teacher=teacher_of,

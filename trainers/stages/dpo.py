@@ -32,7 +32,7 @@ DPO = register_stage(
     StageSpec(
         name="dpo",
         section=DPOStageConfig,
-        split="preference",
+        splits=("preference",),
         build=build_dpo,
         description="Preference optimisation on the `preference` split; its reference is the model it starts from.",
         needs_reference_logps=lambda section: section.reference_source() == "cached",

@@ -48,7 +48,7 @@ GRPO = register_stage(
     StageSpec(
         name="grpo",
         section=GRPOStageConfig,
-        split="grpo_prompts",
+        splits=("grpo_prompts",),
         build=build_grpo,
         check=check_grpo_compute,
         reward_models=lambda section: tuple(t for f in section.reward_funcs if (t := reward_model_target(f))),

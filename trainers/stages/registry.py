@@ -96,7 +96,9 @@ def no_check(section: TrainingConfig, compute: StageCompute) -> None:
 class StageSpec:
     name: str
     section: type[TrainingConfig]
-    split: str  # the prepared split it trains on: `data.<split>`, or the built-in task's
+    # The prepared splits it trains on (`data.<split>`, or the built-in task's): any one of them
+    # suffices; its builder picks the first one present.
+    splits: tuple[str, ...]
     build: Callable[[Any, StageInputs], Trainer]  # (section, inputs) -> a ready Trainer; imports torch lazily
     description: str
     # Whether the stage, so configured, trains on cached reference log-probs of its pairs (computed

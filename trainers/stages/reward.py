@@ -33,7 +33,7 @@ REWARD = register_stage(
     StageSpec(
         name="reward",
         section=RewardStageConfig,
-        split="preference",
+        splits=("preference",),
         build=build_reward,
         produces="reward_model",
         description="A reward model (one-logit sequence classifier, Bradley–Terry loss) on the `preference` split's "

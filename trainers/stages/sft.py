@@ -36,7 +36,7 @@ SFT = register_stage(
     StageSpec(
         name="sft",
         section=SFTConfig,
-        split="sft",
+        splits=("sft",),
         build=build_sft,
         description="Supervised fine-tuning on the `sft` split (loss on completion tokens only).",
         cacheable=True,

@@ -188,6 +188,12 @@ class DataConfig(Section):
     preference_eval: Sources = Field(
         None, title="Preference eval", description="Held-out preference pairs for reward accuracy."
     )
+    unpaired: Sources = Field(
+        None,
+        title="Unpaired",
+        description="`prompt`/`completion`/`label` rows (TRL's unpaired format; label true: desirable) for KTO, "
+        "which otherwise unpairs `preference`.",
+    )
     eval_prompts: Sources = Field(None, title="Eval prompts", description="`prompt`/`answer` rows for accuracy.")
     grpo_prompts: Sources = Field(
         None,
@@ -443,9 +449,10 @@ class ExperimentBase(Section):
         if len(set(self.stages)) != len(self.stages):
             raise ValueError(f"stages must not repeat: {self.stages}")
         for stage in self.stages:
-            split = STAGES[stage].split
-            if self.data.builtin is None and getattr(self.data, split) is None:
-                raise ValueError(f"stage {stage!r} needs data.{split} (or data.builtin)")
+            splits = STAGES[stage].splits
+            if self.data.builtin is None and all(getattr(self.data, split) is None for split in splits):
+                needs = " or ".join(f"data.{split}" for split in splits)
+                raise ValueError(f"stage {stage!r} needs {needs} (or data.builtin)")
         known = evaluation_metric_names(self.evaluation.pass_k, self.evaluation.num_samples)
         if self.promotion.metric not in known:
             raise ValueError(
