@@ -16,7 +16,7 @@ from tasks.reference import log_reference_input, with_reference_columns
 from tasks.tracking import log_new_params
 from tasks.trainer_callback import MlflowTrainerCallback
 from trainers.callbacks import FiniteGuard, ProgressLineCallback
-from trainers.checkpoints import CheckpointCompletion, restore_extra_state, trainer_state
+from trainers.checkpoints import CheckpointCompletion, EpochEndEvaluation, restore_extra_state, trainer_state
 from trainers.lora import trainable_parameters
 from trainers.sections import TrainingConfig
 from trainers.stages import STAGES, ModelSource, StageInputs
@@ -83,6 +83,7 @@ def tracked_trainer(
         trainer.add_callback(MlflowTrainerCallback(run_id, log_checkpoints=log_checkpoints == "all"))
     trainer.remove_callback(PrinterCallback)  # a dict per log; the progress line replaces it
     trainer.add_callback(ProgressLineCallback(stage))
+    trainer.add_callback(EpochEndEvaluation(trainer))  # last: it logs, once the others have begun
     if run_id is not None and inputs.reference_logps is not None:
         log_reference_input(run_id, inputs.reference_logps)  # after building: a corrupt entry is rebuilt by then
     return trainer

@@ -18,6 +18,7 @@ from tasks.stage_trainer import stage_inputs
 from trainers.checkpoints import (
     COMPLETE_MARKER,
     CheckpointCompletion,
+    EpochEndEvaluation,
     discard_incomplete_checkpoints,
     is_complete,
     latest_complete_checkpoint,
@@ -141,6 +142,34 @@ def test_the_saved_extra_state_holds_the_half_served_generation_buffer(handles, 
     saved = torch.load(tmp_path / "dpo" / "checkpoint-2" / "alignflow_state_0.pt", weights_only=True)
     assert saved["reward_mean"]["count"] == 2  # two training batches, one δ update each
     assert bco.reward_mean.count == 4
+
+
+@pytest.mark.parametrize("with_callback", [True, False])
+def test_a_run_resumed_from_an_epochs_last_step_runs_that_epochs_evaluation(handles, tmp_path, with_callback):
+    """A checkpoint due at an epoch's last step is saved before the epoch's evaluation: resumed from
+    it, the run starts in the next epoch. ``EpochEndEvaluation`` runs the missed evaluation first, at
+    that step, with the uninterrupted run's values; without it the evaluation is lost."""
+    overrides = ["reward.per_device_train_batch_size=8", "reward.logging_steps=1"]
+    per_epoch = len(build("reward", overrides, handles, tmp_path / "probe").get_train_dataloader())
+    overrides += [f"reward.save_steps={per_epoch}", f"reward.max_steps={2 * per_epoch}"]
+
+    def evaluations(trainer) -> list[tuple[int, float]]:
+        return [(entry["step"], entry["eval_loss"]) for entry in trainer.state.log_history if "eval_loss" in entry]
+
+    full = train("reward", overrides, handles, tmp_path / "full")
+    assert [step for step, _ in evaluations(full)] == [per_epoch, 2 * per_epoch]
+    checkpoint = resumed_copy(tmp_path / "full", per_epoch, tmp_path / "resumed")
+    resumed = build("reward", overrides, handles, tmp_path / "resumed")
+    if with_callback:
+        resumed.add_callback(EpochEndEvaluation(resumed))
+    restore_extra_state(resumed, checkpoint)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    if with_callback:
+        got, want = evaluations(resumed), evaluations(full)
+        assert [step for step, _ in got] == [step for step, _ in want]
+        assert [loss for _, loss in got] == pytest.approx([loss for _, loss in want], abs=1e-6)
+    else:
+        assert [step for step, _ in evaluations(resumed)] == [2 * per_epoch]
 
 
 def test_only_complete_checkpoints_are_resumed_from(tmp_path):

@@ -155,6 +155,38 @@ class CheckpointCompletion(TrainerCallback):
             mark_complete(checkpoint, state.global_step)
 
 
+class EpochEndEvaluation(TrainerCallback):
+    """With ``eval_strategy: epoch``, the ``Trainer`` saves a checkpoint due at an epoch's last step
+    in that step and evaluates after it, at the epoch's end; a run resumed from that checkpoint
+    starts in the next epoch and never runs the evaluation. So at the start of a resumed run whose
+    step ends an epoch and whose log history has no evaluation at that step, evaluate: the metrics
+    are those the uninterrupted run logged at that step (the weights are the checkpoint's, training's
+    random state is restored after this)."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        step = state.global_step
+        # (a replay of a finished stage's callbacks passes its checkpoint's state, not the trainer's: no evaluation)
+        if (
+            state is not self.trainer.state
+            or step == 0
+            or args.eval_strategy != "epoch"
+            or not self.trainer.eval_dataset
+        ):
+            return
+        batches = len(self.trainer.get_train_dataloader())
+        per_epoch = max(
+            batches // args.gradient_accumulation_steps + int(batches % args.gradient_accumulation_steps > 0), 1
+        )
+        evaluated = any(
+            entry["step"] == step and any(k.startswith("eval_") for k in entry) for entry in state.log_history
+        )
+        if step % per_epoch == 0 and not evaluated:
+            self.trainer.evaluate()
+
+
 def restore_extra_state(trainer: Trainer, checkpoint: Path) -> None:
     """Load what :class:`CheckpointCompletion` saved into ``trainer`` (before ``trainer.train``)."""
     if isinstance(trainer, ExtraCheckpointState):
