@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from trainers.grpo_losses import (
+    ADVANTAGE_ESTIMATORS,
     GRPO_LOSSES,
     IMPORTANCE_LEVELS,
     POLICY_OBJECTIVES,
+    REWARD_SCALES,
     ObjectiveParams,
     bias_corrected_k3_kl,
     clip_fractions,
@@ -514,6 +516,9 @@ def test_the_docs_tables_list_every_registered_objective_level_and_aggregation()
         assert f"| `{name}` |" in section, name
     for name in GRPO_LOSSES:
         assert f"`{name}`" in section, name
+    rows = {line.split(" | ")[0].strip("| `"): line for line in page.splitlines() if line.startswith("| `grpo.")}
+    for option, registry in (("grpo.advantage_estimator", ADVANTAGE_ESTIMATORS), ("grpo.scale_rewards", REWARD_SCALES)):
+        assert all(f"`{name}`" in rows[option] for name in registry), option
 
 
 def test_the_reward_side_kl_sums_each_completions_log_ratio_to_the_reference():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import typing
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,8 +68,10 @@ def test_the_collator_puts_every_chosen_sequence_before_every_rejected_one():
 
 
 @pytest.mark.unit
-def test_the_heads_of_the_section_are_the_registered_heads():
+def test_the_heads_of_the_section_are_the_registered_heads_and_the_docs_list_them():
     assert set(typing.get_args(RewardHeadName)) == set(REWARD_HEADS)
+    page = (Path(__file__).resolve().parents[1] / "docs" / "algorithms" / "reward.md").read_text()
+    assert all(f"| `{name}`" in page for name in REWARD_HEADS)
     assert load_config(None, ["reward.head=likelihood"]).reward.head == "likelihood"
     with pytest.raises(ValidationError, match="reward.head"):
         load_config(None, ["reward.head=value"])
