@@ -176,14 +176,11 @@ class EpochEndEvaluation(TrainerCallback):
             or not self.trainer.eval_dataset
         ):
             return
-        batches = len(self.trainer.get_train_dataloader())
-        per_epoch = max(
-            batches // args.gradient_accumulation_steps + int(batches % args.gradient_accumulation_steps > 0), 1
-        )
+        # the Trainer's epoch counter is whole exactly at an epoch's last step (epoch + steps / steps_in_epoch)
         evaluated = any(
             entry["step"] == step and any(k.startswith("eval_") for k in entry) for entry in state.log_history
         )
-        if step % per_epoch == 0 and not evaluated:
+        if float(state.epoch).is_integer() and not evaluated:
             self.trainer.evaluate()
 
 
