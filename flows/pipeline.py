@@ -17,6 +17,7 @@ from tasks.promote import find_champion, promote
 from tasks.reference import cache_ref_logps
 from tasks.tracking import link_stage, start_parent_run, tracked_run
 from tasks.train import train
+from trainers.reference_views import PAIRS_VIEW
 from trainers.stages import STAGES
 
 
@@ -55,8 +56,11 @@ def experiment(
             # A stage's reference is the model it starts from; its log-probs are cached once per content.
             reference_logps = None
             if spec.needs_reference_logps(section):
-                reference_logps = cache_ref_logps(data, policy, config.reference, parent_run_id, config.compute)
-                held_out_rewards = HeldOutRewards(reference_logps=reference_logps, beta=section.beta)
+                reference_logps = cache_ref_logps(
+                    data, policy, config.reference, parent_run_id, config.compute, spec.reference_view
+                )
+                if reference_logps.view == PAIRS_VIEW.name:  # the held-out pairs' rewards read pairs' columns
+                    held_out_rewards = HeldOutRewards(reference_logps=reference_logps, beta=section.beta)
             scorers = {name: reward_models[name] for name in spec.reward_models(section) if name in reward_models}
             teacher = resolve_teacher(spec.teacher(section))
             lora = config.peft.for_stage(stage)

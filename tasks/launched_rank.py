@@ -74,14 +74,22 @@ def reference(spec: ReferenceJob) -> BaseModel:
     import datasets
 
     from trainers.reference import reference_logps
+    from trainers.reference_views import REFERENCE_VIEWS
 
     model, tokenizer, state = loaded_model(spec)
-    splits = datasets.load_from_disk(str(spec.splits))
+    view = REFERENCE_VIEWS.lookup(spec.view)
+    scored = view.rows_to_score(datasets.load_from_disk(str(spec.splits)))
     columns = {
         split: reference_logps(
-            model, tokenizer.pad_token_id, splits[split].to_list(), spec.batch_size, progress=False, state=state
+            model,
+            tokenizer.pad_token_id,
+            rows,
+            spec.batch_size,
+            progress=False,
+            state=state,
+            completions=view.completions,
         )
-        for split in spec.preference_splits
+        for split, rows in scored.items()
     }
     return spec.result(world_size=state.num_processes, columns=columns)
 

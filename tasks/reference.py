@@ -1,4 +1,5 @@
-"""Reference log-probs: one frozen forward pass over the preference pairs, stored once per
+"""Reference log-probs: one frozen forward pass over a view of the prepared data (the preference
+pairs; KTO's completions and KL completions: ``trainers.reference_views``), stored once per
 content key in the shared reference cache (``infra/core/refcache.py``) and reused by every run,
 experiment and machine that asks for the same data and reference."""
 
@@ -28,19 +29,25 @@ from tasks.results import CACHED_RESULT, checked_cache_key
 from tasks.tracking import log_dataset_input, log_metrics
 from trainers.data import REF_COLUMNS
 from trainers.devices import load_dtype, model_dtype
+from trainers.reference_views import REFERENCE_VIEWS, ReferenceView
 
-PREFERENCE_SPLITS = ("preference", "preference_eval")
 MLFLOW_SCHEMA = {"row_id": "long", "ref_chosen_logps": "float", "ref_rejected_logps": "float"}
 PROGRESS_STEP = 5.0  # percent between updates of the Prefect progress artifact
 
 
-def reference_key_inputs(data: PreparedData, reference: ModelHandle, dtype: str = "float32") -> dict:
+def reference_key_inputs(
+    data: PreparedData, reference: ModelHandle, dtype: str = "float32", view: str = "pairs"
+) -> dict:
     """Everything that changes the values and nothing else (no run names, no hyper-parameters).
     ``dtype`` is the one the reference forward runs in (:func:`reference_dtype`); the pass checks
-    it against the loaded model's parameters."""
+    it against the loaded model's parameters. ``view`` names what is scored (the rows it builds,
+    e.g. KTO's KL pairs, come from code the ``code`` digest covers)."""
     return {
-        "pairs": {
-            split: data.token_fingerprints[split] for split in PREFERENCE_SPLITS if split in data.token_fingerprints
+        "view": view,
+        "splits": {
+            split: data.token_fingerprints[split]
+            for split in REFERENCE_VIEWS.lookup(view).sources
+            if split in data.token_fingerprints
         },
         "truncation": data.truncation,
         "weights": reference.weights_fingerprint or reference.fingerprint,  # hub models: id + revision
@@ -50,8 +57,8 @@ def reference_key_inputs(data: PreparedData, reference: ModelHandle, dtype: str 
     }
 
 
-def reference_key(data: PreparedData, reference: ModelHandle, dtype: str = "float32") -> str:
-    return hash_value(reference_key_inputs(data, reference, dtype))
+def reference_key(data: PreparedData, reference: ModelHandle, dtype: str = "float32", view: str = "pairs") -> str:
+    return hash_value(reference_key_inputs(data, reference, dtype, view))
 
 
 def reference_dtype(reference: ModelHandle, compute: ComputeConfig) -> str:
@@ -63,7 +70,7 @@ def reference_dtype(reference: ModelHandle, compute: ComputeConfig) -> str:
 def reference_cache_key(context, parameters) -> str:
     data, reference = parameters["data"], parameters["reference"]
     dtype = reference_dtype(reference, parameters.get("compute") or ComputeConfig())
-    return "reference-" + reference_key(data, reference, dtype)
+    return "reference-" + reference_key(data, reference, dtype, parameters.get("view", "pairs"))
 
 
 def reference_store(root: str | None = None) -> ReferenceCache:
@@ -78,7 +85,7 @@ class PrefectProgress:
         self.total, self.done, self.shown = total, 0, 0.0
         in_task = TaskRunContext.get() is not None
         self.artifact_id = (
-            create_progress_artifact(0.0, description=f"reference log-probs of {total} pairs") if in_task else None
+            create_progress_artifact(0.0, description=f"reference log-probs of {total} rows") if in_task else None
         )
 
     def __call__(self, rows: int) -> None:
@@ -90,32 +97,32 @@ class PrefectProgress:
 
 
 def compute_columns(ref: ReferenceLogps) -> dict[str, Columns]:
-    """Reference log-probs of every preference split in row order (row id = position in the split),
+    """Reference log-probs of every split of ``ref.view`` in row order (row id = position in the split),
     in ``ref.dtype`` (the dtype of its key, which must be the loaded model's), on this machine's GPU
     where there is one (unless ``compute.cpu``), or launched over ``compute.num_processes``."""
-    prepared = datasets.load_from_disk(ref.data.path)
-    splits = [split for split in PREFERENCE_SPLITS if split in prepared]
     if ref.compute.num_processes > 1:
-        return launched_columns(ref, splits)
+        return launched_columns(ref)
     from trainers.modeling import load_causal_lm
     from trainers.reference import reference_logps
 
+    view = REFERENCE_VIEWS.lookup(ref.view)
+    scored = view.rows_to_score(datasets.load_from_disk(ref.data.path))
     reference = ref.reference
     model, tokenizer = load_causal_lm(reference.path, reference.revision, ref.dtype, compute_device(ref.compute.cpu))
     if model_dtype(model) != ref.dtype:
         raise CacheIntegrityError(
             f"reference {reference.path} loaded in {model_dtype(model)}, but its cache key says {ref.dtype}"
         )
-    progress = PrefectProgress(sum(len(prepared[split]) for split in splits))
+    progress = PrefectProgress(sum(len(rows) for rows in scored.values()))
     return {
         split: reference_logps(
-            model, tokenizer.pad_token_id, prepared[split].to_list(), ref.batch_size, on_batch=progress
+            model, tokenizer.pad_token_id, rows, ref.batch_size, on_batch=progress, completions=view.completions
         )
-        for split in splits
+        for split, rows in scored.items()
     }
 
 
-def launched_columns(ref: ReferenceLogps, splits: list[str]) -> dict[str, Columns]:
+def launched_columns(ref: ReferenceLogps) -> dict[str, Columns]:
     """:func:`compute_columns` by a :class:`ReferenceJob` over ``ref.compute``'s processes, each
     scoring its share of the batches: the same values as one process (``trainers.sharding``)."""
     job = ReferenceJob(
@@ -125,7 +132,7 @@ def launched_columns(ref: ReferenceLogps, splits: list[str]) -> dict[str, Column
         revision=ref.reference.revision,
         splits=Path(ref.data.path),
         compute=ref.compute.model_copy(update={"dtype": ref.dtype}),
-        preference_splits=tuple(splits),
+        view=ref.view,
         batch_size=ref.batch_size,
     )
     try:
@@ -145,30 +152,44 @@ def ensure_entry(ref: ReferenceLogps, mlflow_run_id: str | None = None) -> tuple
     return reference_store(ref.root).get_or_compute(
         ref.key,
         lambda: compute_columns(ref),
-        inputs=reference_key_inputs(ref.data, ref.reference, ref.dtype),
+        inputs=reference_key_inputs(ref.data, ref.reference, ref.dtype, ref.view),
         producer={name: str(value) for name, value in producer.items() if value},
-        expected_rows={split: rows for split, rows in ref.data.rows.items() if split in PREFERENCE_SPLITS},
+        expected_rows=REFERENCE_VIEWS.lookup(ref.view).rows(ref.data.rows),
     )
 
 
-def join_columns(split: datasets.Dataset, table: pa.Table, where: str) -> datasets.Dataset:
-    """``split`` with the cached ``ref_*`` columns, matched on row id (position in the split)."""
+def join_columns(
+    split: datasets.Dataset | list[dict], table: pa.Table, where: str, view: ReferenceView
+) -> datasets.Dataset | list[dict]:
+    """``split`` with the view's cached ``ref_*`` columns, matched on row id (position in the split).
+    An entry stores a row's two log-probs as ``ref_chosen_logps`` / ``ref_rejected_logps``
+    (``infra.core.refcache.SCHEMA``); they become ``view.columns``. Rows a view builds in memory
+    (KTO's) stay a list: a ``datasets.Dataset`` built from them in a task would log the bytecode
+    that ``datasets`` fingerprints."""
     row_ids = table.column("row_id").to_numpy()
     if not np.array_equal(np.sort(row_ids), np.arange(len(split))):
         raise CacheIntegrityError(f"{where}: row ids are not exactly the {len(split)} prepared rows")
     order = np.argsort(row_ids)
-    for column in REF_COLUMNS:
-        split = split.add_column(column, table.column(column).to_numpy()[order].tolist())
+    columns = {
+        column: table.column(stored).to_numpy()[order].tolist() for stored, column in zip(REF_COLUMNS, view.columns)
+    }
+    if isinstance(split, list):
+        return [row | {column: values[index] for column, values in columns.items()} for index, row in enumerate(split)]
+    for column, values in columns.items():
+        split = split.add_column(column, values)
     return split
 
 
-def with_reference_columns(ref: ReferenceLogps) -> datasets.DatasetDict:
-    """The prepared preference splits with ``ref_chosen_logps`` / ``ref_rejected_logps`` joined on."""
+def with_reference_columns(ref: ReferenceLogps) -> dict[str, datasets.Dataset | list[dict]]:
+    """The view's splits (the prepared preference splits; KTO's rows) with their ``ref_*`` columns
+    joined on (``ref_chosen_logps`` / ``ref_rejected_logps``; ``ref_logps`` / ``ref_kl_logps``)."""
     entry, _ = ensure_entry(ref)
-    prepared = datasets.load_from_disk(ref.data.path)
-    return datasets.DatasetDict(
-        {split: join_columns(prepared[split], table, f"{entry.uri} ({split})") for split, table in entry.tables.items()}
-    )
+    view = REFERENCE_VIEWS.lookup(ref.view)
+    scored = view.splits(datasets.load_from_disk(ref.data.path))
+    return {
+        split: join_columns(scored[split], table, f"{entry.uri} ({split})", view)
+        for split, table in entry.tables.items()
+    }
 
 
 def log_reference_input(run_id: str, ref: ReferenceLogps) -> None:
@@ -189,18 +210,21 @@ def cache_ref_logps(
     config: ReferenceConfig,
     parent_run_id: str | None = None,
     compute: ComputeConfig = ComputeConfig(),  # noqa: B008 (frozen)
+    view: str = "pairs",
 ) -> ReferenceLogps:
-    """Reference log-probs of every preference pair: read from the cache, or computed into it once
-    (device, dtype and processes from ``compute``). Logs the stage's wall time and pairs/s to the parent MLflow run."""
+    """Reference log-probs of every row of ``view`` (the preference pairs by default): read from the
+    cache, or computed into it once (device, dtype and processes from ``compute``). Logs the stage's
+    wall time and rows/s to the parent MLflow run."""
     dtype = reference_dtype(reference, compute)
     ref = ReferenceLogps(
-        key=reference_key(data, reference, dtype),
+        key=reference_key(data, reference, dtype, view),
         root=reference_store().root,
         data=data,
         reference=reference,
         batch_size=config.batch_size,
         dtype=dtype,
         compute=compute,
+        view=view,
     )
     started = time.perf_counter()
     entry, computed = ensure_entry(ref, parent_run_id)

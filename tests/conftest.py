@@ -106,7 +106,7 @@ def teacher_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def handles(tiny_checkpoint):
     """A stage's inputs as handles: the tiny model's checkpoint (the policy and the reference), a
-    real prepared dataset and a real reference-cache entry for them."""
+    real prepared dataset and a real reference-cache entry for them, by reference view (the pairs; KTO's rows)."""
     from prefect.logging import disable_run_logger
 
     from infra.core.config import AdditionTaskConfig, DataConfig, ReferenceConfig
@@ -116,7 +116,10 @@ def handles(tiny_checkpoint):
     policy = tiny_checkpoint.model_copy(update={"stage": "sft"})
     with disable_run_logger():
         data = prepare_dataset.fn(DataConfig(builtin=AdditionTaskConfig(max_operand=3, num_eval_problems=4)), policy)
-        reference_logps = cache_ref_logps.fn(data, policy, ReferenceConfig(batch_size=16))
+        reference_logps = {
+            view: cache_ref_logps.fn(data, policy, ReferenceConfig(batch_size=16), view=view)
+            for view in ("pairs", "kto")
+        }
     return policy, data, reference_logps
 
 

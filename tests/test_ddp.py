@@ -461,27 +461,35 @@ def launch_log(monkeypatch, caplog):
 
 
 @pytest.mark.slow
-def test_the_reference_task_over_two_processes_writes_the_cache_entry_one_process_writes(handles, tmp_path, launch_log):
+@pytest.mark.parametrize("view", ["pairs", "kto"])
+def test_the_reference_task_over_two_processes_writes_the_cache_entry_one_process_writes(
+    view, handles, tmp_path, launch_log
+):
     from tasks.reference import ensure_entry, reference_key
+    from trainers.reference_views import REFERENCE_VIEWS
 
     policy, data, _ = handles
     assert data.rows["preference"] > 2 * 5 and data.rows["preference"] % 5  # batches on both ranks, the last short
     entries = {}
     for processes in (1, 2):
         ref = ReferenceLogps(
-            key=reference_key(data, policy),
+            key=reference_key(data, policy, view=view),
             root=str(tmp_path / f"cache-{processes}"),
             data=data,
             reference=policy,
             batch_size=5,
             compute=cpu(processes),
+            view=view,
         )
         with one_torch_thread():
             entries[processes], computed = ensure_entry(ref)
         assert computed
     assert "reference log-probs on 2 processes: " in launch_log.text  # launched, not run in this process
-    assert (
-        entries[2].rows == entries[1].rows == {split: data.rows[split] for split in ("preference", "preference_eval")}
+    assert entries[2].rows == entries[1].rows == REFERENCE_VIEWS[view].rows(data.rows)
+    assert entries[1].rows == (
+        {"preference": data.rows["preference"], "preference_eval": data.rows["preference_eval"]}
+        if view == "pairs"
+        else {"kto": 2 * data.rows["preference"], "kto_eval": 2 * data.rows["preference_eval"]}
     )
     assert entries[2].digest == entries[1].digest  # the same Parquet bytes: bit-identical log-probs
     assert list(get_settings().launches.glob("reference-*")) == []  # the launch folder goes with the launch

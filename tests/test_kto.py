@@ -1,6 +1,6 @@
 """KTO: the loss and its reference point against the paper's formulas written here (float64, value
-and gradient), the unpairing and KL pairing of the data, the config check, and training steps of
-the trainer against a per-sequence formula."""
+and gradient), the unpairing and KL pairing of the data, the config check, training steps of the
+trainer against a per-sequence formula, with a live reference and with cached reference log-probs."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from helpers import QUIET_TRAINING
 from pydantic import ValidationError
 
 from infra.core.config import load_config
-from trainers.kto import KTOConfig, KTOTrainer, UnpairedCollator, kl_reference_point, kto_losses, unpaired
+from trainers.kto import KTOConfig, KTOTrainer, UnpairedCollator, kl_reference_point, kto_losses
+from trainers.kto_data import KL_COMPLETION, kl_partners, kto_splits, unpaired, with_kl_completions
 
 BETA, WD, WU = 0.3, 1.5, 0.7
 
@@ -54,7 +55,7 @@ def test_the_reference_point_is_the_clamped_mean_kl_without_gradient():
 
 
 @pytest.mark.unit
-def test_pairs_unpair_in_order_and_each_prompt_gets_the_next_rows_completion_for_kl():
+def test_pairs_unpair_in_order_and_each_row_carries_its_partners_completion_for_kl():
     pairs = [
         {"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3]},
         {"prompt_ids": [4], "chosen_ids": [5], "rejected_ids": [6, 7]},
@@ -66,17 +67,39 @@ def test_pairs_unpair_in_order_and_each_prompt_gets_the_next_rows_completion_for
         {"prompt_ids": [4], "completion_ids": [5], "label": True},
         {"prompt_ids": [4], "completion_ids": [6, 7], "label": False},
     ]
-    batch = UnpairedCollator(pad_token_id=0)(rows[1:])
-    assert batch["input_ids"].tolist() == [[1, 3, 0], [4, 5, 0], [4, 6, 7], [1, 5, 0], [4, 6, 7], [4, 3, 0]]
-    assert batch["completion_mask"].tolist() == [[0, 1, 0], [0, 1, 0], [0, 1, 1], [0, 1, 0], [0, 1, 1], [0, 1, 0]]
-    assert batch["desirable"].tolist() == [False, True, False]
+    partners = kl_partners(4, "kto")
+    kto_rows = with_kl_completions(rows)
+    assert kto_rows == [row | {KL_COMPLETION: rows[partner]["completion_ids"]} for row, partner in zip(rows, partners)]
+    batch = UnpairedCollator(pad_token_id=0)(kto_rows[1:])
+    kl = [rows[partners[i]]["completion_ids"] for i in (1, 2, 3)]
+    want = [[1, 3], [4, 5], [4, 6, 7], [1, *kl[0]], [4, *kl[1]], [4, *kl[2]]]
+    assert batch["input_ids"].tolist() == [ids + [0] * (3 - len(ids)) for ids in want]
+    assert batch["completion_mask"].tolist() == [[0] + [1] * (len(ids) - 1) + [0] * (3 - len(ids)) for ids in want]
+    assert batch["desirable"].tolist() == [False, True, False] and "ref_logps" not in batch
 
 
 @pytest.mark.unit
-def test_a_batch_of_one_row_is_a_config_error():
-    assert load_config(None, ["stages=[sft, kto]", "kto.per_device_train_batch_size=2"]).kto.beta == 0.1
-    with pytest.raises(ValidationError, match="KTO's KL estimate pairs each prompt with another row's completion"):
-        load_config(None, ["stages=[sft, kto]", "kto.per_device_train_batch_size=1"])
+def test_kl_partners_are_one_fixed_cycle_through_every_row():
+    for count in range(2, 40):
+        partners = kl_partners(count, "kto")
+        assert sorted(partners) == list(range(count)) and partners == kl_partners(count, "kto")
+        row, seen = 0, []
+        for _ in range(count):  # one cycle: following partners from row 0 visits every row once
+            seen.append(row)
+            row = partners[row]
+        assert row == 0 and sorted(seen) == list(range(count))
+    assert kl_partners(6, "kto") != [1, 2, 3, 4, 5, 0]  # shuffled: a shift would pair a pair's two halves
+
+
+@pytest.mark.unit
+def test_a_batch_may_hold_one_row_but_a_split_of_one_row_has_no_kl_partner():
+    """The KL partners are fixed over the split, not drawn from the batch (TRL's in-batch shift
+    needs two rows per device)."""
+    assert load_config(None, ["stages=[sft, kto]", "kto.per_device_train_batch_size=1"]).kto.beta == 0.1
+    one = {"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3]}
+    assert len(kto_splits({"preference": [one]})["kto"]) == 2  # one pair: two rows, partners of each other
+    with pytest.raises(ValueError, match="split 'unpaired': KTO's KL estimate .* at least 2 rows, got 1"):
+        kto_splits({"unpaired": [{"prompt_ids": [1], "completion_ids": [2], "label": True}]})
 
 
 @pytest.fixture(scope="module")
@@ -84,14 +107,14 @@ def pairs(tiny_pairs):
     return tiny_pairs[:16]
 
 
-def make_trainer(policy, reference, tokenizer, pairs, tmp_path, **settings):
-    settings = dict(per_device_train_batch_size=8, learning_rate=1e-3, beta=BETA) | settings
+def make_trainer(policy, ref_model, tokenizer, pairs, tmp_path, **settings):
+    settings = dict(per_device_train_batch_size=8, learning_rate=1e-3, beta=BETA, reference="live") | settings
     args = KTOConfig(output_dir=str(tmp_path), **QUIET_TRAINING, **settings)
     return KTOTrainer(
         model=policy,
-        ref_model=reference,
+        ref_model=ref_model,
         args=args,
-        train_dataset=unpaired(pairs),
+        train_dataset=with_kl_completions(unpaired(pairs)),
         data_collator=UnpairedCollator(tokenizer.pad_token_id),
     )
 
@@ -103,15 +126,55 @@ def sequence_logp(model, prompt: list[int], completion: list[int]) -> torch.Tens
     return sum(torch.log_softmax(logits[p], -1)[(prompt + completion)[p + 1]] for p in positions)
 
 
+def policy_and_reference(model):
+    """float64 copies of ``model``, the policy moved away from the reference: non-zero log-ratios and KL."""
+    policy, reference = copy.deepcopy(model).double().eval(), copy.deepcopy(model).double().eval()
+    with torch.no_grad():
+        for parameter in policy.parameters():
+            parameter.add_(0.02 * torch.randn_like(parameter, generator=torch.Generator().manual_seed(0)))
+    return policy, reference
+
+
+def loss_and_gradient(trainer, policy, batch) -> tuple[float, list[torch.Tensor]]:
+    loss = trainer.compute_loss(policy, batch)
+    loss.backward()
+    gradient = [p.grad.clone() for p in policy.parameters()]
+    policy.zero_grad()
+    return loss.item(), gradient
+
+
+@pytest.mark.slow
+def test_cached_reference_logps_of_the_kto_view_give_the_live_references_loss_and_gradient(tiny, pairs, tmp_path):
+    """The reference pass over the ``kto`` view's two completions (what the cache stores) stands in
+    for the live reference model: the same loss and gradient, with no reference model loaded."""
+    from trainers.kto_data import REF_KL_LOGPS, REF_LOGPS
+    from trainers.reference import reference_logps
+    from trainers.reference_views import KTO_VIEW
+
+    model, tokenizer = tiny
+    policy, reference = policy_and_reference(model)
+    rows = with_kl_completions(unpaired(pairs[:4]))
+    scored = reference_logps(
+        reference, tokenizer.pad_token_id, rows, 3, progress=False, completions=KTO_VIEW.completions
+    )
+    cached_rows = [row | {REF_LOGPS: a, REF_KL_LOGPS: b} for row, a, b in zip(rows, *scored)]
+    collate = UnpairedCollator(tokenizer.pad_token_id)
+    live = make_trainer(policy, reference, tokenizer, pairs, tmp_path / "live")
+    cached = make_trainer(policy, None, tokenizer, pairs, tmp_path / "cached", reference="cached")
+    want, want_gradient = loss_and_gradient(live, policy, collate(rows))
+    got, gradient = loss_and_gradient(cached, policy, collate(cached_rows))
+    assert cached.ref_model is None and got == pytest.approx(want, abs=1e-6) and want != 0
+    assert all(torch.allclose(g, w, atol=1e-6, rtol=0) for g, w in zip(gradient, want_gradient))
+    with pytest.raises(ValueError, match="reference='cached' needs the columns"):
+        cached.compute_loss(policy, collate(rows))
+
+
 @pytest.mark.slow
 def test_the_trainers_loss_and_gradient_equal_the_per_sequence_formula_in_float64(tiny, pairs, tmp_path):
     model, tokenizer = tiny
-    policy, reference = copy.deepcopy(model).double().eval(), copy.deepcopy(model).double().eval()
-    with torch.no_grad():  # a policy away from its reference: non-zero log-ratios and KL
-        for parameter in policy.parameters():
-            parameter.add_(0.02 * torch.randn_like(parameter, generator=torch.Generator().manual_seed(0)))
+    policy, reference = policy_and_reference(model)
     trainer = make_trainer(policy, reference, tokenizer, pairs, tmp_path, desirable_weight=WD, undesirable_weight=WU)
-    rows = unpaired(pairs[:3])  # 6 rows: 3 desirable, 3 undesirable
+    rows = with_kl_completions(unpaired(pairs[:3]))  # 6 rows: 3 desirable, 3 undesirable
     loss = trainer.compute_loss(policy, UnpairedCollator(tokenizer.pad_token_id)(rows))
     loss.backward()
     got = {n: p.grad.clone() for n, p in policy.named_parameters()}
@@ -122,7 +185,7 @@ def test_the_trainers_loss_and_gradient_equal_the_per_sequence_formula_in_float6
             ref = sequence_logp(reference, prompt, completion)
         return sequence_logp(policy, prompt, completion) - ref
 
-    kl = [logratio(r["prompt_ids"], rows[(i + 1) % len(rows)]["completion_ids"]).item() for i, r in enumerate(rows)]
+    kl = [logratio(r["prompt_ids"], r[KL_COMPLETION]).item() for r in rows]
     z0 = max(0.0, sum(kl) / len(kl))
     total = 0
     for r in rows:
@@ -178,22 +241,18 @@ def test_the_stage_trains_on_the_unpaired_split_when_there_is_one(tiny_checkpoin
     ]
     splits = {"preference": datasets.Dataset.from_list(list(pairs)), "unpaired": datasets.Dataset.from_list(labelled)}
     source = ModelSource(tiny_checkpoint.path)
-    section = load_config(None, ["stages=[kto]", "kto.per_device_train_batch_size=4"]).kto
-    inputs = StageInputs(source, source, splits, str(tmp_path), dtype="float32", mixed_precision="no", cpu=True)
-    trainer = STAGES["kto"].build(section, inputs)
-    assert trainer.train_dataset.to_list() == labelled
+    section = load_config(None, ["stages=[kto]", "kto.per_device_train_batch_size=4", "kto.reference=live"]).kto
+
+    def build(splits):
+        inputs = StageInputs(source, source, splits, str(tmp_path), dtype="float32", mixed_precision="no", cpu=True)
+        return STAGES["kto"].build(section, inputs)
+
+    trainer = build(splits)
+    assert trainer.train_dataset == with_kl_completions(labelled) and trainer.ref_model is not None
     batch = next(iter(trainer.get_train_dataloader()))
     assert batch["desirable"].shape == (4,) and batch["input_ids"].shape[0] == 8
-    without = STAGES["kto"].build(
-        section,
-        StageInputs(
-            source,
-            source,
-            {"preference": splits["preference"]},
-            str(tmp_path),
-            dtype="float32",
-            mixed_precision="no",
-            cpu=True,
-        ),
-    )
-    assert len(without.train_dataset) == 2 * len(pairs)  # the pairs, unpaired
+    without = build({"preference": splits["preference"]})
+    assert without.train_dataset == with_kl_completions(unpaired(pairs))  # the pairs, unpaired
+    assert STAGES["kto"].needs_reference_logps(section) is False
+    cached = load_config(None, ["stages=[kto]"]).kto
+    assert STAGES["kto"].needs_reference_logps(cached) and STAGES["kto"].reference_view == "kto"

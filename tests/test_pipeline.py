@@ -245,17 +245,23 @@ def test_reference_free_objective_runs_with_no_reference_cache_task(prefect_api_
     assert "rewards/accuracies" not in report.rows["dpo"]
 
 
-def test_kto_after_sft_trains_on_the_unpaired_pairs_against_a_live_reference_and_is_evaluated(prefect_api_url):
-    """The `kto` stage in the flow: SFT's model is its start and its reference (live: no reference
-    cache task), its MLflow run has KTO's metrics at every logging step, and it is evaluated."""
+def test_kto_after_sft_trains_on_the_unpaired_pairs_against_cached_reference_logps_and_is_evaluated(prefect_api_url):
+    """The `kto` stage in the flow: SFT's model is its start and its reference, whose log-probs of
+    KTO's completions and KL completions (the pairs unpaired: two rows each) are one reference-cache
+    entry, listed as the run's input; its MLflow run has KTO's metrics at every logging step, and it
+    is evaluated."""
     overrides = ["stages=[sft, kto]", "kto.max_steps=4", "kto.per_device_train_batch_size=8", "kto.logging_steps=2"]
     flow_run_id, report = run_flow(load_config(MINIMAL, [*UNIQUE, *overrides]))
     states = task_states(flow_run_id)
     assert states["train-kto"] == "Completed" and states["train-sft"] in ("Completed", "Cached")
-    assert [name for name in states if name.startswith("cache-reference-logps")] == []
+    assert len([name for name in states if name.startswith("cache-reference-logps")]) == 1
     client, _, children = parent_and_children(flow_run_id)
     kto = client.get_run(children["kto"].info.run_id)
     assert kto.info.status == "FINISHED" and kto.data.params["kto.beta"] == "0.1"
+    assert kto.data.params["kto.reference"] == "cached"
+    entry = ReferenceCache(get_settings().reference_cache_root).read(kto.data.tags["alignflow.reference_cache_key"])
+    assert entry.rows == {"kto": 160, "kto_eval": 40} and entry.manifest["inputs"]["view"] == "kto"
+    assert reference_input(kto)[0].digest == entry.digest
     for metric in ("kl", "rewards/chosen", "rewards/rejected", "loss"):
         assert [m.step for m in client.get_metric_history(kto.info.run_id, metric)] == [2, 4], metric
     assert list(report.rows) == ["base", "sft", "kto"]

@@ -7,6 +7,7 @@ import json
 import logging
 import shutil
 
+import datasets
 import pyarrow as pa
 import pytest
 import torch
@@ -17,8 +18,15 @@ from infra.core.config import AdditionTaskConfig, DataConfig, DatasetSource, Mod
 from infra.core.refcache import CacheIntegrityError
 from tasks.data import prepare_dataset
 from tasks.models import checkpoint_handle, resolve_model
-from tasks.reference import cache_ref_logps, join_columns, reference_key, with_reference_columns
+from tasks.reference import (
+    cache_ref_logps,
+    join_columns,
+    reference_key,
+    reference_key_inputs,
+    with_reference_columns,
+)
 from trainers.modeling import load_causal_lm
+from trainers.reference_views import PAIRS_VIEW
 
 pytestmark = pytest.mark.unit
 
@@ -84,7 +92,8 @@ def test_key_misses_on_one_data_token_tokenizer_weight_or_max_length_and_nothing
 
 
 def live_completion_logp(model, row: dict, completion: str) -> float:
-    """Sum of log p(completion token | prefix) for one unpadded sequence, computed here directly."""
+    """Sum of log p(completion token | prefix) for one unpadded sequence, computed here directly
+    (``completion``: the row's ``<completion>_ids`` column)."""
     prompt, tokens = row["prompt_ids"], row[f"{completion}_ids"]
     with torch.no_grad():
         logprobs = torch.log_softmax(model(torch.tensor([prompt + tokens])).logits[0].double(), -1)
@@ -139,8 +148,32 @@ def test_join_matches_rows_by_row_id_whatever_the_stored_order():
             "ref_rejected_logps": [-20.0, -0.5, -30.0, -10.0],
         }
     )
-    joined = join_columns(split, table, "entry")
+    joined = join_columns(split, table, "entry", PAIRS_VIEW)
     assert joined["ref_chosen_logps"] == [-0.0, -1.0, -2.0, -3.0]
     assert joined["ref_rejected_logps"] == [-0.5, -10.0, -20.0, -30.0]
     with pytest.raises(CacheIntegrityError, match="entry: row ids are not exactly the 4 prepared rows"):
-        join_columns(split, table.slice(0, 3), "entry")
+        join_columns(split, table.slice(0, 3), "entry", PAIRS_VIEW)
+
+
+def test_the_kto_view_caches_each_completion_and_its_kl_completion_under_its_own_key(tmp_path, monkeypatch, base):
+    """KTO's rows (the pairs unpaired, each with another row's completion as its KL completion) are
+    scored by the reference pass and cached: both columns equal the live reference's log-probs, the
+    key is not the pairs' key, and the trainer's rows are the ones scored."""
+    from trainers.kto_data import kto_splits
+
+    monkeypatch.setenv("ALIGNFLOW_REFERENCE_CACHE", str(tmp_path / "refcache"))
+    with disable_run_logger():
+        data = prepare_dataset.fn(DataConfig(builtin=AdditionTaskConfig(max_operand=5, num_eval_problems=8)), base)
+        ref = cache_ref_logps.fn(data, base, ReferenceConfig(batch_size=7), view="kto")
+    assert ref.view == "kto" and ref.key == reference_key(data, base, view="kto") != reference_key(data, base)
+    assert reference_key_inputs(data, base, view="kto")["view"] == "kto"
+    splits = with_reference_columns(ref)
+    assert {name: len(split) for name, split in splits.items()} == {"kto": 56, "kto_eval": 16}
+    live_rows = kto_splits(datasets.load_from_disk(data.path))
+    model, _ = load_causal_lm(base.path)
+    model.eval()
+    for name, split in splits.items():
+        assert [{k: v for k, v in row.items() if not k.startswith("ref_")} for row in split] == live_rows[name]
+        for row in split:
+            assert abs(row["ref_logps"] - live_completion_logp(model, row, "completion")) <= 1e-5
+            assert abs(row["ref_kl_logps"] - live_completion_logp(model, row, "kl_completion")) <= 1e-5

@@ -34,7 +34,8 @@ def build(stage: str, overrides: list[str], handles, output_dir: Path, teacher=N
     policy, data, reference_logps = handles
     teaching = [f"{stage}.teacher_model={teacher.path}"] if teacher is not None else []
     section = load_config(None, [*overrides, *teaching]).stage(stage)
-    logps = reference_logps if STAGES[stage].needs_reference_logps(section) else None
+    spec = STAGES[stage]
+    logps = reference_logps[spec.reference_view] if spec.needs_reference_logps(section) else None
     inputs = TrainInputs(policy, data, logps, teacher=teacher)
     trainer = STAGES[stage].build(section, stage_inputs(stage, inputs, str(output_dir), []))
     trainer.add_callback(CheckpointCompletion(trainer))
@@ -93,8 +94,13 @@ CASES = {
         2,
     ),
     "sft": ("sft", ["sft.max_steps=4", "sft.save_steps=2", "sft.per_device_train_batch_size=8"], 2),
-    # the live reference and the KL pairs of each batch: the same batches after the resume
+    # the cached reference log-probs of each batch's completions and KL completions after the resume
     "kto": ("kto", ["kto.max_steps=4", "kto.save_steps=2", "kto.per_device_train_batch_size=8"], 2),
+    "kto-live": (
+        "kto",
+        ["kto.reference=live", "kto.max_steps=4", "kto.save_steps=2", "kto.per_device_train_batch_size=8"],
+        2,
+    ),
     # a sequence classifier whose score head is fresh at the start: saved in the checkpoint
     "reward": ("reward", ["reward.max_steps=4", "reward.save_steps=2", "reward.per_device_train_batch_size=8"], 2),
     # the student's samples of step 3 (on-policy at λ = 0.5, seed 0; step 2 is not) after the resume

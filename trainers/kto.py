@@ -1,12 +1,12 @@
 """``KTOTrainer``: KTO on unpaired completions labelled desirable or undesirable, a
 ``transformers.Trainer`` whose ``compute_loss`` is :func:`kto_losses`.
 
-Per step, one forward of the policy (and, without gradient, of the frozen reference) over the
-batch's completions and its *KL completions*: each row's prompt with the next row's completion
-(mismatched, as in the paper and TRL), whose mean log-ratio estimates the KL reference point z₀.
-Preference pairs become two unpaired rows each (:func:`unpaired`, TRL's ``unpair_preference_dataset``).
-The reference is live: a frozen copy of the starting model (for a LoRA policy, itself with its
-adapters disabled).
+Per step, one forward of the policy over the batch's completions and their *KL completions*: each
+row's prompt with another row's completion (mismatched, as in the paper and TRL; fixed per row by
+:mod:`trainers.kto_data`), whose mean log-ratio estimates the KL reference point z₀. The reference
+log-probs of both are cached columns (``reference='cached'``, computed once by the reference pass)
+or come from a frozen copy of the starting model in memory (``'live'``; for a LoRA policy, itself
+with its adapters disabled).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from trainers.collators import prompt_completion_batch
 from trainers.data import LABEL
+from trainers.kto_data import KL_COMPLETION, REF_KL_LOGPS, REF_LOGPS
 from trainers.kto_section import KTOStageConfig
 from trainers.logprobs import completion_logps
 from trainers.lora import has_adapters, live_reference
@@ -56,32 +57,22 @@ def kto_losses(
     return weight * (1 - F.sigmoid(value))
 
 
-def unpaired(pairs) -> list[dict]:
-    """Preference pairs as unpaired rows, as the ``unpaired`` split has them: ``(prompt, chosen,
-    label true)`` and ``(prompt, rejected, label false)`` for each pair, in the pairs' order (TRL's
-    ``unpair_preference_dataset``). A list, which the Trainer samples like a dataset: a
-    ``datasets.Dataset`` built here would fingerprint its builder with dill, whose bytecode listing
-    a Prefect task logs."""
-    rows = []
-    for pair in pairs:
-        rows.append({"prompt_ids": pair["prompt_ids"], "completion_ids": pair["chosen_ids"], LABEL: True})
-        rows.append({"prompt_ids": pair["prompt_ids"], "completion_ids": pair["rejected_ids"], LABEL: False})
-    return rows
-
-
 @dataclass
 class UnpairedCollator:
-    """``2B`` rows: the ``B`` completions after their prompts, then the ``B`` KL completions (prompt
-    ``i`` with completion ``i + 1 mod B``); ``desirable`` holds the first ``B`` rows' labels."""
+    """``2B`` rows: the ``B`` completions after their prompts, then the ``B`` KL completions after
+    the same prompts; ``desirable`` holds the first ``B`` rows' labels, and ``ref_logps`` the
+    cached reference log-probs of all ``2B`` when the rows carry them."""
 
     pad_token_id: int
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         prompts = [f["prompt_ids"] for f in features]
-        completions = [f["completion_ids"] for f in features]
-        mismatched = completions[1:] + completions[:1]
-        batch = prompt_completion_batch(prompts + prompts, completions + mismatched, self.pad_token_id)
+        completions = [f["completion_ids"] for f in features] + [f[KL_COMPLETION] for f in features]
+        batch = prompt_completion_batch(prompts + prompts, completions, self.pad_token_id)
         batch["desirable"] = torch.tensor([bool(f[LABEL]) for f in features])
+        if REF_LOGPS in features[0]:
+            cached = [f[REF_LOGPS] for f in features] + [f[REF_KL_LOGPS] for f in features]
+            batch[REF_LOGPS] = torch.tensor(cached, dtype=torch.float32)
         return batch
 
 
@@ -98,17 +89,29 @@ class KTOTrainer(MetricWindow, Trainer):
 
     def __init__(self, *args, ref_model: PreTrainedModel | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        if ref_model is None and not has_adapters(self.model):
-            raise ValueError("KTO needs a ref_model (optional for a LoRA policy: itself with its adapters disabled)")
+        if self.args.reference == "live" and ref_model is None and not has_adapters(self.model):
+            raise ValueError(
+                "reference='live' needs a ref_model (optional for a LoRA policy: itself with its adapters disabled)"
+            )
         self.ref_model = None if ref_model is None else prepare_reference(ref_model, self.accelerator)
+
+    def reference_logps(self, model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The reference log-probs of the batch's ``2B`` rows: the cached column (``reference='cached'``)
+        or the live reference model's."""
+        if self.args.reference == "cached":
+            if REF_LOGPS not in inputs:
+                raise ValueError(f"reference='cached' needs the columns {[REF_LOGPS, REF_KL_LOGPS]} in the dataset")
+            return inputs[REF_LOGPS]
+        with torch.no_grad(), live_reference(self.ref_model, model) as reference:
+            return completion_logps(
+                reference, inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"]
+            ).logps
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         rows = inputs["desirable"].shape[0]
         ids, mask, completion = inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"]
         policy = completion_logps(model, ids, mask, completion)
-        with torch.no_grad(), live_reference(self.ref_model, model) as reference:
-            ref = completion_logps(reference, ids, mask, completion).logps
-        logratios = policy.logps - ref
+        logratios = policy.logps - self.reference_logps(model, inputs)
         # z₀ over every process's KL rows: the same reference point everywhere
         kl = self.accelerator.gather(kl_reference_point(logratios[rows:])[None]).mean()
         args, desirable = self.args, inputs["desirable"]

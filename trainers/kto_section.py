@@ -3,19 +3,16 @@
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from typing import Literal
+
+from pydantic import Field
 
 from trainers.sections import SchedulerName, TrainingConfig
 
 
 class KTOStageConfig(TrainingConfig):
     num_train_epochs: float = Field(3.0, gt=0, description="Epochs over the unpaired completions (two per pair).")
-    per_device_train_batch_size: int = Field(
-        16,
-        ge=1,
-        description="Completions per step; at least 2: each row's KL reference point pairs its prompt with "
-        "another row's completion.",
-    )
+    per_device_train_batch_size: int = Field(16, ge=1, description="Completions per step (and as many KL completions).")
     lr_scheduler_type: SchedulerName = "constant"
     logging_steps: int = Field(20, ge=1)
     beta: float = Field(0.1, gt=0, description="β: scale of the implicit reward log π/ref − z₀ in the KTO value.")
@@ -23,12 +20,8 @@ class KTOStageConfig(TrainingConfig):
     undesirable_weight: float = Field(
         1.0, gt=0, description="λ_U: weight of the loss of undesirable (rejected) completions."
     )
-
-    @model_validator(mode="after")
-    def _kl_pairs_need_two_rows(self) -> KTOStageConfig:
-        if self.per_device_train_batch_size < 2:
-            raise ValueError(
-                "per_device_train_batch_size: KTO's KL estimate pairs each prompt with another row's completion of "
-                f"the batch; it needs at least 2 rows (got {self.per_device_train_batch_size})"
-            )
-        return self
+    reference: Literal["cached", "live"] = Field(
+        "cached",
+        description="`cached`: reference log-probs of the completions and their KL completions, computed once into "
+        "the reference cache; `live`: a frozen reference model in memory, a second forward per step.",
+    )

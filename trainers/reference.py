@@ -1,4 +1,5 @@
-"""Reference log-probs of preference pairs, computed once with a frozen model."""
+"""Reference log-probs of rows with a prompt and two completions (preference pairs, KTO rows and
+their KL completions: ``trainers.reference_views``), computed once with a frozen model."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from trainers.collators import PreferenceCollator
+from trainers.collators import prompt_completion_batch
 from trainers.logprobs import completion_logps
 from trainers.sharding import batches_of, gather_shards, local_shard
 
@@ -22,14 +23,21 @@ def reference_logps(
     progress: bool = True,
     on_batch: Callable[[int], None] | None = None,
     state: Any | None = None,
+    completions: tuple[str, str] = ("chosen_ids", "rejected_ids"),
 ) -> tuple[list[float], list[float]]:
-    """Summed completion log-probs of ``chosen`` and ``rejected`` for every row (eval mode, no grad).
+    """Summed log-probs of the two ``completions`` columns of every row after its ``prompt_ids``
+    (eval mode, no grad): a pair's ``chosen`` and ``rejected`` by default.
 
     With ``state`` (accelerate's ``PartialState`` of a launch) each process scores its share of
     the batches and every process gets all rows back, in order, bit-identical to one process.
     ``on_batch(rows_done)`` is called after each batch (e.g. to report progress elsewhere)."""
     model.eval()
-    collate = PreferenceCollator(pad_token_id)
+
+    def collate(part: list[dict]) -> dict[str, torch.Tensor]:
+        prompts = [row["prompt_ids"] for row in part]
+        scored = [row[completions[0]] for row in part] + [row[completions[1]] for row in part]
+        return prompt_completion_batch(prompts + prompts, scored, pad_token_id)
+
     _, mine = local_shard(batches_of(rows, batch_size), state)
     scored = []
     # disable=None: a bar on a terminal only; redirected output (logs, CI) gets no bar fragments
@@ -41,4 +49,4 @@ def reference_logps(
         if on_batch is not None:
             on_batch(half)
     gathered = gather_shards(scored, state)
-    return [v for chosen, _ in gathered for v in chosen], [v for _, rejected in gathered for v in rejected]
+    return [v for first, _ in gathered for v in first], [v for _, second in gathered for v in second]

@@ -67,8 +67,8 @@ class PreparedData(Handle):
 
 
 class ReferenceLogps(Handle):
-    """An entry of the reference log-prob cache (log-probs of the preference pairs under the
-    reference model), with what it takes to rebuild it."""
+    """An entry of the reference log-prob cache (log-probs of the preference pairs, or of another
+    view of the data, under the reference model), with what it takes to rebuild it."""
 
     key: str
     root: Location
@@ -78,6 +78,7 @@ class ReferenceLogps(Handle):
     dtype: str = "float32"  # the reference forward's (part of the key)
     # where it is computed: the CPU or the GPU, and over how many processes (``compute.num_processes``)
     compute: ComputeConfig = ComputeConfig()  # noqa: RUF009 (frozen)
+    view: str = "pairs"  # what is scored: ``trainers.reference_views`` (part of the key)
 
     @property
     def path(self) -> str:

@@ -4,7 +4,8 @@ Layout under the cache root (a local folder, a ``file://`` URL or any fsspec URL
 ``s3://bucket/refcache``)::
 
     <root>/<key>/manifest.json              key inputs; rows and sha256 of each file; producer; timing
-    <root>/<key>/<split>.parquet            row_id, ref_chosen_logps, ref_rejected_logps
+    <root>/<key>/<split>.parquet            row_id, ref_chosen_logps, ref_rejected_logps (a row's two
+                                            scored completions: ``trainers/reference_views.py``)
     <root>/.staging/<key>.<unix time>.<id>/ an entry being written, moved to <root>/<key> when complete
     <root>/.locks/<key>.lock                held while an entry is computed
 
@@ -43,7 +44,7 @@ STAGING = ".staging"
 LOCKS = ".locks"
 SCHEMA = pa.schema([("row_id", pa.int64()), ("ref_chosen_logps", pa.float32()), ("ref_rejected_logps", pa.float32())])
 
-Columns = tuple[Sequence[float], Sequence[float]]  # chosen and rejected log-probs; row id = position
+Columns = tuple[Sequence[float], Sequence[float]]  # a row's two log-probs (chosen, rejected); row id = position
 Compute = Callable[[], dict[str, Columns]]
 
 

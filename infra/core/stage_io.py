@@ -197,15 +197,18 @@ class ModelJob(LaunchedJob):
 
 class ReferenceResult(BaseModel):
     world_size: int
-    columns: dict[str, tuple[list[float], list[float]]]  # split -> chosen and rejected log-probs, in row order
+    columns: dict[
+        str, tuple[list[float], list[float]]
+    ]  # split -> its rows' two log-probs (chosen, rejected), in row order
 
 
 class ReferenceJob(ModelJob):
-    """Reference log-probs of the ``preference_splits`` of ``splits``, their batches sharded over the
-    processes (``tasks.reference`` when ``compute.num_processes > 1``)."""
+    """Reference log-probs of the splits of the reference view ``view`` (``trainers.reference_views``)
+    of ``splits``, their batches sharded over the processes (``tasks.reference`` when
+    ``compute.num_processes > 1``)."""
 
     job: Literal["reference"] = "reference"
-    preference_splits: tuple[str, ...]
+    view: str
     batch_size: int = Field(ge=1)
 
     result: ClassVar[type[BaseModel]] = ReferenceResult

@@ -1,6 +1,7 @@
 """KTO: Kahneman–Tversky optimisation on completions labelled desirable or undesirable: the
 `unpaired` split (TRL's unpaired format), or else the `preference` split's pairs, unpaired (chosen:
-desirable, rejected: undesirable), against a live frozen copy of the model it starts from."""
+desirable, rejected: undesirable), against the model it starts from: cached reference log-probs of
+KTO's rows (the reference view ``kto``: completions and KL completions), or a live frozen copy."""
 
 from __future__ import annotations
 
@@ -9,18 +10,20 @@ from trainers.stages.registry import StageInputs, StageSpec, register_stage
 
 
 def build_kto(section: KTOStageConfig, inputs: StageInputs):
-    from trainers.kto import KTOConfig, KTOTrainer, UnpairedCollator, unpaired
+    from trainers.kto import KTOConfig, KTOTrainer, UnpairedCollator
+    from trainers.kto_data import KTO_EVAL_SPLIT, KTO_SPLIT, kto_splits
 
     model, tokenizer = inputs.load_policy()
-    eval_split = inputs.splits.get("preference_eval")
+    cached = section.reference == "cached"
+    # cached: the reference pass's `kto` view of the data, with its ref columns; live: the same rows
+    splits = inputs.splits if cached else kto_splits(inputs.splits)
+    eval_split = splits.get(KTO_EVAL_SPLIT)
     return KTOTrainer(
         model=model,
-        ref_model=inputs.load_reference(),
+        ref_model=None if cached else inputs.load_reference(),
         args=section.training_arguments(KTOConfig, evaluates=eval_split is not None, **inputs.runtime_arguments(model)),
-        train_dataset=inputs.splits["unpaired"]
-        if "unpaired" in inputs.splits
-        else unpaired(inputs.splits["preference"]),
-        eval_dataset=None if eval_split is None else unpaired(eval_split),
+        train_dataset=splits[KTO_SPLIT],
+        eval_dataset=eval_split,
         data_collator=UnpairedCollator(tokenizer.pad_token_id),
         processing_class=tokenizer,
         callbacks=inputs.callbacks,
@@ -34,6 +37,8 @@ KTO = register_stage(
         splits=("unpaired", "preference"),
         build=build_kto,
         description="KTO on the `unpaired` split's labelled completions, or else on the `preference` split's pairs, "
-        "unpaired (chosen: desirable, rejected: undesirable); its reference is the model it starts from, live.",
+        "unpaired (chosen: desirable, rejected: undesirable); its reference is the model it starts from.",
+        needs_reference_logps=lambda section: section.reference == "cached",
+        reference_view="kto",
     )
 )

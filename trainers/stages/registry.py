@@ -104,6 +104,9 @@ class StageSpec:
     # Whether the stage, so configured, trains on cached reference log-probs of its pairs (computed
     # from the model it starts from). Such a section has `beta`, the scale of its implicit rewards.
     needs_reference_logps: Callable[[Any], bool] = never
+    # What its reference pass scores (a ``trainers.reference_views`` entry): the preference pairs,
+    # or KTO's completions and KL completions; its trainer reads the view's splits, with their columns.
+    reference_view: str = "pairs"
     # Whether its model is a pure function of its config, input model and data (then cached across runs).
     cacheable: bool = False
     # Raises ValueError when the section cannot run with the compute section (e.g. GRPO's batch

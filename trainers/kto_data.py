@@ -1,0 +1,83 @@
+"""KTO's rows: completions labelled desirable or undesirable, each with its *KL completion*, another
+row's completion after this row's prompt (a mismatched pair whose log-ratio estimates KTO's
+reference point z₀). No torch here: the reference pass scores these rows too
+(:data:`trainers.reference_views.KTO_VIEW`), so the trainer and the cache see the same pairs.
+
+The KL partners are fixed per split, not drawn per batch (TRL builds its KL dataset once, too):
+that is what lets the reference log-probs of the KL completions be computed once and cached."""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Mapping, Sequence
+
+from trainers.data import LABEL
+
+KTO_SPLIT, KTO_EVAL_SPLIT = "kto", "kto_eval"
+KL_COMPLETION = "kl_completion_ids"
+REF_LOGPS, REF_KL_LOGPS = "ref_logps", "ref_kl_logps"  # cached reference log-probs of the two
+KL_PARTNER_SEED = 0
+
+
+def unpaired(pairs) -> list[dict]:
+    """Preference pairs as unpaired rows, as the ``unpaired`` split has them: ``(prompt, chosen,
+    label true)`` and ``(prompt, rejected, label false)`` for each pair, in the pairs' order (TRL's
+    ``unpair_preference_dataset``). A list, which the Trainer samples like a dataset: a
+    ``datasets.Dataset`` built here would fingerprint its builder with dill, whose bytecode listing
+    a Prefect task logs."""
+    rows = []
+    for pair in pairs:
+        rows.append({"prompt_ids": pair["prompt_ids"], "completion_ids": pair["chosen_ids"], LABEL: True})
+        rows.append({"prompt_ids": pair["prompt_ids"], "completion_ids": pair["rejected_ids"], LABEL: False})
+    return rows
+
+
+def kl_partners(count: int, split: str, seed: int = KL_PARTNER_SEED) -> list[int]:
+    """For each of ``count`` rows, the row whose completion is its KL completion: the successor in
+    one random cycle through all rows, so no row is its own partner and every completion serves
+    exactly once. (A fixed shift would pair the two halves of an unpaired preference pair, which
+    share their prompt.)"""
+    if count < 2:
+        raise ValueError(
+            f"split {split!r}: KTO's KL estimate pairs each prompt with another row's completion; "
+            f"it needs at least 2 rows, got {count}"
+        )
+    cycle = list(range(count))
+    random.Random(seed).shuffle(cycle)
+    partners = [0] * count
+    for position, row in enumerate(cycle):
+        partners[row] = cycle[(position + 1) % count]
+    return partners
+
+
+def with_kl_completions(rows: Sequence[Mapping[str, Any]], split: str = KTO_SPLIT) -> list[dict]:
+    """``rows`` (``prompt_ids``, ``completion_ids``, ``label``) of ``split``, each with its KL completion."""
+    rows = list(rows)
+    return [
+        {"prompt_ids": row["prompt_ids"], "completion_ids": row["completion_ids"], LABEL: bool(row[LABEL])}
+        | {KL_COMPLETION: rows[partner]["completion_ids"]}
+        for row, partner in zip(rows, kl_partners(len(rows), split))
+    ]
+
+
+def kto_splits(prepared: Mapping[str, Any]) -> dict[str, list[dict]]:
+    """KTO's training rows (``kto``): the ``unpaired`` split, or else the ``preference`` split
+    unpaired; and, with a ``preference_eval`` split, its pairs unpaired (``kto_eval``). Each row
+    carries its KL completion (:func:`with_kl_completions`)."""
+    if "unpaired" in prepared:
+        splits = {KTO_SPLIT: with_kl_completions(prepared["unpaired"], "unpaired")}
+    else:
+        splits = {KTO_SPLIT: with_kl_completions(unpaired(prepared["preference"]), "preference (unpaired)")}
+    if "preference_eval" in prepared:
+        splits[KTO_EVAL_SPLIT] = with_kl_completions(
+            unpaired(prepared["preference_eval"]), "preference_eval (unpaired)"
+        )
+    return splits
+
+
+def kto_split_rows(prepared_rows: Mapping[str, int]) -> dict[str, int]:
+    """The row counts of :func:`kto_splits` from the prepared splits' row counts."""
+    rows = {KTO_SPLIT: prepared_rows["unpaired"] if "unpaired" in prepared_rows else 2 * prepared_rows["preference"]}
+    if "preference_eval" in prepared_rows:
+        rows[KTO_EVAL_SPLIT] = 2 * prepared_rows["preference_eval"]
+    return rows

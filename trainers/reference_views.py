@@ -1,0 +1,66 @@
+"""What a reference pass scores: a *view* of the prepared splits whose rows each hold a prompt and
+two completions, and the two ``ref_*`` columns their reference log-probs become. One entry per
+shape of data a stage reads reference log-probs of; a stage names its view
+(``StageSpec.reference_view``), and the view's name is part of the cache key. No torch here.
+
+- ``pairs``: the preference splits as prepared; chosen and rejected (DPO).
+- ``kto``: KTO's rows (:func:`trainers.kto_data.kto_splits`); the completion and its KL completion.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from trainers.data import PAIR_SPLITS, REF_COLUMNS
+from trainers.kto_data import KL_COMPLETION, REF_KL_LOGPS, REF_LOGPS, kto_split_rows, kto_splits
+from trainers.registry import Registry
+
+
+@dataclass(frozen=True)
+class ReferenceView:
+    name: str
+    sources: tuple[str, ...]  # the prepared splits it reads (their token digests are part of the cache key)
+    # the scored splits, by name, from the prepared splits (a DatasetDict or a dict of row lists)
+    splits: Callable[[Mapping[str, Any]], Mapping[str, Sequence[Mapping[str, Any]]]]
+    # their row counts from the prepared splits' row counts (checked against a cache entry's, unread)
+    rows: Callable[[Mapping[str, int]], dict[str, int]]
+    completions: tuple[str, str]  # the two completion columns of a row, scored after its ``prompt_ids``
+    columns: tuple[str, str]  # the reference log-prob columns they become, in the same order
+
+    def rows_to_score(self, prepared: Mapping[str, Any]) -> dict[str, list[dict]]:
+        """The scored splits as lists of rows (a ``datasets.Dataset`` split read into one)."""
+        return {
+            name: rows if isinstance(rows, list) else rows.to_list() for name, rows in self.splits(prepared).items()
+        }
+
+
+REFERENCE_VIEWS: Registry[ReferenceView] = Registry("reference view", "reference_view")
+
+
+def register_view(view: ReferenceView) -> ReferenceView:
+    REFERENCE_VIEWS.add(view.name, view)
+    return view
+
+
+PAIRS_VIEW = register_view(
+    ReferenceView(
+        name="pairs",
+        sources=PAIR_SPLITS,
+        splits=lambda prepared: {split: prepared[split] for split in PAIR_SPLITS if split in prepared},
+        rows=lambda counts: {split: rows for split, rows in counts.items() if split in PAIR_SPLITS},
+        completions=("chosen_ids", "rejected_ids"),
+        columns=REF_COLUMNS,
+    )
+)
+
+KTO_VIEW = register_view(
+    ReferenceView(
+        name="kto",
+        sources=("unpaired", *PAIR_SPLITS),
+        splits=kto_splits,
+        rows=kto_split_rows,
+        completions=("completion_ids", KL_COMPLETION),
+        columns=(REF_LOGPS, REF_KL_LOGPS),
+    )
+)
