@@ -81,7 +81,8 @@ def flow_run_logs(flow_run_id) -> list[str]:
 
 @pytest.mark.flow
 def test_two_processes_from_the_task_equal_one_process_in_it_and_resume_from_a_checkpoint(handles, prefect_api_url):
-    policy, data, reference_logps = handles
+    policy, data, by_view = handles
+    reference_logps = by_view["pairs"]
     started = time.time()
     tracking = TrackingConfig(keep_checkpoints=True, log_checkpoints="all")
     one = TrainInputs(policy, data, reference_logps, compute=cpu(1))
@@ -146,7 +147,8 @@ def test_two_processes_from_the_task_equal_one_process_in_it_and_resume_from_a_c
 
 @pytest.mark.slow
 def test_a_failing_rank_fails_the_task_with_its_traceback_and_leaves_nothing(handles, tmp_path, monkeypatch):
-    policy, data, reference_logps = handles
+    policy, data, by_view = handles
+    reference_logps = by_view["pairs"]
     (tmp_path / "fails_on_rank_1.py").write_text(textwrap.dedent(FAILS_ON_RANK_1))
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))

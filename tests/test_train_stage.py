@@ -22,7 +22,8 @@ ARGUMENT_NAMES = {"warmup_ratio": "warmup_steps"}
 @pytest.fixture(scope="module")
 def handles(tiny_checkpoint, tmp_path_factory):
     """(This module's, instead of the session's.) A real prepared dataset, with a held-out split for
-    every stage that evaluates, and a real reference-cache entry for it (the tiny model is the reference)."""
+    every stage that evaluates, and a real reference-cache entry for it per reference view (the tiny
+    model is the reference)."""
     policy = tiny_checkpoint
     sft_eval = tmp_path_factory.mktemp("stages") / "sft_eval.jsonl"
     sft_eval.write_text('{"prompt": "1+2=", "completion": "3"}\n{"prompt": "2+2=", "completion": "4"}\n')
@@ -31,14 +32,20 @@ def handles(tiny_checkpoint, tmp_path_factory):
     )
     with disable_run_logger():
         data = prepare_dataset.fn(config, policy)
-        reference_logps = cache_ref_logps.fn(data, policy, ReferenceConfig(batch_size=16))
+        reference_logps = {
+            view: cache_ref_logps.fn(data, policy, ReferenceConfig(batch_size=16), view=view)
+            for view in ("pairs", "kto")
+        }
     return policy, data, reference_logps
 
 
-def build(stage, section, handles, tmp_path, with_reference_logps=False):
+def build(stage, section, handles, tmp_path):
+    """The stage's trainer, on the reference-cache entry of its view when its section reads one."""
     policy, data, reference_logps = handles
+    spec = STAGES[stage]
+    logps = reference_logps[spec.reference_view] if spec.needs_reference_logps(section) else None
     # the tiny model also teaches the stages that distil (the others read no teacher)
-    inputs = TrainInputs(policy, data, reference_logps if with_reference_logps else None, teacher=policy)
+    inputs = TrainInputs(policy, data, logps, teacher=policy)
     return STAGES[stage].build(section, stage_inputs(stage, inputs, str(tmp_path), []))
 
 
@@ -67,7 +74,7 @@ def test_cached_reference_stage_reads_columns_and_maps_loss_options(handles, tmp
     ]
     section = load_config(None, overrides).dpo
     assert STAGES["dpo"].needs_reference_logps(section)
-    trainer = build("dpo", section, handles, tmp_path, with_reference_logps=True)
+    trainer = build("dpo", section, handles, tmp_path)
     args = trainer.args
     assert (args.loss_type, args.loss_weights, args.label_smoothing, args.beta) == (
         ["sigmoid", "sft"],
