@@ -17,13 +17,14 @@ from pydantic import BaseModel
 
 from flows.pipeline import evaluate_and_gate, experiment
 from infra.core.config import ExperimentConfig
+from infra.core.handles import ModelHandle
 from infra.core.settings import get_settings
 from infra.core.stage_io import StageFolder
 from infra.core.sweep import SweepConfig
 from tasks.compare import ComparisonReport, RunSelection, compare_runs
 from tasks.data import prepare_dataset
 from tasks.evaluate import EvalReport
-from tasks.models import checkpoint_handle, resolve_model
+from tasks.models import checkpoint_handle, resolve_model, resolve_scorer
 from tasks.search import PlannedTrial, Search, plan, sweep_errors
 from tasks.sweep import (
     TrialResult,
@@ -159,14 +160,24 @@ def run_trials(spec: SweepConfig, search: Search, planned: list[PlannedTrial], s
 
 def promote_best(spec: SweepConfig, best: TrialResult, sweep_run_id: str) -> EvalReport:
     """The best trial's final model through the base config's promotion gate: scored beside the
-    current champion (same prompts, same seeds) in an evaluation logged under the sweep's run."""
+    current champion (same prompts, same seeds) in an evaluation logged under the sweep's run, by
+    the trial's evaluation reward model too (its reward stage's model, or a saved one) when it names one."""
     config = spec.trial_config(best.params, best.number, gate=True)
     data = prepare_dataset(config.data, resolve_model(config.model))
     final = config.stages[-1]
-    trained_by = client().get_run(best.mlflow_run_id).data.tags[f"alignflow.{final}_run_id"]
-    model = StageFolder.of_run(config.name, final, trained_by).model_dir
-    policy = checkpoint_handle(model, final, mlflow_run_id=trained_by)
-    return evaluate_and_gate(config, {final: policy}, policy, data, None, sweep_run_id)
+    policy = trial_model(config, final, best)
+    scorer_name = config.evaluation.reward_model
+    trained = {scorer_name: trial_model(config, scorer_name, best)} if scorer_name in config.stages else {}
+    scorer = resolve_scorer(scorer_name, trained)
+    return evaluate_and_gate(config, {final: policy}, policy, data, None, sweep_run_id, scorer)
+
+
+def trial_model(config: ExperimentConfig, stage: str, trial: TrialResult) -> ModelHandle:
+    """The model ``stage`` of ``trial``'s experiment run ended with: the stage folder of the MLflow
+    run that trained it (a cached stage's is an earlier run's)."""
+    trained_by = client().get_run(trial.mlflow_run_id).data.tags[f"alignflow.{stage}_run_id"]
+    model = StageFolder.of_run(config.name, stage, trained_by).model_dir
+    return checkpoint_handle(model, stage, mlflow_run_id=trained_by)
 
 
 @flow(name="alignflow-sweep", log_prints=True)

@@ -299,7 +299,7 @@ def test_grpo_scored_by_the_reward_stage_of_the_same_run(prefect_api_url):
     from SFT's model (evaluated on the held-out pairs), the policy passes it by (GRPO starts from
     SFT's model), GRPO logs the reward model's scores, and the report has no row for the scorer.
     The reward model is configs/rlhf.yaml's: the likelihood head (the classifier's scoring after a
-    save is tests/test_reward_model.py's)."""
+    save is tests/test_reward_model.py's). The promotion gate reads the reward model's score."""
     overrides = [
         "stages=[sft, reward, grpo]",
         "reward.head=likelihood",
@@ -309,6 +309,9 @@ def test_grpo_scored_by_the_reward_stage_of_the_same_run(prefect_api_url):
         "reward.eval_steps=4",
         "grpo.reward_funcs=[model:reward]",
         "evaluation.reward_model=reward",
+        "promotion.registered_model=rm-gated",
+        "promotion.metric=reward_model_score",
+        "promotion.min_value=null",  # mean log-probs are negative
     ]
     flow_run_id, report = run_flow(load_config(MINIMAL, [*UNIQUE, *overrides]))
     states = task_states(flow_run_id)
@@ -336,6 +339,13 @@ def test_grpo_scored_by_the_reward_stage_of_the_same_run(prefect_api_url):
     evaluate_run = client.get_run(children["evaluate"].info.run_id)
     assert evaluate_run.data.metrics["grpo/reward_model_score"] == pytest.approx(
         report.rows["grpo"]["reward_model_score"]
+    )
+    promotion = client.get_run(evaluate_run.data.tags["mlflow.parentRunId"]).data.tags["alignflow.promotion"]
+    assert promotion.startswith("promoted: rm-gated version 1") and "reward_model_score = " in promotion
+    champion = client.get_model_version_by_alias("rm-gated", "champion")
+    assert champion.run_id == grpo.info.run_id
+    assert float(champion.tags["eval.reward_model_score"]) == pytest.approx(
+        report.rows["grpo"]["reward_model_score"], rel=1e-5
     )
 
 

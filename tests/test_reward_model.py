@@ -250,6 +250,18 @@ def test_the_evaluation_reward_model_is_a_reward_stage_of_the_run_or_an_existing
 
 
 @pytest.mark.unit
+def test_the_reward_models_score_is_a_promotion_metric_only_with_an_evaluation_reward_model():
+    """With ``evaluation.reward_model`` the gate may compare ``reward_model_score`` (its per-prompt
+    values serve the paired test); without one, no evaluation produces it."""
+    rlhf = ["stages=[sft, reward, grpo]", "grpo.reward_funcs=[model:reward]", "promotion.registered_model=m"]
+    gated = ["promotion.metric=reward_model_score", "promotion.confidence=0.9"]
+    config = load_config(None, [*rlhf, "evaluation.reward_model=reward", *gated])
+    assert config.promotion.metric == "reward_model_score"
+    with pytest.raises(ValidationError, match="promotion.metric: 'reward_model_score' is not a metric the evaluation"):
+        load_config(None, [*rlhf, *gated])
+
+
+@pytest.mark.unit
 def test_the_evaluation_scores_each_models_samples_by_the_reward_model(reward_start, tiny, tiny_pairs):
     """``reward_model_score``: each prompt's mean score of its sampled token ids (stop token
     included), here the likelihood head's mean log-prob, computed per sample by hand; its CI and

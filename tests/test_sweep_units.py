@@ -12,7 +12,7 @@ import yaml
 
 from infra.core.config import ExperimentConfig, load_config, seeded_fields
 from infra.core.locks import TaskLockManager
-from infra.core.sweep import STRATEGIES, SweepConfig, read_sweep_tree
+from infra.core.sweep import STRATEGIES, SweepConfig, objective_errors, read_sweep_tree
 from infra.ops.cli import main
 from tasks.reporting import mean_sd_cell, seed_aggregates
 from tasks.search import SAMPLERS, plan, sweep_errors
@@ -113,6 +113,11 @@ def test_random_and_tpe_plans_are_reproducible_and_stay_in_range(tmp_path):
         ({}, ["space.dpo.bta=[0.1]"], "space.dpo.bta=0.1: dpo.bta: Extra inputs are not permitted"),
         ({"space": {"seed": [0, 1]}}, ["base.sft.seed=4"], "space.seed=0: seed: 0 sets sft.seed"),
         ({"objective": {"metric": "acc"}}, [], "objective.metric: 'acc' is not a metric the evaluation produces"),
+        (  # no evaluation.reward_model in the base: no reward model score
+            {"objective": {"metric": "reward_model_score"}},
+            [],
+            "objective.metric: 'reward_model_score' is not a metric the evaluation produces",
+        ),
     ],
 )
 def test_an_invalid_trial_value_is_reported_with_its_field_before_anything_runs(
@@ -120,6 +125,13 @@ def test_an_invalid_trial_value_is_reported_with_its_field_before_anything_runs(
 ):
     assert sweep_cli(write_sweep(tmp_path, **fields), *overrides) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_reward_models_score_is_an_objective_when_the_base_evaluation_has_a_reward_model(tmp_path):
+    path = write_sweep(tmp_path, objective={"metric": "reward_model_score"})
+    rlhf = ["base.stages=[sft, reward, grpo]", "base.grpo.reward_funcs=[model:reward]"]
+    assert objective_errors(load_sweep(path, [*rlhf, "base.evaluation.reward_model=reward"])) == []
+    assert objective_errors(load_sweep(path, rlhf))[0].startswith("objective.metric: 'reward_model_score' is not")
 
 
 def test_a_combination_invalid_only_together_names_its_trial(tmp_path, capsys):

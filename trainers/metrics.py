@@ -22,16 +22,19 @@ class ModelScores:
     per_prompt: dict[str, list[float]]  # metric -> one value per held-out prompt
 
 
-def per_prompt_metric_names(pass_ks: list[int], num_samples: int) -> list[str]:
-    """The metrics with one value per held-out prompt (what a paired comparison resamples)."""
-    return [*ANSWER_METRICS, *(f"pass_at_{k}" for k in dict.fromkeys(pass_ks) if k <= num_samples)]
+def per_prompt_metric_names(pass_ks: list[int], num_samples: int, reward_model: bool = False) -> list[str]:
+    """The metrics with one value per held-out prompt (what a paired comparison resamples); with
+    ``reward_model`` (an ``evaluation.reward_model``) also its mean score of each prompt's samples."""
+    scored = (REWARD_MODEL_METRIC,) if reward_model else ()
+    return [*ANSWER_METRICS, *(f"pass_at_{k}" for k in dict.fromkeys(pass_ks) if k <= num_samples), *scored]
 
 
-def evaluation_metric_names(pass_ks: list[int], num_samples: int) -> list[str]:
+def evaluation_metric_names(pass_ks: list[int], num_samples: int, reward_model: bool = False) -> list[str]:
     """Every metric the evaluation can report for a model (``trainers.evaluation``): the answer
-    metrics with their CIs, pass@k for k ≤ N, the mean completion length and the held-out
-    implicit-reward metrics. Light on purpose: the config checks ``promotion.metric`` against it."""
-    answers = per_prompt_metric_names(pass_ks, num_samples)
+    metrics with their CIs, pass@k for k ≤ N, the reward model's score with its CI (with
+    ``reward_model``), the mean completion length and the held-out implicit-reward metrics. Light
+    on purpose: the config checks ``promotion.metric`` and a sweep's objective against it."""
+    answers = per_prompt_metric_names(pass_ks, num_samples, reward_model)
     with_ci = [f"{name}{suffix}" for name in answers for suffix in ("", "_ci_low", "_ci_high")]
     return [*with_ci, "mean_completion_tokens", *PREFERENCE_METRICS]
 

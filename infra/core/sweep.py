@@ -202,7 +202,8 @@ def objective_errors(spec: SweepConfig) -> list[str]:
     except (ValidationError, ValueError):
         return []  # the base's own problems are reported with each axis value
     errors = []
-    known = evaluation_metric_names(base.evaluation.pass_k, base.evaluation.num_samples)
+    scored = base.evaluation.reward_model is not None
+    known = evaluation_metric_names(base.evaluation.pass_k, base.evaluation.num_samples, scored)
     if spec.objective.metric not in known:
         problem = f"{spec.objective.metric!r} is not a metric the evaluation produces; known: {', '.join(known)}"
         errors.append(f"objective.metric: {problem}")

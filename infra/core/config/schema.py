@@ -326,7 +326,10 @@ class PromotionConfig(Section):
         description="MLflow registered model to promote the final model into (no `/`, `:` or `@`: model URIs "
         "split on them); null turns the gate off.",
     )
-    metric: str = Field("sampled_accuracy", description="Evaluation metric the gate compares.")
+    metric: str = Field(
+        "sampled_accuracy",
+        description="Evaluation metric the gate compares (`reward_model_score` with an `evaluation.reward_model`).",
+    )
     min_improvement: float = Field(
         0.0, description="Required gain of `metric` over the current champion, re-scored on the same prompts."
     )
@@ -453,13 +456,14 @@ class ExperimentBase(Section):
             if self.data.builtin is None and all(getattr(self.data, split) is None for split in splits):
                 needs = " or ".join(f"data.{split}" for split in splits)
                 raise ValueError(f"stage {stage!r} needs {needs} (or data.builtin)")
-        known = evaluation_metric_names(self.evaluation.pass_k, self.evaluation.num_samples)
+        scored = self.evaluation.reward_model is not None
+        known = evaluation_metric_names(self.evaluation.pass_k, self.evaluation.num_samples, scored)
         if self.promotion.metric not in known:
             raise ValueError(
                 f"promotion.metric: {self.promotion.metric!r} is not a metric the evaluation produces; "
                 f"known: {', '.join(known)}"
             )
-        paired = per_prompt_metric_names(self.evaluation.pass_k, self.evaluation.num_samples)
+        paired = per_prompt_metric_names(self.evaluation.pass_k, self.evaluation.num_samples, scored)
         if (
             self.promotion.registered_model
             and self.promotion.confidence is not None
