@@ -185,6 +185,52 @@ def test_the_student_samples_its_own_completions_after_each_prompt_and_the_same_
 
 
 @pytest.mark.slow
+def test_with_seq_kd_the_off_policy_steps_train_on_the_teachers_samples_under_the_steps_seed(
+    tiny, demonstrations, tmp_path
+):
+    """λ = 0 with ``seq_kd`` (sequence-level KD): each step's batch is the batch's prompts with the
+    teacher's samples under the step's seed (what a trainer whose student is the teacher samples
+    under that seed), not the data's completions."""
+    from trainers.distill import derived_seed
+
+    model, tokenizer = tiny
+    teacher = perturbed(model, 0.05, 0)
+    trainer = make_trainer(
+        copy.deepcopy(model), teacher, tokenizer, demonstrations, tmp_path, lmbda=0.0, seq_kd=True, max_steps=2
+    )
+    as_student = make_trainer(copy.deepcopy(teacher), teacher, tokenizer, demonstrations, tmp_path / "t")
+    inputs = PromptCompletionCollator(tokenizer.pad_token_id)(demonstrations[:4])
+    by_teacher = trainer.teacher_batch(inputs, 7)
+    assert all(torch.equal(by_teacher[k], as_student.sampled_batch(as_student.model, inputs, 7)[k]) for k in by_teacher)
+    assert not torch.equal(by_teacher["input_ids"], trainer.sampled_batch(trainer.model, inputs, 7)["input_ids"])
+
+    seen, compute_loss = [], trainer.compute_loss
+
+    def recording(model, inputs, *args, **kwargs):
+        seen.append({name: tensor.clone() for name, tensor in inputs.items()})
+        return compute_loss(model, inputs, *args, **kwargs)
+
+    trainer.compute_loss = recording
+    trainer.train()
+    by_prompt = {tuple(row["prompt_ids"]): row for row in demonstrations}
+    assert len(seen) == 2
+    for step, batch in enumerate(seen):
+        lengths = (batch["attention_mask"].sum(1) - batch["completion_mask"].sum(1)).tolist()  # right-padded
+        prompts = [ids[:length] for ids, length in zip(batch["input_ids"], lengths)]
+        rows = [by_prompt[tuple(prompt.tolist())] for prompt in prompts]
+        want = trainer.teacher_batch(
+            PromptCompletionCollator(tokenizer.pad_token_id)(rows), derived_seed(trainer.args.seed, "teacher", step, 0)
+        )
+        assert torch.equal(batch["input_ids"], want["input_ids"]) and torch.equal(
+            batch["completion_mask"], want["completion_mask"]
+        )
+        data = PromptCompletionCollator(tokenizer.pad_token_id)(rows)
+        assert batch["input_ids"].shape != data["input_ids"].shape or not torch.equal(
+            batch["input_ids"], data["input_ids"]
+        )
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("lmbda", [0.0, 1.0])
 def test_training_moves_the_student_towards_a_frozen_teacher(tiny, demonstrations, tmp_path, lmbda):
     model, tokenizer = tiny

@@ -114,6 +114,19 @@ CASES = {
         ],
         2,
     ),
+    # sequence-level KD: the teacher's samples of steps 2 and 3 after the resume
+    "distill-seq_kd": (
+        "distill",
+        [
+            "distill.lmbda=0",
+            "distill.seq_kd=true",
+            "distill.max_steps=4",
+            "distill.save_steps=2",
+            "distill.per_device_train_batch_size=8",
+            "distill.max_new_tokens=8",
+        ],
+        2,
+    ),
 }
 
 

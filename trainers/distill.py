@@ -5,10 +5,11 @@ distributions over the completion's tokens.
 
 Each micro-batch draws whether it is *on-policy* (probability λ, ``lmbda``): the student then
 samples completions for the batch's prompts (at ``temperature``, cut at its first stop token) and
-trains on those; otherwise it trains on the data's completions (supervised KD). The draw and the
-sampling are seeded by the step, so every process draws the same and a resumed run repeats an
-uninterrupted one. The teacher must share the student's tokenizer; it runs frozen on the student's
-device and is never trained.
+trains on those; otherwise it trains on the data's completions (supervised KD), or, with
+``seq_kd``, on completions the teacher samples (sequence-level KD: Kim & Rush, 2016,
+arXiv:1606.07947). The draw and the sampling are seeded by the step, so every process draws the
+same and a resumed run repeats an uninterrupted one. The teacher must share the student's
+tokenizer; it runs frozen on the student's device and is never trained.
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ class DistillTrainer(MetricWindow, Trainer):
         on_policy = draws_on_policy(self.args.seed, step, micro, self.args.lmbda)
         if on_policy:
             inputs = self.sampled_batch(model, inputs, derived_seed(self.args.seed, "sample", step, micro))
+        elif self.args.seq_kd:
+            inputs = self.teacher_batch(inputs, derived_seed(self.args.seed, "teacher", step, micro))
         completions = inputs["completion_mask"].sum(1).float()
         self.record_metrics(
             {"on_policy": torch.tensor(float(on_policy)), "completion_length": completions.mean()}, "train"
@@ -124,20 +127,34 @@ class DistillTrainer(MetricWindow, Trainer):
     def sampled_batch(self, model, inputs: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
         """The batch's prompts with completions the student samples under ``seed`` (this process's
         rows get a seed of their own) instead of the data's."""
-        device = self.accelerator.device
         with forward_model(model, self.accelerator, self.sharding) as student:
             was_training = student.training
             student.eval()
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                torch.manual_seed(derived_seed(seed, self.accelerator.process_index))
-                output = student.generate(
-                    input_ids=inputs["prompt_ids"],
-                    attention_mask=inputs["prompt_mask"],
-                    generation_config=self.generation_config,
-                    logits_processor=self.sampling,
-                    synced_gpus=self.sharding.lockstep,
-                )
+            batch = self.completed_batch(student, inputs, seed, synced_gpus=self.sharding.lockstep)
             student.train(was_training)
+        return batch
+
+    @torch.no_grad()
+    def teacher_batch(self, inputs: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+        """The batch's prompts with completions the teacher samples under ``seed`` (``seq_kd``). The
+        teacher is whole on every process (never sharded), so no process waits for another."""
+        return self.completed_batch(self.teacher, inputs, seed, synced_gpus=False)
+
+    def completed_batch(
+        self, generator: PreTrainedModel, inputs: dict[str, torch.Tensor], seed: int, synced_gpus: bool
+    ) -> dict[str, torch.Tensor]:
+        """``generator``'s samples after the batch's prompts, at the stage's temperature, cut at its
+        first stop token."""
+        device = self.accelerator.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(derived_seed(seed, self.accelerator.process_index))
+            output = generator.generate(
+                input_ids=inputs["prompt_ids"],
+                attention_mask=inputs["prompt_mask"],
+                generation_config=self.generation_config,
+                logits_processor=self.sampling,
+                synced_gpus=synced_gpus,
+            )
         width = inputs["prompt_ids"].shape[1]
         completions, _ = cut_at_first_stop(output[:, width:].cpu(), self.stop_ids)
         prompts = [

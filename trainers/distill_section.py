@@ -41,7 +41,15 @@ class DistillStageConfig(TrainingConfig):
         description="Temperature of the student's sampling and of both distributions in the divergence.",
     )
     max_new_tokens: int = Field(
-        128, ge=1, description="Most tokens the student samples per completion (stops earlier at its stop token)."
+        128,
+        ge=1,
+        description="Most tokens the student (or, with seq_kd, the teacher) samples per completion (stops earlier at "
+        "its stop token).",
+    )
+    seq_kd: bool = Field(
+        False,
+        description="Sequence-level KD (Kim & Rush, 2016; TRL's GKD name): the steps that are not on-policy train on "
+        "completions the teacher samples for the `sft` split's prompts instead of the split's own completions.",
     )
 
 
