@@ -8,7 +8,7 @@ from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
 
 from infra.core.config import ExperimentConfig, check_compute, merge_onto
-from infra.core.handles import ModelHandle, PreparedData
+from infra.core.handles import ModelHandle, PreparedData, ReferenceLogps
 from infra.core.stage_io import TrainInputs
 from tasks.data import prepare_dataset
 from tasks.evaluate import EvalReport, HeldOutRewards, evaluate
@@ -17,7 +17,7 @@ from tasks.promote import find_champion, promote
 from tasks.reference import cache_ref_logps
 from tasks.tracking import link_stage, start_parent_run, tracked_run
 from tasks.train import train
-from trainers.reference_views import PAIRS_VIEW
+from trainers.reference_views import HELD_OUT_PAIRS_VIEW, PAIRS_VIEW
 from trainers.stages import STAGES
 
 
@@ -59,8 +59,8 @@ def experiment(
                 reference_logps = cache_ref_logps(
                     data, policy, config.reference, parent_run_id, config.compute, spec.reference_view
                 )
-                if reference_logps.view == PAIRS_VIEW.name:  # the held-out pairs' rewards read pairs' columns
-                    held_out_rewards = HeldOutRewards(reference_logps=reference_logps, beta=section.beta)
+                if (pairs := held_out_pairs(reference_logps, config, data, policy, parent_run_id)) is not None:
+                    held_out_rewards = HeldOutRewards(reference_logps=pairs, beta=section.beta)
             scorers = {name: reward_models[name] for name in spec.reward_models(section) if name in reward_models}
             teacher = resolve_teacher(spec.teacher(section))
             lora = config.peft.for_stage(stage)
@@ -75,6 +75,24 @@ def experiment(
                 policy = models[stage] = trained
         scorer = resolve_scorer(config.evaluation.reward_model, reward_models)
         return evaluate_and_gate(config, models, policy, data, held_out_rewards, parent_run_id, scorer)
+
+
+def held_out_pairs(
+    reference_logps: ReferenceLogps,
+    config: ExperimentConfig,
+    data: PreparedData,
+    policy: ModelHandle,
+    parent_run_id: str,
+) -> ReferenceLogps | None:
+    """The reference log-probs of the held-out pairs, which the evaluation's implicit rewards read:
+    the stage's own entry when it scores the pairs (DPO), else a pass over the held-out pairs alone
+    (KTO's entry holds its own rows); None without held-out pairs."""
+    if reference_logps.view == PAIRS_VIEW.name:
+        return reference_logps
+    if "preference_eval" not in data.rows:
+        return None
+    view = HELD_OUT_PAIRS_VIEW.name
+    return cache_ref_logps(data, policy, config.reference, parent_run_id, config.compute, view)
 
 
 def evaluate_and_gate(

@@ -249,12 +249,12 @@ def test_kto_after_sft_trains_on_the_unpaired_pairs_against_cached_reference_log
     """The `kto` stage in the flow: SFT's model is its start and its reference, whose log-probs of
     KTO's completions and KL completions (the pairs unpaired: two rows each) are one reference-cache
     entry, listed as the run's input; its MLflow run has KTO's metrics at every logging step, and it
-    is evaluated."""
+    is evaluated, with the implicit rewards of the held-out pairs (their own reference pass)."""
     overrides = ["stages=[sft, kto]", "kto.max_steps=4", "kto.per_device_train_batch_size=8", "kto.logging_steps=2"]
     flow_run_id, report = run_flow(load_config(MINIMAL, [*UNIQUE, *overrides]))
     states = task_states(flow_run_id)
     assert states["train-kto"] == "Completed" and states["train-sft"] in ("Completed", "Cached")
-    assert len([name for name in states if name.startswith("cache-reference-logps")]) == 1
+    assert len([name for name in states if name.startswith("cache-reference-logps")]) == 2  # KTO's rows; held out
     client, _, children = parent_and_children(flow_run_id)
     kto = client.get_run(children["kto"].info.run_id)
     assert kto.info.status == "FINISHED" and kto.data.params["kto.beta"] == "0.1"
@@ -262,6 +262,8 @@ def test_kto_after_sft_trains_on_the_unpaired_pairs_against_cached_reference_log
     entry = ReferenceCache(get_settings().reference_cache_root).read(kto.data.tags["alignflow.reference_cache_key"])
     assert entry.rows == {"kto": 160, "kto_eval": 40} and entry.manifest["inputs"]["view"] == "kto"
     assert reference_input(kto)[0].digest == entry.digest
+    assert report.num_pairs == 20 and 0 <= report.rows["kto"]["rewards/accuracies"] <= 1
+    assert "rewards/accuracies" not in report.rows["sft"]  # the reference: its implicit reward is 0
     for metric in ("kl", "rewards/chosen", "rewards/rejected", "loss"):
         assert [m.step for m in client.get_metric_history(kto.info.run_id, metric)] == [2, 4], metric
     assert list(report.rows) == ["base", "sft", "kto"]

@@ -4,6 +4,8 @@ shape of data a stage reads reference log-probs of; a stage names its view
 (``StageSpec.reference_view``), and the view's name is part of the cache key. No torch here.
 
 - ``pairs``: the preference splits as prepared; chosen and rejected (DPO).
+- ``held_out_pairs``: the ``preference_eval`` split alone, for the evaluation's implicit rewards
+  of a stage whose own view is another (KTO).
 - ``kto``: KTO's rows (:func:`trainers.kto_data.kto_splits`); the completion and its KL completion.
 """
 
@@ -43,16 +45,20 @@ def register_view(view: ReferenceView) -> ReferenceView:
     return view
 
 
-PAIRS_VIEW = register_view(
-    ReferenceView(
-        name="pairs",
-        sources=PAIR_SPLITS,
-        splits=lambda prepared: {split: prepared[split] for split in PAIR_SPLITS if split in prepared},
-        rows=lambda counts: {split: rows for split, rows in counts.items() if split in PAIR_SPLITS},
+def pairs_view(name: str, splits: tuple[str, ...]) -> ReferenceView:
+    """A view of preference ``splits`` as prepared: chosen and rejected."""
+    return ReferenceView(
+        name=name,
+        sources=splits,
+        splits=lambda prepared: {split: prepared[split] for split in splits if split in prepared},
+        rows=lambda counts: {split: rows for split, rows in counts.items() if split in splits},
         completions=("chosen_ids", "rejected_ids"),
         columns=REF_COLUMNS,
     )
-)
+
+
+PAIRS_VIEW = register_view(pairs_view("pairs", PAIR_SPLITS))
+HELD_OUT_PAIRS_VIEW = register_view(pairs_view("held_out_pairs", ("preference_eval",)))
 
 KTO_VIEW = register_view(
     ReferenceView(
