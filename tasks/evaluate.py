@@ -32,8 +32,8 @@ TABLE_COLUMNS = {
     "sampled_accuracy": "sampled acc",
     "pass_at_4": "pass@4",
     "mean_completion_tokens": "mean tokens",
-    "rewards/accuracies": "DPO reward acc",
-    "rewards/margins": "DPO margin",
+    "rewards/accuracies": "reward acc",  # the implicit reward β·log(π/ref) of the last stage with a β (DPO, KTO)
+    "rewards/margins": "reward margin",
     "logratios/margins": "log-ratio margin",
     "reward_model_score": "RM score",
 }
