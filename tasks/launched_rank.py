@@ -73,24 +73,13 @@ def loaded_model(spec: ReferenceJob | EvaluateJob):
 def reference(spec: ReferenceJob) -> BaseModel:
     import datasets
 
-    from trainers.reference import reference_logps
+    from trainers.reference import score_view
     from trainers.reference_views import REFERENCE_VIEWS
 
     model, tokenizer, state = loaded_model(spec)
+    prepared = datasets.load_from_disk(str(spec.splits))
     view = REFERENCE_VIEWS.lookup(spec.view)
-    scored = view.rows_to_score(datasets.load_from_disk(str(spec.splits)))
-    columns = {
-        split: reference_logps(
-            model,
-            tokenizer.pad_token_id,
-            rows,
-            spec.batch_size,
-            progress=False,
-            state=state,
-            completions=view.completions,
-        )
-        for split, rows in scored.items()
-    }
+    columns = score_view(model, tokenizer.pad_token_id, view, prepared, spec.batch_size, progress=False, state=state)
     return spec.result(world_size=state.num_processes, columns=columns)
 
 

@@ -103,23 +103,18 @@ def compute_columns(ref: ReferenceLogps) -> dict[str, Columns]:
     if ref.compute.num_processes > 1:
         return launched_columns(ref)
     from trainers.modeling import load_causal_lm
-    from trainers.reference import reference_logps
+    from trainers.reference import score_view
 
     view = REFERENCE_VIEWS.lookup(ref.view)
-    scored = view.rows_to_score(datasets.load_from_disk(ref.data.path))
     reference = ref.reference
     model, tokenizer = load_causal_lm(reference.path, reference.revision, ref.dtype, compute_device(ref.compute.cpu))
     if model_dtype(model) != ref.dtype:
         raise CacheIntegrityError(
             f"reference {reference.path} loaded in {model_dtype(model)}, but its cache key says {ref.dtype}"
         )
-    progress = PrefectProgress(sum(len(rows) for rows in scored.values()))
-    return {
-        split: reference_logps(
-            model, tokenizer.pad_token_id, rows, ref.batch_size, on_batch=progress, completions=view.completions
-        )
-        for split, rows in scored.items()
-    }
+    progress = PrefectProgress(sum(view.rows(ref.data.rows).values()))
+    prepared = datasets.load_from_disk(ref.data.path)
+    return score_view(model, tokenizer.pad_token_id, view, prepared, ref.batch_size, on_batch=progress)
 
 
 def launched_columns(ref: ReferenceLogps) -> dict[str, Columns]:
@@ -229,15 +224,17 @@ def cache_ref_logps(
     started = time.perf_counter()
     entry, computed = ensure_entry(ref, parent_run_id)
     seconds = time.perf_counter() - started
-    pairs = sum(entry.rows.values())
+    rows = sum(entry.rows.values())
     get_run_logger().info(
-        "reference log-probs of %d pairs %s %s in %.2f s",
-        pairs,
+        "reference log-probs of %d rows (%s) %s %s in %.2f s",
+        rows,
+        view,
         "computed into" if computed else "read from",
         entry.uri,
         seconds,
     )
     if parent_run_id is not None:
-        metrics = {"seconds": seconds, "pairs": pairs, "pairs_per_second": pairs / seconds, "computed": float(computed)}
-        log_metrics(parent_run_id, {f"reference/{name}": value for name, value in metrics.items()})
+        # by view: one run may have several reference passes (KTO's rows, then its held-out pairs)
+        metrics = {"seconds": seconds, "rows": rows, "rows_per_second": rows / seconds, "computed": float(computed)}
+        log_metrics(parent_run_id, {f"reference/{view}/{name}": value for name, value in metrics.items()})
     return ref

@@ -111,8 +111,10 @@ def test_dpo_run_lists_the_reference_cache_entry_as_an_input_with_its_digest(fir
     assert entry.manifest["producer"]["prefect_flow_run_id"] == str(first_run[0])
 
     metrics = parent.data.metrics  # the reference stage's own figures
-    assert metrics["reference/computed"] == 1.0 and metrics["reference/pairs"] == 100
-    assert metrics["reference/pairs_per_second"] == pytest.approx(100 / metrics["reference/seconds"], rel=1e-6)
+    assert metrics["reference/pairs/computed"] == 1.0 and metrics["reference/pairs/rows"] == 100
+    assert metrics["reference/pairs/rows_per_second"] == pytest.approx(
+        100 / metrics["reference/pairs/seconds"], rel=1e-6
+    )
 
     assert main(["cache", "verify"]) == 0
     assert f"{key}  ok" in capsys.readouterr().out

@@ -77,7 +77,7 @@ def test_entry_is_written_once_with_manifest_checksums_and_read_back(store, monk
             "rows": rows,
             "sha256": hashlib.sha256(data).hexdigest(),
         }
-    assert manifest["timing"] == {"compute_seconds": 1.5, "pairs": 6, "pairs_per_second": 4.0}
+    assert manifest["timing"] == {"compute_seconds": 1.5, "rows": 6, "rows_per_second": 4.0}
     assert datetime.now(timezone.utc) - datetime.fromisoformat(manifest["created_at"]) < timedelta(minutes=5)
     assert entry.digest == manifest["digest"] and entry.uri == f"{store.root}/k1"
 

@@ -38,6 +38,15 @@ def prompt_completion_batch(prompts: list[list[int]], completions: list[list[int
     return batch | {"completion_mask": pad_right(masks, 0)}
 
 
+def two_completion_batch(rows: list[dict], completions: tuple[str, str], pad_token_id: int) -> dict:
+    """``2B`` rows for one concatenated forward: each row's ``prompt_ids`` + its first completion
+    column, then each row's ``prompt_ids`` + its second (a pair's chosen, then its rejected)."""
+    prompts = [row["prompt_ids"] for row in rows]
+    first, second = completions
+    scored = [row[first] for row in rows] + [row[second] for row in rows]
+    return prompt_completion_batch(prompts + prompts, scored, pad_token_id)
+
+
 @dataclass
 class CompletionOnlyCollator:
     """SFT batches whose ``labels`` hide prompt and padding (loss on completion tokens only)."""
@@ -63,9 +72,7 @@ class PreferenceCollator:
     pad_token_id: int
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        prompts = [f["prompt_ids"] for f in features]
-        completions = [f["chosen_ids"] for f in features] + [f["rejected_ids"] for f in features]
-        batch = prompt_completion_batch(prompts + prompts, completions, self.pad_token_id)
+        batch = two_completion_batch(features, ("chosen_ids", "rejected_ids"), self.pad_token_id)
         for column in REF_COLUMNS:
             if column in features[0]:
                 batch[column] = torch.tensor([f[column] for f in features], dtype=torch.float32)

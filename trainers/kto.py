@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
-from trainers.collators import prompt_completion_batch
+from trainers.collators import two_completion_batch
 from trainers.data import LABEL
 from trainers.kto_data import KL_COMPLETION, REF_KL_LOGPS, REF_LOGPS
 from trainers.kto_section import KTOStageConfig
@@ -66,9 +66,7 @@ class UnpairedCollator:
     pad_token_id: int
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        prompts = [f["prompt_ids"] for f in features]
-        completions = [f["completion_ids"] for f in features] + [f[KL_COMPLETION] for f in features]
-        batch = prompt_completion_batch(prompts + prompts, completions, self.pad_token_id)
+        batch = two_completion_batch(features, ("completion_ids", KL_COMPLETION), self.pad_token_id)
         batch["desirable"] = torch.tensor([bool(f[LABEL]) for f in features])
         if REF_LOGPS in features[0]:
             cached = [f[REF_LOGPS] for f in features] + [f[REF_KL_LOGPS] for f in features]

@@ -9,7 +9,7 @@ that is what lets the reference log-probs of the KL completions be computed once
 from __future__ import annotations
 
 import random
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 from trainers.data import LABEL
 
@@ -60,24 +60,29 @@ def with_kl_completions(rows: Sequence[Mapping[str, Any]], split: str = KTO_SPLI
     ]
 
 
+def kto_sources(prepared_splits: Collection[str]) -> dict[str, tuple[str, bool]]:
+    """For each of KTO's splits, the prepared split it comes from and whether that split holds pairs
+    (unpaired into two rows each): ``kto`` from the ``unpaired`` split, or else from the
+    ``preference`` split's pairs; ``kto_eval`` from the ``preference_eval`` pairs, when prepared."""
+    sources = {KTO_SPLIT: ("unpaired", False) if "unpaired" in prepared_splits else ("preference", True)}
+    if "preference_eval" in prepared_splits:
+        sources[KTO_EVAL_SPLIT] = ("preference_eval", True)
+    return sources
+
+
 def kto_splits(prepared: Mapping[str, Any]) -> dict[str, list[dict]]:
-    """KTO's training rows (``kto``): the ``unpaired`` split, or else the ``preference`` split
-    unpaired; and, with a ``preference_eval`` split, its pairs unpaired (``kto_eval``). Each row
-    carries its KL completion (:func:`with_kl_completions`)."""
-    if "unpaired" in prepared:
-        splits = {KTO_SPLIT: with_kl_completions(prepared["unpaired"], "unpaired")}
-    else:
-        splits = {KTO_SPLIT: with_kl_completions(unpaired(prepared["preference"]), "preference (unpaired)")}
-    if "preference_eval" in prepared:
-        splits[KTO_EVAL_SPLIT] = with_kl_completions(
-            unpaired(prepared["preference_eval"]), "preference_eval (unpaired)"
-        )
-    return splits
+    """KTO's rows by split (:func:`kto_sources`), each row with its KL completion (:func:`with_kl_completions`)."""
+    return {
+        split: with_kl_completions(unpaired(prepared[source]), f"{source} (unpaired)")
+        if pairs
+        else with_kl_completions(prepared[source], source)
+        for split, (source, pairs) in kto_sources(prepared).items()
+    }
 
 
 def kto_split_rows(prepared_rows: Mapping[str, int]) -> dict[str, int]:
     """The row counts of :func:`kto_splits` from the prepared splits' row counts."""
-    rows = {KTO_SPLIT: prepared_rows["unpaired"] if "unpaired" in prepared_rows else 2 * prepared_rows["preference"]}
-    if "preference_eval" in prepared_rows:
-        rows[KTO_EVAL_SPLIT] = 2 * prepared_rows["preference_eval"]
-    return rows
+    return {
+        split: prepared_rows[source] * (2 if pairs else 1)
+        for split, (source, pairs) in kto_sources(prepared_rows).items()
+    }

@@ -3,14 +3,15 @@ their KL completions: ``trainers.reference_views``), computed once with a frozen
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from trainers.collators import prompt_completion_batch
+from trainers.collators import two_completion_batch
 from trainers.logprobs import completion_logps
+from trainers.reference_views import ReferenceView
 from trainers.sharding import batches_of, gather_shards, local_shard
 
 
@@ -33,16 +34,12 @@ def reference_logps(
     ``on_batch(rows_done)`` is called after each batch (e.g. to report progress elsewhere)."""
     model.eval()
 
-    def collate(part: list[dict]) -> dict[str, torch.Tensor]:
-        prompts = [row["prompt_ids"] for row in part]
-        scored = [row[completions[0]] for row in part] + [row[completions[1]] for row in part]
-        return prompt_completion_batch(prompts + prompts, scored, pad_token_id)
-
     _, mine = local_shard(batches_of(rows, batch_size), state)
     scored = []
     # disable=None: a bar on a terminal only; redirected output (logs, CI) gets no bar fragments
     for part in tqdm(mine, desc="reference log-probs", disable=None if progress else True, mininterval=5):
-        batch = {name: tensor.to(model.device) for name, tensor in collate(part).items()}
+        batch = two_completion_batch(part, completions, pad_token_id)
+        batch = {name: tensor.to(model.device) for name, tensor in batch.items()}
         logps = completion_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"]).logps
         half = len(logps) // 2
         scored.append((logps[:half].tolist(), logps[half:].tolist()))
@@ -50,3 +47,20 @@ def reference_logps(
             on_batch(half)
     gathered = gather_shards(scored, state)
     return [v for first, _ in gathered for v in first], [v for _, second in gathered for v in second]
+
+
+def score_view(
+    model: PreTrainedModel,
+    pad_token_id: int,
+    view: ReferenceView,
+    prepared: Mapping[str, Any],
+    batch_size: int,
+    progress: bool = True,
+    on_batch: Callable[[int], None] | None = None,
+    state: Any | None = None,
+) -> dict[str, tuple[list[float], list[float]]]:
+    """:func:`reference_logps` of every split of ``view`` over the ``prepared`` splits, by split."""
+    return {
+        split: reference_logps(model, pad_token_id, rows, batch_size, progress, on_batch, state, view.completions)
+        for split, rows in view.rows_to_score(prepared).items()
+    }

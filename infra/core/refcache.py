@@ -221,7 +221,7 @@ class ReferenceCache:
                 data = parquet_bytes(chosen, rejected)
                 self.fs.pipe_file(f"{staging}/{split}.parquet", data)
                 splits[split] = {"file": f"{split}.parquet", "rows": len(chosen), "sha256": sha256(data)}
-            pairs = sum(info["rows"] for info in splits.values())
+            rows = sum(info["rows"] for info in splits.values())
             manifest = {
                 "format": FORMAT,
                 "key": key,
@@ -232,8 +232,8 @@ class ReferenceCache:
                 "producer": {**producer, "host": socket.gethostname(), "pid": os.getpid()},
                 "timing": {
                     "compute_seconds": seconds,
-                    "pairs": pairs,
-                    "pairs_per_second": pairs / seconds if seconds > 0 else None,
+                    "rows": rows,
+                    "rows_per_second": rows / seconds if seconds > 0 else None,
                 },
             }
             self.fs.pipe_file(f"{staging}/{MANIFEST}", json.dumps(manifest, indent=2).encode())

@@ -22,18 +22,10 @@ def build_distill(section: DistillStageConfig, inputs: StageInputs):
         f"the teacher {inputs.teacher.path}",
         "distillation compares next-token distributions id by id; use a teacher of the student's family",
     )
-    eval_split = inputs.splits.get("sft_eval")
     return DistillTrainer(
-        model=model,
         teacher_model=teacher,
-        args=section.training_arguments(
-            DistillConfig, evaluates=eval_split is not None, **inputs.runtime_arguments(model)
-        ),
-        train_dataset=inputs.splits["sft"],
-        eval_dataset=eval_split,
         data_collator=PromptCompletionCollator(tokenizer.pad_token_id),
-        processing_class=tokenizer,
-        callbacks=inputs.callbacks,
+        **inputs.trainer_arguments(section, DistillConfig, model, tokenizer, "sft", "sft_eval"),
     )
 
 

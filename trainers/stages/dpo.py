@@ -15,16 +15,10 @@ def build_dpo(section: DPOStageConfig, inputs: StageInputs):
 
     model, tokenizer = inputs.load_policy()
     ref_model = inputs.load_reference() if section.reference_source() == "live" else None
-    eval_split = inputs.splits.get("preference_eval")
     return DPOTrainer(
-        model=model,
         ref_model=ref_model,
-        args=section.training_arguments(DPOConfig, evaluates=eval_split is not None, **inputs.runtime_arguments(model)),
-        train_dataset=inputs.splits["preference"],
-        eval_dataset=eval_split,
         data_collator=PreferenceCollator(tokenizer.pad_token_id),
-        processing_class=tokenizer,
-        callbacks=inputs.callbacks,
+        **inputs.trainer_arguments(section, DPOConfig, model, tokenizer, "preference", "preference_eval"),
     )
 
 

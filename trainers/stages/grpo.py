@@ -32,15 +32,11 @@ def build_grpo(section: GRPOStageConfig, inputs: StageInputs):
     # The KL anchor is the policy GRPO starts from (with LoRA: the policy, adapters disabled);
     # with β = 0 no reference is loaded at all.
     ref_model = inputs.load_reference() if section.beta > 0 else None
-    args = section.training_arguments(GRPOConfig, **inputs.runtime_arguments(model))
+    arguments = inputs.trainer_arguments(section, GRPOConfig, model, tokenizer, "grpo_prompts")
     return GRPOTrainer(
-        model=model,
         ref_model=ref_model,
-        reward_funcs=reward_functions(section, inputs, args.device),
-        args=args,
-        train_dataset=inputs.splits["grpo_prompts"],
-        processing_class=tokenizer,
-        callbacks=inputs.callbacks,
+        reward_funcs=reward_functions(section, inputs, arguments["args"].device),
+        **arguments,
     )
 
 

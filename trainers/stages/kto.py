@@ -17,16 +17,10 @@ def build_kto(section: KTOStageConfig, inputs: StageInputs):
     cached = section.reference == "cached"
     # cached: the reference pass's `kto` view of the data, with its ref columns; live: the same rows
     splits = inputs.splits if cached else kto_splits(inputs.splits)
-    eval_split = splits.get(KTO_EVAL_SPLIT)
     return KTOTrainer(
-        model=model,
         ref_model=None if cached else inputs.load_reference(),
-        args=section.training_arguments(KTOConfig, evaluates=eval_split is not None, **inputs.runtime_arguments(model)),
-        train_dataset=splits[KTO_SPLIT],
-        eval_dataset=eval_split,
         data_collator=UnpairedCollator(tokenizer.pad_token_id),
-        processing_class=tokenizer,
-        callbacks=inputs.callbacks,
+        **inputs.trainer_arguments(section, KTOConfig, model, tokenizer, KTO_SPLIT, KTO_EVAL_SPLIT, splits),
     )
 
 

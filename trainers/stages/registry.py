@@ -64,6 +64,34 @@ class StageInputs:
             return None
         return load_causal_lm(self.reference.path, self.reference.revision, self.dtype)[0]
 
+    def trainer_arguments(
+        self,
+        section: TrainingConfig,
+        arguments: type,
+        model,
+        tokenizer,
+        train_split: str,
+        eval_split: str | None = None,
+        splits: Mapping[str, Any] | None = None,
+        **overrides: Any,
+    ) -> dict[str, Any]:
+        """The keyword arguments every stage's ``Trainer`` takes: ``model``, its ``arguments``
+        (a ``TrainingArguments`` class) from ``section`` and :meth:`runtime_arguments` (and
+        ``overrides``), the train split, the eval split when prepared (evaluated then), the
+        tokenizer and the callbacks. ``splits`` replaces the prepared splits (rows a stage builds)."""
+        splits = self.splits if splits is None else splits
+        evaluated = splits.get(eval_split) if eval_split is not None else None
+        return dict(
+            model=model,
+            args=section.training_arguments(
+                arguments, evaluates=evaluated is not None, **self.runtime_arguments(model), **overrides
+            ),
+            train_dataset=splits[train_split],
+            eval_dataset=evaluated,
+            processing_class=tokenizer,
+            callbacks=self.callbacks,
+        )
+
     def runtime_arguments(self, model) -> dict[str, Any]:
         """Trainer arguments that are not configuration: where to write, the pipeline's own logging,
         ``compute.mixed_precision`` (the Trainer puts the model on its device) and what DDP needs

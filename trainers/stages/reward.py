@@ -15,17 +15,9 @@ def build_reward(section: RewardStageConfig, inputs: StageInputs):
     model, tokenizer, _ = load_reward_model(inputs.policy.path, inputs.policy.revision, inputs.dtype, section.head)
     if inputs.lora is not None:  # saved merged (trainers.lora.save_stage_model), as a full reward model is
         model = add_adapters(model, inputs.lora, REWARD_HEADS.lookup(section.head).peft_task_type)
-    eval_split = inputs.splits.get("preference_eval")
     return RewardTrainer(
-        model=model,
-        args=section.training_arguments(
-            RewardConfig, evaluates=eval_split is not None, **inputs.runtime_arguments(model)
-        ),
-        train_dataset=inputs.splits["preference"],
-        eval_dataset=eval_split,
         data_collator=PairSequenceCollator(tokenizer.pad_token_id),
-        processing_class=tokenizer,
-        callbacks=inputs.callbacks,
+        **inputs.trainer_arguments(section, RewardConfig, model, tokenizer, "preference", "preference_eval"),
     )
 
 

@@ -13,21 +13,12 @@ def build_sft(section: SFTConfig, inputs: StageInputs):
     from trainers.collators import CompletionOnlyCollator
 
     model, tokenizer = inputs.load_policy()
-    eval_split = inputs.splits.get("sft_eval")
     return Trainer(
-        model=model,
-        # the collator reads prompt_ids / completion_ids, which the model's forward does not take
-        args=section.training_arguments(
-            TrainingArguments,
-            evaluates=eval_split is not None,
-            **inputs.runtime_arguments(model),
-            remove_unused_columns=False,
-        ),
-        train_dataset=inputs.splits["sft"],
-        eval_dataset=eval_split,
         data_collator=CompletionOnlyCollator(tokenizer.pad_token_id),
-        processing_class=tokenizer,
-        callbacks=inputs.callbacks,
+        # the collator reads prompt_ids / completion_ids, which the model's forward does not take
+        **inputs.trainer_arguments(
+            section, TrainingArguments, model, tokenizer, "sft", "sft_eval", remove_unused_columns=False
+        ),
     )
 
 
