@@ -1,4 +1,5 @@
-"""GPU check: SFT → cached reference → DPO → GRPO → evaluation of a ~0.5B Llama, in bf16, on one GPU.
+"""GPU check: SFT → cached reference → DPO → reward → GRPO → distill → evaluation of a ~0.5B Llama,
+in bf16, on one GPU.
 
 One prepared script, no network: it builds ``builtin:llama-0.5b`` (Qwen2.5-0.5B's shape, 494M
 parameters, random init) and the built-in tokenizer, prepares the built-in addition task, and runs
@@ -7,6 +8,9 @@ and the cache, ``tasks.evaluate.score_model``) with ``compute.mixed_precision: b
 and ``compute.dtype: bfloat16`` for the reference pass and the evaluation. Per stage it prints
 wall time, tokens/s, MFU and peak GPU memory, and it asserts that the reference pass and the
 evaluation ran on the GPU (the GPU memory they allocated holds at least the model's bf16 weights).
+GRPO is scored by the reward stage's model on a device of its own (``grpo.reward_model_device:
+cpu``) and the distillation's teacher (the SFT model) runs on the CPU too (``distill.teacher_device:
+cpu``): their inputs, scores and logits cross devices.
 
     .venv/bin/python benchmarks/gpu_check.py                      # on a CUDA machine (a few minutes)
     .venv/bin/python benchmarks/gpu_check.py --model builtin:tiny-llama --steps 2 --allow-cpu   # logic smoke
@@ -235,8 +239,10 @@ def run_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:
     from tasks.models import checkpoint_handle
     from tasks.reference import ensure_entry, with_reference_columns
     from trainers.builtin_model import save_builtin_model
+    from trainers.distill_section import DistillStageConfig
     from trainers.dpo_section import DPOStageConfig
     from trainers.grpo_section import GRPOStageConfig
+    from trainers.reward_section import RewardStageConfig
     from trainers.sft_section import SFTConfig
     from trainers.stages import ModelSource, StageInputs
 
@@ -259,7 +265,7 @@ def run_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:
     reports: list[StageReport] = []
     steps = dict(max_steps=options.steps, logging_steps=options.steps, save_steps=0, eval_strategy="no")
 
-    def inputs(stage: str, start, splits) -> StageInputs:
+    def inputs(stage: str, start, splits, **helpers) -> StageInputs:
         source = ModelSource(start.path)
         return StageInputs(
             policy=source,
@@ -269,6 +275,7 @@ def run_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:
             dtype="float32",  # fp32 master weights; bf16 autocast through mixed_precision
             mixed_precision=compute.mixed_precision,
             cpu=compute.cpu,
+            **helpers,
         )
 
     splits = datasets.load_from_disk(data.path)
@@ -300,6 +307,14 @@ def run_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:
         parameters,
         gpu,
     )
+    reward = train_stage(
+        "reward",
+        RewardStageConfig(per_device_train_batch_size=options.batch_size, **steps),
+        inputs("reward", sft, splits),
+        reports,
+        parameters,
+        gpu,
+    )
     grpo_logs: dict = {}
     grpo = train_stage(
         "grpo",
@@ -308,14 +323,17 @@ def run_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:
             num_generations=options.num_generations,
             log_completions_steps=0,
             generation_backend=options.backend,
+            reward_funcs=["correctness", "model:reward"],
+            reward_model_device="cpu",
             **{k: v for k, v in steps.items() if k != "eval_strategy"},
         ),
-        inputs("grpo", dpo, splits),
+        inputs("grpo", dpo, splits, reward_models={"reward": ModelSource(reward.path)}),
         reports,
         parameters,
         gpu,
         grpo_logs,
     )
+    assert "rewards/model:reward/mean" in grpo_logs, sorted(grpo_logs)
     generating, training = grpo_logs["time/generation_per_step"], grpo_logs["time/training_per_step"]
     tokens_per_second = grpo_logs["completions/mean_length"] * options.batch_size / generating
     gap = (
@@ -327,6 +345,24 @@ def run_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:
         f"gpu_check: GRPO on {options.backend}: {generating:.3f} s generating and {training:.3f} s training per "
         f"step, {tokens_per_second:,.0f} generated tokens/s{gap}"
     )
+
+    train_stage(
+        "distill",
+        DistillStageConfig(
+            teacher_model=sft.path,
+            teacher_device="cpu",
+            lmbda=0.0,  # every step on the teacher's own samples (seq_kd): generated on its device
+            seq_kd=True,
+            max_new_tokens=16,
+            per_device_train_batch_size=options.batch_size,
+            **steps,
+        ),
+        inputs("distill", base, splits, teacher=ModelSource(sft.path)),
+        reports,
+        parameters,
+        gpu,
+    )
+    print("gpu_check: GRPO's reward model and the distillation's teacher ran on cpu")
 
     evaluation = EvaluationConfig(
         num_prompts=options.eval_prompts, bootstrap_resamples=100, generation_backend=options.backend

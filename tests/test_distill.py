@@ -13,6 +13,7 @@ from helpers import QUIET_TRAINING
 from pydantic import ValidationError
 
 from infra.core.config import load_config
+from trainers.devices import placed_on
 from trainers.distill import (
     DistillConfig,
     DistillTrainer,
@@ -99,6 +100,27 @@ def test_a_distill_stage_needs_an_existing_teacher_at_load_time(tmp_path):
         load_config(None, ["stages=[sft, distill]", f"distill.teacher_model={tmp_path / 'gone'}"])
     config = load_config(None, ["stages=[sft, distill]", "distill.teacher_model=builtin:llama-20m"])
     assert (config.distill.lmbda, config.distill.beta, config.distill.temperature) == (0.5, 0.5, 0.9)
+
+
+@pytest.mark.unit
+def test_a_helper_models_gpu_of_its_own_is_refused_over_several_processes_and_where_it_is_missing():
+    """A teacher (or GRPO's reward model) on a GPU of its own serves one process: over several, every
+    process would load a copy on it (a config error at load time); ``cpu`` and ``policy`` load."""
+    teacher = ["stages=[sft, distill]", "distill.teacher_model=builtin:llama-20m", "compute.num_processes=2"]
+    with pytest.raises(
+        ValidationError, match="distill: teacher_device: cuda:1 with compute.num_processes 2: every process would"
+    ):
+        load_config(None, [*teacher, "distill.teacher_device=cuda:1"])
+    assert load_config(None, [*teacher, "distill.teacher_device=cpu"]).distill.teacher_device == "cpu"
+    assert load_config(None, teacher).distill.teacher_device == "policy"
+    with pytest.raises(ValidationError, match="grpo: reward_model_device: cuda with compute.num_processes 2"):
+        load_config(None, ["stages=[sft, grpo]", "grpo.reward_model_device=cuda", "compute.num_processes=2"])
+    with pytest.raises(ValidationError, match="grpo.reward_model_device"):
+        load_config(None, ["grpo.reward_model_device=gpu0"])
+    assert placed_on("policy", "cpu", "distill.teacher_device") == torch.device("cpu")
+    assert placed_on("cpu", "cpu", "distill.teacher_device") == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"distill.teacher_device: cuda:64, but this machine has \d+ CUDA device"):
+        placed_on("cuda:64", "cpu", "distill.teacher_device")
 
 
 @pytest.mark.unit
@@ -258,3 +280,31 @@ def test_training_moves_the_student_towards_a_frozen_teacher(tiny, demonstration
     assert {"completion_length", "logps/student", "logps/teacher", "num_tokens"} <= set(logs[0])
     assert end < 0.5 * start
     assert all(torch.equal(p, b) for p, b in zip(teacher.parameters(), before))
+
+
+@pytest.mark.slow
+def test_a_teacher_on_a_device_of_its_own_trains_the_student_as_one_on_the_policys(tiny, demonstrations, tmp_path):
+    """``teacher_device: cpu`` keeps the teacher frozen outside accelerate on its device, samples
+    (``seq_kd``) and scores there and hands its logits back: the same weights as the policy's device
+    (on this CPU machine both are the CPU: the values through the other path; gpu_check crosses devices)."""
+    model, tokenizer = tiny
+    teacher = perturbed(model, 0.05, 0)
+    trained = {}
+    for placement in ("policy", "cpu"):
+        trainer = make_trainer(
+            copy.deepcopy(model),
+            copy.deepcopy(teacher),
+            tokenizer,
+            demonstrations,
+            tmp_path / placement,
+            lmbda=0.5,
+            seq_kd=True,
+            max_steps=4,
+            teacher_device=placement,
+        )
+        trainer.train()
+        assert trainer.teacher_device == torch.device("cpu")
+        assert not any(p.requires_grad for p in trainer.teacher.parameters())
+        trained[placement] = [p.detach().clone() for p in trainer.model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(trained["policy"], trained["cpu"]))
+    assert not all(torch.equal(a, b) for a, b in zip(trained["cpu"], model.parameters()))

@@ -72,3 +72,16 @@ def ddp_arguments(model: torch.nn.Module) -> dict[str, bool]:
     LoRA model). Only a mixture of experts needs it: a dense model uses every trainable parameter
     in every forward."""
     return {"ddp_find_unused_parameters": routes_to_experts(model.config)}
+
+
+def placed_on(placement: str, policy_device: torch.device | str, field: str) -> torch.device:
+    """The device of a frozen helper model (``trainers.sections.Placement``): the policy's for
+    ``policy``, else the named one, which this machine must have."""
+    import torch
+
+    if placement == "policy":
+        return torch.device(policy_device)
+    device = torch.device(placement)
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"{field}: {placement}, but this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device

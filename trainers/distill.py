@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from trainers.collators import pad_left, prompt_completion_batch
+from trainers.devices import placed_on
 from trainers.distill_section import DistillStageConfig
 from trainers.metric_window import MetricWindow
 from trainers.sampling import sampled_generation_config, sampling_processors
@@ -101,7 +102,11 @@ class DistillTrainer(MetricWindow, Trainer):
             raise ValueError("DistillTrainer needs processing_class: the tokenizer the student samples with")
         args: DistillConfig = self.args
         tokenizer = self.processing_class
-        self.teacher = prepare_reference(teacher_model, self.accelerator)
+        self.teacher_device = placed_on(args.teacher_device, self.accelerator.device, "distill.teacher_device")
+        if args.teacher_device == "policy":
+            self.teacher = prepare_reference(teacher_model, self.accelerator)
+        else:  # a device of its own: frozen there, outside accelerate (no mixed precision, no sharding)
+            self.teacher = teacher_model.requires_grad_(False).eval().to(self.teacher_device)
         self.sharding = sharding_of(self.accelerator.state)
         self.stop_ids = stop_token_ids(tokenizer, self.model.generation_config)
         self.sampling = sampling_processors(args.temperature)
@@ -138,19 +143,24 @@ class DistillTrainer(MetricWindow, Trainer):
     def teacher_batch(self, inputs: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
         """The batch's prompts with completions the teacher samples under ``seed`` (``seq_kd``). The
         teacher is whole on every process (never sharded), so no process waits for another."""
-        return self.completed_batch(self.teacher, inputs, seed, synced_gpus=False)
+        return self.completed_batch(self.teacher, inputs, seed, synced_gpus=False, on=self.teacher_device)
 
     def completed_batch(
-        self, generator: PreTrainedModel, inputs: dict[str, torch.Tensor], seed: int, synced_gpus: bool
+        self,
+        generator: PreTrainedModel,
+        inputs: dict[str, torch.Tensor],
+        seed: int,
+        synced_gpus: bool,
+        on: torch.device | None = None,
     ) -> dict[str, torch.Tensor]:
-        """``generator``'s samples after the batch's prompts, at the stage's temperature, cut at its
-        first stop token."""
-        device = self.accelerator.device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        """``generator``'s samples after the batch's prompts (generated ``on`` its device when it is not
+        the trainer's), at the stage's temperature, cut at its first stop token; the batch on the trainer's device."""
+        device, on = self.accelerator.device, on or self.accelerator.device
+        with torch.random.fork_rng(devices=[on] if on.type == "cuda" else []):
             torch.manual_seed(derived_seed(seed, self.accelerator.process_index))
             output = generator.generate(
-                input_ids=inputs["prompt_ids"],
-                attention_mask=inputs["prompt_mask"],
+                input_ids=inputs["prompt_ids"].to(on),
+                attention_mask=inputs["prompt_mask"].to(on),
                 generation_config=self.generation_config,
                 logits_processor=self.sampling,
                 synced_gpus=synced_gpus,
@@ -168,7 +178,9 @@ class DistillTrainer(MetricWindow, Trainer):
         scored = inputs["completion_mask"][:, 1:].bool()  # position t predicts token t + 1
         student = model(input_ids=ids, attention_mask=mask).logits[:, :-1][scored]
         with torch.no_grad():
-            teacher = self.teacher(input_ids=ids, attention_mask=mask).logits[:, :-1][scored]
+            on = self.teacher_device
+            teacher = self.teacher(input_ids=ids.to(on), attention_mask=mask.to(on)).logits[:, :-1][scored.to(on)]
+            teacher = teacher.to(student.device)
         width = min(student.shape[-1], teacher.shape[-1], len(self.processing_class))
         student, teacher = student[..., :width], teacher[..., :width]  # padded embedding rows name no token
         losses = generalized_jsd(student, teacher, self.args.beta, self.args.temperature)

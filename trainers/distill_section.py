@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from trainers.sections import SchedulerName, StageCompute, TrainingConfig
+from trainers.sections import Placement, SchedulerName, StageCompute, TrainingConfig, check_placement
 
 
 class DistillStageConfig(TrainingConfig):
@@ -16,6 +16,11 @@ class DistillStageConfig(TrainingConfig):
         "trained. Required when the stage runs.",
     )
     teacher_revision: str | None = Field(None, description="Hub revision of a teacher model id.")
+    teacher_device: Placement = Field(
+        "policy",
+        description="Where the teacher runs: `policy`, on each training process's device; `cpu`; or `cuda:N`, a GPU "
+        "of its own that training does not use (one process). Its logits come back to the student's device.",
+    )
     num_train_epochs: float = Field(3.0, gt=0, description="Epochs over the `sft` split's prompts.")
     per_device_train_batch_size: int = Field(16, ge=1, description="Prompts per step.")
     learning_rate: float = Field(1e-3, gt=0)
@@ -54,7 +59,9 @@ class DistillStageConfig(TrainingConfig):
 
 
 def check_distill(section: DistillStageConfig, compute: StageCompute) -> None:
-    """The stage cannot run without a teacher (the field has a default so the form and other stages load)."""
+    """The stage cannot run without a teacher (the field has a default so the form and other stages
+    load); a teacher's GPU of its own serves one process."""
+    check_placement("teacher_device", section.teacher_device, compute)
     if section.teacher_model is None:
         raise ValueError(
             "teacher_model: the stage distils from a teacher; give its model source (a checkpoint folder, "

@@ -19,7 +19,7 @@ from trainers.grpo_losses import (
 )
 from trainers.layout import GenerationLayout, resolve_layout
 from trainers.rewards import RewardInputs, check_reward_names, reward_model_target
-from trainers.sections import EvalStrategy, Seed, StageCompute, TrainingConfig
+from trainers.sections import EvalStrategy, Placement, Seed, StageCompute, TrainingConfig, check_placement
 
 COMPLETIONS_LOG_KEY = "completions"  # a table (column -> values) in the trainer's logs; trackers render it
 GenerationBackendName = Literal["hf", "vllm"]
@@ -114,6 +114,11 @@ class GRPOStageConfig(TrainingConfig):
         "(a reward stage of this experiment, e.g. `model:reward`) or `model:<path>`.",
     )
     reward_weights: list[float] | None = Field(None, description="One weight per reward function; default: all 1.")
+    reward_model_device: Placement = Field(
+        "policy",
+        description="Where `model:` reward models score completions: `policy`, on each training process's device; "
+        "`cpu`; or `cuda:N`, a GPU of their own that training does not use (one process).",
+    )
     reward_inputs: RewardInputs = Field(
         "data",
         description="What reward functions receive as `prompts` and `completions`: `data`, as the data has them "
@@ -211,12 +216,13 @@ def check_grpo_compute(section: GRPOStageConfig, compute: StageCompute) -> None:
     """The stage's load-time check: the layout over ``compute.num_processes``, as the trainer
     resolves it over its world size, so one that does not divide over the processes is a config
     error instead of a failure in the ranks after the stages before GRPO have trained; and the
-    colocated vLLM engine on one process only (for now)."""
+    colocated vLLM engine on one process only (for now); a reward model's GPU of its own, too."""
     try:
         generation_layout(section, compute.num_processes)
     except ValueError as error:
         raise ValueError(f"batch layout over compute.num_processes ({compute.num_processes}): {error}") from None
     check_engine_processes(section.generation_backend, compute.num_processes, "compute.num_processes")
+    check_placement("reward_model_device", section.reward_model_device, compute)
 
 
 def check_engine_processes(generation_backend: str, num_processes: int, counted: str) -> None:

@@ -192,7 +192,8 @@ class RewardModelScorer:
     """A reward model as a GRPO reward function (TRL's contract, :mod:`trainers.rewards`): each
     prompt and completion, as the data has them, tokenized as the data preparation tokenizes a pair
     (:func:`~trainers.data.render_prompt`, :func:`~trainers.data.render_completion`), scored in
-    batches of ``batch_size`` without gradient. :meth:`to` puts the model on a device (the policy's)."""
+    batches of ``batch_size`` without gradient. :meth:`to` puts the model on a device (the policy's,
+    or its own: ``grpo.reward_model_device``)."""
 
     def __init__(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, head: str, name: str, batch_size: int = 64

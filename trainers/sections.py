@@ -46,6 +46,20 @@ class StageCompute(Protocol):
     def num_processes(self) -> int: ...
 
 
+# Where a frozen helper model of a stage (a reward model, a teacher) runs: on the policy's device, or
+# on one of its own (the CPU, or a GPU that training does not use). ``trainers.devices.placed_on``.
+Placement = Annotated[str, Field(pattern=r"^(policy|cpu|cuda(:[0-9]+)?)$")]
+
+
+def check_placement(field: str, placement: str, compute: StageCompute) -> None:
+    """A GPU of its own serves one training process: every process would load the model on it."""
+    if placement.startswith("cuda") and compute.num_processes > 1:
+        raise ValueError(
+            f"{field}: {placement} with compute.num_processes {compute.num_processes}: every process would load "
+            "its own copy on that GPU; use policy (each process's device) or cpu"
+        )
+
+
 class Section(BaseModel):
     # inf and nan are refused in every float field of every config section (a diverging run is not a setting)
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, json_schema_extra=form_hints)

@@ -8,11 +8,13 @@ from trainers.rewards import reward_model_target
 from trainers.stages.registry import StageInputs, StageSpec, register_stage
 
 
-def reward_functions(section: GRPOStageConfig, inputs: StageInputs, device) -> list:
-    """``reward_funcs`` with each ``model:…`` reward loaded on ``device`` (the policy's): an earlier
-    reward stage's model, or a path."""
+def reward_functions(section: GRPOStageConfig, inputs: StageInputs, policy_device) -> list:
+    """``reward_funcs`` with each ``model:…`` reward (an earlier reward stage's model, or a path)
+    loaded where ``reward_model_device`` places it: on ``policy_device``, or a device of its own."""
+    from trainers.devices import placed_on
     from trainers.reward_model import load_scorer
 
+    device = placed_on(section.reward_model_device, policy_device, "grpo.reward_model_device")
     functions: list = []
     for name in section.reward_funcs:
         target = reward_model_target(name)
