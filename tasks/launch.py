@@ -47,15 +47,23 @@ REPEATING_ERRORS: dict[str, type[Exception]] = {
 }
 
 
-def failure(name: str, finished: Finished, launch_dir: Path) -> Exception:
+def failure(name: str, finished: Finished, launch_dir: Path, gang: Gang | None = None) -> Exception:
     """The task's error for a launch that exited with ``finished.returncode``: the traceback of the
     rank that failed first, on any machine (else why the launch was stopped, or its last output
-    lines); one of :data:`REPEATING_ERRORS` as itself."""
+    lines); one of :data:`REPEATING_ERRORS` as itself. With several machines (this one's view of
+    their ``gang``), a rank's error that follows another machine's loss names that machine first: a
+    rank sees only a closed connection."""
     first = RankError.first(launch_dir)
     if first is not None:
         lines = first.traceback.rstrip().splitlines()[-TRACEBACK_LINES:]
-        message = f"{name}: rank {first.rank} failed ({first.error}):\n" + "\n".join(lines)
-        return REPEATING_ERRORS.get(first.error, LaunchFailed)(message)
+        message = f"rank {first.rank} failed ({first.error}):\n" + "\n".join(lines)
+        gone = gang.gone_silent() if gang is not None else []
+        if gone:
+            machines = ", ".join(str(machine) for machine in gone)
+            word = "machine" if len(gone) == 1 else "machines"
+            lost = f"{word} {machines} stopped answering and reported no failure (killed, or its host lost); then "
+            return LaunchFailed(f"{name}: {lost}{message}")
+        return REPEATING_ERRORS.get(first.error, LaunchFailed)(f"{name}: {message}")
     if finished.stopped_because is not None:
         return LaunchFailed(f"{name}: stopped: {finished.stopped_because}")
     detail = "no rank reported an error; the launch's last output:\n" + "\n".join(finished.tail[-TRACEBACK_LINES:])
@@ -113,7 +121,7 @@ def launch(spec: LaunchSpec, name: str, log: Callable[[str], None] = run_log) ->
         if placement is not None:
             placement.release(gang_of(spec, 0).joined)
     if finished.returncode != 0:
-        raise failure(name, finished, spec.launch_dir)
+        raise failure(name, finished, spec.launch_dir, gang_of(spec, 0) if compute.num_machines > 1 else None)
     return spec.result.model_validate_json(spec.result_file.read_text())
 
 
@@ -206,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     except LaunchFailed as error:
         raise SystemExit(str(error)) from None
     if finished.returncode != 0:
-        raise SystemExit(str(failure(name, finished, spec.launch_dir)))
+        raise SystemExit(str(failure(name, finished, spec.launch_dir, gang_of(spec, args.machine_rank))))
 
 
 if __name__ == "__main__":

@@ -362,7 +362,10 @@ def test_killing_machine_1_mid_stage_fails_both_sides_and_the_rerun_resumes_to_t
     zero.join(timeout=90)
     assert not zero.is_alive() and isinstance(outcome[0], LaunchFailed), outcome
     assert time.monotonic() - killed_at < 45  # gloo's closed connection, or the heartbeat (30 s)
-    assert "train: rank 0 failed" in str(outcome[0]) or "machine 1 stopped answering" in str(outcome[0])
+    # rank 0's closed connection (then machine 1 neither beat nor reported a failure), or the heartbeat
+    assert str(outcome[0]).startswith(
+        ("train: machine 1 stopped answering and reported no failure", "train: stopped: machine 1 stopped answering")
+    ), outcome
     assert gone_within(str(job.launch_dir), 30) == []  # machine 1's ranks stop on their launcher's death
     assert not job.folder.model_dir.exists()
 

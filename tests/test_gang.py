@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 
 import pytest
@@ -52,3 +53,19 @@ def test_a_machine_outliving_the_launch_folder_neither_beats_nor_fails_into_it(t
     gone.beat()
     gone.fail("stopped")
     assert not (tmp_path / "removed").exists()
+
+
+def test_after_a_local_failure_a_machine_that_neither_beats_nor_reports_its_stop_counts_as_gone(tmp_path):
+    zero = Gang(tmp_path, 3, 0, join_timeout=5)
+    for machine in (1, 2):
+        Gang(tmp_path, 3, machine, join_timeout=5).beat()
+    started = time.monotonic()
+    assert zero.gone_silent(window=0.6) == [1, 2]  # both silent for the whole window
+    assert 0.6 <= time.monotonic() - started < 2
+    Gang(tmp_path, 3, 2, join_timeout=5).fail("stopped: machine 0 failed")  # there: it stopped its ranks, said so
+    assert zero.gone_silent(window=0.6) == [1]
+    (tmp_path / "machine-2.failed").unlink()
+    beat = threading.Timer(0.2, Gang(tmp_path, 3, 2, join_timeout=5).beat)  # machine 2 beats within the window
+    beat.start()
+    assert zero.gone_silent(window=1.5) == [1]
+    beat.join()

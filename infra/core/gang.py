@@ -28,6 +28,9 @@ from trainers.launch import RankError
 
 HEARTBEAT_S = 2.0  # how often a machine refreshes its file
 POLL_S = 0.5
+# After this machine's ranks failed: how long another machine may neither beat nor report its own
+# stop before it counts as gone (its part killed, its host lost). Three heartbeats.
+GONE_WINDOW_S = 3 * HEARTBEAT_S
 
 
 class GangError(RuntimeError):
@@ -122,6 +125,26 @@ class Gang:
             elif now - seen > self.stale_after:
                 return f"machine {machine} stopped answering (no heartbeat for {self.stale_after:g} s)"
         return None
+
+    def heartbeat_time(self, machine: int) -> float | None:
+        try:
+            return self.alive_file(machine).stat().st_mtime
+        except FileNotFoundError:
+            return None
+
+    def gone_silent(self, window: float = GONE_WINDOW_S) -> list[int]:
+        """The other machines that, watched for up to ``window`` seconds, neither beat nor reported a
+        failure. Asked once this machine's ranks failed: a machine still there stops its own ranks
+        and says so (``machine-<M>.failed``); one whose part was killed says nothing, and its
+        loss is what the local ranks' connection errors mean."""
+        pending = {machine: self.heartbeat_time(machine) for machine in self.others()}
+        deadline = time.monotonic() + window
+        while pending and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            for machine, seen in list(pending.items()):
+                if self.failed_file(machine).exists() or self.heartbeat_time(machine) != seen:
+                    del pending[machine]
+        return sorted(pending)
 
     def watch(self) -> str | None:
         """While the ranks run (``run_process_group``'s ``watch``): beat, and why to stop, if any."""
