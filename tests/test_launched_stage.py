@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import SMOKE, free_port, launched_pids, mlflow_client, wait_until_gone
+from helpers import SMOKE, dask_cluster, free_port, launched_pids, mlflow_client, wait_until_gone
 from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
@@ -193,43 +193,52 @@ def test_a_sigkilled_parent_takes_its_launch_with_it(tmp_path):
 
 
 @pytest.mark.flow
-def test_cancelling_a_flow_run_of_a_served_deployment_kills_every_rank(served_smoke, state_dir):
-    """`alignflow serve` (the session's) runs the flow run; once the 2-process DPO stage has a checkpoint, the flow
-    run is cancelled through the Prefect API: the runner's SIGTERM reaches the flow process, whose
-    train task stops the launch. No launcher or rank is left, and the flow run ends Cancelled."""
+def test_cancelling_a_flow_run_of_a_served_deployment_kills_every_rank_on_both_machines(served_smoke, state_dir):
+    """`alignflow serve` (the session's) runs the flow run; its DPO stage runs on two "machines" of one
+    process each, machine 1's part placed on the Dask worker that offers machine 1's resource. Once
+    the stage has a checkpoint, the flow run is cancelled through the Prefect API: the runner's
+    SIGTERM reaches the flow process, whose train task stops machine 0's launch, and the gang
+    stops machine 1's. No launcher or rank is left on either, and the flow run ends Cancelled."""
     from prefect.client.schemas.objects import StateType
     from prefect.deployments import run_deployment
     from prefect.states import Cancelling
 
-    overrides = [
-        "name=launch-cancel",
-        "stages=[dpo]",
-        "dpo.max_steps=500",  # far more than runs before the cancel
-        "dpo.save_steps=2",
-        "dpo.logging_steps=1",
-        "compute.cpu=true",
-        "compute.num_processes=2",
-        f"compute.main_process_port={free_port()}",
-        "tracking.experiment_name=launch-cancel",
-    ]
-    config = load_config("configs/minimal.yaml", overrides).model_dump(mode="json")
-    outputs = state_dir / "outputs" / "launch-cancel"
-    flow_run = run_deployment(SMOKE, parameters={"config": config}, timeout=0)
-    deadline = time.monotonic() + 400
-    while not list(outputs.glob(f"dpo-*/checkpoint-*/{COMPLETE_MARKER}")):
-        assert time.monotonic() < deadline and served_smoke.poll() is None, "the launched stage never checkpointed"
-        time.sleep(0.5)
-    pids = launched_pids(str(outputs))
-    assert len(pids) == 3, pids  # the launcher and its two ranks
-    with get_client(sync_client=True) as client:
-        client.set_flow_run_state(flow_run.id, Cancelling(message="cancelled by the test"))
-        # gone before the runner's 30 s grace ends: the task stopped the launch (seen: ~1 s with the
-        # runner polling every second), not the runner's SIGKILL of the flow process
-        assert wait_until_gone(pids, str(outputs), timeout=25) == []
-        deadline = time.monotonic() + 120
-        while (final := client.read_flow_run(flow_run.id).state).type not in (StateType.CANCELLED, StateType.CRASHED):
-            assert time.monotonic() < deadline, f"the flow run is still {final.type}"
-            time.sleep(1)
-    assert served_smoke.poll() is None  # the runner goes on serving
-    assert final.type == StateType.CANCELLED, final
+    from tasks.placement import machine_resource
+
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    with dask_cluster(env, [["--resources", f"{machine_resource(1)}=1"]]) as (address, _):
+        overrides = [
+            "name=launch-cancel",
+            "stages=[dpo]",
+            "dpo.max_steps=500",  # far more than runs before the cancel
+            "dpo.save_steps=2",
+            "dpo.logging_steps=1",
+            "compute.cpu=true",
+            "compute.num_processes=2",
+            "compute.num_machines=2",
+            "compute.main_process_ip=127.0.0.1",
+            f"compute.main_process_port={free_port()}",
+            f"compute.machine_scheduler={address}",
+            "tracking.experiment_name=launch-cancel",
+        ]
+        config = load_config("configs/minimal.yaml", overrides).model_dump(mode="json")
+        outputs = state_dir / "outputs" / "launch-cancel"
+        flow_run = run_deployment(SMOKE, parameters={"config": config}, timeout=0)
+        deadline = time.monotonic() + 400
+        while not list(outputs.glob(f"dpo-*/checkpoint-*/{COMPLETE_MARKER}")):
+            assert time.monotonic() < deadline and served_smoke.poll() is None, "the launched stage never checkpointed"
+            time.sleep(0.5)
+        pids = launched_pids(str(outputs))
+        assert len(pids) == 4, pids  # each machine's launcher and its rank
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run.id, Cancelling(message="cancelled by the test"))
+            # gone before the runner's 30 s grace ends: the task stopped the launch (seen: ~1 s with the
+            # runner polling every second), not the runner's SIGKILL of the flow process
+            assert wait_until_gone(pids, str(outputs), timeout=25) == []
+            deadline, ended = time.monotonic() + 120, (StateType.CANCELLED, StateType.CRASHED)
+            while (final := client.read_flow_run(flow_run.id).state).type not in ended:
+                assert time.monotonic() < deadline, f"the flow run is still {final.type}"
+                time.sleep(1)
+        assert served_smoke.poll() is None  # the runner goes on serving
+        assert final.type == StateType.CANCELLED, final
     assert not list(outputs.glob("dpo-*/model.json"))
