@@ -217,6 +217,7 @@ def test_cancelling_a_flow_run_of_a_served_deployment_kills_every_rank_on_both_m
             "compute.num_processes=2",
             "compute.num_machines=2",
             "compute.main_process_ip=127.0.0.1",
+            "compute.join_timeout=60",
             f"compute.main_process_port={free_port()}",
             f"compute.machine_scheduler={address}",
             "tracking.experiment_name=launch-cancel",
@@ -226,7 +227,11 @@ def test_cancelling_a_flow_run_of_a_served_deployment_kills_every_rank_on_both_m
         flow_run = run_deployment(SMOKE, parameters={"config": config}, timeout=0)
         deadline = time.monotonic() + 400
         while not list(outputs.glob(f"dpo-*/checkpoint-*/{COMPLETE_MARKER}")):
-            assert time.monotonic() < deadline and served_smoke.poll() is None, "the launched stage never checkpointed"
+            with get_client(sync_client=True) as client:
+                ended = client.read_flow_run(flow_run.id).state.is_final()
+            assert time.monotonic() < deadline and served_smoke.poll() is None and not ended, "\n".join(
+                ["the launched stage never checkpointed; the flow run's last logs:", *flow_run_logs(flow_run.id)[-30:]]
+            )
             time.sleep(0.5)
         pids = launched_pids(str(outputs))
         assert len(pids) == 4, pids  # each machine's launcher and its rank
@@ -241,4 +246,6 @@ def test_cancelling_a_flow_run_of_a_served_deployment_kills_every_rank_on_both_m
                 time.sleep(1)
         assert served_smoke.poll() is None  # the runner goes on serving
         assert final.type == StateType.CANCELLED, final
+        # machine 0's ranks' output is in the task run's logs (read while the gang is watched)
+        assert any(line.startswith("rank 0: running ") for line in flow_run_logs(flow_run.id))
     assert not list(outputs.glob("dpo-*/model.json"))

@@ -15,6 +15,7 @@ rank started through it calls :func:`stop_with_parent` too, for a launcher that 
 
 from __future__ import annotations
 
+import contextvars
 import ctypes
 import os
 import signal
@@ -193,7 +194,10 @@ def run_process_group(
         if watch is None:
             read()
         else:
-            reader = threading.Thread(target=read, name="launch-output", daemon=True)
+            # in this thread's context: what ``on_line`` logs to (a Prefect task run's logger) is the caller's
+            reader = threading.Thread(
+                target=contextvars.copy_context().run, args=(read,), name="launch-output", daemon=True
+            )
             reader.start()
             while reader.is_alive() and reason is None:
                 reader.join(WATCH_S)
