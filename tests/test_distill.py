@@ -308,3 +308,22 @@ def test_a_teacher_on_a_device_of_its_own_trains_the_student_as_one_on_the_polic
         trained[placement] = [p.detach().clone() for p in trainer.model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(trained["policy"], trained["cpu"]))
     assert not all(torch.equal(a, b) for a, b in zip(trained["cpu"], model.parameters()))
+
+
+@pytest.mark.slow
+def test_a_teacher_with_a_padded_embedding_samples_only_the_tokenizers_ids(tiny, demonstrations, tmp_path):
+    """A teacher whose embedding is wider than the tokenizer (``builtin:llama-20m``: 16,384 rows, 103
+    tokens) samples (``seq_kd``) only the tokenizer's ids, which the student can embed: its padded
+    rows, here made the likeliest, would otherwise be drawn."""
+    model, tokenizer = tiny
+    teacher = perturbed(model, 0.05, 0)
+    teacher.resize_token_embeddings(len(tokenizer) + 29)
+    with torch.no_grad():
+        teacher.get_output_embeddings().weight[len(tokenizer) :] = 10 * teacher.get_output_embeddings().weight[:29]
+    trainer = make_trainer(
+        copy.deepcopy(model), teacher, tokenizer, demonstrations, tmp_path, lmbda=0.0, seq_kd=True, max_steps=2
+    )
+    batch = trainer.teacher_batch(PromptCompletionCollator(tokenizer.pad_token_id)(demonstrations), 7)
+    assert batch["input_ids"].max().item() < len(tokenizer) and batch["completion_mask"].sum() > 0
+    trainer.train()
+    assert trainer.state.global_step == 2

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trainers.builtin_model import build_builtin_model
-from trainers.sampling import InverseCdfSampling, sampling_processors
+from trainers.sampling import InverseCdfSampling, VocabularyMask, sampling_processors
 
 pytestmark = pytest.mark.unit
 
@@ -78,3 +78,13 @@ def test_greedy_generate_emits_the_drawn_tokens():
     )
     assert torch.equal(output[:, prompt.shape[1] :], torch.stack(drawn, dim=1))
     assert len({tuple(row.tolist()) for row in output}) > 1  # sampled, not the one greedy completion
+
+
+def test_the_vocabulary_mask_draws_only_the_tokenizers_ids_from_their_own_softmax():
+    """Ids from ``vocabulary`` on (padded embedding rows) are never drawn, however high their score;
+    the others keep their relative probabilities."""
+    padded = torch.cat([SCORES, torch.tensor([9.0, 8.0])])  # two padded rows that would win almost always
+    observed = frequencies(padded, sampling_processors(vocabulary=SCORES.numel()))
+    assert observed[SCORES.numel() :].sum() == 0
+    assert_distribution(observed[: SCORES.numel()], torch.softmax(SCORES, -1))
+    assert torch.equal(VocabularyMask(6)(torch.zeros(1, 1), padded[None])[0, :6], padded[:6])

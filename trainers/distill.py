@@ -109,7 +109,8 @@ class DistillTrainer(MetricWindow, Trainer):
             self.teacher = teacher_model.requires_grad_(False).eval().to(self.teacher_device)
         self.sharding = sharding_of(self.accelerator.state)
         self.stop_ids = stop_token_ids(tokenizer, self.model.generation_config)
-        self.sampling = sampling_processors(args.temperature)
+        # the tokenizer's ids only: a teacher's padded embedding rows would be ids the student may not have
+        self.sampling = sampling_processors(args.temperature, vocabulary=len(tokenizer))
         self.generation_config = sampled_generation_config(args.max_new_tokens, tokenizer.pad_token_id, self.stop_ids)
         self.micro_step = (-1, 0)  # (optimizer step, micro-batches seen in it)
 

@@ -38,10 +38,25 @@ class InverseCdfSampling(LogitsProcessor):
         return torch.full_like(scores, float("-inf")).scatter_(-1, drawn, 0.0)
 
 
-def sampling_processors(temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> LogitsProcessorList:
+class VocabularyMask(LogitsProcessor):
+    """−inf for the ids from ``vocabulary`` on: an embedding padded beyond its tokenizer (as Qwen's
+    are) has rows that name no token, which another model of the family may not have at all."""
+
+    def __init__(self, vocabulary: int):
+        self.vocabulary = vocabulary
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        return scores.index_fill(-1, torch.arange(self.vocabulary, scores.shape[-1], device=scores.device), -torch.inf)
+
+
+def sampling_processors(
+    temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, vocabulary: int | None = None
+) -> LogitsProcessorList:
     """``generate``'s ``logits_processor`` that samples at ``temperature`` with top-k (0: off) and
-    top-p (1: off) through :class:`InverseCdfSampling`; generate with ``do_sample=False``."""
+    top-p (1: off) through :class:`InverseCdfSampling`; generate with ``do_sample=False``. With
+    ``vocabulary``, only ids below it are drawn (:class:`VocabularyMask`)."""
     warpers = [
+        *([VocabularyMask(vocabulary)] if vocabulary is not None else []),
         *([TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []),
         *([TopKLogitsWarper(top_k)] if top_k > 0 else []),
         *([TopPLogitsWarper(top_p)] if top_p < 1.0 else []),
