@@ -115,9 +115,8 @@ class Gang:
             return f"rank {first.rank} failed ({first.error})"
         now = time.monotonic()
         for machine in self.others():
-            try:
-                mtime = self.alive_file(machine).stat().st_mtime
-            except FileNotFoundError:
+            mtime = self.heartbeat_time(machine)
+            if mtime is None:
                 continue
             last_mtime, seen = self._seen.get(machine, (None, now))
             if mtime != last_mtime:
