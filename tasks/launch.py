@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from prefect import get_run_logger
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import MissingContextError
 from pydantic import BaseModel
 
@@ -109,7 +110,7 @@ def launch(spec: LaunchSpec, name: str, log: Callable[[str], None] = run_log) ->
     placement = None
     if compute.num_machines > 1:
         placement = (
-            OnDask(compute.machine_scheduler, name, log, machine_part)
+            OnDask(compute.machine_scheduler, name, log, machine_part_task)
             if compute.machine_scheduler
             else ByHand(name, log, machine_command)
         )
@@ -192,10 +193,21 @@ def launched_hosts(spec: LaunchSpec) -> list[str]:
     return gang_of(spec, 0).hosts()
 
 
-def machine_part(spec_file: str, machine: int) -> Finished:
-    """Machine ``machine``'s part of the launch whose spec is ``spec_file``, where a placement runs it
-    (``tasks.placement``): its output to the ``alignflow`` logger; a join that fails raises."""
-    return run_machine(read_spec(Path(spec_file)), machine, f"machine {machine}", run_log)
+def machine_part(spec_file: str, machine: int, name: str) -> Finished:
+    """Machine ``machine``'s part of the launch ``name`` whose spec is ``spec_file``, where a placement
+    runs it (``tasks.placement``): its output to the run's logs (or the ``alignflow`` logger); a join
+    that fails, or a launch that exits non-zero, raises (:func:`failure`)."""
+    spec = read_spec(Path(spec_file))
+    finished = run_machine(spec, machine, name, run_log)
+    if finished.returncode != 0:
+        raise failure(name, finished, spec.launch_dir, gang_of(spec, machine))
+    return finished
+
+
+# The same part as a task run of the flow run whose stage placed it, with its own logs (a placement
+# submits it from inside the flow run; outside one, the plain function). Its result is the
+# placement's, handed back in memory: nothing to persist or cache.
+machine_part_task = task(machine_part, name="machine-part", persist_result=False, cache_policy=NO_CACHE, retries=0)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,13 +6,17 @@ them as one, whoever started them.
 Dask, because the project runs it already (sweeps) and a worker per machine with a resource naming
 that machine is all it takes: ``dask worker tcp://host:8786 --nthreads 1 --resources
 alignflow-machine-1=1`` on machine 1. Another engine (Prefect work queues, Ray placement groups) is
-one more :class:`Placement`.
+one more :class:`Placement`. Inside a flow run, prefect-dask's client runs each part as a task run
+of that flow run, with its own logs.
 """
 
 from __future__ import annotations
 
 import uuid
 from typing import Callable, Protocol
+
+from prefect import Task
+from prefect.context import FlowRunContext
 
 from infra.core.launching import Finished
 from infra.core.stage_io import LaunchSpec
@@ -48,23 +52,26 @@ class ByHand:
 
 
 class OnDask:
-    """Each machine's part as a task on the Dask worker that offers its resource."""
+    """Each machine's part on the Dask worker that offers its resource: inside a flow run as a task
+    run of it (``part``), outside one as the plain function."""
 
     TAIL_LINES = 10  # of a machine's output, logged on machine 0 when its part ended
 
-    def __init__(self, address: str, name: str, log: Log, part: Callable[[str, int], Finished]):
-        from distributed import Client
+    def __init__(self, address: str, name: str, log: Log, part: Task[[str, int, str], Finished]):
+        from prefect_dask import PrefectDaskClient
 
-        self.client = Client(address, timeout=30, set_as_default=False)
+        self.client = PrefectDaskClient(address, timeout=30, set_as_default=False)
         self.name, self.log, self.part = name, log, part
         self.futures: dict[int, object] = {}
 
     def place(self, spec: LaunchSpec, machine: int) -> None:
         resource = machine_resource(machine)
+        part = self.part.with_options(task_run_name=f"{self.name}: machine {machine}")
         self.futures[machine] = self.client.submit(
-            self.part,
+            part if FlowRunContext.get() is not None else part.fn,
             str(spec.spec_file),
             machine,
+            self.name,
             resources={resource: 1},
             key=f"{resource}-{uuid.uuid4().hex[:8]}",
             pure=False,
@@ -79,12 +86,19 @@ class OnDask:
         try:
             for machine, future in self.futures.items():
                 if not started(machine):
+                    if future.status == "error":  # e.g. the worker could not import what it was sent
+                        error = future.exception()
+                        self.log(
+                            f"{self.name}: machine {machine}'s part failed on its Dask worker before it joined: "
+                            f"{type(error).__name__}: {error}"
+                        )
+                        continue
                     future.cancel()  # no worker offered its resource in time: the gang failed it
                     self.log(f"{self.name}: machine {machine}'s part never started on Dask; withdrawn")
                     continue
                 try:
                     finished = future.result(timeout=60)
-                except Exception as error:  # its worker died, or its part raised
+                except Exception as error:  # its worker died, or its part failed (its ranks' error)
                     self.log(f"{self.name}: machine {machine}'s part ended with {type(error).__name__}: {error}")
                     continue
                 tail = "\n".join(finished.tail[-self.TAIL_LINES :])

@@ -24,7 +24,13 @@ import pytest
 from helpers import SMOKE, dask_cluster, free_port, launched_pids, mlflow_client, wait_until_gone
 from prefect import flow
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterId,
+    LogFilter,
+    LogFilterFlowRunId,
+    LogFilterTaskRunId,
+)
 from prefect.logging import disable_run_logger
 from prefect.logging.handlers import APILogHandler
 from safetensors.torch import load_file
@@ -192,13 +198,32 @@ def test_a_sigkilled_parent_takes_its_launch_with_it(tmp_path):
     assert wait_until_gone([child], marker, timeout=10) == []
 
 
+def task_run_logs(flow_run_id, name: str, line: str, timeout: float):
+    """The flow run's task run ``name`` once it ended and its logs hold a line starting with ``line``
+    (a worker sends its logs in batches), with its log messages."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with get_client(sync_client=True) as client:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            named = [run for run in runs if run.name == name]
+            if named and named[0].state.is_final():
+                logs = client.read_logs(LogFilter(task_run_id=LogFilterTaskRunId(any_=[named[0].id])))
+                messages = [log.message for log in logs]
+                if any(message.startswith(line) for message in messages):
+                    return named[0], messages
+        assert time.monotonic() < deadline, f"task runs: {[(run.name, run.state.type) for run in runs]}"
+        time.sleep(1)
+
+
 @pytest.mark.flow
 def test_cancelling_a_flow_run_of_a_served_deployment_kills_every_rank_on_both_machines(served_smoke, state_dir):
     """`alignflow serve` (the session's) runs the flow run; its DPO stage runs on two "machines" of one
-    process each, machine 1's part placed on the Dask worker that offers machine 1's resource. Once
-    the stage has a checkpoint, the flow run is cancelled through the Prefect API: the runner's
-    SIGTERM reaches the flow process, whose train task stops machine 0's launch, and the gang
-    stops machine 1's. No launcher or rank is left on either, and the flow run ends Cancelled."""
+        process each, machine 1's part placed on the Dask worker that offers machine 1's resource. Once
+        the stage has a checkpoint, the flow run is cancelled through the Prefect API: the runner's
+        SIGTERM reaches the flow process, whose train task stops machine 0's launch, and the gang
+        stops machine 1's. No launcher or rank is left on either, and the flow run ends Cancelled. Machine
+    1's part is a task run of the flow run (the deployment's module-path entrypoint lets the Dask worker
+    import the flow), with its rank's output in its own logs, and it ends Failed."""
     from prefect.client.schemas.objects import StateType
     from prefect.deployments import run_deployment
     from prefect.states import Cancelling
@@ -248,4 +273,7 @@ def test_cancelling_a_flow_run_of_a_served_deployment_kills_every_rank_on_both_m
         assert final.type == StateType.CANCELLED, final
         # machine 0's ranks' output is in the task run's logs (read while the gang is watched)
         assert any(line.startswith("rank 0: running ") for line in flow_run_logs(flow_run.id))
+        part, logs = task_run_logs(flow_run.id, "dpo: machine 1", "rank 1: running ", timeout=60)
+        assert part.state.type == StateType.FAILED and "LaunchFailed: dpo: " in part.state.message
+        assert any(line.startswith("dpo: machine 1 joined; waiting up to 60 s") for line in logs), logs
     assert not list(outputs.glob("dpo-*/model.json"))

@@ -51,7 +51,7 @@ def test_served_deployments_mirror_prefect_yaml(prefect_api_url):  # build steps
     }
     assert compare.parameters == {"experiment": "alignflow"}
     assert compare.schedules[0].schedule.cron == "0 6 * * *"
-    assert nightly.entrypoint == smoke.entrypoint == "flows/pipeline.py:experiment"
+    assert nightly.entrypoint == smoke.entrypoint == "flows.pipeline.experiment"
     assert nightly.parameters == {"config": load_config(PROJECT_ROOT / "configs/default.yaml").model_dump(mode="json")}
     smoke_config = load_config(PROJECT_ROOT / "configs/minimal.yaml", ["tracking.experiment_name=alignflow-smoke"])
     assert smoke.parameters == {"config": smoke_config.model_dump(mode="json")}

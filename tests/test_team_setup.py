@@ -115,7 +115,7 @@ def write_deployments_file(path: Path) -> None:
     project = yaml.safe_load(PREFECT_FILE.read_text())
     every_10s = {
         "name": "every-10s",
-        "entrypoint": "flows/pipeline.py:experiment",
+        "entrypoint": "flows.pipeline.experiment",
         "work_pool": {"name": "alignflow-process"},
         "paused": True,
         "build": [
@@ -319,7 +319,7 @@ def test_deploy_registers_prefect_yaml_with_config_defaults_on_a_process_pool(st
     (schedule,) = nightly.schedules
     assert (schedule.schedule.cron, schedule.schedule.timezone) == ("0 2 * * *", "UTC")
     assert smoke.schedules == []
-    assert nightly.entrypoint == "flows/pipeline.py:experiment"
+    assert nightly.entrypoint == "flows.pipeline.experiment"
     assert nightly.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(PROJECT_ROOT)}}]
     # The form's schema: sections in declaration order, titled.
     sections = nightly.parameter_openapi_schema["definitions"]["ExperimentConfig"]["properties"]

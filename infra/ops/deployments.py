@@ -4,7 +4,10 @@
 workers to run; ``alignflow serve`` serves them, with their schedules, from one process. A
 deployment's default parameters come from a config file in ``configs/`` through the
 ``config_parameters`` build step, so ``prefect deploy`` reads the same file the same way.
-Entrypoints and config paths in a deployments file are relative to the project root.
+Entrypoints are module paths (``flows.pipeline.experiment``): a flow run imports its flow as the
+package's module, so what it hands to another process (a Dask worker's task run) unpickles there;
+a file entrypoint loads it as a script module (``pipeline``) no other process can import. Config
+paths in a deployments file are relative to the project root.
 
 ``alignflow deploy`` runs ``prefect deploy`` itself. ``alignflow serve`` builds the deployments with
 the public ``flow.to_deployment``; Prefect has no public API that reads a deployments file for
@@ -84,6 +87,7 @@ def schedules(entry: dict[str, Any]) -> list:
 def served_deployments(names: list[str] | None = None, path: Path = PREFECT_FILE) -> list:
     """``RunnerDeployment``s of prefect.yaml's deployments, for ``prefect.serve`` (run from the project root)."""
     from prefect.flows import load_flow_from_entrypoint
+    from prefect.types.entrypoint import EntrypointType
 
     project = load_prefect_file(path)
     deployments = []
@@ -97,6 +101,7 @@ def served_deployments(names: list[str] | None = None, path: Path = PREFECT_FILE
                 description=entry.get("description"),
                 tags=entry.get("tags"),
                 paused=entry.get("paused"),
+                entrypoint_type=EntrypointType.MODULE_PATH,
             )
         )
     return deployments
