@@ -14,19 +14,34 @@ from __future__ import annotations
 
 import uuid
 from typing import Callable, Protocol
+from urllib.parse import urlsplit
 
 from prefect import Task
 from prefect.context import FlowRunContext
+from prefect.settings import PREFECT_API_URL
 
 from infra.core.launching import Finished
 from infra.core.stage_io import LaunchSpec
 
 Log = Callable[[str], None]
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
 def machine_resource(machine: int) -> str:
     """The Dask worker resource of machine ``machine``."""
     return f"alignflow-machine-{machine}"
+
+
+def reaches_api(api_url: str | None, workers: list[str]) -> bool:
+    """Whether Dask workers at ``workers`` (their addresses) can reach the Prefect API ``api_url``:
+    any worker when the API listens beyond this host; when it is this host's (loopback, e.g. the
+    temporary server of ``alignflow run``), only workers on loopback, which are on this host too."""
+    if not api_url:
+        return False
+    if urlsplit(api_url).hostname not in LOOPBACK:
+        return True
+    hosts = {urlsplit(address).hostname for address in workers}
+    return bool(hosts) and hosts <= LOOPBACK
 
 
 class Placement(Protocol):
@@ -53,7 +68,7 @@ class ByHand:
 
 class OnDask:
     """Each machine's part on the Dask worker that offers its resource: inside a flow run as a task
-    run of it (``part``), outside one as the plain function."""
+    run of it (``part``) where that worker reaches the Prefect API, else as the plain function."""
 
     TAIL_LINES = 10  # of a machine's output, logged on machine 0 when its part ended
 
@@ -64,11 +79,25 @@ class OnDask:
         self.name, self.log, self.part = name, log, part
         self.futures: dict[int, object] = {}
 
+    def workers_reach_prefect_api(self, resource: str) -> bool:
+        """Whether the workers offering ``resource`` can report a task run to this process's Prefect API."""
+        workers = self.client.scheduler_info()["workers"]
+        offering = [address for address, info in workers.items() if resource in info["resources"]]
+        return reaches_api(PREFECT_API_URL.value(), offering)
+
     def place(self, spec: LaunchSpec, machine: int) -> None:
         resource = machine_resource(machine)
         part = self.part.with_options(task_run_name=f"{self.name}: machine {machine}")
+        in_flow_run = FlowRunContext.get() is not None
+        as_task_run = in_flow_run and self.workers_reach_prefect_api(resource)
+        if in_flow_run and not as_task_run:
+            self.log(
+                f"{self.name}: machine {machine}'s part runs as a plain Dask task, its output in its worker's "
+                f"log: no worker with {resource} reaches the Prefect API at {PREFECT_API_URL.value()} (loopback; "
+                "with a Prefect server that machine reaches, the part is a task run of this flow run)"
+            )
         self.futures[machine] = self.client.submit(
-            part if FlowRunContext.get() is not None else part.fn,
+            part if as_task_run else part.fn,
             str(spec.spec_file),
             machine,
             self.name,

@@ -1,5 +1,6 @@
 """The gang of a multi-machine launch (``infra.core.gang``): joining, the join timeout, and what
-stops a machine's ranks, on files in a folder (the shared launch folder) and this machine's clock."""
+stops a machine's ranks, on files in a folder (the shared launch folder) and this machine's clock;
+and when a Dask worker's part of a launch can be a task run of the flow run (``tasks.placement``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 import pytest
 
 from infra.core.gang import Gang, GangError
+from tasks.placement import reaches_api
 
 pytestmark = pytest.mark.unit
 
@@ -69,3 +71,14 @@ def test_after_a_local_failure_a_machine_that_neither_beats_nor_reports_its_stop
     beat.start()
     assert zero.gone_silent(window=1.5) == [1]
     beat.join()
+
+
+def test_a_machines_part_is_a_task_run_only_where_its_worker_reaches_the_prefect_api():
+    server, temporary = "http://10.0.0.1:4200/api", "http://127.0.0.1:4321/api"
+    assert reaches_api(server, ["tcp://10.0.0.2:39000"]) is True
+    assert reaches_api(server, []) is True  # a worker that joins later reaches it too
+    assert reaches_api(temporary, ["tcp://127.0.0.1:39000"]) is True  # a worker on this host
+    assert reaches_api(temporary, ["tcp://10.0.0.2:39000"]) is False  # machine 1 cannot reach 127.0.0.1
+    assert reaches_api(temporary, ["tcp://127.0.0.1:39000", "tcp://10.0.0.2:39000"]) is False
+    assert reaches_api(temporary, []) is False  # no worker offers the machine yet
+    assert reaches_api(None, ["tcp://127.0.0.1:39000"]) is False
