@@ -155,8 +155,14 @@ def run_machine(spec: LaunchSpec, machine: int, name: str, log: Callable[[str], 
         command = compute.launch_command(spec.spec_file, RANK_MODULE)
         log(f"{name} on {compute.num_processes} processes: {shlex.join(command)}")
         temporary.mkdir()
-        # each line as it is printed
-        env = os.environ | {"PYTHONUNBUFFERED": "1", "TMPDIR": str(temporary), LAUNCHED_AT: str(time.time())}
+        # each line as it is printed, and no progress bars (transformers' "Loading weights"): every
+        # frame of one would be a line of the task's logs
+        env = os.environ | {
+            "PYTHONUNBUFFERED": "1",
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+            "TMPDIR": str(temporary),
+            LAUNCHED_AT: str(time.time()),
+        }
         finished = run_process_group(command, log, cwd=PROJECT_ROOT, env=env, watch=gang.watch if gang else None)
     finally:
         shutil.rmtree(temporary, ignore_errors=True)

@@ -265,8 +265,8 @@ def test_cancelling_a_flow_run_of_a_served_deployment_kills_every_rank_on_both_m
             # gone before the runner's 30 s grace ends: the task stopped the launch (seen: ~1 s with the
             # runner polling every second), not the runner's SIGKILL of the flow process
             assert wait_until_gone(pids, str(outputs), timeout=25) == []
-            deadline, ended = time.monotonic() + 120, (StateType.CANCELLED, StateType.CRASHED)
-            while (final := client.read_flow_run(flow_run.id).state).type not in ended:
+            deadline, final_types = time.monotonic() + 120, (StateType.CANCELLED, StateType.CRASHED)
+            while (final := client.read_flow_run(flow_run.id).state).type not in final_types:
                 assert time.monotonic() < deadline, f"the flow run is still {final.type}"
                 time.sleep(1)
         assert served_smoke.poll() is None  # the runner goes on serving
@@ -276,4 +276,5 @@ def test_cancelling_a_flow_run_of_a_served_deployment_kills_every_rank_on_both_m
         part, logs = task_run_logs(flow_run.id, "dpo: machine 1", "rank 1: running ", timeout=60)
         assert part.state.type == StateType.FAILED and "LaunchFailed: dpo: " in part.state.message
         assert any(line.startswith("dpo: machine 1 joined; waiting up to 60 s") for line in logs), logs
+        assert [line for line in logs if not line.strip() or "Loading weights" in line] == []  # no progress bars
     assert not list(outputs.glob("dpo-*/model.json"))

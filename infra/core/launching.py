@@ -186,6 +186,8 @@ def run_process_group(
     def read() -> None:
         for line in process.stdout:
             line = line.rstrip("\n")
+            if not line.strip():  # a progress bar's carriage returns read as lines too (universal newlines)
+                continue
             tail.append(line)
             on_line(line)
 
