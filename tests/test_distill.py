@@ -22,6 +22,8 @@ from trainers.distill import (
     generalized_jsd,
 )
 from trainers.modeling import check_same_vocabulary
+from trainers.stages import STAGES
+from trainers.stages.grpo import reward_functions
 
 
 def written_jsd(student: torch.Tensor, teacher: torch.Tensor, beta: float, tau: float) -> torch.Tensor:
@@ -121,6 +123,11 @@ def test_a_helper_models_gpu_of_its_own_is_refused_over_several_processes_and_wh
     assert placed_on("cpu", "cpu", "distill.teacher_device") == torch.device("cpu")
     with pytest.raises(ValueError, match=r"distill.teacher_device: cuda:64, but this machine has \d+ CUDA device"):
         placed_on("cuda:64", "cpu", "distill.teacher_device")
+    # GRPO with reward functions only loads no reward model: its device is not asked for
+    section = STAGES["grpo"].section(reward_funcs=["correctness"], reward_model_device="cuda:64")
+    assert reward_functions(section, None, "cpu") == ["correctness"]
+    with pytest.raises(ValueError, match=r"grpo.reward_model_device: cuda:64, but this machine has \d+ CUDA"):
+        reward_functions(section.model_copy(update={"reward_funcs": ["model:reward"]}), None, "cpu")
 
 
 @pytest.mark.unit
