@@ -117,7 +117,7 @@ def launch(spec: LaunchSpec, name: str, log: Callable[[str], None] = run_log) ->
         for machine in range(1, compute.num_machines):
             placement.place(spec, machine)
     try:
-        finished = run_machine(spec, 0, name, log)
+        finished = run_machine(spec, 0, name, log, placement.lost if placement is not None else lambda: None)
     finally:
         if placement is not None:
             placement.release(gang_of(spec, 0).joined)
@@ -132,10 +132,17 @@ def ended_because(finished: Finished | None) -> str:
     return finished.stopped_because or f"its launch exited with code {finished.returncode}"
 
 
-def run_machine(spec: LaunchSpec, machine: int, name: str, log: Callable[[str], None]) -> Finished:
+def run_machine(
+    spec: LaunchSpec,
+    machine: int,
+    name: str,
+    log: Callable[[str], None],
+    lost: Callable[[], str | None] = lambda: None,
+) -> Finished:
     """Machine ``machine``'s part of ``spec``'s launch: with several machines, join the others (a
-    :class:`LaunchFailed` naming those that do not join in time) and stop when one of them fails;
-    then ``accelerate launch`` of this machine's ranks, each output line to ``log``."""
+    :class:`LaunchFailed` naming those that do not join in time, or the part ``lost`` reports ended
+    where it was placed) and stop when one of them fails; then ``accelerate launch`` of this
+    machine's ranks, each output line to ``log``."""
     compute = spec.compute.model_copy(update={"machine_rank": machine})
     gang = None
     if compute.num_machines > 1:
@@ -148,7 +155,7 @@ def run_machine(spec: LaunchSpec, machine: int, name: str, log: Callable[[str], 
     try:
         if gang is not None:
             try:
-                gang.wait_for_all()
+                gang.wait_for_all(lost)
             except GangError as error:
                 reason = str(error)
                 raise LaunchFailed(f"{name}: {error}") from None

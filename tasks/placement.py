@@ -48,6 +48,9 @@ class Placement(Protocol):
     def place(self, spec: LaunchSpec, machine: int) -> None:
         """Start ``machine``'s part of ``spec``'s launch (its spec is written)."""
 
+    def lost(self) -> str | None:
+        """Why a placed part ended before it could join (where it was placed), or None."""
+
     def release(self, started: Callable[[int], bool]) -> None:
         """After machine 0's part ended: the parts that ``started`` (joined the gang) have ended or
         end (the gang stops them on a failure), the others are withdrawn; their last output is logged."""
@@ -61,6 +64,9 @@ class ByHand:
 
     def place(self, spec: LaunchSpec, machine: int) -> None:
         self.log(f"{self.name}: machine {machine} must run: {self.command(spec, machine)}")
+
+    def lost(self) -> str | None:
+        return None  # nothing here sees the other machines' commands
 
     def release(self, started: Callable[[int], bool]) -> None:
         pass
@@ -110,6 +116,16 @@ class OnDask:
             f"{self.name}: machine {machine}'s part submitted to the Dask worker with {resource} "
             f"({self.client.scheduler.address})"
         )
+
+    def lost(self) -> str | None:
+        """A part whose Dask task failed while machine 0 waits for the machines to join: its worker
+        could not start it (the shared storage missing there, the flow or the Prefect API out of
+        its reach). Machine 0 then fails at once, not at the join timeout."""
+        for machine, future in self.futures.items():
+            if future.status == "error":
+                error = future.exception()
+                return f"machine {machine}'s part failed on its Dask worker: {type(error).__name__}: {error}"
+        return None
 
     def release(self, started: Callable[[int], bool]) -> None:
         try:

@@ -305,6 +305,41 @@ def test_a_machine_that_never_joins_fails_the_launch_naming_it_and_no_rank_start
 
 
 @pytest.mark.slow
+def test_a_part_that_fails_on_its_dask_worker_before_joining_fails_the_wait_at_once(workdir):
+    """Machine 1's part placed on Dask fails before it joins (here: its spec is not on that machine's
+    storage): machine 0 stops waiting at once, with the part's error, not at the join timeout."""
+    from distributed import LocalCluster
+    from prefect import task
+
+    from infra.core.gang import Gang, GangError
+    from tasks.placement import OnDask
+
+    @task
+    def unreadable_spec(spec_file: str, machine: int, name: str):
+        raise FileNotFoundError(f"{spec_file} (the shared storage is not mounted here)")
+
+    spec, folder = workdir
+    inputs = TrainInputs(spec["policy"], spec["data"], compute=two_machines())
+    job = untracked_train_job("dpo", {"max_steps": 1}, inputs, folder / "lost")
+    lines: list[str] = []
+    resources = {machine_resource(1): 1}
+    with LocalCluster(n_workers=1, processes=False, resources=resources, dashboard_address=":0") as cluster:
+        placement = OnDask(cluster.scheduler_address, "dpo", lines.append, unreadable_spec)
+        placement.place(job, 1)
+        gang = Gang(job.launch_dir, 2, 0, join_timeout=60)
+        started = time.monotonic()
+        with pytest.raises(GangError) as failed:
+            gang.wait_for_all(placement.lost)
+        assert time.monotonic() - started < 10
+        placement.release(gang.joined)
+    assert str(failed.value) == (
+        f"machine 1's part failed on its Dask worker: FileNotFoundError: {job.spec_file} "
+        "(the shared storage is not mounted here)"
+    )
+    assert lines[-1].startswith("dpo: machine 1's part failed on its Dask worker before it joined: FileNotFoundError")
+
+
+@pytest.mark.slow
 def test_a_rank_that_fails_on_machine_1_stops_machine_0_with_its_traceback_and_leaves_no_process(workdir):
     section = {
         "max_steps": 3,

@@ -23,6 +23,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from trainers.launch import RankError
 
@@ -85,13 +86,14 @@ class Gang:
     def missing(self) -> list[int]:
         return [m for m in self.others() if not self.joined(m)]
 
-    def wait_for_all(self) -> None:
+    def wait_for_all(self, lost: Callable[[], str | None] = lambda: None) -> None:
         """Join and wait until every machine has joined; :class:`GangError` naming the machines
-        that did not within ``join_timeout`` seconds, or the reason another one gave up."""
+        that did not within ``join_timeout`` seconds, the reason another one gave up, or why
+        ``lost`` says one never will (its part ended where it was placed)."""
         deadline = time.monotonic() + self.join_timeout
         while True:
             self.beat()
-            reason = self.failure()
+            reason = self.failure() or lost()
             if reason is not None:
                 raise GangError(reason)
             missing = self.missing()
