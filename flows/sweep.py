@@ -24,6 +24,7 @@ from infra.core.sweep import SweepConfig
 from tasks.compare import ComparisonReport, RunSelection, compare_runs
 from tasks.data import prepare_dataset
 from tasks.evaluate import EvalReport
+from tasks.mlflow_runs import client
 from tasks.models import checkpoint_handle, resolve_model, resolve_scorer
 from tasks.search import PlannedTrial, Search, plan, sweep_errors
 from tasks.sweep import (
@@ -35,7 +36,7 @@ from tasks.sweep import (
     trial_run_id,
     trial_slots,
 )
-from tasks.tracking import client, start_parent_run, tracked_run
+from tasks.tracking import start_parent_run, tracked_run
 
 
 class SweepReport(BaseModel):

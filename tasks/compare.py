@@ -13,6 +13,7 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel
 
 from infra.core.settings import get_settings
+from tasks.mlflow_runs import client, experiment_id, mlflow_run_url
 from tasks.reporting import (
     RunSummary,
     comparison_rows,
@@ -21,7 +22,7 @@ from tasks.reporting import (
     plot_eval_bars,
     plot_training_curves,
 )
-from tasks.tracking import client, experiment_id, mlflow_run_url, tracked_run
+from tasks.tracking import tracked_run
 
 MAX_VARYING_PARAMS = 8
 DEFAULT_METRICS = ["greedy_accuracy", "sampled_accuracy", "pass_at_4"]

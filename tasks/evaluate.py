@@ -21,8 +21,9 @@ from infra.core.handles import ModelHandle, PreparedData, ReferenceLogps
 from infra.core.settings import get_settings
 from infra.core.stage_io import EvaluateJob, StageFolder
 from tasks.launch import launch
+from tasks.mlflow_runs import client, log_metrics
 from tasks.reference import with_reference_columns
-from tasks.tracking import client, log_metrics, stage_run_id, tracked_run
+from tasks.tracking import stage_run_id, tracked_run
 from trainers.devices import load_dtype
 from trainers.metrics import ModelScores
 

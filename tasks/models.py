@@ -18,7 +18,7 @@ from infra.core.config import ModelConfig
 from infra.core.fingerprints import atomic_directory, code_fingerprint, hash_paths, hash_value
 from infra.core.handles import ModelHandle
 from infra.core.settings import get_settings
-from tasks.tracking import client
+from tasks.mlflow_runs import client
 from trainers.builtin_model import builtin_spec, is_builtin, save_builtin_model
 from trainers.lora import ADAPTER_CONFIG, is_adapter_folder
 from trainers.stages import ModelSource

@@ -13,8 +13,8 @@ from pydantic import BaseModel
 from infra.core.config import PromotionConfig
 from infra.core.handles import ModelHandle, PreparedData
 from tasks.evaluate import EvalReport
+from tasks.mlflow_runs import client
 from tasks.models import checkpoint_handle, download_mlflow_model
-from tasks.tracking import client
 from trainers.metrics import bootstrap_ci
 
 CHAMPION_LABEL = "champion"

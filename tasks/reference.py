@@ -10,8 +10,6 @@ import time
 from pathlib import Path
 
 import datasets
-import numpy as np
-import pyarrow as pa
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.context import TaskRunContext
@@ -20,18 +18,17 @@ from prefect.runtime import flow_run, task_run
 from infra.core.config import ComputeConfig, ReferenceConfig, compute_device
 from infra.core.fingerprints import code_fingerprint, hash_value
 from infra.core.handles import ModelHandle, PreparedData, ReferenceLogps
-from infra.core.refcache import CacheEntry, CacheIntegrityError, Columns, ReferenceCache
+from infra.core.refcache import CacheEntry, CacheIntegrityError, Columns
 from infra.core.settings import get_settings
 from infra.core.stage_io import ReferenceJob
 from tasks.caching import computed_once
 from tasks.launch import launch
+from tasks.mlflow_runs import log_metrics
+from tasks.reference_columns import joined_splits, reference_store
 from tasks.results import CACHED_RESULT, checked_cache_key
-from tasks.tracking import log_dataset_input, log_metrics
-from trainers.data import REF_COLUMNS
 from trainers.devices import load_dtype, model_dtype
-from trainers.reference_views import REFERENCE_VIEWS, ReferenceView
+from trainers.reference_views import REFERENCE_VIEWS
 
-MLFLOW_SCHEMA = {"row_id": "long", "ref_chosen_logps": "float", "ref_rejected_logps": "float"}
 PROGRESS_STEP = 5.0  # percent between updates of the Prefect progress artifact
 
 
@@ -71,11 +68,6 @@ def reference_cache_key(context, parameters) -> str:
     data, reference = parameters["data"], parameters["reference"]
     dtype = reference_dtype(reference, parameters.get("compute") or ComputeConfig())
     return "reference-" + reference_key(data, reference, dtype, parameters.get("view", "pairs"))
-
-
-def reference_store(root: str | None = None) -> ReferenceCache:
-    settings = get_settings()
-    return ReferenceCache(root or settings.reference_cache_root, lock_timeout=settings.reference_lock_timeout)
 
 
 class PrefectProgress:
@@ -153,45 +145,12 @@ def ensure_entry(ref: ReferenceLogps, mlflow_run_id: str | None = None) -> tuple
     )
 
 
-def join_columns(
-    split: datasets.Dataset | list[dict], table: pa.Table, where: str, view: ReferenceView
-) -> datasets.Dataset | list[dict]:
-    """``split`` with the view's cached ``ref_*`` columns, matched on row id (position in the split).
-    An entry stores a row's two log-probs as ``ref_chosen_logps`` / ``ref_rejected_logps``
-    (``infra.core.refcache.SCHEMA``); they become ``view.columns``. Rows a view builds in memory
-    (KTO's) stay a list: a ``datasets.Dataset`` built from them in a task would log the bytecode
-    that ``datasets`` fingerprints."""
-    row_ids = table.column("row_id").to_numpy()
-    if not np.array_equal(np.sort(row_ids), np.arange(len(split))):
-        raise CacheIntegrityError(f"{where}: row ids are not exactly the {len(split)} prepared rows")
-    order = np.argsort(row_ids)
-    columns = {
-        column: table.column(stored).to_numpy()[order].tolist() for stored, column in zip(REF_COLUMNS, view.columns)
-    }
-    if isinstance(split, list):
-        return [row | {column: values[index] for column, values in columns.items()} for index, row in enumerate(split)]
-    for column, values in columns.items():
-        split = split.add_column(column, values)
-    return split
-
-
 def with_reference_columns(ref: ReferenceLogps) -> dict[str, datasets.Dataset | list[dict]]:
     """The view's splits (the prepared preference splits; KTO's rows) with their ``ref_*`` columns
-    joined on (``ref_chosen_logps`` / ``ref_rejected_logps``; ``ref_logps`` / ``ref_kl_logps``)."""
+    joined on (``ref_chosen_logps`` / ``ref_rejected_logps``; ``ref_logps`` / ``ref_kl_logps``); a
+    missing or corrupt entry is computed first (:func:`ensure_entry`)."""
     entry, _ = ensure_entry(ref)
-    view = REFERENCE_VIEWS.lookup(ref.view)
-    scored = view.splits(datasets.load_from_disk(ref.data.path))
-    return {
-        split: join_columns(scored[split], table, f"{entry.uri} ({split})", view)
-        for split, table in entry.tables.items()
-    }
-
-
-def log_reference_input(run_id: str, ref: ReferenceLogps) -> None:
-    """List the cache entry among the run's MLflow input datasets, with its digest and URI."""
-    entry = reference_store(ref.root).read(ref.key)
-    profile = {"key": ref.key, "rows": entry.rows, "created_at": entry.manifest["created_at"]}
-    log_dataset_input(run_id, "reference-logps", entry.digest, entry.uri, MLFLOW_SCHEMA, profile, context="training")
+    return joined_splits(ref, entry)
 
 
 @task(

@@ -12,8 +12,8 @@ import datasets
 from transformers.trainer_callback import PrinterCallback
 
 from infra.core.stage_io import TrainInputs
-from tasks.reference import log_reference_input, with_reference_columns
-from tasks.tracking import log_new_params
+from tasks.mlflow_runs import log_new_params
+from tasks.reference_columns import log_reference_input, read_reference_columns
 from tasks.trainer_callback import MlflowTrainerCallback
 from trainers.callbacks import FiniteGuard, ProgressLineCallback
 from trainers.checkpoints import CheckpointCompletion, EpochEndEvaluation, restore_extra_state, trainer_state
@@ -29,7 +29,7 @@ def stage_inputs(
     joined onto the preference splits when the stage reads reference log-probs. The policy is
     loaded from ``policy_from`` (a checkpoint) when given; the reference is always the start model."""
     if inputs.reference_logps is not None:
-        splits = with_reference_columns(inputs.reference_logps)
+        splits = read_reference_columns(inputs.reference_logps)  # the train task made sure of it
     else:
         splits = datasets.load_from_disk(inputs.data.path)
     start = ModelSource(inputs.policy.path, inputs.policy.revision)
@@ -85,7 +85,7 @@ def tracked_trainer(
     trainer.add_callback(ProgressLineCallback(stage))
     trainer.add_callback(EpochEndEvaluation(trainer))  # last: it logs, once the others have begun
     if run_id is not None and inputs.reference_logps is not None:
-        log_reference_input(run_id, inputs.reference_logps)  # after building: a corrupt entry is rebuilt by then
+        log_reference_input(run_id, inputs.reference_logps)  # the entry the train task made sure of
     return trainer
 
 

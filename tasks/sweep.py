@@ -17,8 +17,8 @@ from pydantic import BaseModel
 
 from infra.core.sweep import SweepConfig
 from tasks.compare import FINAL_PREFIX
+from tasks.mlflow_runs import client, experiment_id, log_metrics, mlflow_run_url
 from tasks.reporting import markdown_table, seed_aggregates, seed_table_markdown
-from tasks.tracking import client, experiment_id, log_metrics, mlflow_run_url
 
 
 class TrialResult(BaseModel):

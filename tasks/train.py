@@ -32,9 +32,11 @@ from infra.core.stage_io import StageFolder, TrainInputs, TrainJob
 from infra.core.storage import prune_checkpoints
 from tasks.caching import computed_once
 from tasks.launch import REPEATING_ERRORS, launch, launched_hosts
+from tasks.mlflow_runs import client, log_new_params
 from tasks.models import checkpoint_handle, record_adapter_base
+from tasks.reference import ensure_entry
 from tasks.results import CACHED_RESULT, checked_cache_key
-from tasks.tracking import client, log_new_params, mark_resumed, stage_run_id, tracked_run
+from tasks.tracking import mark_resumed, stage_run_id, tracked_run
 from trainers.lora import save_stage_model
 from trainers.sections import TrainingConfig
 from trainers.stages import STAGES
@@ -168,6 +170,8 @@ def run_stage(
         log_new_params(run_id, stage_params(stage, section, inputs))
         if inputs.reference_logps is not None:
             client().set_tag(run_id, "alignflow.reference_cache_key", inputs.reference_logps.key)
+            # a missing or corrupt entry is computed here, once: the trainer (each rank) only reads it
+            ensure_entry(inputs.reference_logps, run_id)
         for removed, problem in discard_incomplete_checkpoints(folder.path).items():
             get_run_logger().warning("%s: removed %s, which cannot be resumed from: %s", stage, removed, problem)
         checkpoint = next(iter(checkpoints(folder.path)), None)  # the newest; those left are complete

@@ -281,7 +281,7 @@ def test_credentials_are_redacted_in_urls():
 
 @pytest.mark.unit
 def test_mlflow_links_stored_in_prefect_carry_no_password(monkeypatch):
-    from tasks.tracking import mlflow_run_url
+    from tasks.mlflow_runs import mlflow_run_url
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://alice:s3cret@mlflow:5000")
     monkeypatch.delenv("ALIGNFLOW_TRACKING_URI", raising=False)
@@ -361,7 +361,7 @@ def test_a_traceback_outside_the_state_folder_is_its_owners_only_and_carries_no_
 
 @pytest.mark.unit
 def test_an_experiment_name_never_puts_artifacts_outside_the_state_folder(state_dir):
-    from tasks.tracking import client, experiment_id
+    from tasks.mlflow_runs import client, experiment_id
 
     experiment = client().get_experiment(experiment_id("../../outside me"))
     assert experiment.name == "../../outside me"

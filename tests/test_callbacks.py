@@ -43,7 +43,7 @@ def test_the_callback_prints_one_line_per_log_and_a_closing_line(capsys):
 @pytest.mark.slow
 # the session's first MLflow store: its migrations take seconds
 def test_checkpoints_reach_mlflow_only_when_asked(tmp_path):
-    from tasks.tracking import client, experiment_id
+    from tasks.mlflow_runs import client, experiment_id
     from tasks.trainer_callback import MlflowTrainerCallback
 
     run_id = client().create_run(experiment_id("callbacks")).info.run_id
@@ -61,7 +61,7 @@ def test_checkpoints_reach_mlflow_only_when_asked(tmp_path):
 def test_a_resumed_stage_sends_the_logged_steps_its_run_lacks_once():
     """Killed right after checkpoint-3 was saved, before step 3's metrics reached MLflow: the resumed
     attempt starts at step 4, and its checkpoint's log history has step 3."""
-    from tasks.tracking import client, experiment_id, log_metrics
+    from tasks.mlflow_runs import client, experiment_id, log_metrics
     from tasks.trainer_callback import MlflowTrainerCallback
 
     run_id = client().create_run(experiment_id("callbacks")).info.run_id

@@ -142,7 +142,7 @@ def test_a_prefect_retry_resumes_the_failed_stage_from_its_checkpoint(prefect_ap
     same MLflow run, and ends with the weights of a run that never failed."""
     from infra.core.config import load_config
     from infra.core.settings import get_settings
-    from tasks.tracking import client
+    from tasks.mlflow_runs import client
 
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "alignflow_flaky_reward.py").write_text(FLAKY_REWARD)
@@ -181,7 +181,7 @@ def test_a_stage_stopped_between_saving_its_model_and_recording_it_saves_it_agai
     before the metric sender delivered its step)."""
     from infra.core.config import load_config
     from infra.core.settings import get_settings
-    from tasks.tracking import client
+    from tasks.mlflow_runs import client
     from trainers.checkpoints import file_records
 
     # the checkpoints of a finished stage are kept here (by default they are pruned once it finished)

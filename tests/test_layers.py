@@ -183,6 +183,28 @@ def test_no_import_cycles_among_project_modules():
     assert import_cycles(project_import_graph()) == []
 
 
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The project modules ``start`` imports, directly or through others (lazy imports counted)."""
+    seen, pending = set(), [start]
+    while pending:
+        module = pending.pop()
+        if module not in seen:
+            seen.add(module)
+            pending.extend(graph.get(module, ()))
+    return seen
+
+
+@pytest.mark.unit
+def test_a_launched_rank_imports_no_prefect():
+    """Every process of a launched stage, reference pass or evaluation imports what it runs, and
+    Prefect is not part of it (~1 s of imports per rank): the train task makes sure of the
+    reference entry, and rank 0 logs to MLflow through ``tasks.mlflow_runs``."""
+    modules = project_modules()
+    rank = reachable(project_import_graph(), "tasks.launched_rank")
+    assert {"tasks.stage_trainer", "tasks.reference_columns", "tasks.trainer_callback"} <= rank
+    assert {module for module in rank if forbidden_imports(modules[module], {"prefect"})} == set()
+
+
 @pytest.mark.unit
 def test_the_experiment_flow_names_no_stage():
     tree = ast.parse((PROJECT / "flows" / "pipeline.py").read_text())

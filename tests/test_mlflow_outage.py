@@ -26,8 +26,8 @@ from infra.ops import servers
 from tasks import stage_trainer
 from tasks.data import prepare_dataset
 from tasks.metric_sender import MetricSender, MetricsNotDelivered, backoff_seconds, store_sender
+from tasks.mlflow_runs import metric_values
 from tasks.models import resolve_model
-from tasks.tracking import metric_values
 from tasks.train import train
 from tasks.trainer_callback import MlflowTrainerCallback
 
@@ -175,7 +175,7 @@ def test_backoff_doubles_from_half_a_second_up_to_its_cap():
 
 @pytest.mark.slow
 def test_a_store_that_fails_twice_still_gets_every_metric_once():
-    from tasks.tracking import client, experiment_id
+    from tasks.mlflow_runs import client, experiment_id
 
     run_id = client().create_run(experiment_id("sender")).info.run_id
     deliver, calls = store_sender(client().tracking_uri), []
@@ -198,7 +198,7 @@ def test_a_store_that_fails_twice_still_gets_every_metric_once():
 
 @pytest.mark.slow
 def test_metrics_the_store_rejects_are_reported_at_close():
-    from tasks.tracking import client, experiment_id
+    from tasks.mlflow_runs import client, experiment_id
 
     run_id = client().create_run(experiment_id("sender")).info.run_id
     client().delete_run(run_id)  # a deleted run takes no metrics: retrying cannot help

@@ -11,7 +11,7 @@ from prefect.logging import disable_run_logger
 
 from infra.core.config import load_config
 from infra.core.stage_io import StageFolder, TrainInputs
-from tasks.tracking import client, experiment_id
+from tasks.mlflow_runs import client, experiment_id
 from tasks.train import stage_key, train
 from trainers.checkpoints import checkpoints
 from trainers.divergence import NonFiniteTraining

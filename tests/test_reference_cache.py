@@ -18,13 +18,8 @@ from infra.core.config import AdditionTaskConfig, DataConfig, DatasetSource, Mod
 from infra.core.refcache import CacheIntegrityError
 from tasks.data import prepare_dataset
 from tasks.models import checkpoint_handle, resolve_model
-from tasks.reference import (
-    cache_ref_logps,
-    join_columns,
-    reference_key,
-    reference_key_inputs,
-    with_reference_columns,
-)
+from tasks.reference import cache_ref_logps, reference_key, reference_key_inputs, with_reference_columns
+from tasks.reference_columns import join_columns
 from trainers.modeling import load_causal_lm
 from trainers.reference_views import PAIRS_VIEW
 

@@ -267,7 +267,7 @@ def test_a_resumed_stages_tracker_does_not_log_a_step_its_run_already_has():
     4 arrive again; step 3 is not logged twice, per metric, and neither is its completions table."""
     from types import SimpleNamespace
 
-    from tasks.tracking import client, experiment_id
+    from tasks.mlflow_runs import client, experiment_id
     from tasks.trainer_callback import COMPLETIONS_TABLE, MlflowTrainerCallback
     from trainers.grpo_section import COMPLETIONS_LOG_KEY
 

@@ -211,8 +211,8 @@ def test_a_best_trial_that_ties_or_lies_in_its_own_interval_is_not_separated():
 def test_a_trial_that_starts_again_fails_its_lost_attempt_and_the_attempts_stage_runs(monkeypatch):
     """What a trial does first (``flows.sweep.trial``): the attempt a dead Dask worker left RUNNING
     under the sweep's run, and its stage run, are FAILED and tagged; other trials' runs are left alone."""
+    from tasks.mlflow_runs import client, experiment_id
     from tasks.sweep import LOST_ATTEMPT, fail_lost_attempts, trial_rows
-    from tasks.tracking import client, experiment_id
 
     experiment = experiment_id("lost-attempts")
     sweep = client().create_run(experiment, run_name="grid").info.run_id

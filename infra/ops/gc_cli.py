@@ -53,7 +53,7 @@ def gc_command(args: argparse.Namespace) -> int:
     from infra.core import mlflow_compat
     from infra.core.refcache import parse_duration
     from infra.core.storage import LIVE_STATUSES, RunFacts, folder_size, plan_removals, remove, stage_folders
-    from tasks.tracking import client
+    from tasks.mlflow_runs import client
 
     try:
         older_than = parse_duration(args.older_than)
