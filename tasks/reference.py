@@ -23,12 +23,13 @@ from infra.core.settings import get_settings
 from infra.core.stage_io import ReferenceJob
 from tasks.caching import computed_once
 from tasks.launch import launch
-from tasks.mlflow_runs import log_metrics
+from tasks.mlflow_runs import log_dataset_input, log_metrics
 from tasks.reference_columns import joined_splits, reference_store
 from tasks.results import CACHED_RESULT, checked_cache_key
 from trainers.devices import load_dtype, model_dtype
 from trainers.reference_views import REFERENCE_VIEWS
 
+MLFLOW_SCHEMA = {"row_id": "long", "ref_chosen_logps": "float", "ref_rejected_logps": "float"}
 PROGRESS_STEP = 5.0  # percent between updates of the Prefect progress artifact
 
 
@@ -143,6 +144,12 @@ def ensure_entry(ref: ReferenceLogps, mlflow_run_id: str | None = None) -> tuple
         producer={name: str(value) for name, value in producer.items() if value},
         expected_rows=REFERENCE_VIEWS.lookup(ref.view).rows(ref.data.rows),
     )
+
+
+def log_reference_input(run_id: str, entry: CacheEntry) -> None:
+    """List the cache entry among the run's MLflow input datasets, with its digest and URI."""
+    profile = {"key": entry.key, "rows": entry.rows, "created_at": entry.manifest["created_at"]}
+    log_dataset_input(run_id, "reference-logps", entry.digest, entry.uri, MLFLOW_SCHEMA, profile, context="training")
 
 
 def with_reference_columns(ref: ReferenceLogps) -> dict[str, datasets.Dataset | list[dict]]:

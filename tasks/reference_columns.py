@@ -11,11 +11,8 @@ import pyarrow as pa
 from infra.core.handles import ReferenceLogps
 from infra.core.refcache import CacheEntry, CacheIntegrityError, ReferenceCache
 from infra.core.settings import get_settings
-from tasks.mlflow_runs import log_dataset_input
 from trainers.data import REF_COLUMNS
 from trainers.reference_views import REFERENCE_VIEWS, ReferenceView
-
-MLFLOW_SCHEMA = {"row_id": "long", "ref_chosen_logps": "float", "ref_rejected_logps": "float"}
 
 
 def reference_store(root: str | None = None) -> ReferenceCache:
@@ -60,10 +57,3 @@ def read_reference_columns(ref: ReferenceLogps) -> dict[str, datasets.Dataset | 
     one is a :class:`CacheIntegrityError` (nothing is computed here)."""
     expected = REFERENCE_VIEWS.lookup(ref.view).rows(ref.data.rows)
     return joined_splits(ref, reference_store(ref.root).read(ref.key, expected))
-
-
-def log_reference_input(run_id: str, ref: ReferenceLogps) -> None:
-    """List the cache entry among the run's MLflow input datasets, with its digest and URI."""
-    entry = reference_store(ref.root).read(ref.key)
-    profile = {"key": ref.key, "rows": entry.rows, "created_at": entry.manifest["created_at"]}
-    log_dataset_input(run_id, "reference-logps", entry.digest, entry.uri, MLFLOW_SCHEMA, profile, context="training")

@@ -13,7 +13,7 @@ from transformers.trainer_callback import PrinterCallback
 
 from infra.core.stage_io import TrainInputs
 from tasks.mlflow_runs import log_new_params
-from tasks.reference_columns import log_reference_input, read_reference_columns
+from tasks.reference_columns import read_reference_columns
 from tasks.trainer_callback import MlflowTrainerCallback
 from trainers.callbacks import FiniteGuard, ProgressLineCallback
 from trainers.checkpoints import CheckpointCompletion, EpochEndEvaluation, restore_extra_state, trainer_state
@@ -84,8 +84,6 @@ def tracked_trainer(
     trainer.remove_callback(PrinterCallback)  # a dict per log; the progress line replaces it
     trainer.add_callback(ProgressLineCallback(stage))
     trainer.add_callback(EpochEndEvaluation(trainer))  # last: it logs, once the others have begun
-    if run_id is not None and inputs.reference_logps is not None:
-        log_reference_input(run_id, inputs.reference_logps)  # the entry the train task made sure of
     return trainer
 
 

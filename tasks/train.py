@@ -34,7 +34,7 @@ from tasks.caching import computed_once
 from tasks.launch import REPEATING_ERRORS, launch, launched_hosts
 from tasks.mlflow_runs import client, log_new_params
 from tasks.models import checkpoint_handle, record_adapter_base
-from tasks.reference import ensure_entry
+from tasks.reference import ensure_entry, log_reference_input
 from tasks.results import CACHED_RESULT, checked_cache_key
 from tasks.tracking import mark_resumed, stage_run_id, tracked_run
 from trainers.lora import save_stage_model
@@ -171,7 +171,8 @@ def run_stage(
         if inputs.reference_logps is not None:
             client().set_tag(run_id, "alignflow.reference_cache_key", inputs.reference_logps.key)
             # a missing or corrupt entry is computed here, once: the trainer (each rank) only reads it
-            ensure_entry(inputs.reference_logps, run_id)
+            entry, _ = ensure_entry(inputs.reference_logps, run_id)
+            log_reference_input(run_id, entry)
         for removed, problem in discard_incomplete_checkpoints(folder.path).items():
             get_run_logger().warning("%s: removed %s, which cannot be resumed from: %s", stage, removed, problem)
         checkpoint = next(iter(checkpoints(folder.path)), None)  # the newest; those left are complete
