@@ -117,26 +117,30 @@ class OnDask:
             f"({self.client.scheduler.address})"
         )
 
+    @staticmethod
+    def worker_error(future) -> str | None:
+        """The error of a part whose Dask task failed on its worker, as ``Type: message``; else None."""
+        if future.status != "error":
+            return None
+        error = future.exception()
+        return f"{type(error).__name__}: {error}"
+
     def lost(self) -> str | None:
         """A part whose Dask task failed while machine 0 waits for the machines to join: its worker
         could not start it (the shared storage missing there, the flow or the Prefect API out of
         its reach). Machine 0 then fails at once, not at the join timeout."""
         for machine, future in self.futures.items():
-            if future.status == "error":
-                error = future.exception()
-                return f"machine {machine}'s part failed on its Dask worker: {type(error).__name__}: {error}"
+            if (error := self.worker_error(future)) is not None:
+                return f"machine {machine}'s part failed on its Dask worker: {error}"
         return None
 
     def release(self, started: Callable[[int], bool]) -> None:
         try:
             for machine, future in self.futures.items():
                 if not started(machine):
-                    if future.status == "error":  # e.g. the worker could not import what it was sent
-                        error = future.exception()
-                        self.log(
-                            f"{self.name}: machine {machine}'s part failed on its Dask worker before it joined: "
-                            f"{type(error).__name__}: {error}"
-                        )
+                    if (error := self.worker_error(future)) is not None:  # e.g. its spec was not there
+                        failed = f"machine {machine}'s part failed on its Dask worker before it joined"
+                        self.log(f"{self.name}: {failed}: {error}")
                         continue
                     future.cancel()  # no worker offered its resource in time: the gang failed it
                     self.log(f"{self.name}: machine {machine}'s part never started on Dask; withdrawn")
