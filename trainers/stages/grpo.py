@@ -14,12 +14,12 @@ def reward_functions(section: GRPOStageConfig, inputs: StageInputs, policy_devic
     from trainers.devices import placed_on
     from trainers.reward_model import load_scorer
 
-    targets = {name: reward_model_target(name) for name in section.reward_funcs}
+    targets = [(name, reward_model_target(name)) for name in section.reward_funcs]  # in order, repeats kept
     device = None
-    if any(target is not None for target in targets.values()):  # without a model, no device to check
+    if any(target is not None for _, target in targets):  # without a model, no device to check
         device = placed_on(section.reward_model_device, policy_device, "grpo.reward_model_device")
     functions: list = []
-    for name, target in targets.items():
+    for name, target in targets:
         if target is None:
             functions.append(name)
             continue
