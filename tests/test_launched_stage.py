@@ -218,10 +218,10 @@ def task_run_logs(flow_run_id, name: str, line: str, timeout: float):
 @pytest.mark.flow
 def test_cancelling_a_flow_run_of_a_served_deployment_kills_every_rank_on_both_machines(served_smoke, state_dir):
     """`alignflow serve` (the session's) runs the flow run; its DPO stage runs on two "machines" of one
-        process each, machine 1's part placed on the Dask worker that offers machine 1's resource. Once
-        the stage has a checkpoint, the flow run is cancelled through the Prefect API: the runner's
-        SIGTERM reaches the flow process, whose train task stops machine 0's launch, and the gang
-        stops machine 1's. No launcher or rank is left on either, and the flow run ends Cancelled. Machine
+    process each, machine 1's part placed on the Dask worker that offers machine 1's resource. Once
+    the stage has a checkpoint, the flow run is cancelled through the Prefect API: the runner's
+    SIGTERM reaches the flow process, whose train task stops machine 0's launch, and the gang
+    stops machine 1's. No launcher or rank is left on either, and the flow run ends Cancelled. Machine
     1's part is a task run of the flow run (the deployment's module-path entrypoint lets the Dask worker
     import the flow), with its rank's output in its own logs, and it ends Failed."""
     from prefect.client.schemas.objects import StateType
