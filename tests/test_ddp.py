@@ -30,6 +30,7 @@ from infra.core.config import ComputeConfig, EvaluationConfig
 from infra.core.handles import PreparedData, ReferenceLogps
 from infra.core.settings import get_settings
 from infra.core.stage_io import TrainInputs
+from tasks import launched_rank
 from tasks.launch import RANK_MODULE, LaunchFailed, launch, machine_runner, untracked_train_job
 from tasks.models import checkpoint_handle
 from tasks.placement import machine_resource
@@ -79,9 +80,15 @@ def run(job, folder: Path, lines: list[str] | None = None):
 
 
 def train(workdir, stage: str, section: dict, processes: int, name: str, plugins: tuple[str, ...] = ()):
+    """The stage trained over ``processes`` launched ranks; one process trains here, as the pipeline
+    trains a stage of one process (a launch would only add its start-up)."""
     spec, folder = workdir
     inputs = TrainInputs(spec["policy"], spec["data"], compute=cpu(processes))
-    return run(untracked_train_job(stage, section, inputs, folder / name, plugins), folder).model_dump()
+    job = untracked_train_job(stage, section, inputs, folder / name, plugins)
+    if processes == 1:
+        with one_torch_thread():
+            return launched_rank.train(job).model_dump()
+    return run(job, folder).model_dump()
 
 
 def two_machines(join_timeout: int = 60) -> ComputeConfig:
