@@ -3,7 +3,7 @@
 
 The runs train the same optimizer steps on the same global batches (1 process × B pairs vs.
 2 processes × B/2 pairs), launched by ``accelerate launch`` through ``tasks.launch`` (a ``TrainJob``)
-with one torch thread per process; for 2 machines, machine 1's part is ``python -m tasks.launch
+with one torch thread per process; for 2 machines, machine 1's part is ``python -m tasks.machine
 SPEC --machine-rank 1``, started once machine 0 wrote the spec. The figure is the ratio of their
 ``train_runtime`` (the Trainer's training loop), also with start-up included, and where each
 launch's time went: the machines' join, rank 0 starting (launcher, interpreter, imports), its
@@ -32,7 +32,8 @@ import datasets
 from infra.core.config import ComputeConfig
 from infra.core.handles import PreparedData
 from infra.core.stage_io import TrainInputs
-from tasks.launch import launch, machine_runner, untracked_train_job
+from tasks.launch import launch, untracked_train_job
+from tasks.machine import machine_runner
 from tasks.models import checkpoint_handle
 from trainers.builtin_model import save_builtin_model
 from trainers.data import Truncation, tokenize_split

@@ -1,19 +1,13 @@
-"""The parent side of a launched job (:data:`infra.core.stage_io.LaunchSpec`): write the spec, run
-``accelerate launch`` of :mod:`tasks.launched_rank` over ``compute``'s processes with its output in
-the task's logs, and collect rank 0's result, or raise the error of the rank that failed first.
+"""The parent side of a launched job (:data:`infra.core.stage_io.LaunchSpec`): write the spec, place
+the other machines' parts, run machine 0's (:mod:`tasks.machine`) with its output in the task's
+logs, and collect rank 0's result, or raise the error of the rank that failed first.
 """
 
 from __future__ import annotations
 
-import argparse
-import functools
 import logging
-import os
-import shlex
 import shutil
 import socket
-import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -22,23 +16,12 @@ from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import MissingContextError
 from pydantic import BaseModel
 
-from infra.core.gang import Gang, GangError
-from infra.core.launching import Finished, run_process_group
-from infra.core.settings import get_settings
-from infra.core.stage_io import LAUNCHED_AT, LaunchSpec, StageFolder, TrainInputs, TrainJob, read_spec
+from infra.core.launching import Finished
+from infra.core.stage_io import LaunchSpec, StageFolder, TrainInputs, TrainJob, read_spec
+from tasks.machine import failure, gang_of, machine_command, run_machine
 from tasks.metric_sender import MetricsNotDelivered
 from tasks.placement import ByHand, OnDask
 from trainers.divergence import NonFiniteTraining
-from trainers.launch import RankError
-
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-RANK_MODULE = "tasks.launched_rank"  # run as `-m` in every process
-TRACEBACK_LINES = 25  # of the failed rank's traceback, in the task's error
-
-
-class LaunchFailed(RuntimeError):
-    """A launched job failed: the message holds the failed rank's traceback."""
-
 
 # Errors a retry would only repeat: MLflow refusing the metrics, a diverged stage. A rank's is raised
 # as its own type, so the train task does not retry it either. (A reward function that raised is
@@ -46,29 +29,6 @@ class LaunchFailed(RuntimeError):
 REPEATING_ERRORS: dict[str, type[Exception]] = {
     error.__name__: error for error in (MetricsNotDelivered, NonFiniteTraining)
 }
-
-
-def failure(name: str, finished: Finished, launch_dir: Path, gang: Gang | None = None) -> Exception:
-    """The task's error for a launch that exited with ``finished.returncode``: the traceback of the
-    rank that failed first, on any machine (else why the launch was stopped, or its last output
-    lines); one of :data:`REPEATING_ERRORS` as itself. With several machines (this one's view of
-    their ``gang``), a rank's error that follows another machine's loss names that machine first: a
-    rank sees only a closed connection."""
-    first = RankError.first(launch_dir)
-    if first is not None:
-        lines = first.traceback.rstrip().splitlines()[-TRACEBACK_LINES:]
-        message = f"rank {first.rank} failed ({first.error}):\n" + "\n".join(lines)
-        gone = gang.gone_silent() if gang is not None else []
-        if gone:
-            machines = ", ".join(str(machine) for machine in gone)
-            word = "machine" if len(gone) == 1 else "machines"
-            lost = f"{word} {machines} stopped answering and reported no failure (killed, or its host lost); then "
-            return LaunchFailed(f"{name}: {lost}{message}")
-        return REPEATING_ERRORS.get(first.error, LaunchFailed)(f"{name}: {message}")
-    if finished.stopped_because is not None:
-        return LaunchFailed(f"{name}: stopped: {finished.stopped_because}")
-    detail = "no rank reported an error; the launch's last output:\n" + "\n".join(finished.tail[-TRACEBACK_LINES:])
-    return LaunchFailed(f"{name}: the launch exited with code {finished.returncode}; {detail}")
 
 
 def run_log(line: str) -> None:
@@ -81,27 +41,10 @@ def run_log(line: str) -> None:
     logger.info(line)
 
 
-def machine_command(spec: LaunchSpec, machine: int) -> str:
-    """What machine ``machine`` runs for its part of ``spec``'s launch, from the same checkout."""
-    home = f"ALIGNFLOW_HOME={shlex.quote(str(get_settings().root))}"
-    return f"cd {shlex.quote(str(PROJECT_ROOT))} && {home} {shlex.join(machine_runner(spec.spec_file, machine))}"
-
-
-def machine_runner(spec_file: Path, machine: int) -> list[str]:
-    """The command of machine ``machine``'s part of the launch whose spec is ``spec_file`` (:func:`main`)."""
-    return [sys.executable, "-m", __name__, str(spec_file), "--machine-rank", str(machine)]
-
-
-def gang_of(spec: LaunchSpec, machine: int) -> Gang:
-    """Machine ``machine``'s view of the gang of ``spec``'s launch."""
-    compute = spec.compute
-    return Gang(spec.launch_dir, compute.num_machines, machine, compute.join_timeout)
-
-
 def launch(spec: LaunchSpec, name: str, log: Callable[[str], None] = run_log) -> BaseModel:
     """Run ``spec`` over its ``compute``'s processes from its launch folder (emptied first), each output
     line to ``log``; rank 0's result, or the failed rank's error raised. With several machines this is
-    machine 0's part: the others run :func:`machine_command`, and the machines start and stop as one
+    machine 0's part: the others run :func:`tasks.machine.machine_command`, and the machines start and stop as one
     (:mod:`infra.core.gang`)."""
     shutil.rmtree(spec.launch_dir, ignore_errors=True)
     spec.launch_dir.mkdir(parents=True)
@@ -122,60 +65,9 @@ def launch(spec: LaunchSpec, name: str, log: Callable[[str], None] = run_log) ->
         if placement is not None:
             placement.release(gang_of(spec, 0).joined)
     if finished.returncode != 0:
-        raise failure(name, finished, spec.launch_dir, gang_of(spec, 0) if compute.num_machines > 1 else None)
+        gang = gang_of(spec, 0) if compute.num_machines > 1 else None
+        raise failure(name, finished, spec.launch_dir, gang, REPEATING_ERRORS)
     return spec.result.model_validate_json(spec.result_file.read_text())
-
-
-def ended_because(finished: Finished | None) -> str:
-    if finished is None:
-        return "its part was stopped before its launch ended (cancelled, interrupted or timed out)"
-    return finished.stopped_because or f"its launch exited with code {finished.returncode}"
-
-
-def run_machine(
-    spec: LaunchSpec,
-    machine: int,
-    name: str,
-    log: Callable[[str], None],
-    lost: Callable[[], str | None] = lambda: None,
-) -> Finished:
-    """Machine ``machine``'s part of ``spec``'s launch: with several machines, join the others (a
-    :class:`LaunchFailed` naming those that do not join in time, or the part ``lost`` reports ended
-    where it was placed) and stop when one of them fails; then ``accelerate launch`` of this
-    machine's ranks, each output line to ``log``."""
-    compute = spec.compute.model_copy(update={"machine_rank": machine})
-    gang = None
-    if compute.num_machines > 1:
-        gang = gang_of(spec, machine)
-        log(f"{name}: machine {machine} joined; waiting up to {compute.join_timeout} s for the others")
-    finished, reason = None, None
-    # torch's launcher keeps a log folder per launch in the temp folder and never removes it: it
-    # goes to the launch folder's, removed afterwards
-    temporary = spec.launch_dir / f"tmp-{machine}"
-    try:
-        if gang is not None:
-            try:
-                gang.wait_for_all(lost)
-            except GangError as error:
-                reason = str(error)
-                raise LaunchFailed(f"{name}: {error}") from None
-        command = compute.launch_command(spec.spec_file, RANK_MODULE)
-        log(f"{name} on {compute.num_processes} processes: {shlex.join(command)}")
-        temporary.mkdir()
-        # each line as it is printed, and no progress bars (transformers' "Loading weights"): every
-        # frame of one would be a line of the task's logs
-        env = os.environ | {
-            "PYTHONUNBUFFERED": "1",
-            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-            "TMPDIR": str(temporary),
-            LAUNCHED_AT: str(time.time()),
-        }
-        finished = run_process_group(command, log, cwd=PROJECT_ROOT, env=env, watch=gang.watch if gang else None)
-    finally:
-        shutil.rmtree(temporary, ignore_errors=True)
-        if gang is not None and (finished is None or finished.returncode != 0):
-            gang.fail(reason or ended_because(finished))  # the other machines stop theirs
-    return finished
 
 
 def untracked_train_job(
@@ -209,11 +101,11 @@ def launched_hosts(spec: LaunchSpec) -> list[str]:
 def machine_part(spec_file: str, machine: int, name: str) -> Finished:
     """Machine ``machine``'s part of the launch ``name`` whose spec is ``spec_file``, where a placement
     runs it (``tasks.placement``): its output to the run's logs (or the ``alignflow`` logger); a join
-    that fails, or a launch that exits non-zero, raises (:func:`failure`)."""
+    that fails, or a launch that exits non-zero, raises (:func:`tasks.machine.failure`)."""
     spec = read_spec(Path(spec_file))
     finished = run_machine(spec, machine, name, run_log)
     if finished.returncode != 0:
-        raise failure(name, finished, spec.launch_dir, gang_of(spec, machine))
+        raise failure(name, finished, spec.launch_dir, gang_of(spec, machine), REPEATING_ERRORS)
     return finished
 
 
@@ -221,26 +113,3 @@ def machine_part(spec_file: str, machine: int, name: str) -> Finished:
 # submits it from inside the flow run; outside one, the plain function). Its result is the
 # placement's, handed back in memory: nothing to persist or cache.
 machine_part_task = task(machine_part, name="machine-part", persist_result=False, cache_policy=NO_CACHE, retries=0)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m tasks.launch SPEC --machine-rank M``: machine M's part of a multi-machine launch
-    (what machine 0's task logs as :func:`machine_command`)."""
-    parser = argparse.ArgumentParser(prog="python -m tasks.launch", description=main.__doc__)
-    parser.add_argument("spec", type=Path, help="the launch's spec.json, on the shared state folder")
-    parser.add_argument("--machine-rank", type=int, required=True)
-    args = parser.parse_args(argv)
-    spec = read_spec(args.spec)
-    if not 0 < args.machine_rank < spec.compute.num_machines:
-        raise SystemExit(f"--machine-rank must be 1..{spec.compute.num_machines - 1} (machine 0 runs the task)")
-    name = f"machine {args.machine_rank}"
-    try:
-        finished = run_machine(spec, args.machine_rank, name, functools.partial(print, flush=True))
-    except LaunchFailed as error:
-        raise SystemExit(str(error)) from None
-    if finished.returncode != 0:
-        raise SystemExit(str(failure(name, finished, spec.launch_dir, gang_of(spec, args.machine_rank))))
-
-
-if __name__ == "__main__":
-    main()

@@ -31,7 +31,8 @@ from infra.core.handles import PreparedData, ReferenceLogps
 from infra.core.settings import get_settings
 from infra.core.stage_io import TrainInputs
 from tasks import launched_rank
-from tasks.launch import RANK_MODULE, LaunchFailed, launch, machine_runner, untracked_train_job
+from tasks.launch import launch, untracked_train_job
+from tasks.machine import RANK_MODULE, LaunchFailed, machine_runner
 from tasks.models import checkpoint_handle
 from tasks.placement import machine_resource
 from trainers.data import Truncation, tokenize_split
@@ -133,7 +134,7 @@ class MachineOne:
 
 def train_on_two_machines(workdir, stage: str, section: dict, name: str, plugins: tuple[str, ...] = ()):
     """``train`` over :func:`two_machines`: machine 0's part is the pipeline's launch, here; machine 1's
-    is ``python -m tasks.launch`` (what machine 0 logs for it). Machine 0's result (or its error),
+    is ``python -m tasks.machine`` (what machine 0 logs for it). Machine 0's result (or its error),
     machine 1's exit status and output, and the job."""
     spec, folder = workdir
     job = untracked_train_job(

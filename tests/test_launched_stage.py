@@ -38,7 +38,7 @@ from safetensors.torch import load_file
 from infra.core.config import ComputeConfig, TrackingConfig, load_config
 from infra.core.settings import get_settings
 from infra.core.stage_io import StageFolder, TrainInputs
-from tasks.launch import LaunchFailed
+from tasks.machine import LaunchFailed
 from tasks.mlflow_runs import experiment_id
 from tasks.train import train
 from trainers.checkpoints import COMPLETE_MARKER, is_complete

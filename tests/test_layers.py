@@ -206,6 +206,18 @@ def test_a_launched_rank_imports_no_prefect():
 
 
 @pytest.mark.unit
+def test_another_machines_part_imports_no_prefect():
+    """``python -m tasks.machine`` (another machine's part of a launch) joins the gang as soon as its
+    interpreter is up: Prefect is not imported on the way (nor MLflow, which only functions it does
+    not call import: 0.9 s for the module here, against 2.8 s for ``tasks.launch``)."""
+    modules = project_modules()
+    part = reachable(project_import_graph(), "tasks.machine")
+    assert {"infra.core.gang", "infra.core.stage_io", "infra.core.launching"} <= part
+    assert "tasks.launch" not in part
+    assert {module for module in part if forbidden_imports(modules[module], {"prefect"})} == set()
+
+
+@pytest.mark.unit
 def test_the_experiment_flow_names_no_stage():
     tree = ast.parse((PROJECT / "flows" / "pipeline.py").read_text())
     strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}

@@ -17,7 +17,8 @@ from infra.core.fingerprints import atomic_directory
 from infra.core.handles import ModelHandle, PreparedData
 from infra.core.launching import Finished
 from infra.core.stage_io import EvaluateJob, StageFolder, TrainInputs, TrainJob, read_spec
-from tasks.launch import LaunchFailed, failure
+from tasks.launch import REPEATING_ERRORS
+from tasks.machine import LaunchFailed, failure
 from tasks.metric_sender import MetricsNotDelivered
 from tasks.train import worth_retrying
 from trainers.divergence import NonFiniteTraining
@@ -127,12 +128,12 @@ def test_a_rank_error_a_retry_would_repeat_is_raised_as_itself_and_not_retried(t
     error = raised.__name__
     report = {"rank": 1, "time": 1.0, "error": error, "traceback": f"Traceback …\n{error}: sft diverged at step 3"}
     RankError.path(tmp_path, 1).write_text(json.dumps(report))
-    failed = failure("sft", Finished(1, []), tmp_path)
+    failed = failure("sft", Finished(1, []), tmp_path, repeating=REPEATING_ERRORS)
     assert type(failed) is raised and str(failed).startswith(f"sft: rank 1 failed ({error}):\nTraceback …")
     state = SimpleNamespace(result=lambda raise_on_failure: failed)
     assert not worth_retrying(None, None, state)
     RankError.path(tmp_path, 1).write_text(json.dumps(report | {"error": "OutOfMemoryError"}))
-    crashed = failure("sft", Finished(1, []), tmp_path)
+    crashed = failure("sft", Finished(1, []), tmp_path, repeating=REPEATING_ERRORS)
     assert type(crashed) is LaunchFailed
     assert worth_retrying(None, None, SimpleNamespace(result=lambda raise_on_failure: crashed))
 

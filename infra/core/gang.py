@@ -3,7 +3,7 @@ on storage every machine shares (the state folder): all of them start, or none d
 fails, every other stops.
 
 Each machine's part of a launch (machine 0's train, reference or evaluation task; on every other
-machine ``python -m tasks.launch``) joins before it starts its ranks: it writes
+machine ``python -m tasks.machine``) joins before it starts its ranks: it writes
 ``machine-<M>.alive`` and refreshes it while it runs. Then it waits until every machine has
 joined, up to ``compute.join_timeout``; a machine that has not joined by then is named in the
 error of every machine that waits, and no rank starts anywhere. While the ranks run, each machine
