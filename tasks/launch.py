@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from infra.core.launching import Finished
 from infra.core.stage_io import LaunchSpec, StageFolder, TrainInputs, TrainJob, read_spec
-from tasks.machine import failure, gang_of, machine_command, run_machine
+from tasks.machine import failure, gang_of, machine_command, run_machine, run_part
 from tasks.metric_sender import MetricsNotDelivered
 from tasks.placement import ByHand, OnDask
 from trainers.divergence import NonFiniteTraining
@@ -101,12 +101,8 @@ def launched_hosts(spec: LaunchSpec) -> list[str]:
 def machine_part(spec_file: str, machine: int, name: str) -> Finished:
     """Machine ``machine``'s part of the launch ``name`` whose spec is ``spec_file``, where a placement
     runs it (``tasks.placement``): its output to the run's logs (or the ``alignflow`` logger); a join
-    that fails, or a launch that exits non-zero, raises (:func:`tasks.machine.failure`)."""
-    spec = read_spec(Path(spec_file))
-    finished = run_machine(spec, machine, name, run_log)
-    if finished.returncode != 0:
-        raise failure(name, finished, spec.launch_dir, gang_of(spec, machine), REPEATING_ERRORS)
-    return finished
+    that fails, or a launch that exits non-zero, raises (:func:`tasks.machine.run_part`)."""
+    return run_part(read_spec(Path(spec_file)), machine, name, run_log, REPEATING_ERRORS)
 
 
 # The same part as a task run of the flow run whose stage placed it, with its own logs (a placement

@@ -38,8 +38,8 @@ def failure(
     name: str,
     finished: Finished,
     launch_dir: Path,
-    gang: Gang | None = None,
-    repeating: Mapping[str, type[Exception]] = {},  # noqa: B006 (read only)
+    gang: Gang | None,
+    repeating: Mapping[str, type[Exception]],
 ) -> Exception:
     """The task's error for a launch that exited with ``finished.returncode``: the traceback of the
     rank that failed first, on any machine (else why the launch was stopped, or its last output
@@ -132,6 +132,17 @@ def run_machine(
     return finished
 
 
+def run_part(
+    spec: LaunchSpec, machine: int, name: str, log: Callable[[str], None], repeating: Mapping[str, type[Exception]]
+) -> Finished:
+    """Machine ``machine``'s part (not machine 0's) where it was started, by a placement or by hand:
+    :func:`run_machine`, and a launch that exits non-zero raised as its :func:`failure`."""
+    finished = run_machine(spec, machine, name, log)
+    if finished.returncode != 0:
+        raise failure(name, finished, spec.launch_dir, gang_of(spec, machine), repeating)
+    return finished
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m tasks.machine SPEC --machine-rank M``: machine M's part of a multi-machine launch
     (what machine 0's task logs as :func:`machine_command`)."""
@@ -142,13 +153,10 @@ def main(argv: list[str] | None = None) -> None:
     spec = read_spec(args.spec)
     if not 0 < args.machine_rank < spec.compute.num_machines:
         raise SystemExit(f"--machine-rank must be 1..{spec.compute.num_machines - 1} (machine 0 runs the task)")
-    name = f"machine {args.machine_rank}"
-    try:
-        finished = run_machine(spec, args.machine_rank, name, functools.partial(print, flush=True))
+    try:  # only the error's text is printed: no error type is kept
+        run_part(spec, args.machine_rank, f"machine {args.machine_rank}", functools.partial(print, flush=True), {})
     except LaunchFailed as error:
         raise SystemExit(str(error)) from None
-    if finished.returncode != 0:
-        raise SystemExit(str(failure(name, finished, spec.launch_dir, gang_of(spec, args.machine_rank))))
 
 
 if __name__ == "__main__":

@@ -128,12 +128,12 @@ def test_a_rank_error_a_retry_would_repeat_is_raised_as_itself_and_not_retried(t
     error = raised.__name__
     report = {"rank": 1, "time": 1.0, "error": error, "traceback": f"Traceback …\n{error}: sft diverged at step 3"}
     RankError.path(tmp_path, 1).write_text(json.dumps(report))
-    failed = failure("sft", Finished(1, []), tmp_path, repeating=REPEATING_ERRORS)
+    failed = failure("sft", Finished(1, []), tmp_path, None, REPEATING_ERRORS)
     assert type(failed) is raised and str(failed).startswith(f"sft: rank 1 failed ({error}):\nTraceback …")
     state = SimpleNamespace(result=lambda raise_on_failure: failed)
     assert not worth_retrying(None, None, state)
     RankError.path(tmp_path, 1).write_text(json.dumps(report | {"error": "OutOfMemoryError"}))
-    crashed = failure("sft", Finished(1, []), tmp_path, repeating=REPEATING_ERRORS)
+    crashed = failure("sft", Finished(1, []), tmp_path, None, REPEATING_ERRORS)
     assert type(crashed) is LaunchFailed
     assert worth_retrying(None, None, SimpleNamespace(result=lambda raise_on_failure: crashed))
 
