@@ -48,7 +48,6 @@ def train(spec: TrainJob) -> BaseModel:
     trainer = tracked_trainer(
         spec.stage, spec.section, spec.inputs, spec.folder.path, run_id, spec.log_checkpoints, policy_from=final
     )
-    check_world_size(spec.world_size, trainer.accelerator.num_processes)
     report_start("trainer built (spec, model, data, process group)")
     if run_id is not None:
         log_model_params(run_id, trainer, spec.inputs)
@@ -64,7 +63,6 @@ def loaded_model(spec: ReferenceJob | EvaluateJob):
     from trainers.modeling import load_causal_lm
 
     state = PartialState(cpu=spec.compute.cpu)
-    check_world_size(spec.world_size, state.num_processes)
     model, tokenizer = load_causal_lm(spec.model, spec.revision, spec.compute.dtype, state.device)
     report_start("model loaded (spec, process group, model)")
     return model, tokenizer, state
@@ -103,6 +101,7 @@ RUNNERS: dict[type, Callable] = {TrainJob: train, ReferenceJob: reference, Evalu
 
 
 def run(spec: LaunchSpec) -> None:
+    check_world_size(spec.world_size)
     result = RUNNERS[type(spec)](spec)
     if rank() == 0:
         spec.result_file.write_text(result.model_dump_json())

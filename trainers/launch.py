@@ -25,10 +25,16 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def check_world_size(expected: int, world_size: int) -> None:
-    if world_size != expected:
+def world_size() -> int:
+    """How many processes the launch started, as torch's launcher tells each (none told: one)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_world_size(expected: int) -> None:
+    """Before the job imports and builds anything: a wrong launch fails in a second, not after the model loads."""
+    if world_size() != expected:
         raise SystemExit(
-            f"trainers.launch: the spec asks for {expected} processes, this run has {world_size}: "
+            f"trainers.launch: the spec asks for {expected} processes, this run has {world_size()}: "
             "check the launch command (`--cpu --num_processes N` starts one process)"
         )
 
