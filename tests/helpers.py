@@ -6,7 +6,9 @@ Imported by name (``from helpers import ...``): pytest puts ``tests/`` on ``sys.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -35,6 +37,37 @@ def environment_without_services(*also: str) -> dict[str, str]:
     starting with ``also``): a subprocess started with it derives its own from its ``ALIGNFLOW_HOME``."""
     dropped = ("PREFECT_", "MLFLOW_", *also)
     return {key: value for key, value in os.environ.items() if not key.startswith(dropped)}
+
+
+def migrated_prefect_database() -> Path:
+    """A Prefect database migrated to this Prefect's head by ``prefect server database upgrade``, made
+    once per Prefect version and kept in ``.pytest_cache`` (both test workers wait for one build)."""
+    from infra.core.locks import LocalFileLock
+
+    template = PROJECT / ".pytest_cache" / "alignflow" / f"prefect-{importlib.metadata.version('prefect')}.db"
+    with LocalFileLock(template.with_suffix(".lock"), timeout=300):
+        if not template.exists():
+            building = template.with_suffix(".building")
+            shutil.rmtree(building, ignore_errors=True)
+            upgrade = [sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"]
+            env = environment_without_services() | {"PREFECT_HOME": str(building)}
+            done = subprocess.run(upgrade, cwd=PROJECT, env=env, capture_output=True, text=True)
+            assert done.returncode == 0, done.stdout + done.stderr
+            (building / "prefect.db").rename(template)
+            shutil.rmtree(building)
+    return template
+
+
+def state_folder_environment(home: Path, *also: str) -> dict[str, str]:
+    """The environment of an `alignflow` subprocess with the state folder ``home`` and nothing of this
+    session's Prefect and MLflow settings (nor the variables starting with ``also``). ``home``'s
+    Prefect database is a copy of :func:`migrated_prefect_database`: a temporary server on it starts in
+    ~4 CPU s, not the ~11 s of Prefect's 116 migrations on a new one (tests of a new state folder's
+    first start use :func:`environment_without_services`)."""
+    database = home / "prefect" / "prefect.db"
+    database.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(migrated_prefect_database(), database)
+    return environment_without_services(*also) | {"ALIGNFLOW_HOME": str(home)}
 
 
 def free_port() -> int:

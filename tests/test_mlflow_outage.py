@@ -15,7 +15,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from helpers import environment_without_services, free_port
+from helpers import free_port, state_folder_environment
 from mlflow import MlflowClient
 from prefect.logging import disable_run_logger
 
@@ -235,8 +235,7 @@ def test_alignflow_run_fails_with_one_clear_line_when_mlflow_dies_for_good_and_s
     password = credentials.mlflow_password
     url = server.spec.url.replace("://", f"://{credentials.mlflow_username}:{password}@")
     home = tmp_path / "home"
-    env = environment_without_services("ALIGNFLOW_") | {
-        "ALIGNFLOW_HOME": str(home),
+    env = state_folder_environment(home, "ALIGNFLOW_") | {
         "MLFLOW_TRACKING_URI": url,
         "ALIGNFLOW_METRICS_FLUSH_TIMEOUT": "3",
         "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",  # the flow's own last calls (marking runs FAILED) fail fast

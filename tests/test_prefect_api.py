@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import ALIGNFLOW, PROJECT, environment_without_services, free_port, mlflow_client
+from helpers import ALIGNFLOW, PROJECT, free_port, mlflow_client, state_folder_environment
 
 from infra.core.processes import process_record
 from infra.ops import prefect_api, servers
@@ -159,8 +159,7 @@ def test_bad_input_fails_the_command_with_the_flow_code_and_one_line_and_leaves_
     Prefect traceback on the terminal: where the full one is), no cache entry, the MLflow run FAILED,
     and no server process afterwards. Every row error takes this path (the messages of each kind of
     bad row are test_data.py's, in-process)."""
-    env = environment_without_services()
-    env["ALIGNFLOW_HOME"] = str(tmp_path)
+    env = state_folder_environment(tmp_path)
     bad = tmp_path / "pairs.jsonl"
     bad.write_text('{"prompt": "1+1=", "chosen": "2", "rejected": "3"}\n{"prompt": "2+2=", "chosen": "4"}\n')
     result = subprocess.run(

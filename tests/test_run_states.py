@@ -21,7 +21,7 @@ from pathlib import Path
 from uuid import UUID
 
 import pytest
-from helpers import ALIGNFLOW, alignflow, environment_without_services, mlflow_client
+from helpers import ALIGNFLOW, alignflow, environment_without_services, mlflow_client, state_folder_environment
 from helpers import PROJECT as PROJECT_ROOT
 from mlflow import MlflowClient
 from prefect import flow
@@ -285,7 +285,7 @@ def test_a_ready_state_folder_skips_the_set_up_lock_and_a_fresh_one_waits_for_it
 
 @pytest.mark.slow
 def test_a_killed_run_on_the_temporary_server_leaves_no_server_and_cleanup_marks_it(tmp_path):
-    env = fresh_state_env(tmp_path / "home")
+    env = state_folder_environment(tmp_path / "home") | {"OMP_NUM_THREADS": "1"}
     prefect_home = str((tmp_path / "home").resolve() / "prefect")
     try:
         _, killed = kill_while_training(env, tmp_path / "run.log", step=2)

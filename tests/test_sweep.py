@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import ALIGNFLOW, PROJECT, SMOKE, dask_cluster, environment_without_services, mlflow_client
+from helpers import ALIGNFLOW, PROJECT, SMOKE, dask_cluster, mlflow_client, state_folder_environment
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
@@ -214,7 +214,7 @@ def test_the_sweep_command_keeps_its_temporary_server_until_prefect_sent_its_las
     """``alignflow sweep`` as a command on the embedded default. Its temporary server stops after
     Prefect's exit hooks: the command once stopped it first, and the hooks then spent over a minute
     retrying the last logs ("Error logging to API") before the process ended."""
-    env = environment_without_services() | {"ALIGNFLOW_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env = state_folder_environment(tmp_path) | {"OMP_NUM_THREADS": "1"}
     one_trial = ["base.stages=[sft]", "space={sft.learning_rate: [0.001]}", "workers=1", "max_concurrent=1"]
     command = [*ALIGNFLOW, "sweep", "configs/sweep.yaml", *TINY, *one_trial]
     result = subprocess.run(command, cwd=PROJECT, env=env, capture_output=True, text=True, timeout=600)
