@@ -31,8 +31,16 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("PREFECT_API_URL", None)
 
 from infra.core.settings import configure_environment  # noqa: E402
+from trainers.fast_exit import end_at_exit_without_teardown  # noqa: E402
 
 configure_environment()
+
+SESSION: list[pytest.Session] = []  # the session once it ended (pytest_sessionfinish)
+# Registered before Prefect, MLflow or torch register theirs, so it runs after them: the session
+# ends with pytest's exit status, without the interpreter's teardown (2-3 s here). An xdist worker
+# ends as execnet ends it; a run whose session never ended (a usage error) exits as usual.
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    end_at_exit_without_teardown(lambda: int(SESSION[0].exitstatus) if SESSION else None)
 
 import platform  # noqa: E402
 
@@ -222,5 +230,6 @@ def unit_tests_start_no_subprocess(request, monkeypatch):
 
 def pytest_sessionfinish(session, exitstatus):
     """Remove the session's run-state folder (MLflow store, caches, outputs) unless asked to keep it."""
+    SESSION.append(session)
     if not os.environ.get("ALIGNFLOW_KEEP_TEST_STATE"):
         shutil.rmtree(_STATE, ignore_errors=True)

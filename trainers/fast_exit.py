@@ -3,8 +3,8 @@
 Used by launched ranks (:func:`trainers.launch.run_as_launched_process`), whose teardown after a
 finished job now and then aborted in torch's C++ state (SIGABRT, "terminate called without an
 active exception": 1 run in about 12 of the FSDP test), and by the ``alignflow`` flow commands
-(``infra.ops.cli``), where tearing down an interpreter that imported torch, transformers, Prefect and
-MLflow only frees memory and took 4-7 s on a 2-core machine.
+(``infra.ops.cli``) and the test session (``tests/conftest.py``), where tearing down an interpreter
+that imported torch, transformers, Prefect and MLflow only frees memory and took 4-7 s on a 2-core machine.
 
 ``atexit`` runs its hooks last-registered first: the hooks registered *after*
 :func:`end_at_exit_without_teardown` (Prefect's, MLflow's, torch's, those of what the job imports) run
@@ -21,13 +21,17 @@ import sys
 from typing import Callable
 
 
-def end_at_exit_without_teardown(exit_code: Callable[[], int]) -> None:
-    """At exit: flush logging and the standard streams, then end with ``exit_code()``."""
+def end_at_exit_without_teardown(exit_code: Callable[[], int | None]) -> None:
+    """At exit: flush logging and the standard streams, then end with ``exit_code()`` (None: exit
+    as usual, with the teardown)."""
 
     def end() -> None:
+        code = exit_code()
+        if code is None:
+            return
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(exit_code())
+        os._exit(code)
 
     atexit.register(end)
