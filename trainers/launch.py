@@ -32,9 +32,10 @@ def world_size() -> int:
 
 def check_world_size(expected: int) -> None:
     """Before the job imports and builds anything: a wrong launch fails in a second, not after the model loads."""
-    if world_size() != expected:
+    started = world_size()
+    if started != expected:
         raise SystemExit(
-            f"trainers.launch: the spec asks for {expected} processes, this run has {world_size()}: "
+            f"trainers.launch: the spec asks for {expected} processes, this run has {started}: "
             "check the launch command (`--cpu --num_processes N` starts one process)"
         )
 
