@@ -62,15 +62,27 @@ class TrackingServer:
         while group.alive():
             time.sleep(0.05)
 
+    def ensure_up(self) -> None:
+        if servers.read_pid(self.folder) is None:  # killed by a test before, and not started since
+            self.start()
+        self.wait_healthy()
 
-@pytest.fixture
-def server(tmp_path, monkeypatch):
-    server = TrackingServer(tmp_path / "mlflow-server")
+
+@pytest.fixture(scope="module")
+def tracking_server(tmp_path_factory):
+    """One tracking server for the outage tests (starting one costs ~10 s): each ends with it up again."""
+    server = TrackingServer(tmp_path_factory.mktemp("mlflow-server"))
     server.start()
-    server.wait_healthy()
-    monkeypatch.setenv("ALIGNFLOW_TRACKING_URI", server.spec.url)
     yield server
     servers.stop(server.folder, timeout=5)
+
+
+@pytest.fixture
+def server(tracking_server, monkeypatch):
+    """The module's tracking server, up (started again should a test before have left it down)."""
+    tracking_server.ensure_up()
+    monkeypatch.setenv("ALIGNFLOW_TRACKING_URI", tracking_server.spec.url)
+    return tracking_server
 
 
 class OutageCallback(MlflowTrainerCallback):
