@@ -29,14 +29,18 @@ pytestmark = pytest.mark.vllm
 OPTIONS = EngineOptions(gpu_memory_utilization=0.3, max_model_len=None, enable_sleep_mode=False, cpu_kv_cache_gib=1)
 NEW_TOKENS = 8
 DRAWS = 20_000
+# Longer than a KV block (128 tokens on the CPU, 16 on a GPU) and shared by every prompt, as a
+# system prompt is: with prefix caching, an engine that kept its cache over a sync would continue
+# it from the keys and values of the weights before.
+SHARED_PREFIX = "0+0=0;" * 25
 
 
-def random_llama(tie: bool) -> tuple[LlamaForCausalLM, object]:
+def random_llama(tie: bool, positions: int = TINY_LLAMA["max_position_embeddings"]) -> tuple[LlamaForCausalLM, object]:
     """The built-in shape with weights of std 0.2 (greedy tokens vary from prompt to prompt, unlike
-    a fresh model's), tied or untied embeddings."""
+    a fresh model's), tied or untied embeddings, ``positions`` positions."""
     tokenizer = build_char_tokenizer()
     config = LlamaConfig(
-        **{**TINY_LLAMA, "tie_word_embeddings": tie},
+        **{**TINY_LLAMA, "tie_word_embeddings": tie, "max_position_embeddings": positions},
         vocab_size=len(tokenizer),
         initializer_range=0.2,
         pad_token_id=tokenizer.pad_token_id,
@@ -47,9 +51,9 @@ def random_llama(tie: bool) -> tuple[LlamaForCausalLM, object]:
     return LlamaForCausalLM(config).eval(), tokenizer
 
 
-def chat_prompts(tokenizer, count: int) -> list[list[int]]:
+def chat_prompts(tokenizer, count: int, prefix: str = "") -> list[list[int]]:
     return [
-        tokenizer(f"<|user|>{a}+{b}=<|assistant|>", add_special_tokens=False).input_ids
+        tokenizer(f"<|user|>{prefix}{a}+{b}=<|assistant|>", add_special_tokens=False).input_ids
         for a in range(count // 4 + 1)
         for b in range(4)
     ][:count]
@@ -69,8 +73,9 @@ def hf_greedy(model, prompts: list[list[int]], stop: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 def test_greedy_tokens_after_a_sync_equal_hf_greedy_on_the_new_weights(tie):
-    model, tokenizer = random_llama(tie)
-    prompts = chat_prompts(tokenizer, 24)
+    model, tokenizer = random_llama(tie, positions=256)
+    prompts = chat_prompts(tokenizer, 24, SHARED_PREFIX)
+    assert len(prompts[0]) > 128  # the shared prefix fills a KV block, which the engine caches
     greedy = SamplingOptions(
         temperature=0.0, top_k=0, top_p=1.0, max_tokens=NEW_TOKENS, stop_ids=(tokenizer.eos_token_id,)
     )

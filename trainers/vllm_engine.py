@@ -156,9 +156,14 @@ class ColocatedEngine:
             self.llm.sleep(level=1)
 
     def push_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Reload the engine's weights in place from ``(name, tensor)`` pairs named as in the HF model."""
+        """Reload the engine's weights in place from ``(name, tensor)`` pairs named as in the HF model,
+        and forget the KV blocks computed with the weights before: with prefix caching (vLLM's default)
+        a prompt that starts with a cached full block (a shared chat template or system prompt, 16
+        tokens on a GPU) would otherwise be continued from the old weights' keys and values."""
         pairs = [(name, tensor.detach()) for name, tensor in weights]
         self.llm.collective_rpc(lambda worker: worker.model_runner.reload_weights(weights_iterator=iter(pairs)))
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM kept its prefix cache after a weight sync (a request was still running)")
         self.syncs += 1
 
     def sync(self, weights: dict[str, torch.Tensor], step: int) -> None:
