@@ -7,7 +7,9 @@ import json
 import math
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
 
 import datasets
 from prefect import get_run_logger, task
@@ -26,6 +28,9 @@ from tasks.reference import with_reference_columns
 from tasks.tracking import stage_run_id, tracked_run
 from trainers.devices import load_dtype
 from trainers.metrics import ModelScores
+
+if TYPE_CHECKING:
+    from trainers.vllm_engine import ReusedEngine
 
 # Shown in the printed table; every metric (CIs, pass@k, lengths) goes to MLflow.
 TABLE_COLUMNS = {
@@ -91,10 +96,12 @@ def score_model(
     beta: float | None,
     compute: ComputeConfig,
     reward_model: ModelHandle | None = None,
+    engines: ReusedEngine | None = None,
 ) -> ModelScores:
     """Every metric of one model (``trainers.evaluation.evaluate_model``), loaded in ``compute.dtype``
     on this machine's GPU where there is one (unless ``compute.cpu``), or launched over
-    ``compute.num_processes`` with the same result; ``reward_model`` scores its samples."""
+    ``compute.num_processes`` with the same result; ``reward_model`` scores its samples, ``engines``
+    (:func:`shared_engine`) generates them with vLLM."""
     if compute.num_processes > 1:
         return launched_scores(handle, prompts, pairs, config, beta, compute, reward_model)
     from trainers.evaluation import evaluate_model, evaluation_scorer
@@ -105,7 +112,7 @@ def score_model(
     scorer = None
     if reward_model is not None:
         scorer = evaluation_scorer(reward_model.path, reward_model.revision, compute.dtype, model.device, tokenizer)
-    return evaluate_model(model, tokenizer, prompts, pairs, config.spec(), beta, reward_model=scorer)
+    return evaluate_model(model, tokenizer, prompts, pairs, config.spec(), beta, reward_model=scorer, engines=engines)
 
 
 def launched_scores(
@@ -182,6 +189,7 @@ def cached_score_model(
     key: str,
     compute: ComputeConfig,
     reward_model: ModelHandle | None = None,
+    engines: ReusedEngine | None = None,
 ) -> ModelScores:
     """:func:`score_model`, computed once per content key under the evaluation cache (a model
     evaluated again, e.g. the champion or an unchanged stage, is neither loaded nor run)."""
@@ -193,7 +201,7 @@ def cached_score_model(
     except (OSError, ValueError, KeyError, TypeError) as problem:
         get_run_logger().warning("evaluation cache entry %s is unreadable (%s): scoring again", folder, problem)
         shutil.rmtree(folder, ignore_errors=True)
-    scores = score_model(handle, prompts, pairs, config, beta, compute, reward_model)
+    scores = score_model(handle, prompts, pairs, config, beta, compute, reward_model, engines)
     with atomic_directory(folder) as staging:
         content = dataclasses.asdict(scores)
         (staging / SCORES_FILE).write_text(json.dumps({"sha256": hash_value(content), "scores": content}))
@@ -207,6 +215,21 @@ def read_scores(path: Path) -> ModelScores:
     if hash_value(stored["scores"]) != stored["sha256"]:
         raise ValueError(f"{SCORES_FILE} does not match its sha256: changed since it was written")
     return ModelScores(**stored["scores"])
+
+
+@contextmanager
+def shared_engine(config: EvaluationConfig) -> Iterator[ReusedEngine | None]:
+    """With ``generation_backend: vllm``, the engine the evaluation's models share (built for the
+    first model that is scored, synced for the next ones), closed at the end; None with ``hf``."""
+    if config.generation_backend != "vllm":
+        yield None
+        return
+    from trainers.evaluation import evaluation_engine  # torch and vLLM, only where vLLM generates
+
+    with evaluation_engine(config.seed) as engines:
+        yield engines
+        if engines.models:
+            get_run_logger().info(f"evaluation on vLLM: {engines.builds} engine(s) built for {engines.models} model(s)")
 
 
 # log_prints off: the rows of a launched evaluation are written with datasets, whose dill prints a
@@ -241,14 +264,14 @@ def evaluate(
         parent_run_id, "evaluate", StageFolder.of(config_name, "evaluate", str(flow_run.get_id() or "local"))
     )
     rows, per_prompt = {}, {}
-    with tracked_run(run_id):
+    with tracked_run(run_id), shared_engine(config) as engines:
         for label, model in models.items():
             # the reference's implicit reward is 0 by definition: no reward metrics for it
             model_pairs = None if model.fingerprint == reference_fingerprint else pairs
             pairs_from = held_out_rewards.reference_logps if model_pairs else None
             dtype = load_dtype(model.path, model.revision, compute.dtype)
             key = scores_key(model, data, pairs_from, config, beta, dtype, reward_model)
-            scores = cached_score_model(model, prompts, model_pairs, config, beta, key, compute, reward_model)
+            scores = cached_score_model(model, prompts, model_pairs, config, beta, key, compute, reward_model, engines)
             rows[label], per_prompt[label] = scores.metrics, scores.per_prompt
             log_metrics(run_id, {f"{label}/{name}": value for name, value in rows[label].items()})
             log_metrics(parent_run_id, {f"eval/{label}/{name}": value for name, value in rows[label].items()})

@@ -1,13 +1,14 @@
 """The colocated vLLM engine (``generation_backend: vllm``) against the policy it serves: greedy tokens
 after a weight sync equal HF's for a tied and an untied model, sampled tokens follow the model's
 distribution with their log-probs, GRPO syncs the weights exactly once per generation round, and the
-evaluation decodes on vLLM as on HF, a LoRA policy is served by its merged weights, and the pipeline
-runs with both on vLLM.
+evaluation decodes on vLLM as on HF, an evaluation's models of one shape share an engine, a LoRA
+policy is served by its merged weights, and the pipeline runs with both on vLLM.
 
 Runs in the vLLM environment that ``make test`` builds (``.venv-vllm``: vLLM pins its own
 transformers); this module imports vllm only through the engine."""
 
 import dataclasses
+import re
 
 import datasets
 import pytest
@@ -18,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainers.builtin_model import TINY_LLAMA, build_char_tokenizer
 from trainers.data import Truncation, tokenize_split
-from trainers.evaluation import GenerationSpec, score_prompts
+from trainers.evaluation import GenerationSpec, evaluation_engine, score_prompts
 from trainers.grpo import GRPOTrainer
 from trainers.lora import LoraSettings, add_adapters
 from trainers.synthetic import AdditionTask, generate_addition
@@ -174,6 +175,28 @@ def test_the_evaluation_on_vllm_decodes_as_on_hf_greedy_and_samples_each_prompt_
     assert all(r.samples == [r.greedy] * 3 for r in on_vllm)
 
 
+def test_an_evaluations_models_of_one_shape_share_one_engine_and_score_as_with_an_engine_of_their_own():
+    first, tokenizer = random_llama(tie=True)
+    second, _ = random_llama(tie=True)
+    with torch.no_grad():  # the same shape, other weights
+        for param in second.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    other_shape, _ = random_llama(tie=False)
+    rows = generate_addition(AdditionTask(max_operand=9, num_eval_problems=24))["eval_prompts"]
+    prompts, _ = tokenize_split(rows, "eval_prompts", tokenizer, Truncation(32, 16))
+    spec = GenerationSpec(max_new_tokens=6, num_samples=2, temperature=1.0, seed=2, backend="vllm")
+    with evaluation_engine(spec.seed) as engines:
+        shared = [score_prompts(first, tokenizer, prompts, spec, engines=engines)]
+        engine = engines.engine
+        shared.append(score_prompts(second, tokenizer, prompts, spec, engines=engines))
+        assert engines.engine is engine and (engine.syncs, engines.builds) == (1, 1)  # synced in, not built
+        shared.append(score_prompts(other_shape, tokenizer, prompts, spec, engines=engines))
+        assert engines.engine is not engine and engines.builds == 2  # untied: an engine of its own
+    assert engines.engine is None  # closed with the block
+    assert shared[1] == score_prompts(second, tokenizer, prompts, spec)  # greedy and sampled, token for token
+    assert [r.greedy for r in shared[1]] != [r.greedy for r in shared[0]]  # the sync changed what it generates
+
+
 def test_a_lora_policy_is_served_merged_and_its_frozen_weights_stay_as_they_were():
     model, tokenizer = random_llama(tie=True)
     policy = add_adapters(model, LoraSettings(r=4, alpha=8.0))
@@ -220,6 +243,10 @@ def test_the_pipeline_trains_and_evaluates_with_vllm_and_logs_the_log_prob_gap(t
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| grpo |" in result.stdout + result.stderr  # the evaluation table
+    # one engine for the models scored: base and sft, and grpo unless its weights are sft's (an
+    # evaluation cache hit: 4 steps whose completions all scored 0 leave them where they were)
+    shared = re.search(r"evaluation on vLLM: 1 engine\(s\) built for (\d) model\(s\)", result.stdout + result.stderr)
+    assert shared and int(shared[1]) >= 2, result.stderr[-3000:]
     client = mlflow_client(home)
     (grpo,) = client.search_runs([e.experiment_id for e in client.search_experiments()], "attributes.run_name = 'grpo'")
     gaps = client.get_metric_history(grpo.info.run_id, "vllm/logp_diff_max")

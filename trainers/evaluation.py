@@ -25,7 +25,7 @@ from trainers.modeling import check_same_vocabulary
 from trainers.reward_model import RewardModelScorer, load_scorer
 from trainers.sharding import batches_of, gather_shards, local_shard
 from trainers.stopping import cut_at_first_stop, stop_token_ids
-from trainers.vllm_engine import ColocatedEngine, EngineOptions, SamplingOptions, require_vllm
+from trainers.vllm_engine import EngineOptions, ReusedEngine, SamplingOptions, require_vllm
 
 # The evaluation's engine holds one model and nothing trains beside it: most of a GPU's memory.
 EVALUATION_ENGINE = EngineOptions(
@@ -133,14 +133,26 @@ def decoded(
     return [flat[i : i + per_prompt] for i in range(0, len(flat), per_prompt)]
 
 
+def evaluation_engine(seed: int) -> ReusedEngine:
+    """The vLLM engine an evaluation's models share (:func:`score_prompts`' ``engines``)."""
+    return ReusedEngine(EVALUATION_ENGINE, seed)
+
+
 def engine_completions(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[list[int]], spec: GenerationSpec
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    spec: GenerationSpec,
+    engines: ReusedEngine | None = None,
 ) -> tuple[list[list[Completion]], list[list[Completion]]]:
-    """Greedy and ``spec.num_samples`` sampled completions of every prompt by a vLLM engine built from
-    ``model``; sample ``j`` of prompt ``i`` under its own seed (``spec.seed``, ``i`` and ``j``), so a
-    prompt's samples do not depend on the others or on the batching."""
+    """Greedy and ``spec.num_samples`` sampled completions of every prompt by a vLLM engine holding
+    ``model``'s weights (``engines``'; without it one built for this model and closed after); sample
+    ``j`` of prompt ``i`` under its own seed (``spec.seed``, ``i`` and ``j``), so a prompt's samples
+    depend neither on the others, nor on the batching, nor on the models the engine held before."""
     stop_ids = stop_token_ids(tokenizer, model.generation_config)
-    engine = ColocatedEngine(model, EVALUATION_ENGINE, spec.seed, step=0)
+    own = engines is None
+    engines = evaluation_engine(spec.seed) if own else engines
+    engine = engines.serving(model)
     try:
         greedy = engine.generate(
             prompts, [spec.seed] * len(prompts), SamplingOptions(0.0, 0, 1.0, spec.max_new_tokens, stop_ids)
@@ -150,7 +162,8 @@ def engine_completions(
         sampling = SamplingOptions(spec.temperature, 0, 1.0, spec.max_new_tokens, stop_ids)
         sampled = engine.generate([p for p in prompts for _ in range(n)], seeds, sampling)
     finally:
-        engine.close()
+        if own:
+            engines.close()
     return (
         decoded(tokenizer, greedy.padded(stop_ids[0])[0], stop_ids, 1),
         decoded(tokenizer, sampled.padded(stop_ids[0])[0], stop_ids, n),
@@ -158,17 +171,22 @@ def engine_completions(
 
 
 def score_prompts(
-    model, tokenizer, rows: list[dict], spec: GenerationSpec, state: Any | None = None
+    model,
+    tokenizer,
+    rows: list[dict],
+    spec: GenerationSpec,
+    state: Any | None = None,
+    engines: ReusedEngine | None = None,
 ) -> list[PromptResult]:
     """Greedy and ``num_samples`` sampled completions of every prompt, same seeds for every model,
     by the spec's backend: the model's ``generate`` (sharded over the processes of ``state``, see
-    :func:`generate_completions`) or a vLLM engine (one process)."""
+    :func:`generate_completions`) or a vLLM engine (one process; ``engines``' when given)."""
     prompts = [r["prompt_ids"] for r in rows]
     if spec.backend == "vllm":
         require_vllm()
         if state is not None and state.num_processes > 1:
             raise ValueError("evaluation.generation_backend vllm scores on one process; use hf to shard the evaluation")
-        greedy, sampled = engine_completions(model, tokenizer, prompts, spec)
+        greedy, sampled = engine_completions(model, tokenizer, prompts, spec, engines)
     else:
         options = {"spec": spec, "state": state}
         greedy = generate_completions(model, tokenizer, prompts, do_sample=False, num_return_sequences=1, **options)
@@ -285,15 +303,16 @@ def evaluate_model(
     beta: float | None,
     state: Any | None = None,
     reward_model: RewardModelScorer | None = None,
+    engines: ReusedEngine | None = None,
 ) -> ModelScores:
     """Every metric of one model: answer metrics of ``prompts`` (with their samples table and
     per-prompt values), the ``reward_model``'s mean score of its samples, and implicit rewards at
     ``beta`` of ``pairs`` (rows with ``ref_*`` log-probs). With ``state`` (a launch's
     ``PartialState``) the work is sharded over its processes and every process returns what one
-    process would."""
+    process would; ``engines`` is the vLLM engine the models of an evaluation share."""
     scores = ModelScores({}, {}, {})
     if prompts:
-        results = score_prompts(model, tokenizer, prompts, spec.generation, state)
+        results = score_prompts(model, tokenizer, prompts, spec.generation, state, engines)
         pass_k = list(spec.pass_k)
         scores = ModelScores(
             answer_metrics(results, pass_k, spec.generation.seed, spec.bootstrap_resamples),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import os
 import random
 import tempfile
@@ -214,3 +215,54 @@ class ColocatedEngine:
 
     def close(self) -> None:
         del self.llm
+
+
+def serving_shape(model: torch.nn.Module) -> str:
+    """What an engine built from ``model`` is fixed to: the architecture, its config, the dtype and
+    the device. Not the config's record of where the model came from, of its saved dtype, or of
+    ``use_cache`` (training turns it off; the engine keeps its own KV cache): a model of the same
+    shape can be synced in."""
+    base = model.get_base_model() if has_adapters(model) else model
+    unfixed = ("_name_or_path", "_commit_hash", "architectures", "transformers_version", "dtype", "torch_dtype")
+    unfixed += ("use_cache",)
+    config = {key: value for key, value in base.config.to_dict().items() if key not in unfixed}
+    parameter = next(model.parameters())
+    return json.dumps([type(base).__name__, config, str(parameter.dtype), str(parameter.device)], default=str)
+
+
+class ReusedEngine:
+    """One engine for a sequence of models (an evaluation's base model, stages and champion): the
+    first builds it, each next one of the same :func:`serving_shape` is synced into it, and one of
+    another shape replaces it (one engine at a time: each takes its share of the GPU's memory). A
+    build costs seconds on the CPU and tens of seconds on a GPU; a sync about what copying the
+    weights does. ``builds`` counts the engines built. Close it, or use it as a context manager."""
+
+    def __init__(self, options: EngineOptions, seed: int):
+        self.options, self.seed = options, seed
+        self.engine: ColocatedEngine | None = None
+        self.shape: str | None = None
+        self.models = 0
+        self.builds = 0
+
+    def serving(self, model: torch.nn.Module) -> ColocatedEngine:
+        """The engine, holding ``model``'s weights."""
+        self.models += 1  # each model is a new "step": its weights are pushed
+        shape = serving_shape(model)
+        if self.engine is not None and shape == self.shape:
+            self.engine.sync(serving_weights(model), step=self.models)
+        else:
+            self.close()
+            self.engine, self.shape = ColocatedEngine(model, self.options, self.seed, step=self.models), shape
+            self.builds += 1
+        return self.engine
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine, self.shape = None, None
+
+    def __enter__(self) -> ReusedEngine:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

@@ -292,7 +292,8 @@ class EvaluationConfig(Section):
     generation_backend: Literal["hf", "vllm"] = Field(
         "hf",
         description="What generates the greedy and sampled completions: `hf`, the model's `generate`; `vllm`, a vLLM "
-        "engine built from the model (one process; needs vLLM: `make install-vllm`, docs/evaluation.md).",
+        "engine built from the first model scored and synced for the next ones (one process; needs vLLM: "
+        "`make install-vllm`, docs/evaluation.md).",
     )
     reward_model: str | None = Field(
         None,
