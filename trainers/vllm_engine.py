@@ -105,6 +105,11 @@ def serving_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: param.detach() for name, param in model.named_parameters()}
 
 
+def served_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model whose architecture an engine serving ``model`` runs: the base model under LoRA adapters."""
+    return model.get_base_model() if has_adapters(model) else model
+
+
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     """Checkpoint names that are no parameter of their own but share one's storage (tied input and
     output embeddings): alias -> the parameter's name. ``named_parameters`` lists a tied weight once,
@@ -126,7 +131,7 @@ class ColocatedEngine:
         from safetensors.torch import save_file
         from vllm import LLM
 
-        base = model.get_base_model() if has_adapters(model) else model
+        base = served_model(model)
         device = next(model.parameters()).device
         if device.type == "cpu":
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(options.cpu_kv_cache_gib)
@@ -217,15 +222,18 @@ class ColocatedEngine:
         del self.llm
 
 
+# Config keys that do not fix an engine: where the model came from, its saved dtype, and ``use_cache``
+# (training turns it off; the engine keeps its own KV cache).
+UNSERVED_CONFIG_KEYS = frozenset(
+    {"_name_or_path", "_commit_hash", "architectures", "transformers_version", "dtype", "torch_dtype", "use_cache"}
+)
+
+
 def serving_shape(model: torch.nn.Module) -> str:
-    """What an engine built from ``model`` is fixed to: the architecture, its config, the dtype and
-    the device. Not the config's record of where the model came from, of its saved dtype, or of
-    ``use_cache`` (training turns it off; the engine keeps its own KV cache): a model of the same
-    shape can be synced in."""
-    base = model.get_base_model() if has_adapters(model) else model
-    unfixed = ("_name_or_path", "_commit_hash", "architectures", "transformers_version", "dtype", "torch_dtype")
-    unfixed += ("use_cache",)
-    config = {key: value for key, value in base.config.to_dict().items() if key not in unfixed}
+    """What an engine built from ``model`` is fixed to: the architecture, its config (less
+    :data:`UNSERVED_CONFIG_KEYS`), the dtype and the device; a model of the same shape can be synced in."""
+    base = served_model(model)
+    config = {key: value for key, value in base.config.to_dict().items() if key not in UNSERVED_CONFIG_KEYS}
     parameter = next(model.parameters())
     return json.dumps([type(base).__name__, config, str(parameter.dtype), str(parameter.device)], default=str)
 
