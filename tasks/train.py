@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Sequence
 
@@ -31,6 +32,7 @@ from infra.core.settings import get_settings
 from infra.core.stage_io import StageFolder, TrainInputs, TrainJob
 from infra.core.storage import prune_checkpoints
 from tasks.caching import computed_once
+from tasks.generation_server import served_section
 from tasks.launch import REPEATING_ERRORS, launch, launched_hosts
 from tasks.mlflow_runs import client, log_new_params
 from tasks.models import checkpoint_handle, record_adapter_base
@@ -192,33 +194,35 @@ def run_stage(
         elif checkpoint is not None:
             get_run_logger().info("%s: resuming from %s", stage, checkpoint)
         log_checkpoints = tracking.log_checkpoints
-        if inputs.compute.multi_process:
-            with atomic_directory(folder.model_dir) as staging:
-                spec = TrainJob(
-                    plugins=tuple(plugins),
-                    launch_dir=folder.launch_dir,
-                    stage=stage,
-                    section=section,
-                    inputs=inputs,
-                    folder=folder,
-                    model_dir=staging,
-                    run_id=run_id,
-                    log_checkpoints=log_checkpoints,
-                    checkpoint=checkpoint,
-                    final=final is not None,
+        # the last step's checkpoint trains nothing: no generation server for it
+        with served_section(stage, section, folder, run_id) if final is None else nullcontext(section) as served:
+            if inputs.compute.multi_process:
+                with atomic_directory(folder.model_dir) as staging:
+                    spec = TrainJob(
+                        plugins=tuple(plugins),
+                        launch_dir=folder.launch_dir,
+                        stage=stage,
+                        section=served,
+                        inputs=inputs,
+                        folder=folder,
+                        model_dir=staging,
+                        run_id=run_id,
+                        log_checkpoints=log_checkpoints,
+                        checkpoint=checkpoint,
+                        final=final is not None,
+                    )
+                    launch(spec, stage)
+                hosts = launched_hosts(spec)
+                adapter = folder.adapter_dir if inputs.lora is not None else None
+            else:
+                trainer = stage_trainer.tracked_trainer(
+                    stage, served, inputs, folder.path, run_id, log_checkpoints, policy_from=final
                 )
-                launch(spec, stage)
-            hosts = launched_hosts(spec)
-            adapter = folder.adapter_dir if inputs.lora is not None else None
-        else:
-            trainer = stage_trainer.tracked_trainer(
-                stage, section, inputs, folder.path, run_id, log_checkpoints, policy_from=final
-            )
-            stage_trainer.log_model_params(run_id, trainer, inputs)
-            stage_trainer.train_from(trainer, checkpoint, final)
-            with atomic_directory(folder.model_dir) as staging:
-                adapter = save_stage_model(trainer, staging, folder.adapter_dir)
-            hosts = [socket.gethostname()]
+                stage_trainer.log_model_params(run_id, trainer, inputs)
+                stage_trainer.train_from(trainer, checkpoint, final)
+                with atomic_directory(folder.model_dir) as staging:
+                    adapter = save_stage_model(trainer, staging, folder.adapter_dir)
+                hosts = [socket.gethostname()]
         # where it ran: the machines in machine order, and the processes over all of them
         client().set_tag(run_id, "alignflow.machines", ",".join(hosts))
         client().set_tag(run_id, "alignflow.processes", str(inputs.compute.num_processes))

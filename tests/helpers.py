@@ -235,3 +235,28 @@ def dask_cluster(env: dict[str, str], workers: list[list[str]]) -> Iterator[tupl
     finally:
         for process in reversed(processes):
             stop_group(process, grace=30)  # the whole group: a nanny's worker process can outlive the nanny
+
+
+def flow_run_logs(flow_run_id) -> list[str]:
+    """The messages the flow run logged to the Prefect API (this process's queued ones sent first)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return [log.message for log in logs]
+
+
+def cancelled_run_state(flow_run_id, timeout: float = 120):
+    """The flow run's final state once it reached one (cancelled or crashed) after a cancel."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while (final := client.read_flow_run(flow_run_id).state).type not in (StateType.CANCELLED, StateType.CRASHED):
+            assert time.monotonic() < deadline, f"the flow run is still {final.type}"
+            time.sleep(1)
+    return final

@@ -285,6 +285,13 @@ def test_the_generation_backend_and_its_engine_options():
         5, 4, 1.0, 256, 0, "vllm"
     )
     vllm = load_config(None, ["grpo.generation_backend=vllm", "grpo.vllm_importance_sampling_cap=2"]).grpo
+    server = ["grpo.generation_backend=vllm", "grpo.vllm_mode=server"]
+    managed, external = (load_config(None, o).grpo for o in [server, [*server, "grpo.vllm_server_url=u"]])
+    assert [section.starts_generation_server for section in (vllm, managed, external)] == [False, True, False]
+    # a server serves any number of training processes; one they all reach, any number of machines
+    two_machines = ["compute.num_processes=2", "compute.num_machines=2", "compute.main_process_ip=10.0.0.1"]
+    assert load_config(None, [*server, "compute.num_processes=2"]).compute.num_processes == 2
+    assert load_config(None, [*server, "grpo.vllm_server_url=u", *two_machines]).compute.num_machines == 2
     assert (vllm.generation_backend, vllm.vllm_importance_sampling_cap, vllm.vllm_gpu_memory_utilization) == (
         "vllm",
         2.0,
@@ -296,8 +303,24 @@ def test_the_generation_backend_and_its_engine_options():
         ],
         "vllm_importance_sampling_cap: 2.0 has no effect": ["grpo.vllm_importance_sampling_cap=2"],
         "unknown generation_backend 'sglang'|Input should be 'hf' or 'vllm'": ["grpo.generation_backend=sglang"],
-        "grpo: generation_backend vllm runs one colocated engine in one training process for now; "
+        "vllm_server_url: http://gen:8000 has no effect with vllm_mode 'colocate'": [
+            "grpo.generation_backend=vllm",
+            "grpo.vllm_server_url=http://gen:8000",
+        ],
+        "vllm_enable_sleep_mode: True has no effect with vllm_mode 'server'": [
+            "grpo.generation_backend=vllm",
+            "grpo.vllm_mode=server",
+            "grpo.vllm_enable_sleep_mode=true",
+        ],
+        "vllm_mode: server has no effect with generation_backend 'hf'": ["grpo.vllm_mode=server"],
+        "grpo: generation_backend vllm: a colocated engine serves one training process for now; "
         "compute.num_processes is 2": ["grpo.generation_backend=vllm", "compute.num_processes=2"],
+        "grpo: vllm_mode server without vllm_server_url starts a server on the train task's machine": [
+            *server,
+            "compute.num_processes=2",
+            "compute.num_machines=2",
+            "compute.main_process_ip=10.0.0.1",
+        ],
         "evaluation.generation_backend vllm scores on one process; compute.num_processes is 2": [
             "evaluation.generation_backend=vllm",
             "compute.num_processes=2",

@@ -2,6 +2,7 @@
 masking, resume, metrics. Rewards come from real reward functions; nothing is mocked."""
 
 import copy
+import importlib.util
 import math
 import statistics
 
@@ -515,3 +516,16 @@ def test_objective_options_are_checked_when_the_arguments_are_built(tmp_path):
     assert (
         section.training_arguments(GRPOConfig, output_dir=str(tmp_path)).objective_params.sapo_temperature_neg == 1.05
     )
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="this environment has vLLM")
+def test_vllm_generation_needs_vllm_in_the_trainers_environment_only_when_colocated(tiny, prompts, tmp_path):
+    """Colocated, the trainer's process runs the engine; with a server it only talks to one, and
+    refuses to start without its address (the pipeline's train task gives it one it started)."""
+    vllm = dict(generation_backend="vllm")
+    with pytest.raises(ModuleNotFoundError, match="generation_backend vllm: vLLM is not installed"):
+        make_trainer(tiny, prompts, tmp_path, **vllm)
+    with pytest.raises(ValueError, match="vllm_mode server: vllm_server_url names no server"):
+        make_trainer(tiny, prompts, tmp_path, **vllm, vllm_mode="server")
+    trainer = make_trainer(tiny, prompts, tmp_path, **vllm, vllm_mode="server", vllm_server_url="http://gen:8100")
+    assert trainer.engine is None  # built at the first generation

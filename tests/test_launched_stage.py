@@ -21,18 +21,25 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import SMOKE, dask_cluster, free_port, launched_pids, mlflow_client, wait_until_gone
+from helpers import (
+    SMOKE,
+    cancelled_run_state,
+    dask_cluster,
+    flow_run_logs,
+    free_port,
+    launched_pids,
+    mlflow_client,
+    wait_until_gone,
+)
 from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
     FlowRunFilter,
     FlowRunFilterId,
     LogFilter,
-    LogFilterFlowRunId,
     LogFilterTaskRunId,
 )
 from prefect.logging import disable_run_logger
-from prefect.logging.handlers import APILogHandler
 from safetensors.torch import load_file
 
 from infra.core.config import ComputeConfig, TrackingConfig, load_config
@@ -76,13 +83,6 @@ def cpu(processes: int) -> ComputeConfig:
 @flow
 def train_in_a_flow(section, inputs: TrainInputs, parent_run_id: str, name: str, tracking: TrackingConfig):
     return train("dpo", section, inputs, parent_run_id, name, tracking)
-
-
-def flow_run_logs(flow_run_id) -> list[str]:
-    APILogHandler().flush()  # the logs still queued in this process
-    with get_client(sync_client=True) as client:
-        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
-    return [log.message for log in logs]
 
 
 @pytest.mark.flow
@@ -265,10 +265,7 @@ def test_cancelling_a_flow_run_of_a_served_deployment_kills_every_rank_on_both_m
             # gone before the runner's 30 s grace ends: the task stopped the launch (seen: ~1 s with the
             # runner polling every second), not the runner's SIGKILL of the flow process
             assert wait_until_gone(pids, str(outputs), timeout=25) == []
-            deadline, final_types = time.monotonic() + 120, (StateType.CANCELLED, StateType.CRASHED)
-            while (final := client.read_flow_run(flow_run.id).state).type not in final_types:
-                assert time.monotonic() < deadline, f"the flow run is still {final.type}"
-                time.sleep(1)
+        final = cancelled_run_state(flow_run.id)
         assert served_smoke.poll() is None  # the runner goes on serving
         assert final.type == StateType.CANCELLED, final
         # machine 0's ranks' output is in the task run's logs (read while the gang is watched)

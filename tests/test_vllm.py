@@ -9,21 +9,38 @@ transformers); this module imports vllm only through the engine."""
 
 import dataclasses
 import re
+import time
+from pathlib import Path
+from typing import Iterator
 
 import datasets
 import pytest
 import torch
-from helpers import MINIMAL, alignflow, environment_without_services, mlflow_client
+from helpers import (
+    MINIMAL,
+    SMOKE,
+    alignflow,
+    cancelled_run_state,
+    environment_without_services,
+    flow_run_logs,
+    mlflow_client,
+    processes_naming,
+)
 from policies import SHORT_GRPO, grpo_args
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from infra.core.config import load_config
+from infra.core.generation_server import managed_generation_server
+from tasks.train import trainer_step
 from trainers.builtin_model import TINY_LLAMA, build_char_tokenizer
+from trainers.checkpoints import is_complete
 from trainers.data import Truncation, tokenize_split
 from trainers.evaluation import GenerationSpec, evaluation_engine, score_prompts
 from trainers.grpo import GRPOTrainer
 from trainers.lora import LoraSettings, add_adapters
 from trainers.synthetic import AdditionTask, generate_addition
-from trainers.vllm_engine import ColocatedEngine, EngineOptions, SamplingOptions, serving_weights
+from trainers.vllm_engine import ColocatedEngine, EngineOptions, SamplingOptions, SyncedEngine, serving_weights
+from trainers.vllm_server import ServerEngine
 
 pytestmark = pytest.mark.vllm
 
@@ -72,15 +89,33 @@ def hf_greedy(model, prompts: list[list[int]], stop: int) -> list[list[int]]:
     return completions
 
 
+@pytest.fixture(scope="module")
+def generation_server(tmp_path_factory) -> Iterator[tuple[str, Path]]:
+    """A managed vLLM server for the module: its address and the folder it reads weights from."""
+    root = tmp_path_factory.mktemp("vllm-server")
+    with managed_generation_server(root, lambda line: None) as url:
+        yield url, root
+
+
+def build_engine(kind: str, model, request) -> SyncedEngine:
+    """A colocated engine, or the module's server's engine, built from ``model`` at step 0."""
+    if kind == "colocated":
+        return ColocatedEngine(model, OPTIONS, seed=0, step=0)
+    url, root = request.getfixturevalue("generation_server")
+    return ServerEngine(model, OPTIONS, seed=0, step=0, url=url, transfer="storage", folder=root)
+
+
+@pytest.mark.parametrize("kind", ["colocated", "server"])
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
-def test_greedy_tokens_after_a_sync_equal_hf_greedy_on_the_new_weights(tie):
+def test_greedy_tokens_after_a_sync_equal_hf_greedy_on_the_new_weights(tie, kind, request):
+    """In the training process, and on a server whose weights arrive by shared storage."""
     model, tokenizer = random_llama(tie, positions=256)
     prompts = chat_prompts(tokenizer, 24, SHARED_PREFIX)
     assert len(prompts[0]) > 128  # the shared prefix fills a KV block, which the engine caches
     greedy = SamplingOptions(
         temperature=0.0, top_k=0, top_p=1.0, max_tokens=NEW_TOKENS, stop_ids=(tokenizer.eos_token_id,)
     )
-    engine = ColocatedEngine(model, OPTIONS, seed=0, step=0)
+    engine = build_engine(kind, model, request)
     try:
         before = engine.generate(prompts, list(range(len(prompts))), greedy).tokens
         assert before == hf_greedy(model, prompts, tokenizer.eos_token_id)
@@ -95,6 +130,10 @@ def test_greedy_tokens_after_a_sync_equal_hf_greedy_on_the_new_weights(tie):
     assert engine.syncs == 1
     assert after == hf_greedy(model, prompts, tokenizer.eos_token_id)
     assert sum(a != b for a, b in zip(before, after)) >= len(prompts) // 2  # the sync changed what it generates
+    if kind == "server":
+        assert (
+            list(request.getfixturevalue("generation_server")[1].iterdir()) == []
+        )  # the model and weights files removed
 
 
 def test_sampled_tokens_follow_the_models_distribution_and_carry_their_log_probs():
@@ -142,10 +181,21 @@ def grpo_trainer(tmp_path, backend: str, lora: bool = False, **settings) -> GRPO
     )
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_grpo_syncs_the_weights_once_per_generation_round_and_logs_the_log_prob_gap(tmp_path, lora):
+@pytest.mark.parametrize(
+    ("lora", "mode"), [(False, "colocate"), (True, "colocate"), (False, "server")], ids=["full", "lora", "server"]
+)
+def test_grpo_syncs_the_weights_once_per_generation_round_and_logs_the_log_prob_gap(tmp_path, lora, mode, request):
+    if mode == "server":
+        url, root = request.getfixturevalue("generation_server")
+        server = dict(vllm_mode="server", vllm_server_url=url, vllm_transfer_folder=str(root))
     trainer = grpo_trainer(
-        tmp_path, "vllm", lora, max_steps=6, steps_per_generation=2, vllm_importance_sampling_cap=2.0
+        tmp_path,
+        "vllm",
+        lora,
+        max_steps=6,
+        steps_per_generation=2,
+        vllm_importance_sampling_cap=2.0,
+        **(server if mode == "server" else {}),
     )
     trainer.train()
     assert trainer.state.global_step == 6
@@ -253,3 +303,77 @@ def test_the_pipeline_trains_and_evaluates_with_vllm_and_logs_the_log_prob_gap(t
     assert [point.step for point in gaps] == [2, 4]  # minimal: 4 steps, 2 per generation round, a log every 2
     assert max(point.value for point in gaps) < 1e-5
     assert grpo.data.params["grpo.generation_backend"] == "vllm"
+
+
+def test_two_training_processes_share_the_managed_server(tmp_path):
+    """``alignflow run`` with GRPO on two processes (gloo on the CPU) and the server the train task
+    starts: rank 0 loads the policy and pushes its weights once per round, both ranks sample their own
+    prompts' completions from it, what they sample is the policy's (the logged log-prob gap), and the
+    server is gone once the run ended."""
+    home = tmp_path / "state"
+    result = alignflow(
+        environment_without_services() | {"ALIGNFLOW_HOME": str(home), "OMP_NUM_THREADS": "1"},
+        "run",
+        MINIMAL,
+        "stages=[grpo]",
+        "grpo.generation_backend=vllm",
+        "grpo.vllm_mode=server",
+        "compute.cpu=true",
+        "compute.num_processes=2",
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    requests = re.findall(r"grpo: vLLM server: POST /(\w+) 200", output)
+    # minimal: 4 steps, 2 per round: one load, one sync, each of the two ranks generating in each round
+    assert sorted(requests) == ["generate"] * 4 + ["load", "reload"], output[-3000:]
+    assert processes_naming(str(home), "trainers.vllm_server") == []  # stopped with its stage
+    client = mlflow_client(home)
+    (grpo,) = client.search_runs([e.experiment_id for e in client.search_experiments()], "attributes.run_name = 'grpo'")
+    gaps = client.get_metric_history(grpo.info.run_id, "vllm/logp_diff_max")
+    assert [point.step for point in gaps] == [2, 4]
+    assert max(point.value for point in gaps) < 1e-5
+    assert grpo.data.tags["alignflow.processes"] == "2"
+
+
+def test_a_cancelled_flow_run_leaves_no_vllm_server_behind(served_smoke, state_dir):
+    """`alignflow serve` (the session's) runs a flow run whose GRPO stage generates in server mode
+    without a server's address: the train task starts one, its output and address in the task's logs
+    and on the stage's MLflow run, the policy's weights pushed to it by shared storage. Once the stage
+    has a checkpoint past a sync, the flow run is cancelled through the Prefect API: the task stops the
+    server, and the flow run ends Cancelled."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.deployments import run_deployment
+    from prefect.states import Cancelling
+
+    name = "vllm-server-cancel"
+    overrides = [f"name={name}", "stages=[grpo]", "grpo.max_steps=500", "grpo.save_steps=2"]
+    overrides += ["grpo.generation_backend=vllm", "grpo.vllm_mode=server", f"tracking.experiment_name={name}"]
+    config = load_config(MINIMAL, overrides).model_dump(mode="json")
+    outputs = state_dir / "outputs" / name
+    flow_run = run_deployment(SMOKE, parameters={"config": config}, timeout=0)
+    deadline = time.monotonic() + 300
+    # a checkpoint of step 4 or later: the second generation round (steps 3-4) sampled from synced
+    # weights (the trainer keeps the last two checkpoints: any later one will do)
+    while max((trainer_step(c) for c in outputs.glob("grpo-*/checkpoint-*") if is_complete(c)), default=0) < 4:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(flow_run.id).state
+        assert time.monotonic() < deadline and served_smoke.poll() is None and not state.is_final(), "\n".join(
+            [f"GRPO never checkpointed step 4 ({state}); the flow run's first logs:", *flow_run_logs(flow_run.id)]
+        )
+        time.sleep(0.5)
+    (server,) = processes_naming(str(outputs), "trainers.vllm_server")
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(flow_run.id, Cancelling(message="cancelled by the test"))
+    deadline = time.monotonic() + 25  # within the runner's 30 s grace: the task stopped it, not the SIGKILL
+    while processes_naming(str(outputs), "trainers.vllm_server") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_naming(str(outputs), "trainers.vllm_server") == []
+    assert cancelled_run_state(flow_run.id).type == StateType.CANCELLED
+    logs = flow_run_logs(flow_run.id)
+    up = [line for line in logs if line.startswith("grpo: vLLM server up at http://127.0.0.1:")]
+    assert len(up) == 1, logs[-30:]
+    assert "grpo: vLLM server: POST /reload 200" in logs  # a sync by shared storage
+    client = mlflow_client()
+    (run,) = client.search_runs([client.get_experiment_by_name(name).experiment_id], "attributes.run_name = 'grpo'")
+    assert up[0].startswith(f"grpo: vLLM server up at {run.data.tags['alignflow.vllm_server']} after ")

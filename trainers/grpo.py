@@ -20,6 +20,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
@@ -60,7 +61,15 @@ from trainers.sampling import sampled_generation_config, sampling_processors
 from trainers.sections import section_fields
 from trainers.sharded_params import forward_model, prepare_reference, sharding_of
 from trainers.stopping import cut_at_first_stop, stop_token_ids
-from trainers.vllm_engine import ColocatedEngine, EngineOptions, SamplingOptions, require_vllm, serving_weights
+from trainers.vllm_engine import (
+    ColocatedEngine,
+    EngineOptions,
+    SamplingOptions,
+    SyncedEngine,
+    require_vllm,
+    serving_weights,
+)
+from trainers.vllm_server import ServerEngine
 
 
 @dataclass
@@ -244,13 +253,21 @@ class GRPOTrainer(Trainer):
         )
         self.buffer = GenerationBuffer(args.num_iterations)
         self.generation_calls = 0
-        self.engine: ColocatedEngine | None = None  # generation_backend vllm: built at the first generation
+        self.engine: SyncedEngine | None = None  # generation_backend vllm: built at the first generation
         self.engine_sampling = SamplingOptions(
             args.temperature, args.top_k, args.top_p, args.max_completion_length, self.stop_ids
         )
         if args.generation_backend == "vllm":
-            require_vllm()
-            check_engine_processes(args.generation_backend, self.accelerator.num_processes, "the process count")
+            check_engine_processes(
+                args.generation_backend, args.vllm_mode, self.accelerator.num_processes, "the process count"
+            )
+            if args.vllm_mode == "colocate":
+                require_vllm()  # a server's trainer needs no vLLM of its own
+            elif args.vllm_server_url is None:
+                raise ValueError(
+                    "vllm_mode server: vllm_server_url names no server (the pipeline's train task starts one; "
+                    "outside it, start `alignflow vllm-server` and give its address)"
+                )
         self.window: dict[str, list[float]] = defaultdict(list)  # metrics since the last log
         self.window_started: float | None = None
         self.window_start_step = 0
@@ -358,8 +375,23 @@ class GRPOTrainer(Trainer):
         if self.engine is not None:
             return
         started = time.perf_counter()
+        args: GRPOConfig = self.args
         policy = self.accelerator.unwrap_model(model)
-        self.engine = ColocatedEngine(policy, self.args.engine_options, self.args.seed, self.state.global_step)
+        if args.vllm_mode == "server":
+            folder = Path(args.vllm_transfer_folder or Path(args.output_dir) / "vllm-transfer")
+            self.engine = ServerEngine(
+                policy,
+                args.engine_options,
+                args.seed,
+                self.state.global_step,
+                url=args.vllm_server_url,
+                transfer=args.vllm_weight_transfer,
+                folder=folder,
+                pushes=self.accelerator.is_main_process,
+                barrier=self.accelerator.wait_for_everyone,
+            )
+        else:
+            self.engine = ColocatedEngine(policy, args.engine_options, args.seed, self.state.global_step)
         self.window["time/engine_start"].append(time.perf_counter() - started)
 
     @contextmanager

@@ -23,6 +23,8 @@ from trainers.sections import EvalStrategy, Placement, Seed, StageCompute, Train
 
 COMPLETIONS_LOG_KEY = "completions"  # a table (column -> values) in the trainer's logs; trackers render it
 GenerationBackendName = Literal["hf", "vllm"]
+VllmMode = Literal["colocate", "server"]
+WeightTransferName = Literal["storage"]
 
 
 class GRPOStageConfig(TrainingConfig):
@@ -147,6 +149,27 @@ class GRPOStageConfig(TrainingConfig):
         "in the training process, fed the policy's weights once per generation round (needs vLLM: `make install-vllm`, "
         "docs/algorithms/grpo.md).",
     )
+    vllm_mode: VllmMode = Field(
+        "colocate",
+        description="vllm: `colocate`, an engine in the training process; `server`, a vLLM server of its own "
+        "(other devices or machines): the one at vllm_server_url, or, without one, a server the train task starts "
+        "on its machine for the stage and stops when the stage ends (docs/algorithms/grpo.md).",
+    )
+    vllm_server_url: str | None = Field(
+        None,
+        description="vllm server mode: the address of a running `alignflow vllm-server`; null: the train task "
+        "starts one.",
+    )
+    vllm_weight_transfer: WeightTransferName = Field(
+        "storage",
+        description="vllm server mode: how the policy's weights reach the server: `storage`, a safetensors file in "
+        "vllm_transfer_folder and a reload call (NCCL is not built yet).",
+    )
+    vllm_transfer_folder: str | None = Field(
+        None,
+        description="vllm server mode: a folder the trainer and the server both read (shared storage between "
+        "machines, under the server's --weights-root); default: the stage's output folder's vllm-transfer/.",
+    )
     vllm_gpu_memory_utilization: float = Field(
         0.3, gt=0.0, le=1.0, description="vllm: the GPU memory share the engine may take (weights and KV cache)."
     )
@@ -178,6 +201,11 @@ class GRPOStageConfig(TrainingConfig):
                 "use reward_inputs: data"
             )
         return self
+
+    @property
+    def starts_generation_server(self) -> bool:
+        """vLLM server mode without a server's address: the train task starts one for the stage."""
+        return self.generation_backend == "vllm" and self.vllm_mode == "server" and self.vllm_server_url is None
 
     @model_validator(mode="after")
     def _check_engine_options(self) -> GRPOStageConfig:
@@ -216,33 +244,54 @@ def check_grpo_compute(section: GRPOStageConfig, compute: StageCompute) -> None:
     """The stage's load-time check: the layout over ``compute.num_processes``, as the trainer
     resolves it over its world size, so one that does not divide over the processes is a config
     error instead of a failure in the ranks after the stages before GRPO have trained; and the
-    colocated vLLM engine on one process only (for now); a reward model's GPU of its own, too."""
+    colocated vLLM engine on one process only (for now), a managed vLLM server on one machine; a
+    reward model's GPU of its own, too."""
     try:
         generation_layout(section, compute.num_processes)
     except ValueError as error:
         raise ValueError(f"batch layout over compute.num_processes ({compute.num_processes}): {error}") from None
-    check_engine_processes(section.generation_backend, compute.num_processes, "compute.num_processes")
+    processes = compute.num_processes
+    check_engine_processes(section.generation_backend, section.vllm_mode, processes, "compute.num_processes")
+    if section.starts_generation_server and compute.num_machines > 1:
+        raise ValueError(
+            f"vllm_mode server without vllm_server_url starts a server on the train task's machine, which the ranks "
+            f"on the other machines cannot reach (compute.num_machines is {compute.num_machines}): start "
+            "`alignflow vllm-server` on a machine they all reach and give its address"
+        )
     check_placement("reward_model_device", section.reward_model_device, compute)
 
 
-def check_engine_processes(generation_backend: str, num_processes: int, counted: str) -> None:
-    """The colocated vLLM engine runs with one training process (an engine per rank needs vLLM's
-    external launcher, not built yet); ``counted`` names where ``num_processes`` comes from."""
-    if generation_backend == "vllm" and num_processes > 1:
+def check_engine_processes(generation_backend: str, vllm_mode: str, num_processes: int, counted: str) -> None:
+    """A colocated vLLM engine serves one training process (an engine per rank needs vLLM's external
+    launcher, not built yet); a server serves any number. ``counted`` names where ``num_processes``
+    comes from."""
+    if generation_backend == "vllm" and vllm_mode == "colocate" and num_processes > 1:
         raise ValueError(
-            f"generation_backend vllm runs one colocated engine in one training process for now; "
-            f"{counted} is {num_processes} (use generation_backend hf)"
+            f"generation_backend vllm: a colocated engine serves one training process for now; {counted} is "
+            f"{num_processes} (use vllm_mode server, or generation_backend hf)"
         )
 
 
+# The vllm_* options only one vllm_mode reads.
+MODE_OPTIONS = {
+    "colocate": ("vllm_enable_sleep_mode",),  # a server keeps its devices to itself
+    "server": ("vllm_server_url", "vllm_weight_transfer", "vllm_transfer_folder"),
+}
+
+
 def check_engine_options(options: Any) -> None:
-    """A ``vllm_*`` option away from its default has no effect unless vLLM generates."""
+    """A ``vllm_*`` option away from its default has no effect unless vLLM generates, and a mode's
+    own options none in the other mode."""
     if options.generation_backend == "vllm":
-        return
-    for field in [name for name in GRPOStageConfig.model_fields if name.startswith("vllm_")]:
+        unread = [field for mode, fields in MODE_OPTIONS.items() if mode != options.vllm_mode for field in fields]
+        because = f"vllm_mode {options.vllm_mode!r}"
+    else:
+        unread = [name for name in GRPOStageConfig.model_fields if name.startswith("vllm_")]
+        because = f"generation_backend {options.generation_backend!r}"
+    for field in unread:
         value, default = getattr(options, field), GRPOStageConfig.model_fields[field].default
         if value != default:
-            raise ValueError(f"{field}: {value} has no effect with generation_backend {options.generation_backend!r}")
+            raise ValueError(f"{field}: {value} has no effect with {because}")
 
 
 def objective_fields() -> set[str]:

@@ -45,6 +45,9 @@ class StageCompute(Protocol):
     @property
     def num_processes(self) -> int: ...
 
+    @property
+    def num_machines(self) -> int: ...
+
 
 # Where a frozen helper model of a stage (a reward model, a teacher) runs: on the policy's device, or
 # on one of its own (the CPU, or a GPU that training does not use). ``trainers.devices.placed_on``.

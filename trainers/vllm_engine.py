@@ -11,6 +11,10 @@ sync always lands on awake weights (trl#5312: a sync into sleeping weights is si
 vLLM samples each completion under its own seed and returns the log-prob of every sampled token
 under the *processed* distribution (after temperature), which the trainer compares with its own.
 
+The engine's life (build, in-place reload, sampling) is in functions that a vLLM server of its own
+(:mod:`trainers.vllm_server`, ``vllm_mode: server``) runs too; :class:`SyncedEngine` is what the
+trainer sees of either: a sync once per round, a generation.
+
 This is the one module that touches vLLM's internals (the worker's ``model_runner.reload_weights``);
 ``tests/test_vllm.py`` holds it to the installed version (greedy tokens equal HF's after a sync).
 """
@@ -23,9 +27,10 @@ import json
 import os
 import random
 import tempfile
+from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -122,91 +127,138 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     }
 
 
-class ColocatedEngine:
-    """One vLLM ``LLM`` on this process's device, built from ``model`` as it is at optimizer step
-    ``step`` and fed its weights again after each step that changed them. ``syncs`` counts the
-    weight pushes (tests assert on it)."""
+def write_model_folder(model: torch.nn.Module, folder: str | os.PathLike) -> None:
+    """``model`` as an engine loads it: the served model's config and its :func:`serving_weights` as
+    ``model.safetensors`` in ``folder``."""
+    from safetensors.torch import save_file
 
-    def __init__(self, model: torch.nn.Module, options: EngineOptions, seed: int, step: int):
-        from safetensors.torch import save_file
-        from vllm import LLM
+    base = served_model(model)
+    config = copy.deepcopy(base.config)
+    config.architectures = [type(base).__name__]
+    config.save_pretrained(folder)
+    weights = {name: tensor.contiguous() for name, tensor in serving_weights(model).items()}
+    save_file(weights, os.path.join(folder, "model.safetensors"))
 
-        base = served_model(model)
-        device = next(model.parameters()).device
-        if device.type == "cpu":
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(options.cpu_kv_cache_gib)
-        with tempfile.TemporaryDirectory(prefix="alignflow-vllm-") as folder:
-            config = copy.deepcopy(base.config)
-            config.architectures = [type(base).__name__]
-            config.save_pretrained(folder)
-            weights = {name: tensor.contiguous() for name, tensor in serving_weights(model).items()}
-            save_file(weights, os.path.join(folder, "model.safetensors"))
-            with preserved_random_states():  # vLLM seeds Python's, numpy's and torch's generators with `seed`
-                self.llm = LLM(
-                    model=folder,
-                    dtype=next(model.parameters()).dtype,
-                    seed=seed,
-                    max_model_len=options.max_model_len or model.config.max_position_embeddings,
-                    gpu_memory_utilization=options.gpu_memory_utilization,
-                    enable_sleep_mode=options.enable_sleep_mode,
-                    enforce_eager=device.type == "cpu",
-                    skip_tokenizer_init=True,  # prompts arrive as token ids; completions leave as token ids
-                    generation_config="vllm",  # the trainer's sampling settings, not the folder's defaults
-                    logprobs_mode="processed_logprobs",  # after temperature: the distribution that sampled
-                )
-        self.aliases = tied_aliases(base)
-        self.sleeps = options.enable_sleep_mode
+
+def build_llm(folder: str | os.PathLike, dtype: torch.dtype, device_type: str, options: EngineOptions, seed: int):
+    """A vLLM ``LLM`` in this process, loaded from ``folder`` (:func:`write_model_folder`); token ids in,
+    token ids out."""
+    from transformers import AutoConfig
+    from vllm import LLM
+
+    if device_type == "cpu":
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(options.cpu_kv_cache_gib)
+    with preserved_random_states():  # vLLM seeds Python's, numpy's and torch's generators with `seed`
+        return LLM(
+            model=str(folder),
+            dtype=dtype,
+            seed=seed,
+            max_model_len=options.max_model_len or AutoConfig.from_pretrained(folder).max_position_embeddings,
+            gpu_memory_utilization=options.gpu_memory_utilization,
+            enable_sleep_mode=options.enable_sleep_mode,
+            enforce_eager=device_type == "cpu",
+            skip_tokenizer_init=True,  # prompts arrive as token ids; completions leave as token ids
+            generation_config="vllm",  # the trainer's sampling settings, not the folder's defaults
+            logprobs_mode="processed_logprobs",  # after temperature: the distribution that sampled
+        )
+
+
+def reload_weights(llm, pairs: list[tuple[str, torch.Tensor]]) -> None:
+    """Reload ``llm``'s weights in place from ``(name, tensor)`` pairs named as in the HF model, and
+    forget the KV blocks computed with the weights before: with prefix caching (vLLM's default) a
+    prompt that starts with a cached full block (a shared chat template or system prompt, 16 tokens
+    on a GPU) would otherwise be continued from the old weights' keys and values."""
+    llm.collective_rpc(lambda worker: worker.model_runner.reload_weights(weights_iterator=iter(pairs)))
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM kept its prefix cache after a weight sync (a request was still running)")
+
+
+def sample(llm, prompts: list[list[int]], seeds: list[int], sampling: SamplingOptions) -> EngineSamples:
+    """One completion per prompt, each under its own seed, with its tokens' log-probs."""
+    from vllm import SamplingParams
+
+    requests = [{"prompt_token_ids": prompt} for prompt in prompts]
+    params = [
+        SamplingParams(
+            temperature=sampling.temperature,
+            top_k=sampling.top_k if sampling.top_k > 0 else -1,
+            top_p=sampling.top_p,
+            max_tokens=sampling.max_tokens,
+            stop_token_ids=list(sampling.stop_ids),
+            seed=seed,
+            logprobs=0,  # the sampled token's own log-prob
+            detokenize=False,
+        )
+        for seed in seeds
+    ]
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    tokens = [list(out.outputs[0].token_ids) for out in outputs]
+    logps = [
+        [position[token].logprob for token, position in zip(row, out.outputs[0].logprobs)]
+        for row, out in zip(tokens, outputs)
+    ]
+    return EngineSamples(tokens, logps)
+
+
+class SyncedEngine(ABC):
+    """An engine serving a policy, fed its weights again after each optimizer step that changed
+    them: in this process (:class:`ColocatedEngine`) or over HTTP
+    (:class:`trainers.vllm_server.ServerEngine`). ``syncs`` counts the weight pushes (tests assert on it)."""
+
+    def __init__(self, model: torch.nn.Module, step: int):
+        self.aliases = tied_aliases(served_model(model))
         self.synced_step = step
         self.syncs = 0
-        if self.sleeps:
-            self.llm.sleep(level=1)
 
-    def push_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Reload the engine's weights in place from ``(name, tensor)`` pairs named as in the HF model,
-        and forget the KV blocks computed with the weights before: with prefix caching (vLLM's default)
-        a prompt that starts with a cached full block (a shared chat template or system prompt, 16
-        tokens on a GPU) would otherwise be continued from the old weights' keys and values."""
-        pairs = [(name, tensor.detach()) for name, tensor in weights]
-        self.llm.collective_rpc(lambda worker: worker.model_runner.reload_weights(weights_iterator=iter(pairs)))
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM kept its prefix cache after a weight sync (a request was still running)")
-        self.syncs += 1
+    @abstractmethod
+    def push_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Load ``(name, tensor)`` pairs, named as in the HF model, into the engine."""
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingOptions) -> EngineSamples: ...
 
     def sync(self, weights: dict[str, torch.Tensor], step: int) -> None:
         """Push ``weights`` (the policy's parameters by name, at optimizer step ``step``) unless the
         engine holds them; a tied weight is pushed under each of its names."""
         if step != self.synced_step:
             aliased = [(alias, weights[name]) for alias, name in self.aliases.items()]
-            self.push_weights([*weights.items(), *aliased])
+            self.push_weights([(name, tensor.detach()) for name, tensor in [*weights.items(), *aliased]])
             self.synced_step = step
-
-    def generate(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingOptions) -> EngineSamples:
-        from vllm import SamplingParams
-
-        requests = [{"prompt_token_ids": prompt} for prompt in prompts]
-        params = [
-            SamplingParams(
-                temperature=sampling.temperature,
-                top_k=sampling.top_k if sampling.top_k > 0 else -1,
-                top_p=sampling.top_p,
-                max_tokens=sampling.max_tokens,
-                stop_token_ids=list(sampling.stop_ids),
-                seed=seed,
-                logprobs=0,  # the sampled token's own log-prob
-                detokenize=False,
-            )
-            for seed in seeds
-        ]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        tokens = [list(out.outputs[0].token_ids) for out in outputs]
-        logps = [
-            [position[token].logprob for token, position in zip(row, out.outputs[0].logprobs)]
-            for row, out in zip(tokens, outputs)
-        ]
-        return EngineSamples(tokens, logps)
+            self.syncs += 1
 
     def wake(self, weights: dict[str, torch.Tensor], step: int) -> None:
-        """Before a generation: wake the weights, sync them, then wake the KV cache."""
+        """Before a generation: the engine ready, holding ``weights``."""
+        self.sync(weights, step)
+
+    def rest(self) -> None:  # noqa: B027 (a hook: nothing to do unless a subclass has)
+        """After a generation."""
+
+    def close(self) -> None:  # noqa: B027 (a hook: a server's engine stays up for its owner to stop)
+        """Give the engine's resources back."""
+
+
+class ColocatedEngine(SyncedEngine):
+    """One vLLM ``LLM`` on this process's device, built from ``model`` as it is at optimizer step
+    ``step``, its weights reloaded in place by each sync."""
+
+    def __init__(self, model: torch.nn.Module, options: EngineOptions, seed: int, step: int):
+        super().__init__(model, step)
+        parameter = next(model.parameters())
+        with tempfile.TemporaryDirectory(prefix="alignflow-vllm-") as folder:
+            write_model_folder(model, folder)
+            self.llm = build_llm(folder, parameter.dtype, parameter.device.type, options, seed)
+        self.sleeps = options.enable_sleep_mode
+        if self.sleeps:
+            self.llm.sleep(level=1)
+
+    def push_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        reload_weights(self.llm, weights)
+
+    def generate(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingOptions) -> EngineSamples:
+        return sample(self.llm, prompts, seeds, sampling)
+
+    def wake(self, weights: dict[str, torch.Tensor], step: int) -> None:
+        """Wake the weights, sync them, then wake the KV cache."""
         if self.sleeps:
             self.llm.wake_up(tags=["weights"])
         self.sync(weights, step)
@@ -214,7 +266,7 @@ class ColocatedEngine:
             self.llm.wake_up(tags=["kv_cache"])
 
     def rest(self) -> None:
-        """After a generation: give the engine's memory back (sleep mode)."""
+        """Give the engine's memory back (sleep mode)."""
         if self.sleeps:
             self.llm.sleep(level=1)
 

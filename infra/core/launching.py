@@ -167,6 +167,26 @@ def stop_group(process: subprocess.Popen, grace: float = STOP_GRACE_S) -> None:
     ProcessGroup(process.pid, process).stop(grace)
 
 
+def read_lines(stream: IO[str], on_line: Callable[[str], None], tail: deque[str]) -> None:
+    """Hand each line of ``stream`` but the blank ones to ``on_line``, keeping the last ones in ``tail``."""
+    for line in stream:
+        line = line.rstrip("\n")
+        if not line.strip():  # a progress bar's carriage returns read as lines too (universal newlines)
+            continue
+        tail.append(line)
+        on_line(line)
+
+
+def output_reader(stream: IO[str], on_line: Callable[[str], None], tail: deque[str], name: str) -> threading.Thread:
+    """:func:`read_lines` in a daemon thread, started, in this thread's context: what ``on_line`` logs
+    to (a Prefect task run's logger) is the caller's."""
+    reader = threading.Thread(
+        target=contextvars.copy_context().run, args=(read_lines, stream, on_line, tail), name=name, daemon=True
+    )
+    reader.start()
+    return reader
+
+
 def run_process_group(
     command: Sequence[str],
     on_line: Callable[[str], None],
@@ -182,25 +202,12 @@ def run_process_group(
     group = ProcessGroup.start(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     process = group.process
     tail: deque[str] = deque(maxlen=tail_lines)
-
-    def read() -> None:
-        for line in process.stdout:
-            line = line.rstrip("\n")
-            if not line.strip():  # a progress bar's carriage returns read as lines too (universal newlines)
-                continue
-            tail.append(line)
-            on_line(line)
-
     reason = None
     try:
         if watch is None:
-            read()
+            read_lines(process.stdout, on_line, tail)
         else:
-            # in this thread's context: what ``on_line`` logs to (a Prefect task run's logger) is the caller's
-            reader = threading.Thread(
-                target=contextvars.copy_context().run, args=(read,), name="launch-output", daemon=True
-            )
-            reader.start()
+            reader = output_reader(process.stdout, on_line, tail, "launch-output")
             while reader.is_alive() and reason is None:
                 reader.join(WATCH_S)
                 reason = watch() if reader.is_alive() else None

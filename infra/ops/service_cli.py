@@ -97,6 +97,23 @@ def add_parsers(commands) -> None:
         help="seconds the worker (and its flow runs) get to stop after SIGTERM/SIGINT before they are killed",
     )
 
+    generation = commands.add_parser(
+        "vllm-server",
+        help="serve a vLLM engine for GRPO in server mode (vllm_mode: server) on this machine's devices",
+        description="A vLLM engine that GRPO trainers elsewhere load their policy into, push its weights to after "
+        "each update, and sample from (docs/algorithms/grpo.md). It holds no model until a trainer loads one.",
+        epilog="example: alignflow vllm-server --host 0.0.0.0 --port 8100 --weights-root /shared/vllm-transfer; "
+        "then grpo.vllm_server_url=http://THIS-HOST:8100 grpo.vllm_transfer_folder=/shared/vllm-transfer",
+    )
+    generation.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s)")
+    generation.add_argument("--port", type=int, default=0, help="default: a free port, printed once listening")
+    generation.add_argument(
+        "--weights-root",
+        type=Path,
+        required=True,
+        help="the folder (shared storage) the trainers' models and weights arrive in; it reads nothing outside it",
+    )
+
 
 def require_prefect_server() -> str | None:
     from prefect.settings import PREFECT_API_URL
@@ -262,4 +279,15 @@ def worker_command(args: argparse.Namespace) -> int:
     return servers.run_in_group(command, grace=args.grace)
 
 
-COMMANDS = {"servers": servers_command, "deploy": deploy_command, "serve": serve_command, "worker": worker_command}
+def vllm_server_command(args: argparse.Namespace) -> int:
+    command = [sys.executable, "-m", "trainers.vllm_server", args.host, str(args.port), str(args.weights_root)]
+    return servers.run_in_group(command, grace=10.0)
+
+
+COMMANDS = {
+    "servers": servers_command,
+    "deploy": deploy_command,
+    "serve": serve_command,
+    "worker": worker_command,
+    "vllm-server": vllm_server_command,
+}

@@ -1,0 +1,59 @@
+"""A managed vLLM server (:mod:`trainers.vllm_server`) for a stage that generates in server mode
+without a server's address: started on this machine, health-checked, its output handed over line by
+line, stopped when the block ends however it ends. It runs as a process group tied to this process
+(:class:`~infra.core.launching.ProcessGroup`): a cancelled flow run stops it as it stops a launch,
+and a SIGKILLed one takes it along (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections import deque
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+from infra.core.launching import ProcessGroup, output_reader
+
+STARTUP_TIMEOUT_S = 300.0  # importing vLLM, then binding: seconds here; minutes on a cold GPU node
+
+
+class ServerFailed(RuntimeError):
+    """The managed server exited or did not answer in time."""
+
+
+@contextmanager
+def managed_generation_server(
+    weights_root: Path, on_line: Callable[[str], None], startup_timeout: float = STARTUP_TIMEOUT_S
+) -> Iterator[str]:
+    """The address of a vLLM server started on loopback for the block, reading models and weights
+    under ``weights_root``; ``on_line`` gets each line of its output."""
+    from trainers.vllm_server import LISTENING, health
+
+    weights_root.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "trainers.vllm_server", "127.0.0.1", "0", str(weights_root)]
+    group = ProcessGroup.start(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail: deque[str] = deque(maxlen=40)
+    addresses: list[str] = []
+
+    def handle(line: str) -> None:
+        if line.startswith(LISTENING):
+            addresses.append(line.removeprefix(LISTENING))
+        on_line(line)
+
+    reader = output_reader(group.process.stdout, handle, tail, "vllm-server")
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while not addresses:
+            if group.poll() is not None or time.monotonic() > deadline:
+                reader.join(timeout=5)
+                why = f"exited with status {group.poll()}" if group.poll() is not None else "did not start in time"
+                raise ServerFailed("\n".join([f"the vLLM server ({' '.join(command)}) {why}; its output:", *tail]))
+            group.pause(0.1)
+        health(addresses[0])  # it answers: the address is right
+        yield addresses[0]
+    finally:
+        group.stop()
+        reader.join(timeout=5)
