@@ -1,9 +1,11 @@
 """GRPO's generation backends on the built-in task (issue 28): the default experiment's SFT and GRPO
-stages, trained once with ``grpo.generation_backend=hf`` and once with ``vllm``, then the hf-trained
-model evaluated again with ``evaluation.generation_backend=vllm``; all in one state folder, so SFT
-comes from the cache (GRPO is not a cached stage: the third run trains it again, to the same curve).
+stages, trained once with ``grpo.generation_backend=hf``, once with ``vllm`` colocated and once with
+a managed vLLM server (``vllm_mode=server``), then the hf-trained model evaluated again with
+``evaluation.generation_backend=vllm``; all in one state folder, so SFT comes from the cache (GRPO is
+not a cached stage: the last run trains it again, to the same curve).
 
-    .venv-vllm/bin/python benchmarks/grpo_backends.py            # ~6 min on 2 free cores
+    .venv-vllm/bin/python benchmarks/grpo_backends.py            # ~8 min on 2 free cores
+    .venv-vllm/bin/python benchmarks/grpo_backends.py --only train-vllm --only train-vllm-server
     .venv-vllm/bin/python benchmarks/grpo_backends.py --report-only
 
 Prints per run: the wall time, GRPO's optimizer steps and its reward curve (the logged windows), its
@@ -28,6 +30,7 @@ from infra.core.settings import Settings
 RUNS = {
     "train-hf": ["grpo.generation_backend=hf"],
     "train-vllm": ["grpo.generation_backend=vllm"],
+    "train-vllm-server": ["grpo.generation_backend=vllm", "grpo.vllm_mode=server"],
     "train-hf-eval-vllm": ["grpo.generation_backend=hf", "evaluation.generation_backend=vllm"],
 }
 
@@ -70,8 +73,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--home", type=Path, default=Path("/tmp/alignflow-grpo-backends"))
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--only", choices=sorted(RUNS), action="append", help="these runs (default: all)")
     options = parser.parse_args()
-    walls = {name: None if options.report_only else run(options.home, name, RUNS[name]) for name in RUNS}
+    names = options.only or list(RUNS)
+    walls = {name: None if options.report_only else run(options.home, name, RUNS[name]) for name in names}
     for name, wall in walls.items():
         report(options.home, name, wall)
 
