@@ -313,22 +313,25 @@ def test_the_generation_backend_and_its_engine_options():
             "grpo.vllm_enable_sleep_mode=true",
         ],
         "vllm_mode: server has no effect with generation_backend 'hf'": ["grpo.vllm_mode=server"],
-        "grpo: generation_backend vllm: a colocated engine serves one training process for now; "
-        "compute.num_processes is 2": ["grpo.generation_backend=vllm", "compute.num_processes=2"],
         "grpo: vllm_mode server without vllm_server_url starts a server on the train task's machine": [
             *server,
             "compute.num_processes=2",
             "compute.num_machines=2",
             "compute.main_process_ip=10.0.0.1",
         ],
-        "evaluation.generation_backend vllm scores on one process; compute.num_processes is 2": [
-            "evaluation.generation_backend=vllm",
-            "compute.num_processes=2",
-        ],
     }
     for message, overrides in refused.items():
         with pytest.raises(ValidationError, match=message):
             load_config(None, overrides)
+    # an engine per process: colocated rollouts and a sharded evaluation over several
+    sharded = load_config(
+        None, ["grpo.generation_backend=vllm", "evaluation.generation_backend=vllm", "compute.num_processes=2"]
+    )
+    assert (sharded.grpo.vllm_mode, sharded.evaluation.generation_backend, sharded.compute.num_processes) == (
+        "colocate",
+        "vllm",
+        2,
+    )
 
 
 def test_grpo_objective_options_that_load():

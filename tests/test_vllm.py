@@ -2,7 +2,8 @@
 after a weight sync equal HF's for a tied and an untied model, sampled tokens follow the model's
 distribution with their log-probs, GRPO syncs the weights exactly once per generation round, and the
 evaluation decodes on vLLM as on HF, an evaluation's models of one shape share an engine, a LoRA
-policy is served by its merged weights, and the pipeline runs with both on vLLM.
+policy is served by its merged weights, and the pipeline runs with both on vLLM, on one process
+and on two (an engine each, or one server).
 
 Runs in the vLLM environment that ``make test`` builds (``.venv-vllm``: vLLM pins its own
 transformers); this module imports vllm only through the engine."""
@@ -23,13 +24,14 @@ from helpers import (
     cancelled_run_state,
     environment_without_services,
     flow_run_logs,
+    free_port,
     mlflow_client,
     processes_naming,
 )
 from policies import SHORT_GRPO, grpo_args
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from infra.core.config import load_config
+from infra.core.config import ComputeConfig, EvaluationConfig, load_config
 from infra.core.generation_server import managed_generation_server
 from tasks.train import trainer_step
 from trainers.builtin_model import TINY_LLAMA, build_char_tokenizer
@@ -247,6 +249,29 @@ def test_an_evaluations_models_of_one_shape_share_one_engine_and_score_as_with_a
     assert [r.greedy for r in shared[1]] != [r.greedy for r in shared[0]]  # the sync changed what it generates
 
 
+def test_the_evaluation_on_vllm_over_two_processes_scores_what_one_process_scores(tiny, tiny_checkpoint, monkeypatch):
+    """``compute.num_processes`` 2: each launched rank builds an engine of its own for its share of
+    the prompts (7: 4 and 3); the scores, every sample's text included, are one process's."""
+    from tasks.evaluate import score_model
+
+    _, tokenizer = tiny
+    rows = generate_addition(AdditionTask(max_operand=9, num_eval_problems=20))
+    prompts, _ = tokenize_split(rows["grpo_prompts"][:7], "grpo_prompts", tokenizer, Truncation(32, 16))
+    evaluation = EvaluationConfig(generation_backend="vllm", max_new_tokens=4, num_samples=3, pass_k=[1, 3], seed=5)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    one = score_model(tiny_checkpoint, prompts, None, evaluation, None, ComputeConfig(cpu=True))
+    two = score_model(
+        tiny_checkpoint,
+        prompts,
+        None,
+        evaluation,
+        None,
+        ComputeConfig(cpu=True, num_processes=2, main_process_port=free_port()),
+    )
+    assert two == one
+    assert len(one.samples["completion"]) == 7 and len(set(one.samples["completion"])) > 1  # a seed per prompt
+
+
 def test_a_lora_policy_is_served_merged_and_its_frozen_weights_stay_as_they_were():
     model, tokenizer = random_llama(tie=True)
     policy = add_adapters(model, LoraSettings(r=4, alpha=8.0))
@@ -305,11 +330,11 @@ def test_the_pipeline_trains_and_evaluates_with_vllm_and_logs_the_log_prob_gap(t
     assert grpo.data.params["grpo.generation_backend"] == "vllm"
 
 
-def test_two_training_processes_share_the_managed_server(tmp_path):
-    """``alignflow run`` with GRPO on two processes (gloo on the CPU) and the server the train task
-    starts: rank 0 loads the policy and pushes its weights once per round, both ranks sample their own
-    prompts' completions from it, what they sample is the policy's (the logged log-prob gap), and the
-    server is gone once the run ended."""
+def two_process_grpo(tmp_path: Path, *overrides: str) -> tuple[str, Path]:
+    """``alignflow run`` of GRPO alone on vLLM over two processes (gloo on the CPU); checks what
+    every mode owes: the run succeeded on two processes, and both processes sampled the policy's
+    own tokens in both generation rounds (the logged log-prob gap is the max over the processes).
+    The run's output and state folder."""
     home = tmp_path / "state"
     result = alignflow(
         environment_without_services() | {"ALIGNFLOW_HOME": str(home), "OMP_NUM_THREADS": "1"},
@@ -317,22 +342,39 @@ def test_two_training_processes_share_the_managed_server(tmp_path):
         MINIMAL,
         "stages=[grpo]",
         "grpo.generation_backend=vllm",
-        "grpo.vllm_mode=server",
         "compute.cpu=true",
         "compute.num_processes=2",
+        *overrides,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
+    client = mlflow_client(home)
+    (grpo,) = client.search_runs([e.experiment_id for e in client.search_experiments()], "attributes.run_name = 'grpo'")
+    gaps = client.get_metric_history(grpo.info.run_id, "vllm/logp_diff_max")
+    assert [point.step for point in gaps] == [2, 4]  # minimal: 4 steps, 2 per generation round, a log every 2
+    assert max(point.value for point in gaps) < 1e-5
+    assert grpo.data.tags["alignflow.processes"] == "2"
+    return output, home
+
+
+def test_two_training_processes_each_colocate_an_engine(tmp_path):
+    """Colocated over two processes: each rank builds an engine of its own on its device, joined
+    through the launch's process group (vLLM's external launcher), syncs it and samples its own
+    prompts' completions from it."""
+    output, _ = two_process_grpo(tmp_path)
+    assert output.count("Using external launcher for distributed inference") == 2, output[-3000:]
+
+
+def test_two_training_processes_share_the_managed_server(tmp_path):
+    """With the server the train task starts: rank 0 loads the policy and pushes its weights once
+    per round, both ranks sample their own prompts' completions from it, and the server is gone once
+    the run ended."""
+    output, home = two_process_grpo(tmp_path, "grpo.vllm_mode=server")
     requests = re.findall(r"grpo: vLLM server: POST /(\w+) 200", output)
     # minimal: 4 steps, 2 per round: one load, one sync, each of the two ranks generating in each round
     assert sorted(requests) == ["generate"] * 4 + ["load", "reload"], output[-3000:]
     assert processes_naming(str(home), "trainers.vllm_server") == []  # stopped with its stage
-    client = mlflow_client(home)
-    (grpo,) = client.search_runs([e.experiment_id for e in client.search_experiments()], "attributes.run_name = 'grpo'")
-    gaps = client.get_metric_history(grpo.info.run_id, "vllm/logp_diff_max")
-    assert [point.step for point in gaps] == [2, 4]
-    assert max(point.value for point in gaps) < 1e-5
-    assert grpo.data.tags["alignflow.processes"] == "2"
+    assert "Using external launcher" not in output  # no engine in the training processes
 
 
 def test_a_cancelled_flow_run_leaves_no_vllm_server_behind(served_smoke, state_dir):

@@ -25,7 +25,7 @@ from trainers.modeling import check_same_vocabulary
 from trainers.reward_model import RewardModelScorer, load_scorer
 from trainers.sharding import batches_of, gather_shards, local_shard
 from trainers.stopping import cut_at_first_stop, stop_token_ids
-from trainers.vllm_engine import EngineOptions, ReusedEngine, SamplingOptions, require_vllm
+from trainers.vllm_engine import EngineOptions, EngineSamples, ReusedEngine, SamplingOptions, require_vllm
 
 # The evaluation's engine holds one model and nothing trains beside it: most of a GPU's memory.
 EVALUATION_ENGINE = EngineOptions(
@@ -144,30 +144,41 @@ def engine_completions(
     prompts: list[list[int]],
     spec: GenerationSpec,
     engines: ReusedEngine | None = None,
+    state: Any | None = None,
 ) -> tuple[list[list[Completion]], list[list[Completion]]]:
     """Greedy and ``spec.num_samples`` sampled completions of every prompt by a vLLM engine holding
     ``model``'s weights (``engines``'; without it one built for this model and closed after); sample
     ``j`` of prompt ``i`` under its own seed (``spec.seed``, ``i`` and ``j``), so a prompt's samples
-    depend neither on the others, nor on the batching, nor on the models the engine held before."""
+    depend neither on the others, nor on the batching, nor on the models the engine held before, nor
+    on the processes of ``state``: each (with an engine of its own) takes its share of the prompts and
+    every process gets all completions, in order."""
     stop_ids = stop_token_ids(tokenizer, model.generation_config)
+    first, mine = local_shard(prompts, state)
     own = engines is None
     engines = evaluation_engine(spec.seed) if own else engines
-    engine = engines.serving(model)
+    engine = engines.serving(model)  # on every process, a share of none included: they build together
     try:
         greedy = engine.generate(
-            prompts, [spec.seed] * len(prompts), SamplingOptions(0.0, 0, 1.0, spec.max_new_tokens, stop_ids)
+            mine, [spec.seed] * len(mine), SamplingOptions(0.0, 0, 1.0, spec.max_new_tokens, stop_ids)
         )
         n = spec.num_samples
-        seeds = [(spec.seed * 1_000_003 + i) * 1024 + j for i in range(len(prompts)) for j in range(n)]
+        seeds = [(spec.seed * 1_000_003 + i) * 1024 + j for i in range(first, first + len(mine)) for j in range(n)]
         sampling = SamplingOptions(spec.temperature, 0, 1.0, spec.max_new_tokens, stop_ids)
-        sampled = engine.generate([p for p in prompts for _ in range(n)], seeds, sampling)
+        sampled = engine.generate([p for p in mine for _ in range(n)], seeds, sampling)
     finally:
         if own:
             engines.close()
     return (
-        decoded(tokenizer, greedy.padded(stop_ids[0])[0], stop_ids, 1),
-        decoded(tokenizer, sampled.padded(stop_ids[0])[0], stop_ids, n),
+        gather_shards(engine_decoded(tokenizer, greedy, stop_ids, 1), state),
+        gather_shards(engine_decoded(tokenizer, sampled, stop_ids, n), state),
     )
+
+
+def engine_decoded(
+    tokenizer: PreTrainedTokenizerBase, samples: EngineSamples, stop_ids: tuple[int, ...], per_prompt: int
+) -> list[list[Completion]]:
+    """:func:`decoded` of an engine's samples (none for a process whose share is empty)."""
+    return decoded(tokenizer, samples.padded(stop_ids[0])[0], stop_ids, per_prompt) if samples.tokens else []
 
 
 def score_prompts(
@@ -179,14 +190,12 @@ def score_prompts(
     engines: ReusedEngine | None = None,
 ) -> list[PromptResult]:
     """Greedy and ``num_samples`` sampled completions of every prompt, same seeds for every model,
-    by the spec's backend: the model's ``generate`` (sharded over the processes of ``state``, see
-    :func:`generate_completions`) or a vLLM engine (one process; ``engines``' when given)."""
+    by the spec's backend: the model's ``generate`` or a vLLM engine (``engines``' when given), sharded
+    over the processes of ``state`` (:func:`generate_completions`, :func:`engine_completions`)."""
     prompts = [r["prompt_ids"] for r in rows]
     if spec.backend == "vllm":
         require_vllm()
-        if state is not None and state.num_processes > 1:
-            raise ValueError("evaluation.generation_backend vllm scores on one process; use hf to shard the evaluation")
-        greedy, sampled = engine_completions(model, tokenizer, prompts, spec, engines)
+        greedy, sampled = engine_completions(model, tokenizer, prompts, spec, engines, state)
     else:
         options = {"spec": spec, "state": state}
         greedy = generate_completions(model, tokenizer, prompts, do_sample=False, num_return_sequences=1, **options)

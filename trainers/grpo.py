@@ -48,7 +48,6 @@ from trainers.grpo_section import (
     COMPLETIONS_LOG_KEY,
     GRPOStageConfig,
     check_engine_options,
-    check_engine_processes,
     check_policy_options,
     generation_layout,
 )
@@ -258,9 +257,6 @@ class GRPOTrainer(Trainer):
             args.temperature, args.top_k, args.top_p, args.max_completion_length, self.stop_ids
         )
         if args.generation_backend == "vllm":
-            check_engine_processes(
-                args.generation_backend, args.vllm_mode, self.accelerator.num_processes, "the process count"
-            )
             if args.vllm_mode == "colocate":
                 require_vllm()  # a server's trainer needs no vLLM of its own
             elif args.vllm_server_url is None:

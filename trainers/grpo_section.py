@@ -243,15 +243,12 @@ def generation_layout(options: Any, num_processes: int) -> GenerationLayout:
 def check_grpo_compute(section: GRPOStageConfig, compute: StageCompute) -> None:
     """The stage's load-time check: the layout over ``compute.num_processes``, as the trainer
     resolves it over its world size, so one that does not divide over the processes is a config
-    error instead of a failure in the ranks after the stages before GRPO have trained; and the
-    colocated vLLM engine on one process only (for now), a managed vLLM server on one machine; a
-    reward model's GPU of its own, too."""
+    error instead of a failure in the ranks after the stages before GRPO have trained; a managed
+    vLLM server on one machine; a reward model's GPU of its own, too."""
     try:
         generation_layout(section, compute.num_processes)
     except ValueError as error:
         raise ValueError(f"batch layout over compute.num_processes ({compute.num_processes}): {error}") from None
-    processes = compute.num_processes
-    check_engine_processes(section.generation_backend, section.vllm_mode, processes, "compute.num_processes")
     if section.starts_generation_server and compute.num_machines > 1:
         raise ValueError(
             f"vllm_mode server without vllm_server_url starts a server on the train task's machine, which the ranks "
@@ -259,17 +256,6 @@ def check_grpo_compute(section: GRPOStageConfig, compute: StageCompute) -> None:
             "`alignflow vllm-server` on a machine they all reach and give its address"
         )
     check_placement("reward_model_device", section.reward_model_device, compute)
-
-
-def check_engine_processes(generation_backend: str, vllm_mode: str, num_processes: int, counted: str) -> None:
-    """A colocated vLLM engine serves one training process (an engine per rank needs vLLM's external
-    launcher, not built yet); a server serves any number. ``counted`` names where ``num_processes``
-    comes from."""
-    if generation_backend == "vllm" and vllm_mode == "colocate" and num_processes > 1:
-        raise ValueError(
-            f"generation_backend vllm: a colocated engine serves one training process for now; {counted} is "
-            f"{num_processes} (use vllm_mode server, or generation_backend hf)"
-        )
 
 
 # The vllm_* options only one vllm_mode reads.

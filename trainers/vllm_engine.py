@@ -140,9 +140,17 @@ def write_model_folder(model: torch.nn.Module, folder: str | os.PathLike) -> Non
     save_file(weights, os.path.join(folder, "model.safetensors"))
 
 
+def launched_ranks() -> int:
+    """The processes of the launch this one belongs to (1 outside a launch)."""
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
 def build_llm(folder: str | os.PathLike, dtype: torch.dtype, device_type: str, options: EngineOptions, seed: int):
     """A vLLM ``LLM`` in this process, loaded from ``folder`` (:func:`write_model_folder`); token ids in,
-    token ids out."""
+    token ids out. In a launch of several processes each builds its own (all at once: they join
+    through the launch's process group), an engine per rank on its rank's device, by vLLM's
+    ``external_launcher`` executor, as TRL's colocate mode does; each engine is a tensor-parallel
+    group of one, its rank's own."""
     from transformers import AutoConfig
     from vllm import LLM
 
@@ -160,6 +168,7 @@ def build_llm(folder: str | os.PathLike, dtype: torch.dtype, device_type: str, o
             skip_tokenizer_init=True,  # prompts arrive as token ids; completions leave as token ids
             generation_config="vllm",  # the trainer's sampling settings, not the folder's defaults
             logprobs_mode="processed_logprobs",  # after temperature: the distribution that sampled
+            distributed_executor_backend="external_launcher" if launched_ranks() > 1 else None,
         )
 
 
@@ -176,6 +185,9 @@ def reload_weights(llm, pairs: list[tuple[str, torch.Tensor]]) -> None:
 def sample(llm, prompts: list[list[int]], seeds: list[int], sampling: SamplingOptions) -> EngineSamples:
     """One completion per prompt, each under its own seed, with its tokens' log-probs."""
     from vllm import SamplingParams
+
+    if not prompts:  # a process whose share of the prompts is empty
+        return EngineSamples([], [])
 
     requests = [{"prompt_token_ids": prompt} for prompt in prompts]
     params = [
@@ -271,7 +283,17 @@ class ColocatedEngine(SyncedEngine):
             self.llm.sleep(level=1)
 
     def close(self) -> None:
+        if launched_ranks() > 1:
+            # vLLM's engine shutdown tears down the distributed state the engine joined, which under
+            # the external launcher is the launch's own process group: the ranks' collectives after
+            # it (gathering an evaluation's shards, saving) would fail. The engine stays (asleep with
+            # sleep mode) until the process exits.
+            LAUNCH_ENGINES.append(self.llm)
         del self.llm
+
+
+# Engines built in a launch of several processes, kept until the process exits (ColocatedEngine.close).
+LAUNCH_ENGINES: list = []
 
 
 # Config keys that do not fix an engine: where the model came from, its saved dtype, and ``use_cache``

@@ -292,7 +292,7 @@ class EvaluationConfig(Section):
     generation_backend: Literal["hf", "vllm"] = Field(
         "hf",
         description="What generates the greedy and sampled completions: `hf`, the model's `generate`; `vllm`, a vLLM "
-        "engine built from the first model scored and synced for the next ones (one process; needs vLLM: "
+        "engine built from the first model scored and synced for the next ones (one per process; needs vLLM: "
         "`make install-vllm`, docs/evaluation.md).",
     )
     reward_model: str | None = Field(
@@ -489,11 +489,6 @@ class ExperimentBase(Section):
         return self
 
     @model_validator(mode="after")
-    def _check_evaluation_with_compute(self) -> ExperimentBase:
-        check_evaluation_compute(self.evaluation, self.compute)
-        return self
-
-    @model_validator(mode="after")
     def _check_stages_with_compute(self) -> ExperimentBase:
         for stage in self.stages:
             try:
@@ -602,24 +597,10 @@ class EvaluationRequest(Section):
         return self.tracking.run_name or self.name
 
     @model_validator(mode="after")
-    def _check_evaluation_with_compute(self) -> EvaluationRequest:
-        check_evaluation_compute(self.evaluation, self.compute)
-        return self
-
-    @model_validator(mode="after")
     def _reward_model_is_a_source(self) -> EvaluationRequest:
         if self.evaluation.reward_model is not None:
             check_source_field(self.evaluation.reward_model, "evaluation.reward_model")
         return self
-
-
-def check_evaluation_compute(evaluation: EvaluationConfig, compute: ComputeConfig) -> None:
-    """vLLM scores on one process: the evaluation is not sharded over ``compute.num_processes``."""
-    if evaluation.generation_backend == "vllm" and compute.num_processes > 1:
-        raise ValueError(
-            f"evaluation.generation_backend vllm scores on one process; compute.num_processes is "
-            f"{compute.num_processes} (use generation_backend hf to shard the evaluation over them)"
-        )
 
 
 def seeded_fields() -> list[str]:
