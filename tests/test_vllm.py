@@ -100,17 +100,19 @@ def generation_server(tmp_path_factory) -> Iterator[tuple[str, Path]]:
 
 
 def build_engine(kind: str, model, request) -> SyncedEngine:
-    """A colocated engine, or the module's server's engine, built from ``model`` at step 0."""
+    """A colocated engine, or the module's server's engine with ``kind`` its weight transfer, built
+    from ``model`` at step 0."""
     if kind == "colocated":
         return ColocatedEngine(model, OPTIONS, seed=0, step=0)
     url, root = request.getfixturevalue("generation_server")
-    return ServerEngine(model, OPTIONS, seed=0, step=0, url=url, transfer="storage", folder=root)
+    return ServerEngine(model, OPTIONS, seed=0, step=0, url=url, transfer=kind, folder=root)
 
 
-@pytest.mark.parametrize("kind", ["colocated", "server"])
+@pytest.mark.parametrize("kind", ["colocated", "storage", "collective"])
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 def test_greedy_tokens_after_a_sync_equal_hf_greedy_on_the_new_weights(tie, kind, request):
-    """In the training process, and on a server whose weights arrive by shared storage."""
+    """In the training process, and on a server whose weights arrive by shared storage or by a
+    process group of the trainer and the server (gloo here)."""
     model, tokenizer = random_llama(tie, positions=256)
     prompts = chat_prompts(tokenizer, 24, SHARED_PREFIX)
     assert len(prompts[0]) > 128  # the shared prefix fills a KV block, which the engine caches
@@ -132,7 +134,7 @@ def test_greedy_tokens_after_a_sync_equal_hf_greedy_on_the_new_weights(tie, kind
     assert engine.syncs == 1
     assert after == hf_greedy(model, prompts, tokenizer.eos_token_id)
     assert sum(a != b for a, b in zip(before, after)) >= len(prompts) // 2  # the sync changed what it generates
-    if kind == "server":
+    if kind != "colocated":
         assert (
             list(request.getfixturevalue("generation_server")[1].iterdir()) == []
         )  # the model and weights files removed
@@ -184,12 +186,16 @@ def grpo_trainer(tmp_path, backend: str, lora: bool = False, **settings) -> GRPO
 
 
 @pytest.mark.parametrize(
-    ("lora", "mode"), [(False, "colocate"), (True, "colocate"), (False, "server")], ids=["full", "lora", "server"]
+    ("lora", "mode"),
+    [(False, "colocate"), (True, "colocate"), (False, "storage"), (False, "collective")],
+    ids=["full", "lora", "server-storage", "server-collective"],
 )
 def test_grpo_syncs_the_weights_once_per_generation_round_and_logs_the_log_prob_gap(tmp_path, lora, mode, request):
-    if mode == "server":
+    if mode != "colocate":
         url, root = request.getfixturevalue("generation_server")
-        server = dict(vllm_mode="server", vllm_server_url=url, vllm_transfer_folder=str(root))
+        server = dict(
+            vllm_mode="server", vllm_server_url=url, vllm_transfer_folder=str(root), vllm_weight_transfer=mode
+        )
     trainer = grpo_trainer(
         tmp_path,
         "vllm",
@@ -197,7 +203,7 @@ def test_grpo_syncs_the_weights_once_per_generation_round_and_logs_the_log_prob_
         max_steps=6,
         steps_per_generation=2,
         vllm_importance_sampling_cap=2.0,
-        **(server if mode == "server" else {}),
+        **(server if mode != "colocate" else {}),
     )
     trainer.train()
     assert trainer.state.global_step == 6
@@ -367,12 +373,14 @@ def test_two_training_processes_each_colocate_an_engine(tmp_path):
 
 def test_two_training_processes_share_the_managed_server(tmp_path):
     """With the server the train task starts: rank 0 loads the policy and pushes its weights once
-    per round, both ranks sample their own prompts' completions from it, and the server is gone once
-    the run ended."""
-    output, home = two_process_grpo(tmp_path, "grpo.vllm_mode=server")
+    per round over a weight channel (a process group of rank 0 and the server, beside the ranks'
+    own), both ranks sample their own prompts' completions from it, and the server is gone once the
+    run ended."""
+    output, home = two_process_grpo(tmp_path, "grpo.vllm_mode=server", "grpo.vllm_weight_transfer=collective")
     requests = re.findall(r"grpo: vLLM server: POST /(\w+) 200", output)
-    # minimal: 4 steps, 2 per round: one load, one sync, each of the two ranks generating in each round
-    assert sorted(requests) == ["generate"] * 4 + ["load", "reload"], output[-3000:]
+    # minimal: 4 steps, 2 per round: one load, one channel and one sync over it, each of the two
+    # ranks generating in each round
+    assert sorted(requests) == ["channel"] + ["generate"] * 4 + ["load", "receive"], output[-3000:]
     assert processes_naming(str(home), "trainers.vllm_server") == []  # stopped with its stage
     assert "Using external launcher" not in output  # no engine in the training processes
 

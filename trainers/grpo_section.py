@@ -24,7 +24,7 @@ from trainers.sections import EvalStrategy, Placement, Seed, StageCompute, Train
 COMPLETIONS_LOG_KEY = "completions"  # a table (column -> values) in the trainer's logs; trackers render it
 GenerationBackendName = Literal["hf", "vllm"]
 VllmMode = Literal["colocate", "server"]
-WeightTransferName = Literal["storage"]
+WeightTransferName = Literal["storage", "collective"]
 
 
 class GRPOStageConfig(TrainingConfig):
@@ -162,8 +162,10 @@ class GRPOStageConfig(TrainingConfig):
     )
     vllm_weight_transfer: WeightTransferName = Field(
         "storage",
-        description="vllm server mode: how the policy's weights reach the server: `storage`, a safetensors file in "
-        "vllm_transfer_folder and a reload call (NCCL is not built yet).",
+        description="vllm server mode: how the policy's weights reach the server after each round: `storage`, a "
+        "safetensors file in vllm_transfer_folder and a reload call; `collective`, broadcast over a process group of "
+        "the trainer and the server (NCCL between GPUs, gloo on CPUs; the server's port range must be reachable). "
+        "The model's first load goes through vllm_transfer_folder either way.",
     )
     vllm_transfer_folder: str | None = Field(
         None,

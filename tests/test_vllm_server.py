@@ -1,0 +1,48 @@
+"""The vLLM server's HTTP routes and weight channel without an engine: errors reach the trainer as
+errors, never as a hang (``tests/test_vllm.py`` runs both with vLLM engines)."""
+
+import threading
+from http.server import ThreadingHTTPServer
+from typing import Iterator
+
+import pytest
+import torch
+
+from trainers.vllm_server import CollectiveTransfer, EngineHost, ServerError, handler_for, post
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def server(tmp_path) -> Iterator[str]:
+    """A server without a model, in a thread of this process; its address."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler_for(EngineHost(tmp_path)))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_a_push_to_a_server_without_a_model_fails_with_the_servers_error(server, tmp_path):
+    """The channel opens (gloo, both members in this process), the server refuses the reload before
+    it receives anything, and the trainer's sends stop on that answer: 4 MiB is more than a socket
+    buffers, so a send that waited for the receiver would hang for the channel's timeout."""
+    transfer = CollectiveTransfer(server, tmp_path)
+    with pytest.raises(ServerError, match="no model loaded: POST /load first"):
+        transfer.push([("model.embed_tokens.weight", torch.ones(1024, 1024))])
+    assert transfer.group is not None and transfer.group.size() == 2
+
+
+def test_the_servers_refusals_name_what_is_missing(server):
+    with pytest.raises(ServerError, match="no model loaded: POST /load first"):
+        post(server, "/receive", {"names": [], "shapes": [], "dtypes": []})
+    with pytest.raises(ServerError, match="no route /unload"):
+        post(server, "/unload", {})
+    if not torch.cuda.is_available():
+        with pytest.raises(
+            ServerError, match="a weight channel over NCCL needs a GPU on the server; this one has none"
+        ):
+            post(server, "/channel", {"backend": "nccl"})
