@@ -21,7 +21,7 @@ from trainers.sections import TrainingConfig
 @contextmanager
 def served_section(stage: str, section: TrainingConfig, folder: StageFolder, run_id: str) -> Iterator[TrainingConfig]:
     """``section`` as its trainer gets it: where it starts its vLLM server, with the address of one
-    started for the block (and its transfer folder in the stage's folder)."""
+    started for the block (and, for the storage transfer, its folder in the stage's folder)."""
     if not (isinstance(section, GRPOStageConfig) and section.starts_generation_server):
         yield section
         return
@@ -31,5 +31,8 @@ def served_section(stage: str, section: TrainingConfig, folder: StageFolder, run
     with managed_generation_server(transfer, lambda line: logger.info("%s: vLLM server: %s", stage, line)) as url:
         logger.info("%s: vLLM server up at %s after %.1f s", stage, url, time.perf_counter() - started)
         client().set_tag(run_id, "alignflow.vllm_server", url)
-        yield section.model_copy(update={"vllm_server_url": url, "vllm_transfer_folder": str(transfer)})
+        update = {"vllm_server_url": url}
+        if section.vllm_weight_transfer == "storage":  # the transfer through a folder: the stage's
+            update["vllm_transfer_folder"] = str(transfer)
+        yield section.model_copy(update=update)
     logger.info("%s: vLLM server at %s stopped", stage, url)

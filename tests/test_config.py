@@ -313,6 +313,11 @@ def test_the_generation_backend_and_its_engine_options():
             "grpo.vllm_enable_sleep_mode=true",
         ],
         "vllm_mode: server has no effect with generation_backend 'hf'": ["grpo.vllm_mode=server"],
+        "vllm_transfer_folder: /shared has no effect with vllm_weight_transfer 'collective'": [
+            *server,
+            "grpo.vllm_weight_transfer=collective",
+            "grpo.vllm_transfer_folder=/shared",
+        ],
         "grpo: vllm_mode server without vllm_server_url starts a server on the train task's machine": [
             *server,
             "compute.num_processes=2",

@@ -193,9 +193,9 @@ def grpo_trainer(tmp_path, backend: str, lora: bool = False, **settings) -> GRPO
 def test_grpo_syncs_the_weights_once_per_generation_round_and_logs_the_log_prob_gap(tmp_path, lora, mode, request):
     if mode != "colocate":
         url, root = request.getfixturevalue("generation_server")
-        server = dict(
-            vllm_mode="server", vllm_server_url=url, vllm_transfer_folder=str(root), vllm_weight_transfer=mode
-        )
+        server = dict(vllm_mode="server", vllm_server_url=url, vllm_weight_transfer=mode)
+        if mode == "storage":
+            server["vllm_transfer_folder"] = str(root)
     trainer = grpo_trainer(
         tmp_path,
         "vllm",
@@ -378,9 +378,9 @@ def test_two_training_processes_share_the_managed_server(tmp_path):
     run ended."""
     output, home = two_process_grpo(tmp_path, "grpo.vllm_mode=server", "grpo.vllm_weight_transfer=collective")
     requests = re.findall(r"grpo: vLLM server: POST /(\w+) 200", output)
-    # minimal: 4 steps, 2 per round: one load, one channel and one sync over it, each of the two
-    # ranks generating in each round
-    assert sorted(requests) == ["channel"] + ["generate"] * 4 + ["load", "receive"], output[-3000:]
+    # minimal: 4 steps, 2 per round: one load (the config), one channel, the first weights and one
+    # sync over it, each of the two ranks generating in each round
+    assert sorted(requests) == ["channel"] + ["generate"] * 4 + ["load"] + ["receive"] * 2, output[-3000:]
     assert processes_naming(str(home), "trainers.vllm_server") == []  # stopped with its stage
     assert "Using external launcher" not in output  # no engine in the training processes
 

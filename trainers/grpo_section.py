@@ -162,15 +162,18 @@ class GRPOStageConfig(TrainingConfig):
     )
     vllm_weight_transfer: WeightTransferName = Field(
         "storage",
-        description="vllm server mode: how the policy's weights reach the server after each round: `storage`, a "
+        description="vllm server mode: how the policy's weights reach the server, at the first generation and after "
+        "each round that changed them: `storage`, a "
         "safetensors file in vllm_transfer_folder and a reload call; `collective`, broadcast over a process group of "
         "the trainer and the server (NCCL between GPUs, gloo on CPUs; the server's port range must be reachable). "
-        "The model's first load goes through vllm_transfer_folder either way.",
+        "With `collective` the server builds its engine from the model's config and receives the weights the same "
+        "way: no shared storage needed.",
     )
     vllm_transfer_folder: str | None = Field(
         None,
-        description="vllm server mode: a folder the trainer and the server both read (shared storage between "
-        "machines, under the server's --weights-root); default: the stage's output folder's vllm-transfer/.",
+        description="vllm server mode, storage transfer: a folder the trainer and the server both read (shared "
+        "storage between machines, under the server's --weights-root); default: the stage's output folder's "
+        "vllm-transfer/.",
     )
     vllm_gpu_memory_utilization: float = Field(
         0.3, gt=0.0, le=1.0, description="vllm: the GPU memory share the engine may take (weights and KV cache)."
@@ -280,6 +283,11 @@ def check_engine_options(options: Any) -> None:
         value, default = getattr(options, field), GRPOStageConfig.model_fields[field].default
         if value != default:
             raise ValueError(f"{field}: {value} has no effect with {because}")
+    if options.vllm_weight_transfer == "collective" and options.vllm_transfer_folder is not None:
+        raise ValueError(
+            f"vllm_transfer_folder: {options.vllm_transfer_folder} has no effect with vllm_weight_transfer "
+            "'collective' (the model and its weights travel by the channel)"
+        )
 
 
 def objective_fields() -> set[str]:

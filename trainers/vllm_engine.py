@@ -127,15 +127,20 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     }
 
 
-def write_model_folder(model: torch.nn.Module, folder: str | os.PathLike) -> None:
-    """``model`` as an engine loads it: the served model's config and its :func:`serving_weights` as
-    ``model.safetensors`` in ``folder``."""
-    from safetensors.torch import save_file
-
+def served_config(model: torch.nn.Module):
+    """The config an engine serving ``model`` is built from: the served model's, its class named."""
     base = served_model(model)
     config = copy.deepcopy(base.config)
     config.architectures = [type(base).__name__]
-    config.save_pretrained(folder)
+    return config
+
+
+def write_model_folder(model: torch.nn.Module, folder: str | os.PathLike) -> None:
+    """``model`` as an engine loads it: :func:`served_config` and its :func:`serving_weights` as
+    ``model.safetensors`` in ``folder``."""
+    from safetensors.torch import save_file
+
+    served_config(model).save_pretrained(folder)
     weights = {name: tensor.contiguous() for name, tensor in serving_weights(model).items()}
     save_file(weights, os.path.join(folder, "model.safetensors"))
 
@@ -145,12 +150,21 @@ def launched_ranks() -> int:
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
-def build_llm(folder: str | os.PathLike, dtype: torch.dtype, device_type: str, options: EngineOptions, seed: int):
+def build_llm(
+    folder: str | os.PathLike,
+    dtype: torch.dtype,
+    device_type: str,
+    options: EngineOptions,
+    seed: int,
+    dummy_weights: bool = False,
+):
     """A vLLM ``LLM`` in this process, loaded from ``folder`` (:func:`write_model_folder`); token ids in,
-    token ids out. In a launch of several processes each builds its own (all at once: they join
-    through the launch's process group), an engine per rank on its rank's device, by vLLM's
-    ``external_launcher`` executor, as TRL's colocate mode does; each engine is a tensor-parallel
-    group of one, its rank's own."""
+    token ids out. With ``dummy_weights`` the folder holds the config only and the engine starts
+    from random weights, which a reload must replace before it generates.
+
+    In a launch of several processes each builds its own (all at once: they join through the
+    launch's process group), an engine per rank on its rank's device, by vLLM's ``external_launcher``
+    executor, as TRL's colocate mode does; each engine is a tensor-parallel group of one."""
     from transformers import AutoConfig
     from vllm import LLM
 
@@ -169,6 +183,7 @@ def build_llm(folder: str | os.PathLike, dtype: torch.dtype, device_type: str, o
             generation_config="vllm",  # the trainer's sampling settings, not the folder's defaults
             logprobs_mode="processed_logprobs",  # after temperature: the distribution that sampled
             distributed_executor_backend="external_launcher" if launched_ranks() > 1 else None,
+            load_format="dummy" if dummy_weights else "auto",
         )
 
 
@@ -229,12 +244,16 @@ class SyncedEngine(ABC):
     @abstractmethod
     def generate(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingOptions) -> EngineSamples: ...
 
+    def named_for_engine(self, weights: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """``weights`` as pushed: a tied weight under each of its names."""
+        aliased = [(alias, weights[name]) for alias, name in self.aliases.items()]
+        return [(name, tensor.detach()) for name, tensor in [*weights.items(), *aliased]]
+
     def sync(self, weights: dict[str, torch.Tensor], step: int) -> None:
         """Push ``weights`` (the policy's parameters by name, at optimizer step ``step``) unless the
-        engine holds them; a tied weight is pushed under each of its names."""
+        engine holds them."""
         if step != self.synced_step:
-            aliased = [(alias, weights[name]) for alias, name in self.aliases.items()]
-            self.push_weights([(name, tensor.detach()) for name, tensor in [*weights.items(), *aliased]])
+            self.push_weights(self.named_for_engine(weights))
             self.synced_step = step
             self.syncs += 1
 

@@ -39,6 +39,7 @@ import datetime
 import json
 import shutil
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -62,6 +63,8 @@ from trainers.vllm_engine import (
     reload_weights,
     require_vllm,
     sample,
+    served_config,
+    serving_weights,
     write_model_folder,
 )
 
@@ -122,13 +125,19 @@ class EngineHost:
             raise PermissionError(f"{path} is outside the server's weights root {self.weights_root}")
         return resolved
 
-    def load(self, folder: str, dtype: str, options: dict, seed: int) -> dict:
+    def load(self, dtype: str, options: dict, seed: int, folder: str | None = None, config: dict | None = None) -> dict:
+        """Build the engine from a model folder under the weights root, or from a model's ``config``
+        alone, with random weights that the weight channel replaces next."""
         device_type = "cuda" if torch.cuda.is_available() else "cpu"  # the server's device, not the trainer's
+        settings = (getattr(torch, dtype), device_type, EngineOptions(**options), seed)
         with self.lock:
             self.llm = None  # the engine before gives its memory back first
-            self.llm = build_llm(
-                self.inside_root(folder), getattr(torch, dtype), device_type, EngineOptions(**options), seed
-            )
+            if config is None:
+                self.llm = build_llm(self.inside_root(folder), *settings)
+            else:
+                with tempfile.TemporaryDirectory(prefix="alignflow-vllm-config-") as staging:
+                    (Path(staging) / "config.json").write_text(json.dumps(config))
+                    self.llm = build_llm(staging, *settings, dummy_weights=True)
         return {}
 
     def reload(self, path: str) -> dict:
@@ -248,7 +257,9 @@ def health(url: str, timeout: float = 5.0) -> dict:
 
 class StorageTransfer:
     """Weights by shared storage: a safetensors file under ``folder`` (written, renamed into place,
-    reloaded by the server, removed)."""
+    reloaded by the server, removed). The model's first load goes through ``folder`` too."""
+
+    carries_model = False
 
     def __init__(self, url: str, folder: Path):
         self.url, self.folder = url, folder
@@ -278,7 +289,10 @@ class StorageTransfer:
 class CollectiveTransfer:
     """Weights by a process group of this process and the server (:func:`pair_group`), opened at the
     first push on the backend of the weights' device: the server is told the names, shapes and
-    dtypes (``/receive``, answered once it has reloaded), and meanwhile each tensor is broadcast."""
+    dtypes (``/receive``, answered once it has reloaded), and meanwhile each tensor is broadcast.
+    It carries the model's first weights too: the server builds its engine from the config alone."""
+
+    carries_model = True
 
     def __init__(self, url: str, folder: Path):
         self.url = url
@@ -349,16 +363,21 @@ class ServerEngine(SyncedEngine):
         barrier()
 
     def load(self, model: torch.nn.Module, options: EngineOptions, seed: int, folder: Path) -> None:
+        """Build the server's engine: from the model's config and then its weights by the transfer,
+        where the transfer carries whole models (no shared storage needed), else from a model folder
+        written under ``folder``."""
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        settings = {"dtype": dtype, "options": dataclasses.asdict(options), "seed": seed}
+        if self.transfer.carries_model:
+            config = json.loads(served_config(model).to_json_string())
+            post(self.url, "/load", settings | {"config": config})
+            self.transfer.push(self.named_for_engine(serving_weights(model)))
+            return
         staging = folder / f"model-{uuid.uuid4().hex}"
         staging.mkdir(parents=True)
         try:
             write_model_folder(model, staging)
-            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-            post(
-                self.url,
-                "/load",
-                {"folder": str(staging), "dtype": dtype, "options": dataclasses.asdict(options), "seed": seed},
-            )
+            post(self.url, "/load", settings | {"folder": str(staging)})
         finally:
             shutil.rmtree(staging)
 
