@@ -19,7 +19,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from infra.core.generation_server import managed_generation_server
-from trainers.vllm_engine import ColocatedEngine, EngineOptions, SyncedEngine
+from trainers.vllm_engine import ColocatedEngine, EngineOptions, SyncedEngine, serving_weights
 from trainers.vllm_server import ServerEngine
 
 OPTIONS = EngineOptions(gpu_memory_utilization=0.3, max_model_len=128, enable_sleep_mode=False, cpu_kv_cache_gib=1)
@@ -60,10 +60,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="alignflow-transfer-") as root:
         with managed_generation_server(Path(root), lambda line: None) as url:
             engines: dict[str, SyncedEngine] = {
-                transfer: ServerEngine(model, OPTIONS, 0, 0, url, transfer, Path(root))
+                transfer: ServerEngine(model, serving_weights(model), OPTIONS, 0, 0, url, transfer, Path(root))
                 for transfer in ("storage", "collective")  # one server engine: the second load replaces the first
             }
-            engines["colocated"] = ColocatedEngine(model, OPTIONS, 0, 0)
+            engines["colocated"] = ColocatedEngine(model, serving_weights(model), OPTIONS, 0, 0)
             try:
                 for step in range(1, options.rounds + 1):
                     order = list(seconds) if step % 2 else list(reversed(seconds))

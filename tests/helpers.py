@@ -7,6 +7,7 @@ Imported by name (``from helpers import ...``): pytest puts ``tests/`` on ``sys.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import shutil
 import socket
@@ -260,3 +261,26 @@ def cancelled_run_state(flow_run_id, timeout: float = 120):
             assert time.monotonic() < deadline, f"the flow run is still {final.type}"
             time.sleep(1)
     return final
+
+
+def launch_worker(module: str, spec: dict, processes: int, folder: Path) -> list[dict]:
+    """The worker module ``module`` of tests/ under ``accelerate launch`` with ``processes`` CPU
+    processes (gloo), given ``spec`` and ``output_dir`` (``folder``) as its spec file's JSON; every
+    rank's results, which rank 0 writes to ``result.json`` there, after checking the world size."""
+    from infra.core.config import ComputeConfig
+
+    folder.mkdir(parents=True)
+    spec_file = folder / "spec.json"
+    spec_file.write_text(json.dumps(spec | {"output_dir": str(folder)}))
+    command = ComputeConfig(cpu=True, num_processes=processes, main_process_port=free_port()).launch_command(
+        spec_file, module=module
+    )
+    path = os.pathsep.join([str(PROJECT), str(PROJECT / "tests")])
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(
+        command, cwd=PROJECT, env=env, capture_output=True, text=True, timeout=300, start_new_session=True
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads((folder / "result.json").read_text())
+    assert [r["world_size"] for r in results] == [processes] * processes
+    return results

@@ -10,7 +10,6 @@ What only a GPU runs (accelerate's own FSDP and DeepSpeed preparation, ZeRO-3) i
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from pathlib import Path
@@ -18,9 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 from accelerate.utils import DistributedType
-from helpers import free_port
+from helpers import launch_worker
 
-from infra.core.config import ComputeConfig
 from trainers.sharded_params import SHARDINGS, sharding_of
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,22 +73,8 @@ def test_the_replicated_gathers_are_no_ops_and_the_reference_is_prepared_whole_a
 
 
 def run_worker(sharding: str, processes: int, folder: Path, model: str) -> list[dict]:
-    """tests/fsdp_cpu.py under ``accelerate launch`` with ``processes`` CPU processes; every rank's results."""
-    folder.mkdir(parents=True)
-    spec = folder / "spec.json"
-    spec.write_text(json.dumps({"output_dir": str(folder), "model": model, "sharding": sharding}))
-    command = ComputeConfig(cpu=True, num_processes=processes, main_process_port=free_port()).launch_command(
-        spec, module="fsdp_cpu"
-    )
-    path = os.pathsep.join([str(REPO), str(REPO / "tests")])
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(
-        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, start_new_session=True
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    results = json.loads((folder / "result.json").read_text())
-    assert [r["world_size"] for r in results] == [processes] * processes
-    return results
+    """tests/fsdp_cpu.py over ``processes`` CPU processes; every rank's results."""
+    return launch_worker("fsdp_cpu", {"model": model, "sharding": sharding}, processes, folder)
 
 
 @pytest.mark.slow
@@ -128,7 +112,6 @@ def test_a_reference_without_its_weights_on_this_process_is_refused(tiny):
 
 @pytest.mark.slow
 def test_the_gpu_checks_sharding_section_refuses_fsdp_on_the_cpu_and_its_ddp_smoke_passes(tmp_path):
-    import subprocess
     import sys
 
     import torch

@@ -25,6 +25,7 @@ from helpers import (
     environment_without_services,
     flow_run_logs,
     free_port,
+    launch_worker,
     mlflow_client,
     processes_naming,
 )
@@ -103,9 +104,9 @@ def build_engine(kind: str, model, request) -> SyncedEngine:
     """A colocated engine, or the module's server's engine with ``kind`` its weight transfer, built
     from ``model`` at step 0."""
     if kind == "colocated":
-        return ColocatedEngine(model, OPTIONS, seed=0, step=0)
+        return ColocatedEngine(model, serving_weights(model), OPTIONS, seed=0, step=0)
     url, root = request.getfixturevalue("generation_server")
-    return ServerEngine(model, OPTIONS, seed=0, step=0, url=url, transfer=kind, folder=root)
+    return ServerEngine(model, serving_weights(model), OPTIONS, seed=0, step=0, url=url, transfer=kind, folder=root)
 
 
 @pytest.mark.parametrize("kind", ["colocated", "storage", "collective"])
@@ -148,7 +149,7 @@ def test_sampled_tokens_follow_the_models_distribution_and_carry_their_log_probs
         expected = model(torch.tensor([prompt])).logits[0, -1].double().div(temperature).log_softmax(-1)
     sampling = SamplingOptions(temperature=temperature, top_k=0, top_p=1.0, max_tokens=1, stop_ids=())
     torch.manual_seed(5)
-    engine = ColocatedEngine(model, OPTIONS, seed=0, step=0)
+    engine = ColocatedEngine(model, serving_weights(model), OPTIONS, seed=0, step=0)
     after_engine = torch.rand(3)
     torch.manual_seed(5)
     assert torch.equal(after_engine, torch.rand(3))  # building an engine leaves the trainer's random stream alone
@@ -278,6 +279,18 @@ def test_the_evaluation_on_vllm_over_two_processes_scores_what_one_process_score
     assert len(one.samples["completion"]) == 7 and len(set(one.samples["completion"])) > 1  # a seed per prompt
 
 
+@pytest.mark.parametrize("sharding", ["fsdp2", "fsdp1"])
+def test_an_fsdp_policy_over_two_processes_builds_and_syncs_an_engine_per_process(sharding, tiny_checkpoint, tmp_path):
+    """tests/fsdp_vllm_cpu.py: each process's engine is built from the gathered weights, not the
+    process's shards, and synced after a step; it samples what the whole policy would (the gap), the
+    tied output head included."""
+    results = launch_worker("fsdp_vllm_cpu", {"model": tiny_checkpoint.path, "sharding": sharding}, 2, tmp_path / "two")
+    assert [r["syncs"] for r in results] == [1, 1]
+    assert [r["aliases"] for r in results] == [{"lm_head.weight": "model.embed_tokens.weight"}] * 2
+    # the whole copy's step and the sharded one's differ by reduction order only (tests/fsdp_cpu.py)
+    assert max(gap for r in results for gap in r["gaps"]) < 1e-4, results
+
+
 def test_a_lora_policy_is_served_merged_and_its_frozen_weights_stay_as_they_were():
     model, tokenizer = random_llama(tie=True)
     policy = add_adapters(model, LoraSettings(r=4, alpha=8.0))
@@ -294,7 +307,7 @@ def test_a_lora_policy_is_served_merged_and_its_frozen_weights_stay_as_they_were
 
     frozen = {name: param.clone() for name, param in policy.named_parameters() if not param.requires_grad}
     train_adapters(0.3)
-    engine = ColocatedEngine(policy, OPTIONS, seed=0, step=0)
+    engine = ColocatedEngine(policy, serving_weights(policy), OPTIONS, seed=0, step=0)
     try:
         built = engine.generate(prompts, list(range(len(prompts))), greedy).tokens
         assert built == hf_greedy(policy, prompts, tokenizer.eos_token_id)

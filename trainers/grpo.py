@@ -366,17 +366,22 @@ class GRPOTrainer(Trainer):
         return Rollouts(*samples.padded(self.stop_ids[0]))
 
     def ensure_engine(self, model) -> None:
-        """Build the colocated engine from the policy as it is now, unless it is built; its start-up
-        is logged once as ``time/engine_start``."""
+        """Build the engine from the policy as it is now, unless it is built; its start-up is logged
+        once as ``time/engine_start``."""
         if self.engine is not None:
             return
         started = time.perf_counter()
+        with self.policy_weights(model) as weights:  # whole, on every process, where they are sharded
+            self.build_engine(self.accelerator.unwrap_model(model), weights)
+        self.window["time/engine_start"].append(time.perf_counter() - started)
+
+    def build_engine(self, policy: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
         args: GRPOConfig = self.args
-        policy = self.accelerator.unwrap_model(model)
         if args.vllm_mode == "server":
             folder = Path(args.vllm_transfer_folder or Path(args.output_dir) / "vllm-transfer")
             self.engine = ServerEngine(
                 policy,
+                weights,
                 args.engine_options,
                 args.seed,
                 self.state.global_step,
@@ -387,8 +392,7 @@ class GRPOTrainer(Trainer):
                 barrier=self.accelerator.wait_for_everyone,
             )
         else:
-            self.engine = ColocatedEngine(policy, args.engine_options, args.seed, self.state.global_step)
-        self.window["time/engine_start"].append(time.perf_counter() - started)
+            self.engine = ColocatedEngine(policy, weights, args.engine_options, args.seed, self.state.global_step)
 
     @contextmanager
     def policy_weights(self, model) -> Iterator[dict[str, torch.Tensor]]:

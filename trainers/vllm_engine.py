@@ -30,7 +30,7 @@ import tempfile
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -116,33 +116,50 @@ def served_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
-    """Checkpoint names that are no parameter of their own but share one's storage (tied input and
-    output embeddings): alias -> the parameter's name. ``named_parameters`` lists a tied weight once,
-    while vLLM's CPU backend keeps its own copy of the output head, which a sync must refresh too."""
-    parameters = {param.data_ptr(): name for name, param in model.named_parameters()}
-    return {
-        name: parameters[tensor.data_ptr()]
-        for name, tensor in model.state_dict().items()
-        if tensor.data_ptr() in parameters and parameters[tensor.data_ptr()] != name
-    }
+    """The names under which a module holds another name's parameter (tied input and output
+    embeddings): alias -> the parameter's name. ``named_parameters`` lists a tied weight once,
+    while vLLM's CPU backend keeps its own copy of the output head, which a sync must refresh too.
+    By parameter identity, not storage and not ``state_dict``: a sharded model's parameters may have
+    no storage of their own, and FSDP2's ``state_dict`` hooks reshard a model that is gathered."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
+def architecture(model: torch.nn.Module) -> str:
+    """The transformers class ``model`` is an instance of, by name, as vLLM looks architectures up:
+    FSDP2 makes a model an instance of a subclass of its own (``FSDPLlamaForCausalLM``)."""
+    return next(cls.__name__ for cls in type(model).__mro__ if cls.__module__.startswith("transformers"))
 
 
 def served_config(model: torch.nn.Module):
     """The config an engine serving ``model`` is built from: the served model's, its class named."""
     base = served_model(model)
     config = copy.deepcopy(base.config)
-    config.architectures = [type(base).__name__]
+    config.architectures = [architecture(base)]
     return config
 
 
-def write_model_folder(model: torch.nn.Module, folder: str | os.PathLike) -> None:
-    """``model`` as an engine loads it: :func:`served_config` and its :func:`serving_weights` as
-    ``model.safetensors`` in ``folder``."""
+def savable(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """``(name, tensor)`` pairs as safetensors saves them: each tensor copied to host memory of its
+    own. safetensors refuses tensors that share a storage or sit in a larger one, as a tied weight
+    (listed under both names) and FSDP2's unsharded parameters (views into one gathered buffer) do;
+    it copies a device tensor to the host anyway."""
+    return {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in weights}
+
+
+def write_model_folder(model: torch.nn.Module, weights: dict[str, torch.Tensor], folder: str | os.PathLike) -> None:
+    """``model`` as an engine loads it: :func:`served_config` and ``weights`` (its
+    :func:`serving_weights`, gathered where they are sharded) as ``model.safetensors`` in ``folder``."""
     from safetensors.torch import save_file
 
     served_config(model).save_pretrained(folder)
-    weights = {name: tensor.contiguous() for name, tensor in serving_weights(model).items()}
-    save_file(weights, os.path.join(folder, "model.safetensors"))
+    save_file(savable(weights.items()), os.path.join(folder, "model.safetensors"))
 
 
 def launched_ranks() -> int:
@@ -269,15 +286,18 @@ class SyncedEngine(ABC):
 
 
 class ColocatedEngine(SyncedEngine):
-    """One vLLM ``LLM`` on this process's device, built from ``model`` as it is at optimizer step
-    ``step``, its weights reloaded in place by each sync."""
+    """One vLLM ``LLM`` on this process's device, built from ``model`` with ``weights`` (its
+    :func:`serving_weights`, whole) as they are at optimizer step ``step``, its weights reloaded in
+    place by each sync."""
 
-    def __init__(self, model: torch.nn.Module, options: EngineOptions, seed: int, step: int):
+    def __init__(
+        self, model: torch.nn.Module, weights: dict[str, torch.Tensor], options: EngineOptions, seed: int, step: int
+    ):
         super().__init__(model, step)
-        parameter = next(model.parameters())
+        weight = next(iter(weights.values()))
         with tempfile.TemporaryDirectory(prefix="alignflow-vllm-") as folder:
-            write_model_folder(model, folder)
-            self.llm = build_llm(folder, parameter.dtype, parameter.device.type, options, seed)
+            write_model_folder(model, weights, folder)
+            self.llm = build_llm(folder, weight.dtype, weight.device.type, options, seed)
         self.sleeps = options.enable_sleep_mode
         if self.sleeps:
             self.llm.sleep(level=1)
@@ -328,7 +348,7 @@ def serving_shape(model: torch.nn.Module) -> str:
     base = served_model(model)
     config = {key: value for key, value in base.config.to_dict().items() if key not in UNSERVED_CONFIG_KEYS}
     parameter = next(model.parameters())
-    return json.dumps([type(base).__name__, config, str(parameter.dtype), str(parameter.device)], default=str)
+    return json.dumps([architecture(base), config, str(parameter.dtype), str(parameter.device)], default=str)
 
 
 class ReusedEngine:
@@ -353,7 +373,8 @@ class ReusedEngine:
             self.engine.sync(serving_weights(model), step=self.models)
         else:
             self.close()
-            self.engine, self.shape = ColocatedEngine(model, self.options, self.seed, step=self.models), shape
+            engine = ColocatedEngine(model, serving_weights(model), self.options, self.seed, step=self.models)
+            self.engine, self.shape = engine, shape
             self.builds += 1
         return self.engine
 

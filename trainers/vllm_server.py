@@ -63,8 +63,8 @@ from trainers.vllm_engine import (
     reload_weights,
     require_vllm,
     sample,
+    savable,
     served_config,
-    serving_weights,
     write_model_folder,
 )
 
@@ -270,15 +270,8 @@ class StorageTransfer:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"weights-{uuid.uuid4().hex}.safetensors"
         staging = path.with_suffix(".partial")
-        # a tied weight comes twice, sharing storage, which safetensors refuses: each name gets its own copy
-        seen: set[int] = set()
-        tensors = {}
-        for name, tensor in weights:
-            shared = tensor.data_ptr() in seen
-            seen.add(tensor.data_ptr())
-            tensors[name] = tensor.clone() if shared else tensor.contiguous()
         try:
-            save_file(tensors, staging)
+            save_file(savable(weights), staging)
             staging.rename(path)
             post(self.url, "/reload", {"path": str(path)})
         finally:
@@ -335,8 +328,9 @@ WEIGHT_TRANSFERS = {"storage": StorageTransfer, "collective": CollectiveTransfer
 
 
 class ServerEngine(SyncedEngine):
-    """The trainer's side of a vLLM server at ``url``: loads ``model`` as it is at optimizer step
-    ``step`` into the server (through ``folder``, which the server reads too), then pushes its
+    """The trainer's side of a vLLM server at ``url``: loads ``model`` with ``weights`` (its
+    :func:`~trainers.vllm_engine.serving_weights`, whole) as they are at optimizer step ``step`` into
+    the server (through ``folder``, which the server reads too, or by the transfer), then pushes its
     weights by ``transfer`` after each step that changed them.
 
     Training processes share the server: each generates its own prompts' completions, one pushes
@@ -346,6 +340,7 @@ class ServerEngine(SyncedEngine):
     def __init__(
         self,
         model: torch.nn.Module,
+        weights: dict[str, torch.Tensor],
         options: EngineOptions,
         seed: int,
         step: int,
@@ -359,24 +354,26 @@ class ServerEngine(SyncedEngine):
         self.url, self.pushes, self.barrier = url, pushes, barrier
         self.transfer = WEIGHT_TRANSFERS[transfer](url, folder)
         if pushes:
-            self.load(model, options, seed, folder)
+            self.load(model, weights, options, seed, folder)
         barrier()
 
-    def load(self, model: torch.nn.Module, options: EngineOptions, seed: int, folder: Path) -> None:
+    def load(
+        self, model: torch.nn.Module, weights: dict[str, torch.Tensor], options: EngineOptions, seed: int, folder: Path
+    ) -> None:
         """Build the server's engine: from the model's config and then its weights by the transfer,
         where the transfer carries whole models (no shared storage needed), else from a model folder
         written under ``folder``."""
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
         settings = {"dtype": dtype, "options": dataclasses.asdict(options), "seed": seed}
         if self.transfer.carries_model:
             config = json.loads(served_config(model).to_json_string())
             post(self.url, "/load", settings | {"config": config})
-            self.transfer.push(self.named_for_engine(serving_weights(model)))
+            self.transfer.push(self.named_for_engine(weights))
             return
         staging = folder / f"model-{uuid.uuid4().hex}"
         staging.mkdir(parents=True)
         try:
-            write_model_folder(model, staging)
+            write_model_folder(model, weights, staging)
             post(self.url, "/load", settings | {"folder": str(staging)})
         finally:
             shutil.rmtree(staging)
