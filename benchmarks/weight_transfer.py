@@ -1,8 +1,8 @@
 """One weight sync of GRPO's vLLM engine by each way it can travel (issue 28): colocated (an in-place
 reload in the trainer's process), and to a managed vLLM server by ``storage`` (a safetensors file and
 a reload call) and by ``collective`` (a broadcast over a process group of the trainer and the server;
-gloo here, NCCL between GPUs). The 20M shape (vocabulary 16,384, hidden 384, 8 layers, tied), in
-float32; the transfers interleaved round by round, the median and the fastest round reported.
+gloo here, NCCL between GPUs). The 20M shape (``builtin:llama-20m``: vocabulary 16,384, hidden 384,
+8 layers, tied), in float32; the transfers interleaved round by round, the median and the fastest round reported.
 
     .venv-vllm/bin/python benchmarks/weight_transfer.py --rounds 7
 """
@@ -16,28 +16,13 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from infra.core.generation_server import managed_generation_server
+from trainers.builtin_model import build_builtin_model
 from trainers.vllm_engine import ColocatedEngine, EngineOptions, SyncedEngine, serving_weights
 from trainers.vllm_server import ServerEngine
 
 OPTIONS = EngineOptions(gpu_memory_utilization=0.3, max_model_len=128, enable_sleep_mode=False, cpu_kv_cache_gib=1)
-
-
-def perf_shape() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=16384,
-        hidden_size=384,
-        intermediate_size=1024,
-        num_hidden_layers=8,
-        num_attention_heads=6,
-        num_key_value_heads=6,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config).eval()
 
 
 def timed_sync(engine: SyncedEngine, model: torch.nn.Module, step: int) -> float:
@@ -53,7 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     options = parser.parse_args()
-    model = perf_shape()
+    model, _ = build_builtin_model("builtin:llama-20m", seed=0)
     megabytes = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {megabytes:.0f} MiB float32")
     seconds: dict[str, list[float]] = {"colocated": [], "storage": [], "collective": []}

@@ -341,12 +341,20 @@ def test_the_pipeline_trains_and_evaluates_with_vllm_and_logs_the_log_prob_gap(t
     # evaluation cache hit: 4 steps whose completions all scored 0 leave them where they were)
     shared = re.search(r"evaluation on vLLM: 1 engine\(s\) built for (\d) model\(s\)", result.stdout + result.stderr)
     assert shared and int(shared[1]) >= 2, result.stderr[-3000:]
+    grpo = engine_sampled_the_policy(home)
+    assert grpo.data.params["grpo.generation_backend"] == "vllm"
+
+
+def engine_sampled_the_policy(home: Path):
+    """The MLflow run of ``minimal``'s GRPO stage under ``home``, after checking that its engine
+    sampled the policy's own tokens in both generation rounds: the logged log-prob gap (the max over
+    the processes) below 1e-5."""
     client = mlflow_client(home)
     (grpo,) = client.search_runs([e.experiment_id for e in client.search_experiments()], "attributes.run_name = 'grpo'")
     gaps = client.get_metric_history(grpo.info.run_id, "vllm/logp_diff_max")
     assert [point.step for point in gaps] == [2, 4]  # minimal: 4 steps, 2 per generation round, a log every 2
     assert max(point.value for point in gaps) < 1e-5
-    assert grpo.data.params["grpo.generation_backend"] == "vllm"
+    return grpo
 
 
 def two_process_grpo(tmp_path: Path, *overrides: str) -> tuple[str, Path]:
@@ -367,12 +375,7 @@ def two_process_grpo(tmp_path: Path, *overrides: str) -> tuple[str, Path]:
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
-    client = mlflow_client(home)
-    (grpo,) = client.search_runs([e.experiment_id for e in client.search_experiments()], "attributes.run_name = 'grpo'")
-    gaps = client.get_metric_history(grpo.info.run_id, "vllm/logp_diff_max")
-    assert [point.step for point in gaps] == [2, 4]  # minimal: 4 steps, 2 per generation round, a log every 2
-    assert max(point.value for point in gaps) < 1e-5
-    assert grpo.data.tags["alignflow.processes"] == "2"
+    assert engine_sampled_the_policy(home).data.tags["alignflow.processes"] == "2"
     return output, home
 
 
