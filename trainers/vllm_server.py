@@ -18,15 +18,14 @@ weight-transfer routes run on GPU-only engines (NCCL, CUDA IPC). Weights travel 
 
 - ``storage`` writes a safetensors file to a folder both sides read (shared storage between
   machines) and asks the server to reload from it;
-- ``collective`` broadcasts them from the trainer's process to the server's over a process group of
-  the two (NCCL between GPUs, gloo on CPUs), TRL's communicator pattern: the server hosts the group's
-  store on a port it announces, both join as members 0 (the trainer) and 1, and for each sync the
-  trainer sends the names, shapes and dtypes, then every tensor in that order. The group is built
-  from torch's own process-group classes, not ``init_process_group``: neither side's default group
-  (the launch's ranks, vLLM's own) is touched.
+- ``collective`` broadcasts them from the trainer's process to the server's over a weight channel
+  (:mod:`trainers.weight_channel`: NCCL between GPUs, gloo on CPUs): the server hosts it on a port
+  it announces, and for each sync the trainer sends the names, shapes and dtypes, then every tensor
+  in that order.
 
-The model itself is loaded from the transfer folder either way. The server reads models and weights
-only under its ``--weights-root``.
+With ``storage`` the model itself is loaded from the transfer folder; with ``collective`` the server
+builds its engine from the model's config and the first weights follow over the channel. The server
+reads models and weights only under its ``--weights-root``.
 
 :class:`ServerEngine` is the trainer's side: a :class:`~trainers.vllm_engine.SyncedEngine` whose
 engine is the server's.
@@ -35,25 +34,24 @@ engine is the server's.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import shutil
 import sys
 import tempfile
 import threading
-import time
 import traceback
 import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from trainers import weight_channel
 from trainers.vllm_engine import (
     EngineOptions,
     EngineSamples,
@@ -70,44 +68,10 @@ from trainers.vllm_engine import (
 
 LISTENING = "alignflow vLLM server listening on "  # the line a starter reads the address from
 REQUEST_TIMEOUT_S = 600.0  # a build or a generation batch on a slow device
-CHANNEL_TIMEOUT = datetime.timedelta(minutes=10)  # a member waits this long for the other
 
 
 class ServerError(RuntimeError):
     """The server answered a request with an error (its message carries the server's traceback)."""
-
-
-def pair_group(store: torch.distributed.Store, member: int, backend: str) -> torch.distributed.ProcessGroup:
-    """A process group of two on ``store``, this process as ``member`` (0 sends, 1 receives):
-    ``nccl`` between GPUs, ``gloo`` on CPUs. Returns once the other member has joined too."""
-    if backend == "nccl":
-        return torch.distributed.ProcessGroupNCCL(store, member, 2)
-    return torch.distributed.ProcessGroupGloo(store, member, 2, CHANNEL_TIMEOUT)
-
-
-def channel_backend(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
-@dataclasses.dataclass
-class Channel:
-    """The server's member of a weight channel: its group once joined (in the background, while the
-    trainer joins from its side), the device tensors arrive on."""
-
-    joining: threading.Thread
-    device: torch.device
-    group: torch.distributed.ProcessGroup | None = None
-
-    def receive(self, shapes: list[list[int]], dtypes: list[str]) -> list[torch.Tensor]:
-        self.joining.join()
-        if self.group is None:
-            raise RuntimeError("the weight channel's trainer never joined")
-        tensors = [
-            torch.empty(shape, dtype=getattr(torch, dtype), device=self.device) for shape, dtype in zip(shapes, dtypes)
-        ]
-        for tensor in tensors:
-            self.group.broadcast(tensor, 0).wait()
-        return tensors
 
 
 class EngineHost:
@@ -117,7 +81,7 @@ class EngineHost:
         self.weights_root = weights_root.resolve()
         self.llm = None
         self.lock = threading.Lock()
-        self.channel: Channel | None = None
+        self.channel: weight_channel.Receiver | None = None
 
     def inside_root(self, path: str) -> Path:
         resolved = Path(path).resolve()
@@ -149,23 +113,10 @@ class EngineHost:
         return {}
 
     def open_channel(self, backend: str) -> dict:
-        """Host a weight channel's store on a free port (the answer) and join it as member 1 once the
-        trainer joins as member 0; a channel opened before is replaced."""
-        if backend == "nccl" and not torch.cuda.is_available():
-            raise RuntimeError("a weight channel over NCCL needs a GPU on the server; this one has none")
-        # a free port on every interface (torch's store listens on all of them, whatever the host)
-        store = torch.distributed.TCPStore(
-            "0.0.0.0", 0, 2, is_master=True, timeout=CHANNEL_TIMEOUT, wait_for_workers=False
-        )
-        device = torch.device("cuda" if backend == "nccl" else "cpu")
-
-        def join() -> None:
-            channel.group = pair_group(store, 1, backend)
-
-        channel = Channel(threading.Thread(target=join, daemon=True), device)
-        channel.joining.start()
-        self.channel = channel
-        return {"port": store.port}
+        """Host a weight channel (:func:`trainers.weight_channel.host`); the answer is its port. A
+        channel opened before is replaced."""
+        port, self.channel = weight_channel.host(backend)
+        return {"port": port}
 
     def receive(self, names: list[str], shapes: list[list[int]], dtypes: list[str]) -> dict:
         """Receive the named tensors by the weight channel and reload them in place."""
@@ -280,10 +231,11 @@ class StorageTransfer:
 
 
 class CollectiveTransfer:
-    """Weights by a process group of this process and the server (:func:`pair_group`), opened at the
-    first push on the backend of the weights' device: the server is told the names, shapes and
-    dtypes (``/receive``, answered once it has reloaded), and meanwhile each tensor is broadcast.
-    It carries the model's first weights too: the server builds its engine from the config alone."""
+    """Weights by a weight channel of this process and the server (:mod:`trainers.weight_channel`),
+    opened at the first push on the backend of the weights' device: the server is told the names,
+    shapes and dtypes (``/receive``, answered once it has reloaded), and meanwhile each tensor is
+    broadcast. It carries the model's first weights too: the server builds its engine from the
+    config alone."""
 
     carries_model = True
 
@@ -294,34 +246,20 @@ class CollectiveTransfer:
 
     def open(self, backend: str) -> None:
         port = post(self.url, "/channel", {"backend": backend})["port"]
-        host = urllib.parse.urlsplit(self.url).hostname
-        store = torch.distributed.TCPStore(host, port, 2, is_master=False, timeout=CHANNEL_TIMEOUT)
-        self.group = pair_group(store, 0, backend)
+        self.group = weight_channel.join(urllib.parse.urlsplit(self.url).hostname, port, backend)
 
     def push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         tensors = [tensor.contiguous() for _, tensor in weights]
         if self.group is None:
-            self.open(channel_backend(tensors[0].device))
+            self.open(weight_channel.backend_for(tensors[0].device))
         manifest = {
             "names": [name for name, _ in weights],
             "shapes": [list(tensor.shape) for tensor in tensors],
             "dtypes": [str(tensor.dtype).removeprefix("torch.") for tensor in tensors],
         }
         answer = self.requests.submit(post, self.url, "/receive", manifest)
-        for tensor in tensors:
-            sent(self.group.broadcast(tensor, 0), answer)
+        weight_channel.send(self.group, tensors, answer)
         answer.result()
-
-
-def sent(work, answer: Future) -> None:
-    """Wait for a broadcast to complete, unless the server answers first: its error then, where a
-    send to a member that stopped receiving would wait out the channel's timeout."""
-    while not work.is_completed():
-        if answer.done():
-            answer.result()  # the server's error
-            raise RuntimeError("the vLLM server reloaded before it received every tensor")
-        time.sleep(0.001)
-    work.wait()
 
 
 WEIGHT_TRANSFERS = {"storage": StorageTransfer, "collective": CollectiveTransfer}
