@@ -14,7 +14,7 @@ from prefect import get_run_logger
 from infra.core.generation_server import managed_generation_server
 from infra.core.stage_io import StageFolder
 from tasks.mlflow_runs import client
-from trainers.grpo_section import GRPOStageConfig
+from trainers.grpo_section import FOLDER_TRANSFERS, GRPOStageConfig
 from trainers.sections import TrainingConfig
 
 
@@ -32,7 +32,7 @@ def served_section(stage: str, section: TrainingConfig, folder: StageFolder, run
         logger.info("%s: vLLM server up at %s after %.1f s", stage, url, time.perf_counter() - started)
         client().set_tag(run_id, "alignflow.vllm_server", url)
         update = {"vllm_server_url": url}
-        if section.vllm_weight_transfer == "storage":  # the transfer through a folder: the stage's
+        if section.vllm_weight_transfer in FOLDER_TRANSFERS:  # the stage's folder
             update["vllm_transfer_folder"] = str(transfer)
         yield section.model_copy(update=update)
     logger.info("%s: vLLM server at %s stopped", stage, url)

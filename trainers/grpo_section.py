@@ -25,6 +25,9 @@ COMPLETIONS_LOG_KEY = "completions"  # a table (column -> values) in the trainer
 GenerationBackendName = Literal["hf", "vllm"]
 VllmMode = Literal["colocate", "server"]
 WeightTransferName = Literal["storage", "collective"]
+# The weight transfers that load the model and its weights through vllm_transfer_folder; the others
+# carry both themselves (trainers/vllm_server.py's WEIGHT_TRANSFERS).
+FOLDER_TRANSFERS = frozenset({"storage"})
 
 
 class GRPOStageConfig(TrainingConfig):
@@ -283,10 +286,10 @@ def check_engine_options(options: Any) -> None:
         value, default = getattr(options, field), GRPOStageConfig.model_fields[field].default
         if value != default:
             raise ValueError(f"{field}: {value} has no effect with {because}")
-    if options.vllm_weight_transfer == "collective" and options.vllm_transfer_folder is not None:
+    if options.vllm_weight_transfer not in FOLDER_TRANSFERS and options.vllm_transfer_folder is not None:
         raise ValueError(
             f"vllm_transfer_folder: {options.vllm_transfer_folder} has no effect with vllm_weight_transfer "
-            "'collective' (the model and its weights travel by the channel)"
+            f"{options.vllm_weight_transfer!r} (it carries the model and its weights itself)"
         )
 
 

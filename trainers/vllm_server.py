@@ -52,6 +52,7 @@ from typing import Callable
 import torch
 
 from trainers import weight_channel
+from trainers.grpo_section import FOLDER_TRANSFERS
 from trainers.vllm_engine import (
     EngineOptions,
     EngineSamples,
@@ -210,8 +211,6 @@ class StorageTransfer:
     """Weights by shared storage: a safetensors file under ``folder`` (written, renamed into place,
     reloaded by the server, removed). The model's first load goes through ``folder`` too."""
 
-    carries_model = False
-
     def __init__(self, url: str, folder: Path):
         self.url, self.folder = url, folder
 
@@ -236,8 +235,6 @@ class CollectiveTransfer:
     shapes and dtypes (``/receive``, answered once it has reloaded), and meanwhile each tensor is
     broadcast. It carries the model's first weights too: the server builds its engine from the
     config alone."""
-
-    carries_model = True
 
     def __init__(self, url: str, folder: Path):
         self.url = url
@@ -290,7 +287,7 @@ class ServerEngine(SyncedEngine):
     ):
         super().__init__(model, step)
         self.url, self.pushes, self.barrier = url, pushes, barrier
-        self.transfer = WEIGHT_TRANSFERS[transfer](url, folder)
+        self.transfer_name, self.transfer = transfer, WEIGHT_TRANSFERS[transfer](url, folder)
         if pushes:
             self.load(model, weights, options, seed, folder)
         barrier()
@@ -303,7 +300,7 @@ class ServerEngine(SyncedEngine):
         written under ``folder``."""
         dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
         settings = {"dtype": dtype, "options": dataclasses.asdict(options), "seed": seed}
-        if self.transfer.carries_model:
+        if self.transfer_name not in FOLDER_TRANSFERS:
             config = json.loads(served_config(model).to_json_string())
             post(self.url, "/load", settings | {"config": config})
             self.transfer.push(self.named_for_engine(weights))
