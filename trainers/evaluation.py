@@ -25,7 +25,7 @@ from trainers.modeling import check_same_vocabulary
 from trainers.reward_model import RewardModelScorer, load_scorer
 from trainers.sharding import batches_of, gather_shards, local_shard
 from trainers.stopping import cut_at_first_stop, stop_token_ids
-from trainers.vllm_engine import EngineOptions, EngineSamples, ReusedEngine, SamplingOptions, require_vllm
+from trainers.vllm_engine import EngineOptions, ReusedEngine, SamplingOptions, require_vllm
 
 # The evaluation's engine holds one model and nothing trains beside it: most of a GPU's memory.
 EVALUATION_ENGINE = EngineOptions(
@@ -127,7 +127,12 @@ def decoded(
 ) -> list[list[Completion]]:
     """Generated rows (``per_prompt`` consecutive rows per prompt) cut at their first stop token and
     decoded without special tokens."""
-    kept, _ = cut_at_first_stop(generated, stop_ids)
+    return completions(tokenizer, cut_at_first_stop(generated, stop_ids)[0], per_prompt)
+
+
+def completions(tokenizer: PreTrainedTokenizerBase, kept: list[list[int]], per_prompt: int) -> list[list[Completion]]:
+    """Completions already cut at their first stop token (``per_prompt`` consecutive ones per
+    prompt), decoded without special tokens."""
     texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
     flat = [Completion(text, len(tokens), tuple(tokens)) for text, tokens in zip(texts, kept)]
     return [flat[i : i + per_prompt] for i in range(0, len(flat), per_prompt)]
@@ -169,16 +174,9 @@ def engine_completions(
         if own:
             engines.close()
     return (
-        gather_shards(engine_decoded(tokenizer, greedy, stop_ids, 1), state),
-        gather_shards(engine_decoded(tokenizer, sampled, stop_ids, n), state),
+        gather_shards(completions(tokenizer, greedy.tokens, 1), state),  # the engine cut them at the stop
+        gather_shards(completions(tokenizer, sampled.tokens, n), state),
     )
-
-
-def engine_decoded(
-    tokenizer: PreTrainedTokenizerBase, samples: EngineSamples, stop_ids: tuple[int, ...], per_prompt: int
-) -> list[list[Completion]]:
-    """:func:`decoded` of an engine's samples (none for a process whose share is empty)."""
-    return decoded(tokenizer, samples.padded(stop_ids[0])[0], stop_ids, per_prompt) if samples.tokens else []
 
 
 def score_prompts(
