@@ -26,11 +26,11 @@ def server(tmp_path) -> Iterator[str]:
         httpd.server_close()
 
 
-def test_a_push_to_a_server_without_a_model_fails_with_the_servers_error(server, tmp_path):
+def test_a_push_to_a_server_without_a_model_fails_with_the_servers_error(server):
     """The channel opens (gloo, both members in this process), the server refuses the reload before
     it receives anything, and the trainer's sends stop on that answer: 4 MiB is more than a socket
     buffers, so a send that waited for the receiver would hang for the channel's timeout."""
-    transfer = CollectiveTransfer(server, tmp_path)
+    transfer = CollectiveTransfer(server)
     with pytest.raises(ServerError, match="no model loaded: POST /load first"):
         transfer.push([("model.embed_tokens.weight", torch.ones(1024, 1024))])
     assert transfer.group is not None and transfer.group.size() == 2

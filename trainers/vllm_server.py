@@ -236,7 +236,7 @@ class CollectiveTransfer:
     broadcast. It carries the model's first weights too: the server builds its engine from the
     config alone."""
 
-    def __init__(self, url: str, folder: Path):
+    def __init__(self, url: str):
         self.url = url
         self.group: torch.distributed.ProcessGroup | None = None
         self.requests = ThreadPoolExecutor(max_workers=1, thread_name_prefix="alignflow-weight-channel")
@@ -259,7 +259,11 @@ class CollectiveTransfer:
         answer.result()
 
 
-WEIGHT_TRANSFERS = {"storage": StorageTransfer, "collective": CollectiveTransfer}
+# each transfer by its config name, from the server's address and the shared folder (storage's only)
+WEIGHT_TRANSFERS: dict[str, Callable[[str, Path], StorageTransfer | CollectiveTransfer]] = {
+    "storage": StorageTransfer,
+    "collective": lambda url, _folder: CollectiveTransfer(url),
+}
 
 
 class ServerEngine(SyncedEngine):
