@@ -16,6 +16,13 @@ cpu``): their inputs, scores and logits cross devices.
     .venv/bin/python benchmarks/gpu_check.py --model builtin:tiny-llama --steps 2 --allow-cpu   # logic smoke
     .venv/bin/python benchmarks/gpu_check.py --sharding fsdp --processes 2   # or zero3 (pip install deepspeed)
     .venv-vllm/bin/python benchmarks/gpu_check.py --backend vllm   # GRPO's rollouts and the evaluation on vLLM
+    .venv-vllm/bin/python benchmarks/gpu_check.py --backend vllm --vllm-mode server   # GRPO on a managed server
+
+With ``--backend vllm`` GRPO's engine is colocated in the training process, in sleep mode on a GPU
+(its memory given back between generations; each sync lands on woken weights), or with
+``--vllm-mode server`` it is a vLLM server started for the stage on this machine (the trainer's
+weights by shared storage; on one GPU the server shares it, ``vllm_gpu_memory_utilization`` each).
+Either way the printed on-policy |Δ logp| says whether the engine sampled from the synced weights.
 
 ``--sharding fsdp|zero3|ddp`` runs instead the check of sharded parameters
 (benchmarks/sharded_check.py) under ``accelerate launch`` with infra/core/accelerate's config: GRPO
@@ -42,6 +49,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 # --sharding: the accelerate config and the parameter sharding (trainers/sharded_params.py) it gives.
 SHARDING_CHECKS = {"ddp": "replicated", "fsdp": "fsdp2", "zero3": "zero3"}
@@ -66,6 +74,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["hf", "vllm"],
         default="hf",
         help="GRPO's and the evaluation's generation backend (vllm: a machine with vLLM installed)",
+    )
+    parser.add_argument(
+        "--vllm-mode",
+        choices=["colocate", "server"],
+        default="colocate",
+        help="--backend vllm: GRPO's engine in the training process (sleep mode on a GPU) or a managed vLLM server",
     )
     return parser.parse_args(argv)
 
@@ -221,6 +235,26 @@ def run_sharding_check(options: argparse.Namespace, gpu: bool, workdir: Path) ->
     return 0
 
 
+@contextmanager
+def grpo_engine(options: argparse.Namespace, gpu: bool, workdir: Path) -> Iterator[tuple[dict, str]]:
+    """GRPO's ``vllm_*`` settings for ``--backend``/``--vllm-mode``, and their name: none for hf;
+    colocated, asleep between generations on a GPU; or the address of a vLLM server started on this
+    machine for the block, fed by shared storage (``infra.core.generation_server``, as the train task
+    starts one)."""
+    if options.backend == "hf":
+        yield {}, "hf"
+    elif options.vllm_mode == "colocate":
+        # vLLM's CPU backend has no sleep mode
+        yield {"vllm_mode": "colocate", "vllm_enable_sleep_mode": gpu}, f"vllm colocated{' in sleep mode' * gpu}"
+    else:
+        from infra.core.generation_server import managed_generation_server
+
+        folder = workdir / "vllm-transfer"
+        with managed_generation_server(folder, lambda line: print(f"vllm-server: {line}", flush=True)) as url:
+            settings = {"vllm_mode": "server", "vllm_server_url": url, "vllm_transfer_folder": str(folder)}
+            yield settings, f"a vllm server (storage transfer, {url})"
+
+
 def run_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:
     import datasets
     from prefect.logging import disable_run_logger
@@ -316,23 +350,25 @@ def run_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:
         gpu,
     )
     grpo_logs: dict = {}
-    grpo = train_stage(
-        "grpo",
-        GRPOStageConfig(
-            per_device_train_batch_size=options.batch_size,
-            num_generations=options.num_generations,
-            log_completions_steps=0,
-            generation_backend=options.backend,
-            reward_funcs=["correctness", "model:reward"],
-            reward_model_device="cpu",
-            **{k: v for k, v in steps.items() if k != "eval_strategy"},
-        ),
-        inputs("grpo", dpo, splits, reward_models={"reward": ModelSource(reward.path)}),
-        reports,
-        parameters,
-        gpu,
-        grpo_logs,
-    )
+    with grpo_engine(options, gpu, workdir) as (engine, backend):
+        grpo = train_stage(
+            "grpo",
+            GRPOStageConfig(
+                per_device_train_batch_size=options.batch_size,
+                num_generations=options.num_generations,
+                log_completions_steps=0,
+                generation_backend=options.backend,
+                reward_funcs=["correctness", "model:reward"],
+                reward_model_device="cpu",
+                **engine,
+                **{k: v for k, v in steps.items() if k != "eval_strategy"},
+            ),
+            inputs("grpo", dpo, splits, reward_models={"reward": ModelSource(reward.path)}),
+            reports,
+            parameters,
+            gpu,
+            grpo_logs,
+        )
     assert "rewards/model:reward/mean" in grpo_logs, sorted(grpo_logs)
     generating, training = grpo_logs["time/generation_per_step"], grpo_logs["time/training_per_step"]
     tokens_per_second = grpo_logs["completions/mean_length"] * options.batch_size / generating
@@ -342,7 +378,7 @@ def run_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:
         else ""
     )
     print(
-        f"gpu_check: GRPO on {options.backend}: {generating:.3f} s generating and {training:.3f} s training per "
+        f"gpu_check: GRPO on {backend}: {generating:.3f} s generating and {training:.3f} s training per "
         f"step, {tokens_per_second:,.0f} generated tokens/s{gap}"
     )
 
