@@ -18,7 +18,7 @@ import copy
 import math
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -359,8 +359,10 @@ class GRPOTrainer(Trainer):
         first if an optimizer step changed them; each completion under its own seed
         (:meth:`completion_seeds`)."""
         self.ensure_engine(model)
-        with self.policy_weights(model) as weights:
-            self.engine.wake(weights, self.state.global_step)
+        step = self.state.global_step
+        # gathered only for a sync: the first round samples the weights the engine was just built from
+        with nullcontext({}) if self.engine.holds(step) else self.policy_weights(model) as weights:
+            self.engine.wake(weights, step)
         samples = self.engine.generate(prompts, self.completion_seeds(len(prompts)), self.engine_sampling)
         self.engine.rest()
         return Rollouts(*samples.padded(self.stop_ids[0]))

@@ -287,10 +287,14 @@ class SyncedEngine(ABC):
         aliased = [(alias, weights[name]) for alias, name in self.aliases.items()]
         return [(name, tensor.detach()) for name, tensor in [*weights.items(), *aliased]]
 
+    def holds(self, step: int) -> bool:
+        """Whether the engine holds the policy's weights of optimizer step ``step``."""
+        return step == self.synced_step
+
     def sync(self, weights: dict[str, torch.Tensor], step: int) -> None:
         """Push ``weights`` (the policy's parameters by name, at optimizer step ``step``) unless the
-        engine holds them."""
-        if step != self.synced_step:
+        engine holds them (then ``weights`` is not read)."""
+        if not self.holds(step):
             self.push_weights(self.named_for_engine(weights))
             self.synced_step = step
             self.syncs += 1
