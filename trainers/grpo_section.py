@@ -4,7 +4,7 @@ the experiment config and :class:`trainers.grpo.GRPOConfig` both take their GRPO
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Iterator, Literal, get_args
 
 from pydantic import Field, model_validator
 
@@ -266,31 +266,40 @@ def check_grpo_compute(section: GRPOStageConfig, compute: StageCompute) -> None:
     check_placement("reward_model_device", section.reward_model_device, compute)
 
 
-# The vllm_* options only one vllm_mode reads.
-MODE_OPTIONS = {
-    "colocate": ("vllm_enable_sleep_mode",),  # a server keeps its devices to itself
-    "server": ("vllm_server_url", "vllm_weight_transfer", "vllm_transfer_folder"),
+# The vllm_* options that only some values of a setting read, by setting (checked in this order)
+# and value: away from its default, such an option has no effect where the setting has another value.
+READ_ONLY_BY: dict[str, dict[str, tuple[str, ...]]] = {
+    "vllm_mode": {
+        "colocate": ("vllm_enable_sleep_mode",),  # a server keeps its devices to itself
+        "server": ("vllm_server_url", "vllm_weight_transfer", "vllm_transfer_folder"),
+    },
+    # the other transfers carry the model and its weights themselves
+    "vllm_weight_transfer": {
+        name: ("vllm_transfer_folder",) if name in FOLDER_TRANSFERS else () for name in get_args(WeightTransferName)
+    },
 }
 
 
-def check_engine_options(options: Any) -> None:
-    """A ``vllm_*`` option away from its default has no effect unless vLLM generates, and a mode's
-    own options none in the other mode."""
-    if options.generation_backend == "vllm":
-        unread = [field for mode, fields in MODE_OPTIONS.items() if mode != options.vllm_mode for field in fields]
-        because = f"vllm_mode {options.vllm_mode!r}"
-    else:
-        unread = [name for name in GRPOStageConfig.model_fields if name.startswith("vllm_")]
+def unread_engine_options(options: Any) -> Iterator[tuple[str, str]]:
+    """The ``vllm_*`` options that ``options`` leaves unread, each with the setting that says so."""
+    if options.generation_backend != "vllm":
         because = f"generation_backend {options.generation_backend!r}"
-    for field in unread:
+        yield from ((name, because) for name in GRPOStageConfig.model_fields if name.startswith("vllm_"))
+        return
+    for setting, readers in READ_ONLY_BY.items():
+        value = getattr(options, setting)
+        for other, fields in readers.items():
+            if other != value:
+                yield from ((field, f"{setting} {value!r}") for field in fields if field not in readers[value])
+
+
+def check_engine_options(options: Any) -> None:
+    """A ``vllm_*`` option away from its default has no effect unless vLLM generates, nor one that
+    only another value of a setting reads (:data:`READ_ONLY_BY`)."""
+    for field, because in unread_engine_options(options):
         value, default = getattr(options, field), GRPOStageConfig.model_fields[field].default
         if value != default:
             raise ValueError(f"{field}: {value} has no effect with {because}")
-    if options.vllm_weight_transfer not in FOLDER_TRANSFERS and options.vllm_transfer_folder is not None:
-        raise ValueError(
-            f"vllm_transfer_folder: {options.vllm_transfer_folder} has no effect with vllm_weight_transfer "
-            f"{options.vllm_weight_transfer!r} (it carries the model and its weights itself)"
-        )
 
 
 def objective_fields() -> set[str]:
