@@ -269,7 +269,7 @@ def run_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:
     )
     from infra.core.handles import ReferenceLogps
     from tasks.data import prepare_dataset
-    from tasks.evaluate import score_model
+    from tasks.evaluate import Scoring, score_model
     from tasks.models import checkpoint_handle
     from tasks.reference import ensure_entry, with_reference_columns
     from trainers.builtin_model import save_builtin_model
@@ -406,7 +406,7 @@ def run_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:
     prompts = splits["eval_prompts"].to_list()[: options.eval_prompts]
     pairs = with_reference_columns(ref)["preference_eval"].to_list()
     with measured("evaluation", 2 * parameters, reports, gpu) as box:
-        scores = score_model(grpo, prompts, pairs, evaluation, 0.5, compute)
+        scores = score_model(grpo, Scoring(prompts, pairs, evaluation, 0.5, compute))
         box["tokens"] = sum(len(p["prompt_ids"]) for p in prompts) * (1 + evaluation.num_samples)  # prompt tokens
     if gpu:
         assert reports[-1].added_memory >= weight_bytes, "the evaluation did not run on the GPU"

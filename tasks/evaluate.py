@@ -88,22 +88,31 @@ def format_cell(metrics: dict[str, float], name: str) -> str:
     return f"{metrics[name]:.3f}{interval}"
 
 
-def score_model(
-    handle: ModelHandle,
-    prompts: list[dict],
-    pairs: list[dict] | None,
-    config: EvaluationConfig,
-    beta: float | None,
-    compute: ComputeConfig,
-    reward_model: ModelHandle | None = None,
-    engines: ReusedEngine | None = None,
-) -> ModelScores:
+@dataclasses.dataclass(frozen=True)
+class Scoring:
+    """What each model of one evaluation is scored on and with: the held-out prompts and the pairs
+    (with their reference log-probs; None where the model is the reference), the evaluation settings,
+    the implicit reward's β, where it runs, and the reward model that scores the samples."""
+
+    prompts: list[dict]
+    pairs: list[dict] | None
+    config: EvaluationConfig
+    beta: float | None
+    compute: ComputeConfig
+    reward_model: ModelHandle | None = None
+
+    def without_pairs(self) -> Scoring:
+        return dataclasses.replace(self, pairs=None)
+
+
+def score_model(handle: ModelHandle, scoring: Scoring, engines: ReusedEngine | None = None) -> ModelScores:
     """Every metric of one model (``trainers.evaluation.evaluate_model``), loaded in ``compute.dtype``
     on this machine's GPU where there is one (unless ``compute.cpu``), or launched over
-    ``compute.num_processes`` with the same result; ``reward_model`` scores its samples, ``engines``
+    ``compute.num_processes`` with the same result; the reward model scores its samples, ``engines``
     (:func:`shared_engine`) generates them with vLLM."""
+    compute, reward_model = scoring.compute, scoring.reward_model
     if compute.num_processes > 1:
-        return launched_scores(handle, prompts, pairs, config, beta, compute, reward_model)
+        return launched_scores(handle, scoring)
     from trainers.evaluation import evaluate_model, evaluation_scorer
     from trainers.modeling import load_causal_lm
 
@@ -112,25 +121,26 @@ def score_model(
     scorer = None
     if reward_model is not None:
         scorer = evaluation_scorer(reward_model.path, reward_model.revision, compute.dtype, model.device, tokenizer)
-    return evaluate_model(model, tokenizer, prompts, pairs, config.spec(), beta, reward_model=scorer, engines=engines)
+    return evaluate_model(
+        model,
+        tokenizer,
+        scoring.prompts,
+        scoring.pairs,
+        scoring.config.spec(),
+        scoring.beta,
+        reward_model=scorer,
+        engines=engines,
+    )
 
 
-def launched_scores(
-    handle: ModelHandle,
-    prompts: list[dict],
-    pairs: list[dict] | None,
-    config: EvaluationConfig,
-    beta: float | None,
-    compute: ComputeConfig,
-    reward_model: ModelHandle | None = None,
-) -> ModelScores:
+def launched_scores(handle: ModelHandle, scoring: Scoring) -> ModelScores:
     """:func:`score_model` by an :class:`EvaluateJob`: the rows go to its launch folder (on the state
     folder's storage, which every machine reads), each process scores its share of the batches."""
     launches = get_settings().launches
     launches.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix="evaluate-", dir=launches))  # evaluations may run side by side
     try:
-        rows = {EvaluateJob.PROMPTS: prompts, EvaluateJob.PAIRS: pairs}
+        rows = {EvaluateJob.PROMPTS: scoring.prompts, EvaluateJob.PAIRS: scoring.pairs}
         datasets.DatasetDict({name: datasets.Dataset.from_list(r) for name, r in rows.items() if r}).save_to_disk(
             folder / "rows"
         )
@@ -140,10 +150,10 @@ def launched_scores(
             model=handle.path,
             revision=handle.revision,
             splits=folder / "rows",
-            compute=compute,
-            evaluation=config,
-            beta=beta,
-            reward_model=reward_model,
+            compute=scoring.compute,
+            evaluation=scoring.config,
+            beta=scoring.beta,
+            reward_model=scoring.reward_model,
         )
         return launch(job, f"evaluation of {handle.stage}").scores
     finally:
@@ -181,15 +191,7 @@ def scores_key(
 
 
 def cached_score_model(
-    handle: ModelHandle,
-    prompts: list[dict],
-    pairs: list[dict] | None,
-    config: EvaluationConfig,
-    beta: float | None,
-    key: str,
-    compute: ComputeConfig,
-    reward_model: ModelHandle | None = None,
-    engines: ReusedEngine | None = None,
+    handle: ModelHandle, scoring: Scoring, key: str, engines: ReusedEngine | None = None
 ) -> ModelScores:
     """:func:`score_model`, computed once per content key under the evaluation cache (a model
     evaluated again, e.g. the champion or an unchanged stage, is neither loaded nor run)."""
@@ -201,7 +203,7 @@ def cached_score_model(
     except (OSError, ValueError, KeyError, TypeError) as problem:
         get_run_logger().warning("evaluation cache entry %s is unreadable (%s): scoring again", folder, problem)
         shutil.rmtree(folder, ignore_errors=True)
-    scores = score_model(handle, prompts, pairs, config, beta, compute, reward_model, engines)
+    scores = score_model(handle, scoring, engines)
     with atomic_directory(folder) as staging:
         content = dataclasses.asdict(scores)
         (staging / SCORES_FILE).write_text(json.dumps({"sha256": hash_value(content), "scores": content}))
@@ -263,15 +265,16 @@ def evaluate(
     run_id = stage_run_id(
         parent_run_id, "evaluate", StageFolder.of(config_name, "evaluate", str(flow_run.get_id() or "local"))
     )
+    scoring = Scoring(prompts, pairs, config, beta, compute, reward_model)
     rows, per_prompt = {}, {}
     with tracked_run(run_id), shared_engine(config) as engines:
         for label, model in models.items():
             # the reference's implicit reward is 0 by definition: no reward metrics for it
-            model_pairs = None if model.fingerprint == reference_fingerprint else pairs
-            pairs_from = held_out_rewards.reference_logps if model_pairs else None
+            model_scoring = scoring.without_pairs() if model.fingerprint == reference_fingerprint else scoring
+            pairs_from = held_out_rewards.reference_logps if model_scoring.pairs else None
             dtype = load_dtype(model.path, model.revision, compute.dtype)
             key = scores_key(model, data, pairs_from, config, beta, dtype, reward_model)
-            scores = cached_score_model(model, prompts, model_pairs, config, beta, key, compute, reward_model, engines)
+            scores = cached_score_model(model, model_scoring, key, engines)
             rows[label], per_prompt[label] = scores.metrics, scores.per_prompt
             log_metrics(run_id, {f"{label}/{name}": value for name, value in rows[label].items()})
             log_metrics(parent_run_id, {f"eval/{label}/{name}": value for name, value in rows[label].items()})

@@ -17,7 +17,7 @@ from killing import latest_flow_run_id, mlflow_client, run
 from prefect.results import ResultRecord
 from prefect.serializers import JSONSerializer, PickleSerializer
 
-from infra.core.config import load_config
+from infra.core.config import ComputeConfig, EvaluationConfig, load_config
 from infra.core.handles import HOME, ModelHandle, PreparedData
 from infra.core.settings import get_settings
 from tasks.results import RESULTS, RejectedResult, parse_record, validate_record
@@ -208,12 +208,13 @@ def test_an_evaluation_cache_entry_changed_since_it_was_written_is_scored_again(
 
     monkeypatch.setattr(evaluate, "score_model", score_model)
     key = f"integrity-{uuid.uuid4().hex}"
+    scoring = evaluate.Scoring([], None, EvaluationConfig(), None, ComputeConfig())
     with disable_run_logger():
-        first = evaluate.cached_score_model(MODEL, [], None, None, None, key, None)
-        assert evaluate.cached_score_model(MODEL, [], None, None, None, key, None) == first and len(scored) == 1
+        first = evaluate.cached_score_model(MODEL, scoring, key)
+        assert evaluate.cached_score_model(MODEL, scoring, key) == first and len(scored) == 1
         entry = get_settings().eval_cache / key / evaluate.SCORES_FILE
         entry.write_text(entry.read_text().replace("0.25}", "0.95}", 1))  # the accuracy, edited
         with pytest.raises(ValueError, match="scores.json does not match its sha256: changed since it was written"):
             evaluate.read_scores(entry)
-        assert evaluate.cached_score_model(MODEL, [], None, None, None, key, None) == first and len(scored) == 2
+        assert evaluate.cached_score_model(MODEL, scoring, key) == first and len(scored) == 2
     assert evaluate.read_scores(entry) == first

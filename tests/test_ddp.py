@@ -543,7 +543,7 @@ def test_the_reference_task_over_two_processes_writes_the_cache_entry_one_proces
 
 @pytest.mark.slow
 def test_the_evaluation_task_over_two_processes_scores_what_one_process_scores(workdir, launch_log):
-    from tasks.evaluate import score_model
+    from tasks.evaluate import Scoring, score_model
 
     spec, _ = workdir
     splits = datasets.load_from_disk(str(spec["splits"]))
@@ -551,8 +551,8 @@ def test_the_evaluation_task_over_two_processes_scores_what_one_process_scores(w
     # 3 prompt batches (2 + 1 over the processes), 6 pair batches; seeded sampling in every batch
     evaluation = EvaluationConfig(max_new_tokens=3, num_samples=2, pass_k=[1, 2], batch_size=3, seed=5)
     with one_torch_thread():
-        one = score_model(spec["policy"], prompts, pairs, evaluation, 0.1, ComputeConfig(cpu=True))
-    two = score_model(spec["policy"], prompts, pairs, evaluation, 0.1, cpu(2))
+        one = score_model(spec["policy"], Scoring(prompts, pairs, evaluation, 0.1, ComputeConfig(cpu=True)))
+    two = score_model(spec["policy"], Scoring(prompts, pairs, evaluation, 0.1, cpu(2)))
     assert "evaluation of init on 2 processes: " in launch_log.text
     assert two == one
     assert {"greedy_accuracy", "sampled_accuracy", "pass_at_2", "rewards/accuracies"} <= one.metrics.keys()

@@ -267,22 +267,17 @@ def test_an_evaluations_models_of_one_shape_share_one_engine_and_score_as_with_a
 def test_the_evaluation_on_vllm_over_two_processes_scores_what_one_process_scores(tiny, tiny_checkpoint, monkeypatch):
     """``compute.num_processes`` 2: each launched rank builds an engine of its own for its share of
     the prompts (7: 4 and 3); the scores, every sample's text included, are one process's."""
-    from tasks.evaluate import score_model
+    from tasks.evaluate import Scoring, score_model
 
     _, tokenizer = tiny
     rows = generate_addition(AdditionTask(max_operand=9, num_eval_problems=20))
     prompts, _ = tokenize_split(rows["grpo_prompts"][:7], "grpo_prompts", tokenizer, Truncation(32, 16))
     evaluation = EvaluationConfig(generation_backend="vllm", max_new_tokens=4, num_samples=3, pass_k=[1, 3], seed=5)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    one = score_model(tiny_checkpoint, prompts, None, evaluation, None, ComputeConfig(cpu=True))
-    two = score_model(
-        tiny_checkpoint,
-        prompts,
-        None,
-        evaluation,
-        None,
-        ComputeConfig(cpu=True, num_processes=2, main_process_port=free_port()),
-    )
+    scoring = Scoring(prompts, None, evaluation, None, ComputeConfig(cpu=True))
+    one = score_model(tiny_checkpoint, scoring)
+    two_processes = ComputeConfig(cpu=True, num_processes=2, main_process_port=free_port())
+    two = score_model(tiny_checkpoint, dataclasses.replace(scoring, compute=two_processes))
     assert two == one
     assert len(one.samples["completion"]) == 7 and len(set(one.samples["completion"])) > 1  # a seed per prompt
 
