@@ -47,12 +47,11 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
 from trainers import weight_channel
-from trainers.grpo_section import FOLDER_TRANSFERS
 from trainers.vllm_engine import (
     EngineOptions,
     EngineSamples,
@@ -207,14 +206,39 @@ def health(url: str, timeout: float = 5.0) -> dict:
         return json.loads(response.read())
 
 
+Weights = dict[str, torch.Tensor]  # the policy's parameters by name
+NamedWeights = list[tuple[str, torch.Tensor]]  # as the engine names them: a tied weight under each name
+
+
+class WeightTransfer(Protocol):
+    """How a :class:`ServerEngine` gets weights to its server: the model's first load (the server
+    builds its engine), then a push of the weights after each step that changed them."""
+
+    def load(self, model: torch.nn.Module, weights: Weights, named: NamedWeights, settings: dict) -> None:
+        """Build the server's engine for ``model`` with ``weights`` (``named``: as the engine names
+        them), with the ``/load`` request's ``settings`` (dtype, engine options, seed)."""
+
+    def push(self, weights: NamedWeights) -> None: ...
+
+
 class StorageTransfer:
     """Weights by shared storage: a safetensors file under ``folder`` (written, renamed into place,
-    reloaded by the server, removed). The model's first load goes through ``folder`` too."""
+    reloaded by the server, removed). The model's first load goes through ``folder`` too: a model
+    folder the server builds its engine from."""
 
     def __init__(self, url: str, folder: Path):
         self.url, self.folder = url, folder
 
-    def push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+    def load(self, model: torch.nn.Module, weights: Weights, named: NamedWeights, settings: dict) -> None:
+        staging = self.folder / f"model-{uuid.uuid4().hex}"
+        staging.mkdir(parents=True)
+        try:
+            write_model_folder(model, weights, staging)
+            post(self.url, "/load", settings | {"folder": str(staging)})
+        finally:
+            shutil.rmtree(staging)
+
+    def push(self, weights: NamedWeights) -> None:
         from safetensors.torch import save_file
 
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -241,11 +265,15 @@ class CollectiveTransfer:
         self.group: torch.distributed.ProcessGroup | None = None
         self.requests = ThreadPoolExecutor(max_workers=1, thread_name_prefix="alignflow-weight-channel")
 
+    def load(self, model: torch.nn.Module, weights: Weights, named: NamedWeights, settings: dict) -> None:
+        post(self.url, "/load", settings | {"config": json.loads(served_config(model).to_json_string())})
+        self.push(named)
+
     def open(self, backend: str) -> None:
         port = post(self.url, "/channel", {"backend": backend})["port"]
         self.group = weight_channel.join(urllib.parse.urlsplit(self.url).hostname, port, backend)
 
-    def push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+    def push(self, weights: NamedWeights) -> None:
         tensors = [tensor.contiguous() for _, tensor in weights]
         if self.group is None:
             self.open(weight_channel.backend_for(tensors[0].device))
@@ -260,7 +288,7 @@ class CollectiveTransfer:
 
 
 # each transfer by its config name, from the server's address and the shared folder (storage's only)
-WEIGHT_TRANSFERS: dict[str, Callable[[str, Path], StorageTransfer | CollectiveTransfer]] = {
+WEIGHT_TRANSFERS: dict[str, Callable[[str, Path], WeightTransfer]] = {
     "storage": StorageTransfer,
     "collective": lambda url, _folder: CollectiveTransfer(url),
 }
@@ -269,8 +297,9 @@ WEIGHT_TRANSFERS: dict[str, Callable[[str, Path], StorageTransfer | CollectiveTr
 class ServerEngine(SyncedEngine):
     """The trainer's side of a vLLM server at ``url``: loads ``model`` with ``weights`` (its
     :func:`~trainers.vllm_engine.serving_weights`, whole) as they are at optimizer step ``step`` into
-    the server (through ``folder``, which the server reads too, or by the transfer), then pushes its
-    weights by ``transfer`` after each step that changed them.
+    the server by ``transfer`` (:meth:`WeightTransfer.load`: a model folder under ``folder``, which the
+    server reads too, or the config and then the weights over a channel), then pushes its weights by
+    ``transfer`` after each step that changed them.
 
     Training processes share the server: each generates its own prompts' completions, one pushes
     (``pushes``: the main process) and every one waits at ``barrier`` after each load and push, so no
@@ -291,31 +320,12 @@ class ServerEngine(SyncedEngine):
     ):
         super().__init__(model, step)
         self.url, self.pushes, self.barrier = url, pushes, barrier
-        self.transfer_name, self.transfer = transfer, WEIGHT_TRANSFERS[transfer](url, folder)
+        self.transfer = WEIGHT_TRANSFERS[transfer](url, folder)
         if pushes:
-            self.load(model, weights, options, seed, folder)
+            dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
+            settings = {"dtype": dtype, "options": dataclasses.asdict(options), "seed": seed}
+            self.transfer.load(model, weights, self.named_for_engine(weights), settings)
         barrier()
-
-    def load(
-        self, model: torch.nn.Module, weights: dict[str, torch.Tensor], options: EngineOptions, seed: int, folder: Path
-    ) -> None:
-        """Build the server's engine: from the model's config and then its weights by the transfer,
-        where the transfer carries whole models (no shared storage needed), else from a model folder
-        written under ``folder``."""
-        dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
-        settings = {"dtype": dtype, "options": dataclasses.asdict(options), "seed": seed}
-        if self.transfer_name not in FOLDER_TRANSFERS:
-            config = json.loads(served_config(model).to_json_string())
-            post(self.url, "/load", settings | {"config": config})
-            self.transfer.push(self.named_for_engine(weights))
-            return
-        staging = folder / f"model-{uuid.uuid4().hex}"
-        staging.mkdir(parents=True)
-        try:
-            write_model_folder(model, weights, staging)
-            post(self.url, "/load", settings | {"folder": str(staging)})
-        finally:
-            shutil.rmtree(staging)
 
     def push_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         if self.pushes:
