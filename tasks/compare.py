@@ -23,10 +23,10 @@ from tasks.reporting import (
     plot_training_curves,
 )
 from tasks.tracking import tracked_run
+from trainers.stages import stage_curves
 
 MAX_VARYING_PARAMS = 8
 DEFAULT_METRICS = ["greedy_accuracy", "sampled_accuracy", "pass_at_4"]
-DEFAULT_CURVES = ["loss", "rewards/accuracies"]
 FINAL_PREFIX = "final/"
 
 
@@ -36,6 +36,8 @@ class ComparisonReport(BaseModel):
     baseline_run_id: str
     run_ids: list[str]
     mlflow_run_id: str
+    stage: str  # whose training curves are plotted
+    curves: list[str]
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,7 @@ def compare_runs(
     experiment: str,
     baseline: str | None = None,
     metrics: list[str] | None = None,
-    curves: list[str] = DEFAULT_CURVES,
+    curves: list[str] | None = None,
     params: list[str] | None = None,
     stage: str | None = None,
     selection: RunSelection = RunSelection(),
@@ -119,7 +121,8 @@ def compare_runs(
     """``metrics`` default to those of :data:`DEFAULT_METRICS` some run measured (metrics named
     explicitly are shown even where no run has them, marked "not measured"); ``params`` to the
     config fields whose values differ between the runs, and label the runs; ``stage`` (whose
-    training curves are plotted) to the first stage whose settings differ."""
+    training curves are plotted) to the first stage whose settings differ; ``curves`` to that
+    stage's own (:attr:`trainers.stages.StageSpec.curves`)."""
     runs = experiment_runs(experiment, selection)
     if not runs:
         raise ValueError(f"experiment {experiment!r} has no finished experiment runs to compare ({selection})")
@@ -128,6 +131,7 @@ def compare_runs(
     shown = params or differing[:MAX_VARYING_PARAMS]
     final = chosen.data.tags.get("alignflow.final_stage", "")
     stage = stage or curve_stage(yaml.safe_load(chosen.data.params.get("stages", "[]")), differing, final)
+    curves = curves or list(stage_curves(stage))
     summaries = label_runs([summarize(run, curves, stage) for run in runs], shown)
     base = next(s for s in summaries if s.run_id == chosen.info.run_id)
     if metrics is None:
@@ -162,4 +166,6 @@ def compare_runs(
         baseline_run_id=base.run_id,
         run_ids=[s.run_id for s in summaries],
         mlflow_run_id=run_id,
+        stage=stage,
+        curves=curves,
     )

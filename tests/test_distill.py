@@ -285,6 +285,7 @@ def test_training_moves_the_student_towards_a_frozen_teacher(tiny, demonstration
     logs = [log for log in trainer.state.log_history if "loss" in log]
     assert [log["on_policy"] for log in logs] == [lmbda] * 3
     assert {"completion_length", "logps/student", "logps/teacher", "num_tokens"} <= set(logs[0])
+    assert set(STAGES["distill"].curves) <= set(logs[0])  # what `alignflow compare` plots of distillation
     assert end < 0.5 * start
     assert all(torch.equal(p, b) for p, b in zip(teacher.parameters(), before))
 

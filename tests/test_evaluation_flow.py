@@ -148,7 +148,9 @@ def test_compare_three_runs_writes_table_and_plots(three_runs):
     folder = Path(report.folder)
     curves = matplotlib.image.imread(folder / "training_curves.png")
     bars = matplotlib.image.imread(folder / "eval_metrics.png")
-    assert curves.shape[1] > 2 * curves.shape[0]  # one panel per curve metric (loss, rewards/accuracies)
+    assert curves.shape[1] > 2 * curves.shape[0]  # one panel per curve metric
+    # the runs differ in SFT's settings: SFT's curves, those its stage names
+    assert (report.stage, report.curves) == ("sft", ["loss", "grad_norm"])
     assert bars.shape[0] > 300
     client = mlflow_client()
     logged = {a.path for a in client.list_artifacts(report.mlflow_run_id)}

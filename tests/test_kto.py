@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from infra.core.config import load_config
 from trainers.kto import KTOConfig, KTOTrainer, UnpairedCollator, kl_reference_point, kto_losses
 from trainers.kto_data import KL_COMPLETION, kl_partners, kto_splits, unpaired, with_kl_completions
+from trainers.stages import STAGES
 
 BETA, WD, WU = 0.3, 1.5, 0.7
 
@@ -213,6 +214,7 @@ def test_training_raises_desirable_rewards_over_undesirable_and_leaves_the_refer
     logs = [log for log in trainer.state.log_history if "loss" in log]
     assert len(logs) == 2
     assert {"kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "num_tokens"} <= set(logs[0])
+    assert set(STAGES["kto"].curves) <= set(logs[0])  # what `alignflow compare` plots of KTO
     assert (
         logs[-1]["rewards/chosen"] - logs[-1]["rewards/rejected"]
         > logs[0]["rewards/chosen"] - logs[0]["rewards/rejected"]

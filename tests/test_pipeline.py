@@ -21,6 +21,7 @@ from infra.core.reachability import TrackingServerUnreachable
 from infra.core.refcache import ReferenceCache
 from infra.core.settings import get_settings
 from infra.ops.cli import main
+from trainers.stages import STAGES
 
 pytestmark = pytest.mark.flow
 
@@ -51,6 +52,8 @@ def test_flow_logs_parent_child_runs_metrics_checkpoints_and_a_loadable_model(fi
     assert parent.info.status == "FINISHED"
     assert set(children) == {"sft", "dpo", "grpo", "evaluate"}
     assert all(run.info.status == "FINISHED" for run in children.values())
+    for stage in ("sft", "dpo", "grpo"):  # what `alignflow compare` plots of each stage, logged
+        assert set(STAGES[stage].curves) <= children[stage].data.metrics.keys(), stage
     assert parent.data.params["dpo.beta"] == "0.5"
     assert parent.data.params["model.source"] == "builtin:tiny-llama"
     assert parent.data.tags["alignflow.config_hash"] == load_config(MINIMAL, UNIQUE).content_hash()
@@ -324,6 +327,7 @@ def test_grpo_scored_by_the_reward_stage_of_the_same_run(prefect_api_url):
     reward = client.get_run(children["reward"].info.run_id)
     assert reward.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(reward.info.run_id, "accuracy")] == [2, 4]
+    assert set(STAGES["reward"].curves) <= reward.data.metrics.keys()
     assert [m.step for m in client.get_metric_history(reward.info.run_id, "eval_accuracy")] == [4]
     grpo = client.get_run(children["grpo"].info.run_id)
     scores = client.get_metric_history(grpo.info.run_id, "rewards/model:reward/mean")

@@ -6,11 +6,11 @@ sections)."""
 
 import importlib
 
-from trainers.stages.registry import STAGES, ModelSource, StageInputs, StageName, StageSpec
+from trainers.stages.registry import STAGES, ModelSource, StageInputs, StageName, StageSpec, stage_curves
 
 STAGE_MODULES = ("sft", "dpo", "grpo", "kto", "reward", "distill")
 
 for _module in STAGE_MODULES:
     importlib.import_module(f"{__name__}.{_module}")
 
-__all__ = ["STAGES", "ModelSource", "StageInputs", "StageName", "StageSpec"]
+__all__ = ["STAGES", "ModelSource", "StageInputs", "StageName", "StageSpec", "stage_curves"]

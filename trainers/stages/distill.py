@@ -41,6 +41,7 @@ DISTILL = register_stage(
         build=build_distill,
         check=check_distill,
         teacher=teacher_of,
+        curves=("loss", "logps/student"),
         description="On-policy distillation (GKD) from `distill.teacher_model`, frozen: the generalized JSD between "
         "teacher and student next-token distributions on the student's samples (a fraction λ of the steps) or the "
         "`sft` split's completions.",

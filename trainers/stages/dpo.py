@@ -30,5 +30,6 @@ DPO = register_stage(
         build=build_dpo,
         description="Preference optimisation on the `preference` split; its reference is the model it starts from.",
         needs_reference_logps=lambda section: section.reference_source() == "cached",
+        curves=("loss", "rewards/accuracies"),
     )
 )

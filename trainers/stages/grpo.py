@@ -54,5 +54,6 @@ GRPO = register_stage(
         reward_models=lambda section: tuple(t for f in section.reward_funcs if (t := reward_model_target(f))),
         description="Group-relative policy optimisation on the `grpo_prompts` split, rewarded by `reward_funcs` "
         "(registered functions, import paths, reward models).",
+        curves=("reward", "completions/mean_length"),
     )
 )

@@ -34,5 +34,6 @@ KTO = register_stage(
         "unpaired (chosen: desirable, rejected: undesirable); its reference is the model it starts from.",
         needs_reference_logps=lambda section: section.reference == "cached",
         reference_view="kto",
+        curves=("loss", "rewards/chosen"),
     )
 )

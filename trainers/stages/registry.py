@@ -148,6 +148,9 @@ class StageSpec:
     reward_models: Callable[[Any], tuple[str, ...]] = lambda section: ()
     # The frozen teacher its section names (a model source the flow resolves; ``StageInputs.teacher``).
     teacher: Callable[[Any], ModelSource | None] = lambda section: None
+    # The training metrics that show how it learns, as its trainer logs them: what `alignflow compare`
+    # plots of it unless told which (a GRPO loss near 0 says little; its mean reward says much).
+    curves: tuple[str, ...] = ("loss", "grad_norm")
 
     @property
     def title(self) -> str:
@@ -156,6 +159,12 @@ class StageSpec:
 
 STAGES: Registry[StageSpec] = Registry("stage", "stages")
 StageName = STAGES.name_type()
+
+
+def stage_curves(stage: str) -> tuple[str, ...]:
+    """The registered stage's :attr:`StageSpec.curves`; the default ones for a stage this process
+    does not know (a plugin's, not imported here)."""
+    return STAGES[stage].curves if stage in STAGES else StageSpec.curves
 
 
 def register_stage(spec: StageSpec) -> StageSpec:

@@ -28,6 +28,7 @@ REWARD = register_stage(
         splits=("preference",),
         build=build_reward,
         produces="reward_model",
+        curves=("loss", "accuracy"),
         description="A reward model (one-logit sequence classifier, Bradley–Terry loss) on the `preference` split's "
         "pairs, from the current policy; later stages score with it (`grpo.reward_funcs: [model:reward]`), the "
         "policy passes it by.",
