@@ -142,6 +142,14 @@ def test_curves_come_from_the_first_stage_whose_settings_differ():
     assert curve_stage(["sft", "dpo", "grpo"], ["name"], "grpo") == "grpo"
 
 
+def test_a_stages_curves_are_its_own_and_a_stage_this_process_does_not_know_gets_loss_and_grad_norm():
+    from trainers.stages import stage_curves
+
+    assert stage_curves("grpo") == ("reward", "completions/mean_length")  # not DPO's, which GRPO never logs
+    assert stage_curves("dpo") == ("loss", "rewards/accuracies")
+    assert stage_curves("my_plugin_stage") == stage_curves("sft") == ("loss", "grad_norm")
+
+
 def test_plots_are_written_as_images(tmp_path):
     runs = summaries()
     curves = matplotlib.image.imread(
