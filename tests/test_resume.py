@@ -227,6 +227,26 @@ def test_only_complete_checkpoints_are_resumed_from(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
 
 
+def test_a_checkpoint_removed_while_it_is_checked_is_incomplete_not_an_error(tmp_path, monkeypatch):
+    """A reader (a test polling for a step, `alignflow runs`) may check a folder that the training
+    process rotates away meanwhile: the checkpoint is then incomplete, with why."""
+    import trainers.checkpoints as checkpoints
+
+    folder = tmp_path / "checkpoint-4"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"12345")
+    checkpoints.mark_complete(folder, 4)
+    hash_file = checkpoints.file_sha256
+
+    def rotated_away(path: Path) -> str:
+        shutil.rmtree(folder)  # the trainer's save_total_limit, between the size check and the hash
+        return hash_file(path)
+
+    monkeypatch.setattr(checkpoints, "file_sha256", rotated_away)
+    assert checkpoints.checkpoint_problem(folder) == "its files were removed while they were read"
+    assert not is_complete(folder)
+
+
 @pytest.mark.parametrize(
     "case, name",
     [("sft", "optimizer.pt"), ("dpo-bco_pair", "alignflow_state_0.pt")],  # the Trainer's state, and alignflow's

@@ -93,7 +93,10 @@ def checkpoint_problem(checkpoint: Path) -> str | None:
             return f"{name} is missing"
         if path.stat().st_size != size:
             return f"{name} has {path.stat().st_size} bytes, {size} when it was saved"
-    changed = next((name for name, (_, digest) in files.items() if file_sha256(checkpoint / name) != digest), None)
+    try:
+        changed = next((name for name, (_, digest) in files.items() if file_sha256(checkpoint / name) != digest), None)
+    except FileNotFoundError:  # removed while read: a newer checkpoint's rotation deletes this one
+        return "its files were removed while they were read"
     return None if changed is None else f"{changed} differs from what was saved (its sha256 is not the marker's)"
 
 
