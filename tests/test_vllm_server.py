@@ -46,3 +46,22 @@ def test_the_servers_refusals_name_what_is_missing(server):
             ServerError, match="a weight channel over NCCL needs a GPU on the server; this one has none"
         ):
             post(server, "/channel", {"backend": "nccl"})
+
+
+def test_every_configurable_transfer_has_a_maker_and_only_folder_transfers_hold_the_folder(tmp_path):
+    """The config's ``vllm_weight_transfer`` names are exactly the server's transfers; a storage
+    transfer writes below the folder, a collective one has none; a channel's backend and the device
+    it receives on are each other's inverse."""
+    from typing import get_args
+
+    from trainers import weight_channel
+    from trainers.grpo_section import FOLDER_TRANSFERS, WeightTransferName
+    from trainers.vllm_server import WEIGHT_TRANSFERS, StorageTransfer, weight_transfer
+
+    assert set(WEIGHT_TRANSFERS) == set(get_args(WeightTransferName)) and FOLDER_TRANSFERS <= set(WEIGHT_TRANSFERS)
+    storage = weight_transfer("storage", "http://127.0.0.1:9", tmp_path)
+    assert isinstance(storage, StorageTransfer) and storage.folder == tmp_path
+    assert isinstance(weight_transfer("collective", "http://127.0.0.1:9", tmp_path), CollectiveTransfer)
+    for device in ("cpu", "cuda"):
+        assert weight_channel.device_for(weight_channel.backend_for(torch.device(device))) == torch.device(device)
+    assert weight_channel.backend_for(torch.device("cpu")) == "gloo"

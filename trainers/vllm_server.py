@@ -52,6 +52,7 @@ from typing import Callable, Protocol
 import torch
 
 from trainers import weight_channel
+from trainers.grpo_section import FOLDER_TRANSFERS
 from trainers.vllm_engine import (
     EngineOptions,
     EngineSamples,
@@ -287,11 +288,17 @@ class CollectiveTransfer:
         answer.result()
 
 
-# each transfer by its config name, from the server's address and the shared folder (storage's only)
-WEIGHT_TRANSFERS: dict[str, Callable[[str, Path], WeightTransfer]] = {
+# each transfer by its config name, made from the server's address (and, for FOLDER_TRANSFERS, the
+# shared folder: weight_transfer)
+WEIGHT_TRANSFERS: dict[str, Callable[..., WeightTransfer]] = {
     "storage": StorageTransfer,
-    "collective": lambda url, _folder: CollectiveTransfer(url),
+    "collective": CollectiveTransfer,
 }
+
+
+def weight_transfer(name: str, url: str, folder: Path) -> WeightTransfer:
+    """The transfer ``name`` to the server at ``url``, through ``folder`` where it loads through one."""
+    return WEIGHT_TRANSFERS[name](url, folder) if name in FOLDER_TRANSFERS else WEIGHT_TRANSFERS[name](url)
 
 
 class ServerEngine(SyncedEngine):
@@ -320,7 +327,7 @@ class ServerEngine(SyncedEngine):
     ):
         super().__init__(model, step)
         self.url, self.pushes, self.barrier = url, pushes, barrier
-        self.transfer = WEIGHT_TRANSFERS[transfer](url, folder)
+        self.transfer = weight_transfer(transfer, url, folder)
         if pushes:
             dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
             settings = {"dtype": dtype, "options": dataclasses.asdict(options), "seed": seed}

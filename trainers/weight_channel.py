@@ -29,9 +29,18 @@ def pair_group(store: torch.distributed.Store, member: int, backend: str) -> tor
     return torch.distributed.ProcessGroupGloo(store, member, 2, TIMEOUT)
 
 
+# each backend by the kind of device whose tensors it moves
+BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
+
+
 def backend_for(device: torch.device) -> str:
     """The backend that moves tensors on ``device``."""
-    return "nccl" if device.type == "cuda" else "gloo"
+    return BACKENDS["cuda" if device.type == "cuda" else "cpu"]
+
+
+def device_for(backend: str) -> torch.device:
+    """The device a member of a ``backend`` channel receives tensors on (its inverse)."""
+    return torch.device(next(kind for kind, name in BACKENDS.items() if name == backend))
 
 
 @dataclasses.dataclass
@@ -66,9 +75,7 @@ def host(backend: str) -> tuple[int, Receiver]:
     def join() -> None:
         receiver.group = pair_group(store, 1, backend)
 
-    receiver = Receiver(
-        threading.Thread(target=join, daemon=True), torch.device("cuda" if backend == "nccl" else "cpu")
-    )
+    receiver = Receiver(threading.Thread(target=join, daemon=True), device_for(backend))
     receiver.joining.start()
     return store.port, receiver
 
