@@ -30,9 +30,12 @@ os.environ["ALIGNFLOW_HOME"] = str(_STATE)
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 os.environ.pop("PREFECT_API_URL", None)
 
+from helpers import migrated_mlflow_database  # noqa: E402
+
 from infra.core.settings import configure_environment  # noqa: E402
 from trainers.fast_exit import end_at_exit_without_teardown  # noqa: E402
 
+shutil.copyfile(migrated_mlflow_database(), _STATE / "mlflow.db")  # the session's store, migrated once per version
 configure_environment()
 
 SESSION: list[pytest.Session] = []  # the session once it ended (pytest_sessionfinish)

@@ -22,12 +22,12 @@ from helpers import (
     SMOKE,
     alignflow,
     cancelled_run_state,
-    environment_without_services,
     flow_run_logs,
     free_port,
     launch_worker,
     mlflow_client,
     processes_naming,
+    state_folder_environment,
 )
 from policies import SHORT_GRPO, grpo_args
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -331,7 +331,7 @@ def test_the_pipeline_trains_and_evaluates_with_vllm_and_logs_the_log_prob_gap(t
     on vLLM, GRPO's configured steps, the gap in MLflow, the evaluation table printed."""
     home = tmp_path / "state"
     result = alignflow(
-        environment_without_services() | {"ALIGNFLOW_HOME": str(home)},
+        state_folder_environment(home),
         "run",
         MINIMAL,
         "stages=[sft,grpo]",
@@ -371,7 +371,7 @@ def two_process_grpo(tmp_path: Path, *overrides: str) -> tuple[str, Path]:
     The run's output and state folder."""
     home = tmp_path / "state"
     result = alignflow(
-        environment_without_services() | {"ALIGNFLOW_HOME": str(home), "OMP_NUM_THREADS": "1"},
+        state_folder_environment(home) | {"OMP_NUM_THREADS": "1"},
         "run",
         MINIMAL,
         "stages=[grpo]",
