@@ -87,13 +87,13 @@ def checkpoint_problem(checkpoint: Path) -> str | None:
         return f"its {COMPLETE_MARKER} is unreadable"
     if match is None or step != int(match.group(1)):
         return f"its {COMPLETE_MARKER} is that of step {step}"
-    for name, (size, _) in files.items():
-        path = checkpoint / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != size:
-            return f"{name} has {path.stat().st_size} bytes, {size} when it was saved"
     try:
+        for name, (size, _) in files.items():
+            path = checkpoint / name
+            if not path.is_file():
+                return f"{name} is missing"
+            if (found := path.stat().st_size) != size:
+                return f"{name} has {found} bytes, {size} when it was saved"
         changed = next((name for name, (_, digest) in files.items() if file_sha256(checkpoint / name) != digest), None)
     except FileNotFoundError:  # removed while read: a newer checkpoint's rotation deletes this one
         return "its files were removed while they were read"
