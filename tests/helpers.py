@@ -13,10 +13,11 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 PROJECT = Path(__file__).resolve().parents[1]
 ALIGNFLOW = [sys.executable, "-m", "infra.ops.cli"]  # the `alignflow` command of this checkout
@@ -40,42 +41,48 @@ def environment_without_services(*also: str) -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if not key.startswith(dropped)}
 
 
-def migrated_prefect_database() -> Path:
-    """A Prefect database migrated to this Prefect's head by ``prefect server database upgrade``, made
-    once per Prefect version and kept in ``.pytest_cache`` (both test workers wait for one build)."""
+def migrated_template(package: str, build: Callable[[Path], None]) -> Path:
+    """A database migrated to ``package``'s head by ``build`` (given the path to write), made once per
+    version of ``package`` and kept in ``.pytest_cache`` (test processes that ask at once wait for one
+    build)."""
     from infra.core.locks import LocalFileLock
 
-    template = PROJECT / ".pytest_cache" / "alignflow" / f"prefect-{importlib.metadata.version('prefect')}.db"
-    with LocalFileLock(template.with_suffix(".lock"), timeout=300):
-        if not template.exists():
-            building = template.with_suffix(".building")
-            shutil.rmtree(building, ignore_errors=True)
-            upgrade = [sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"]
-            env = environment_without_services() | {"PREFECT_HOME": str(building)}
-            done = subprocess.run(upgrade, cwd=PROJECT, env=env, capture_output=True, text=True)
-            assert done.returncode == 0, done.stdout + done.stderr
-            (building / "prefect.db").rename(template)
-            shutil.rmtree(building)
-    return template
-
-
-def migrated_mlflow_database() -> Path:
-    """An MLflow SQLite store created and migrated as a state folder's first command creates it
-    (:func:`infra.ops.databases.create_mlflow_store`, in this process), made once per MLflow version
-    and kept in ``.pytest_cache``: a copy opens in ~0.04 s, a new store takes ~1 CPU s of migrations."""
-    from infra.core.locks import LocalFileLock
-
-    template = PROJECT / ".pytest_cache" / "alignflow" / f"mlflow-{importlib.metadata.version('mlflow')}.db"
+    template = PROJECT / ".pytest_cache" / "alignflow" / f"{package}-{importlib.metadata.version(package)}.db"
     template.parent.mkdir(parents=True, exist_ok=True)
     with LocalFileLock(template.with_suffix(".lock"), timeout=300):
         if not template.exists():
-            from infra.ops.databases import create_mlflow_store
-
             building = template.with_suffix(".building")
             building.unlink(missing_ok=True)
-            create_mlflow_store(f"sqlite:///{building}")
+            build(building)
             building.rename(template)
     return template
+
+
+def upgraded_prefect_database(path: Path) -> None:
+    """``prefect server database upgrade`` into ``path``."""
+    with tempfile.TemporaryDirectory(dir=path.parent) as home:
+        upgrade = [sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"]
+        env = environment_without_services() | {"PREFECT_HOME": home}
+        done = subprocess.run(upgrade, cwd=PROJECT, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+        (Path(home) / "prefect.db").rename(path)
+
+
+def created_mlflow_store(path: Path) -> None:
+    """An MLflow SQLite store at ``path``, created and migrated as a state folder's first command
+    creates it (:func:`infra.ops.databases.create_mlflow_store`, in this process): a copy opens in
+    ~0.04 s, a new store takes ~1 CPU s of migrations."""
+    from infra.ops.databases import create_mlflow_store
+
+    create_mlflow_store(f"sqlite:///{path}")
+
+
+def migrated_prefect_database() -> Path:
+    return migrated_template("prefect", upgraded_prefect_database)
+
+
+def migrated_mlflow_database() -> Path:
+    return migrated_template("mlflow", created_mlflow_store)
 
 
 def with_migrated_databases(home: Path) -> Path:
