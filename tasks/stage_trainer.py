@@ -1,7 +1,8 @@
 """A stage's trainer with the pipeline's callbacks, built and run in this process: by the train
 task (:mod:`tasks.train`) for one process, and on every rank of a launched stage
 (:mod:`tasks.launched_rank`). This module imports torch and transformers; the train task imports
-it only when a stage trains.
+it only when a stage trains. MLflow is imported only where a run is tracked (rank 0): ~0.9 s of
+imports the other ranks skip.
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ import datasets
 from transformers.trainer_callback import PrinterCallback
 
 from infra.core.stage_io import TrainInputs
-from tasks.mlflow_runs import log_new_params
 from tasks.reference_columns import read_reference_columns
-from tasks.trainer_callback import MlflowTrainerCallback
 from trainers.callbacks import FiniteGuard, ProgressLineCallback
 from trainers.checkpoints import CheckpointCompletion, EpochEndEvaluation, restore_extra_state, trainer_state
 from trainers.lora import trainable_parameters
@@ -50,6 +49,8 @@ def stage_inputs(
 
 
 def log_model_params(run_id: str, trainer, inputs: TrainInputs) -> None:
+    from tasks.mlflow_runs import log_new_params
+
     params = {"model.trainable_parameters": trainable_parameters(trainer.model)}
     if inputs.lora is not None:
         params |= {f"peft.{name}": value for name, value in inputs.lora.flat().items()}
@@ -80,6 +81,8 @@ def tracked_trainer(
     trainer.add_callback(FiniteGuard(stage, divergence_suspects(stage, section)))
     trainer.add_callback(CheckpointCompletion(trainer))
     if run_id is not None:
+        from tasks.trainer_callback import MlflowTrainerCallback
+
         trainer.add_callback(MlflowTrainerCallback(run_id, log_checkpoints=log_checkpoints == "all"))
     trainer.remove_callback(PrinterCallback)  # a dict per log; the progress line replaces it
     trainer.add_callback(ProgressLineCallback(stage))

@@ -107,15 +107,18 @@ def test_each_layer_imports_only_the_layers_below_it():
     assert violations == {}
 
 
-def imports_of(tree: ast.AST) -> set[str]:
-    """Every module ``tree`` imports, in function bodies too (a lazy import only hides a cycle from
-    the interpreter), except under ``if TYPE_CHECKING:``; ``from a import b`` names ``a`` and ``a.b``."""
+def imports_of(tree: ast.AST, lazy: bool = True) -> set[str]:
+    """Every module ``tree`` imports, in function bodies too unless not ``lazy`` (a lazy import only
+    hides a cycle from the interpreter), except under ``if TYPE_CHECKING:``; ``from a import b`` names
+    ``a`` and ``a.b``."""
     names: set[str] = set()
     pending = [tree]
     while pending:
         node = pending.pop()
         if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
             pending.extend(node.orelse)
+            continue
+        if not lazy and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             continue
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
@@ -125,8 +128,9 @@ def imports_of(tree: ast.AST) -> set[str]:
     return names
 
 
-def project_import_graph() -> dict[str, set[str]]:
-    """Module -> the project modules it imports (a name is resolved to its longest project module)."""
+def project_import_graph(lazy: bool = True) -> dict[str, set[str]]:
+    """Module -> the project modules it imports (a name is resolved to its longest project module);
+    those its functions import too unless not ``lazy``."""
     modules = project_modules()
 
     def resolve(name: str) -> str | None:
@@ -136,7 +140,7 @@ def project_import_graph() -> dict[str, set[str]]:
 
     graph = {}
     for module, path in modules.items():
-        found = {resolve(name) for name in imports_of(ast.parse(path.read_text()))}
+        found = {resolve(name) for name in imports_of(ast.parse(path.read_text()), lazy)}
         graph[module] = {m for m in found if m is not None and m != module}
     return graph
 
@@ -203,6 +207,19 @@ def test_a_launched_rank_imports_no_prefect():
     rank = reachable(project_import_graph(), "tasks.launched_rank")
     assert {"tasks.stage_trainer", "tasks.reference_columns", "tasks.trainer_callback"} <= rank
     assert {module for module in rank if forbidden_imports(modules[module], {"prefect"})} == set()
+
+
+@pytest.mark.unit
+def test_a_rank_that_does_not_log_imports_no_mlflow():
+    """A launched stage's ranks other than rank 0 build their trainer with nothing that logs
+    (:func:`tasks.stage_trainer.tracked_trainer`), so MLflow (~0.9 s of imports) is imported only
+    where a run is tracked: no module a training rank imports as it starts names it."""
+    modules = project_modules()
+    eager = project_import_graph(lazy=False)
+    rank = reachable(eager, "tasks.launched_rank") | reachable(eager, "tasks.stage_trainer")
+    assert {"infra.core.stage_io", "trainers.stages", "trainers.callbacks"} <= rank
+    eager_imports = {module: imports_of(ast.parse(modules[module].read_text()), lazy=False) for module in rank}
+    assert {module for module, names in eager_imports.items() if "mlflow" in {n.split(".")[0] for n in names}} == set()
 
 
 @pytest.mark.unit
