@@ -23,7 +23,7 @@ from infra.core.config import AdditionTaskConfig, DataConfig, ModelConfig, load_
 from infra.core.launching import ProcessGroup
 from infra.core.stage_io import TrainInputs
 from infra.ops import servers
-from tasks import stage_trainer
+from tasks import trainer_callback
 from tasks.data import prepare_dataset
 from tasks.metric_sender import MetricSender, MetricsNotDelivered, backoff_seconds, store_sender
 from tasks.mlflow_runs import metric_values
@@ -115,7 +115,8 @@ def inputs():
 def train_through_outage(server, inputs, monkeypatch, name: str, restart_at: int | None, notes: dict) -> None:
     """Run the SFT stage with the outage; ``notes`` gets the parent run id and the callback's notes."""
     callback = partial(OutageCallback, server=server, restart_at=restart_at, notes=notes)
-    monkeypatch.setattr(stage_trainer, "MlflowTrainerCallback", callback)
+    # where the stage trainer imports it from, as it builds the trainer of a tracked run
+    monkeypatch.setattr(trainer_callback, "MlflowTrainerCallback", callback)
     client = MlflowClient(server.spec.url)
     notes["parent"] = client.create_run(client.create_experiment(name), run_name=name).info.run_id
     overrides = [f"sft.max_steps={MAX_STEPS}", "sft.logging_steps=1", "sft.per_device_train_batch_size=4"]
