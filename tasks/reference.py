@@ -66,9 +66,10 @@ def reference_dtype(reference: ModelHandle, compute: ComputeConfig) -> str:
 
 
 def reference_cache_key(context, parameters) -> str:
+    """``parameters`` holds every argument of the call, defaults applied (Prefect binds them so)."""
     data, reference = parameters["data"], parameters["reference"]
-    dtype = reference_dtype(reference, parameters.get("compute") or ComputeConfig())
-    return "reference-" + reference_key(data, reference, dtype, parameters.get("view", "pairs"))
+    dtype = reference_dtype(reference, parameters["compute"])
+    return "reference-" + reference_key(data, reference, dtype, parameters["view"])
 
 
 class PrefectProgress:

@@ -86,11 +86,12 @@ def stage_key(stage: str, section: TrainingConfig, inputs: TrainInputs, plugins:
 
 def train_cache_key(context, parameters) -> str | None:
     """Only cacheable stages are cached by Prefect (across configs: the key has no config name);
-    every stage is reused from its output folder (:func:`finished_model`)."""
+    every stage is reused from its output folder (:func:`finished_model`). ``parameters`` holds every
+    argument of the call, defaults applied (Prefect binds them so)."""
     spec = STAGES[parameters["stage"]]
     if not spec.cacheable:
         return None
-    plugins = tuple(parameters.get("plugins") or ())
+    plugins = tuple(parameters["plugins"])
     return f"train-{spec.name}-" + stage_key(spec.name, parameters["section"], parameters["inputs"], plugins)
 
 
