@@ -37,12 +37,24 @@ def test_servers_up_environment_reads_a_healthy_record_only(tmp_path, monkeypatc
     folder = state_dir / "servers" / "prefect"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / servers.PROCESS_FILE).write_text(json.dumps(process_record().tags()))  # a live process
-    record = {"health_url": "http://127.0.0.1:9/api/health", "exports": {"PREFECT_API_URL": "http://h:1/api"}}
-    (folder / "server.json").write_text(json.dumps(record))
+    record = servers.ServerRecord(
+        url="http://127.0.0.1:9",
+        health_url="http://127.0.0.1:9/api/health",
+        exports={"PREFECT_API_URL": "http://127.0.0.1:9/api"},
+        database="sqlite:///prefect.db",
+        auth=False,
+    )
+    (folder / servers.RECORD_FILE).write_text(record.model_dump_json())
     try:
+        status = servers.server_status("prefect", folder)
+        assert (status.running, status.healthy, status.record) == (True, False, record)
+        assert servers.exports([status]) == {"PREFECT_API_URL": "http://127.0.0.1:9/api"}
         assert prefect_api.servers_up_environment() is None  # alive, but nothing answers its health URL
+        (folder / servers.RECORD_FILE).write_text('{"health_url": "http://127.0.0.1:9/api/health"}')  # not ours
+        status = servers.server_status("prefect", folder)
+        assert (status.running, status.healthy, status.record, servers.exports([status])) == (True, False, None, {})
     finally:
-        for name in (servers.PROCESS_FILE, "server.json"):
+        for name in (servers.PROCESS_FILE, servers.RECORD_FILE):
             (folder / name).unlink()
 
 

@@ -22,9 +22,11 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
+
+from pydantic import BaseModel, ValidationError
 
 from infra.core.launching import ProcessGroup
 from infra.core.mlflow_compat import default_allowed_hosts
@@ -98,8 +100,20 @@ class ServerSpec:
     exports: dict[str, str]  # what clients set to use this server
     database_url: str
     postgres_url: str | None = None  # a PostgreSQL database to create if missing
-    notes: dict[str, str] = field(default_factory=dict)
+    artifacts: str | None = None  # where an MLflow server keeps artifacts
     auth: bool = False  # clients need the credentials (:class:`Credentials`)
+
+
+class ServerRecord(BaseModel):
+    """``server.json``: what ``alignflow servers up`` wrote of a server it started, for ``status``,
+    ``env`` and the clients that look for it (no credential: those are in ``credentials.json``)."""
+
+    url: str
+    health_url: str
+    exports: dict[str, str]  # what clients set to use it
+    database: str  # redacted
+    auth: bool
+    artifacts: str | None = None  # MLflow's artifact store
 
 
 WILDCARD_HOSTS = ("0.0.0.0", "::")
@@ -227,7 +241,7 @@ def mlflow_server(options: ServerOptions, folder: Path) -> ServerSpec:
         exports={"MLFLOW_TRACKING_URI": url},
         database_url=store,
         postgres_url=options.mlflow_database_url,
-        notes={"artifacts": artifacts},
+        artifacts=artifacts,
         auth=options.credentials is not None,
     )
 
@@ -262,6 +276,7 @@ def ensure_postgres_database(url: str) -> bool:
         connection.close()
 
 
+RECORD_FILE = "server.json"  # the server's ServerRecord
 PROCESS_FILE = "process.json"  # the server's process record (pid, start tick, boot id), written at start
 
 
@@ -339,15 +354,15 @@ def start(spec: ServerSpec, folder: Path) -> int:
         )
     (folder / "pid").write_text(str(group.pgid))  # for people; alignflow reads the process record
     (folder / PROCESS_FILE).write_text(json.dumps(process_record(group.pgid).tags()))
-    record = {
-        "url": spec.url,
-        "health_url": spec.health_url,
-        "exports": spec.exports,
-        "database": redacted(spec.database_url),
-        "auth": spec.auth,
-        **spec.notes,
-    }
-    (folder / "server.json").write_text(json.dumps(record, indent=2))
+    record = ServerRecord(
+        url=spec.url,
+        health_url=spec.health_url,
+        exports=spec.exports,
+        database=redacted(spec.database_url),
+        auth=spec.auth,
+        artifacts=spec.artifacts,
+    )
+    (folder / RECORD_FILE).write_text(record.model_dump_json(indent=2))
     return group.pgid
 
 
@@ -409,31 +424,36 @@ class ServerStatus:
     pid: int | None
     running: bool
     healthy: bool
-    record: dict
+    record: ServerRecord | None  # None: no readable server.json (never started here, or written over)
 
 
 def server_status(name: str, folder: Path) -> ServerStatus:
     pid = read_pid(folder)
     running = pid is not None and pid_alive(pid)
     try:
-        record = json.loads((folder / "server.json").read_text())
-    except (OSError, ValueError):
-        record = {}
-    healthy = running and bool(record.get("health_url")) and is_healthy(record["health_url"])
+        record = ServerRecord.model_validate_json((folder / RECORD_FILE).read_text())
+    except (OSError, ValidationError):
+        record = None
+    healthy = running and record is not None and is_healthy(record.health_url)
     return ServerStatus(name, pid, running, healthy, record)
 
 
 def exports(statuses: list[ServerStatus]) -> dict[str, str]:
     """What clients set to use the running servers (no credential: :func:`client_environment` adds them)."""
     return {
-        key: value for status in statuses if status.running for key, value in status.record.get("exports", {}).items()
+        key: value
+        for status in statuses
+        if status.running and status.record
+        for key, value in status.record.exports.items()
     }
 
 
 def client_environment(status: ServerStatus, root: Path) -> dict[str, str]:
     """A running server's exports, and the credentials it asks for (those of ``root``, the servers folder)."""
-    found = {**status.record.get("exports", {})}
-    if status.record.get("auth"):
+    if status.record is None:
+        return {}
+    found = dict(status.record.exports)
+    if status.record.auth:
         credentials = read_credentials(root)
         if credentials is None:
             raise RuntimeError(f"{status.name} asks for credentials, and {root / CREDENTIALS_FILE} is gone")

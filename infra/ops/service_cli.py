@@ -167,7 +167,7 @@ def servers_up(args: argparse.Namespace, folders: dict[str, Path]) -> int:
         if status.running:
             print(
                 f"{name}: already running (pid {status.pid}) at "
-                f"{status.record.get('url')}; `alignflow servers down {name}` to restart it"
+                f"{status.record.url if status.record else folder}; `alignflow servers down {name}` to restart it"
             )
             continue
         spec = servers.SERVERS[name](options, folder)
@@ -191,7 +191,7 @@ def servers_up(args: argparse.Namespace, folders: dict[str, Path]) -> int:
     statuses = [servers.server_status(name, folder) for name, folder in folders.items()]
     report(statuses)
     print_exports(servers.exports(statuses))
-    if any(status.running and status.record.get("auth") for status in statuses):
+    if any(status.running and status.record and status.record.auth for status in statuses):
         print(f'# and the credentials (in {root / servers.CREDENTIALS_FILE}): eval "$(alignflow servers env)"')
     return 1 if failed or conflicts else 0
 
@@ -209,9 +209,8 @@ def report(statuses: list[servers.ServerStatus]) -> None:
             if status.running
             else "stopped"
         )
-        details = ", ".join(
-            f"{key} {status.record[key]}" for key in ("url", "database", "artifacts") if key in status.record
-        )
+        shown = status.record.model_dump(include={"url", "database", "artifacts"}) if status.record else {}
+        details = ", ".join(f"{key} {value}" for key, value in shown.items() if value is not None)
         print(f"{status.name}: {state}" + (f"; {details}" if status.running and details else ""))
 
 
