@@ -471,7 +471,7 @@ def test_the_launch_command_is_built_from_the_compute_section():
 
 @pytest.mark.unit
 def test_a_group_may_straddle_processes_but_a_generation_batch_holds_whole_groups():
-    from trainers.grpo import completion_seed
+    from trainers.grpo_rollouts import completion_seed
     from trainers.layout import resolve_layout
 
     layout = resolve_layout(per_device_batch_size=2, gradient_accumulation_steps=1, num_generations=4, num_processes=2)

@@ -18,16 +18,14 @@ import copy
 import math
 import time
 from collections import defaultdict
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
-from trainers.collators import pad_left, prompt_completion_batch
+from trainers.collators import prompt_completion_batch
 from trainers.grpo_losses import (
     IMPORTANCE_LEVELS,
     ObjectiveParams,
@@ -44,6 +42,7 @@ from trainers.grpo_losses import (
     truncated_importance_weights,
     weighted_rewards,
 )
+from trainers.grpo_rollouts import ROLLOUT_SAMPLERS, Rollouts
 from trainers.grpo_section import (
     COMPLETIONS_LOG_KEY,
     GRPOStageConfig,
@@ -56,19 +55,10 @@ from trainers.logprobs import next_token_logps
 from trainers.lora import has_adapters, live_reference
 from trainers.rewards import RewardError, RewardFunction, resolve_rewards, reward_kwargs, score_completions
 from trainers.samplers import generation_dataloader
-from trainers.sampling import sampled_generation_config, sampling_processors
 from trainers.sections import section_fields
 from trainers.sharded_params import forward_model, prepare_reference, sharding_of
 from trainers.stopping import cut_at_first_stop, stop_token_ids
-from trainers.vllm_engine import (
-    ColocatedEngine,
-    EngineOptions,
-    SamplingOptions,
-    SyncedEngine,
-    require_vllm,
-    serving_weights,
-)
-from trainers.vllm_server import ServerEngine
+from trainers.vllm_engine import EngineOptions
 
 
 @dataclass
@@ -130,21 +120,6 @@ class GRPOConfig(TrainingArguments):
             enable_sleep_mode=self.vllm_enable_sleep_mode,
             cpu_kv_cache_gib=self.vllm_cpu_kv_cache_gib,
         )
-
-
-@dataclass(frozen=True)
-class Rollouts:
-    """Sampled completion tokens ``[N, L]`` (shorter rows padded with a stop token) and, when an engine
-    sampled them, each token's log-prob under the engine's sampling distribution (0 on padding)."""
-
-    tokens: torch.Tensor
-    engine_logps: torch.Tensor | None = None
-
-
-def completion_seed(seed: int, generation: int, row: int) -> int:
-    """The seed of completion ``row`` of generation batch ``generation`` (1-based): ``seed``,
-    ``generation`` and ``row`` packed into one 63-bit integer, distinct for every pair below 2²⁰ rows."""
-    return (seed * 1_000_003 + generation) * 2**20 + row
 
 
 def token_position_values(prompts: list[list[int]], completions: list[list[int]], values: torch.Tensor) -> torch.Tensor:
@@ -244,26 +219,10 @@ class GRPOTrainer(Trainer):
         if args.beta > 0 and (ref_model is not None or not has_adapters(self.model)):
             reference = ref_model if ref_model is not None else copy.deepcopy(self.model)
             self.ref_model = prepare_reference(reference, self.accelerator)
-        tokenizer = self.processing_class
-        self.sampling = sampling_processors(args.temperature, args.top_k, args.top_p)
-        self.stop_ids = stop_token_ids(tokenizer, self.model.generation_config)
-        self.generation_config = sampled_generation_config(
-            args.max_completion_length, tokenizer.pad_token_id, self.stop_ids
-        )
+        self.stop_ids = stop_token_ids(self.processing_class, self.model.generation_config)
         self.buffer = GenerationBuffer(args.num_iterations)
         self.generation_calls = 0
-        self.engine: SyncedEngine | None = None  # generation_backend vllm: built at the first generation
-        self.engine_sampling = SamplingOptions(
-            args.temperature, args.top_k, args.top_p, args.max_completion_length, self.stop_ids
-        )
-        if args.generation_backend == "vllm":
-            if args.vllm_mode == "colocate":
-                require_vllm()  # a server's trainer needs no vLLM of its own
-            elif args.vllm_server_url is None:
-                raise ValueError(
-                    "vllm_mode server: vllm_server_url names no server (the pipeline's train task starts one; "
-                    "outside it, start `alignflow vllm-server` and give its address)"
-                )
+        self.sampler = ROLLOUT_SAMPLERS[args.generation_backend](self)
         self.window: dict[str, list[float]] = defaultdict(list)  # metrics since the last log
         self.window_started: float | None = None
         self.window_start_step = 0
@@ -325,134 +284,23 @@ class GRPOTrainer(Trainer):
 
     @torch.no_grad()
     def generate(self, model, prompts: list[list[int]]) -> Rollouts:
-        """Sampled completion tokens ``[N, ≤ max_completion_length]`` by the ``generation_backend``."""
+        """Sampled completion tokens ``[N, ≤ max_completion_length]`` by the ``generation_backend``'s
+        sampler (:mod:`trainers.grpo_rollouts`)."""
         self.generation_calls += 1
-        if self.args.generation_backend == "vllm":
-            return self.generate_with_engine(model, prompts)
-        return Rollouts(self.generate_with_policy(model, prompts))
-
-    def generate_with_policy(self, model, prompts: list[list[int]]) -> torch.Tensor:
-        """Completions for left-padded prompts (with ``generation_seed``: each completion sampled
-        alone, under its own seed, see :meth:`generate_seeded`), by the unwrapped policy's ``generate``;
-        with sharded parameters every process generates in lockstep (trainers/sharded_params.py),
-        each as many calls as the others."""
-        with forward_model(model, self.accelerator, self.sharding) as unwrapped:
-            was_training = unwrapped.training
-            unwrapped.eval()
-            if self.args.generation_seed is not None:
-                completions = self.generate_seeded(unwrapped, prompts)
-            else:
-                input_ids, attention_mask = pad_left(prompts, self.processing_class.pad_token_id)
-                output = unwrapped.generate(
-                    input_ids=input_ids.to(self.accelerator.device),
-                    attention_mask=attention_mask.to(self.accelerator.device),
-                    generation_config=self.generation_config,
-                    synced_gpus=self.sharding.lockstep,
-                    logits_processor=self.sampling,
-                )
-                completions = output[:, input_ids.shape[1] :].cpu()
-            unwrapped.train(was_training)
-        return completions
-
-    def generate_with_engine(self, model, prompts: list[list[int]]) -> Rollouts:
-        """Completions sampled by the colocated vLLM engine, its weights synced to the policy's
-        first if an optimizer step changed them; each completion under its own seed
-        (:meth:`completion_seeds`)."""
-        self.ensure_engine(model)
-        step = self.state.global_step
-        # gathered only for a sync: the first round samples the weights the engine was just built from
-        with nullcontext({}) if self.engine.holds(step) else self.policy_weights(model) as weights:
-            self.engine.wake(weights, step)
-        samples = self.engine.generate(prompts, self.completion_seeds(len(prompts)), self.engine_sampling)
-        self.engine.rest()
-        return Rollouts(*samples.padded(self.stop_ids[0]))
-
-    def ensure_engine(self, model) -> None:
-        """Build the engine from the policy as it is now, unless it is built; its start-up is logged
-        once as ``time/engine_start``."""
-        if self.engine is not None:
-            return
-        started = time.perf_counter()
-        with self.policy_weights(model) as weights:  # whole, on every process, where they are sharded
-            self.build_engine(self.accelerator.unwrap_model(model), weights)
-        self.window["time/engine_start"].append(time.perf_counter() - started)
-
-    def build_engine(self, policy: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-        args: GRPOConfig = self.args
-        if args.vllm_mode == "server":
-            folder = Path(args.vllm_transfer_folder or Path(args.output_dir) / "vllm-transfer")
-            self.engine = ServerEngine(
-                policy,
-                weights,
-                args.engine_options,
-                args.seed,
-                self.state.global_step,
-                url=args.vllm_server_url,
-                transfer=args.vllm_weight_transfer,
-                folder=folder,
-                pushes=self.accelerator.is_main_process,
-                barrier=self.accelerator.wait_for_everyone,
-            )
-        else:
-            self.engine = ColocatedEngine(policy, weights, args.engine_options, args.seed, self.state.global_step)
-
-    @contextmanager
-    def policy_weights(self, model) -> Iterator[dict[str, torch.Tensor]]:
-        """The policy's weights as the engine loads them: whole parameters (gathered when sharded),
-        or a LoRA policy's merged weights (:func:`~trainers.vllm_engine.serving_weights`)."""
-        unwrapped = self.accelerator.unwrap_model(model)
-        if has_adapters(unwrapped):
-            yield serving_weights(unwrapped)
-            return
-        with self.sharding.full_parameters(model) as weights:
-            yield weights
-
-    def completion_seeds(self, count: int) -> list[int]:
-        """One seed per completion: with ``generation_seed``, :func:`completion_seed` of its place in the
-        generation batch over all processes; otherwise drawn from this process's torch generator."""
-        if self.args.generation_seed is None:
-            return torch.randint(0, 2**62, (count,)).tolist()
-        first_row = self.accelerator.process_index * count
-        return [completion_seed(self.args.generation_seed, self.generation_calls, first_row + i) for i in range(count)]
+        return self.sampler.sample(model, prompts)
 
     def train(self, *args, **kwargs):
         try:
             return super().train(*args, **kwargs)
         finally:
-            if self.engine is not None:
-                self.engine.close()  # its memory back before evaluation; the sync count stays readable
-
-    def generate_seeded(self, model, prompts: list[list[int]]) -> torch.Tensor:
-        """Each completion generated alone under the seed :func:`completion_seed` of its place in the
-        generation batch over all processes (this process holds rows ``rank × N`` onwards), so it
-        depends on neither the process count nor its neighbours. Shorter rows are padded with a stop
-        token (cut at the first one later); the global RNG state is left as it was."""
-        device = self.accelerator.device
-        first_row = self.accelerator.process_index * len(prompts)
-        rows = []
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for offset, prompt in enumerate(prompts):
-                torch.manual_seed(completion_seed(self.args.generation_seed, self.generation_calls, first_row + offset))
-                input_ids = torch.tensor([prompt], device=device)
-                output = model.generate(
-                    input_ids=input_ids,
-                    attention_mask=torch.ones_like(input_ids),
-                    generation_config=self.generation_config,
-                    logits_processor=self.sampling,
-                    synced_gpus=self.sharding.lockstep,
-                )
-                rows.append(output[0, len(prompt) :].cpu())
-        width = max(len(row) for row in rows)
-        stop = self.stop_ids[0]
-        return torch.stack([torch.cat([row, row.new_full((width - len(row),), stop)]) for row in rows])
+            self.sampler.close()
 
     def generate_and_score(self, model, rows: list[dict]) -> list[dict[str, torch.Tensor]]:
         args: GRPOConfig = self.args
         tokenizer = self.processing_class
         limit = args.max_prompt_length
         prompts = [r["prompt_ids"][-limit:] if limit else r["prompt_ids"] for r in rows]
-        if args.generation_backend == "vllm":
-            self.ensure_engine(model)  # outside time/generation
+        self.sampler.start(model)  # outside time/generation
         started = time.perf_counter()
         rollouts = self.generate(model, prompts)
         self.window["time/generation"].append(time.perf_counter() - started)
