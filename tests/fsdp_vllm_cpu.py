@@ -79,8 +79,8 @@ def main(spec: dict) -> None:
         "rank": rank,
         "world_size": world,
         "gaps": gaps,
-        "syncs": trainer.sampler.engine.syncs,
-        "aliases": trainer.sampler.engine.aliases,
+        "syncs": trainer.backend.engine.syncs,
+        "aliases": trainer.backend.engine.aliases,
     }
     results = gather_object([result])
     if rank == 0:

@@ -104,3 +104,13 @@ def test_two_process_shards_are_disjoint_and_complete():
         assert not mine & theirs
         whole = reference[generation * 8 * cycle : generation * 8 * cycle + 8]
         assert sorted(parts[0][0] + parts[1][0]) == sorted(whole)
+
+
+def test_each_configurable_generation_backend_has_its_class():
+    from typing import get_args
+
+    from trainers.grpo_rollouts import GENERATION_BACKENDS, EngineBackend, PolicyBackend
+    from trainers.grpo_section import GenerationBackendName
+
+    assert set(get_args(GenerationBackendName)) == set(GENERATION_BACKENDS)
+    assert GENERATION_BACKENDS == {"hf": PolicyBackend, "vllm": EngineBackend}

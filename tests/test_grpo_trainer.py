@@ -528,4 +528,4 @@ def test_vllm_generation_needs_vllm_in_the_trainers_environment_only_when_coloca
     with pytest.raises(ValueError, match="vllm_mode server: vllm_server_url names no server"):
         make_trainer(tiny, prompts, tmp_path, **vllm, vllm_mode="server")
     trainer = make_trainer(tiny, prompts, tmp_path, **vllm, vllm_mode="server", vllm_server_url="http://gen:8100")
-    assert trainer.sampler.engine is None  # built at the first generation
+    assert trainer.backend.engine is None  # built at the first generation

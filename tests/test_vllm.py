@@ -206,17 +206,17 @@ def test_grpo_syncs_the_weights_once_per_generation_round_and_logs_the_log_prob_
         vllm_importance_sampling_cap=2.0,
         **(server if mode != "colocate" else {}),
     )
-    gathered, policy_weights = [], trainer.sampler.policy_weights  # the policy's weights as the engine takes them
+    gathered, policy_weights = [], trainer.backend.policy_weights  # the policy's weights as the engine takes them
 
     def counted(model):
         gathered.append(trainer.state.global_step)
         return policy_weights(model)
 
-    trainer.sampler.policy_weights = counted
+    trainer.backend.policy_weights = counted
     trainer.train()
     assert trainer.state.global_step == 6
     assert trainer.generation_calls == 3
-    assert trainer.sampler.engine.syncs == 2  # before rounds 2 and 3; the 1st samples the weights it was built from
+    assert trainer.backend.engine.syncs == 2  # before rounds 2 and 3; the 1st samples the weights it was built from
     assert gathered == [0, 2, 4]  # the build, then each sync: a collective under FSDP, so not once more
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     gaps = [entry["vllm/logp_diff_max"] for entry in logs]

@@ -42,7 +42,7 @@ from trainers.grpo_losses import (
     truncated_importance_weights,
     weighted_rewards,
 )
-from trainers.grpo_rollouts import ROLLOUT_SAMPLERS, Rollouts
+from trainers.grpo_rollouts import GENERATION_BACKENDS, Rollouts
 from trainers.grpo_section import (
     COMPLETIONS_LOG_KEY,
     GRPOStageConfig,
@@ -222,7 +222,7 @@ class GRPOTrainer(Trainer):
         self.stop_ids = stop_token_ids(self.processing_class, self.model.generation_config)
         self.buffer = GenerationBuffer(args.num_iterations)
         self.generation_calls = 0
-        self.sampler = ROLLOUT_SAMPLERS[args.generation_backend](self)
+        self.backend = GENERATION_BACKENDS[args.generation_backend](self)
         self.window: dict[str, list[float]] = defaultdict(list)  # metrics since the last log
         self.window_started: float | None = None
         self.window_start_step = 0
@@ -284,23 +284,23 @@ class GRPOTrainer(Trainer):
 
     @torch.no_grad()
     def generate(self, model, prompts: list[list[int]]) -> Rollouts:
-        """Sampled completion tokens ``[N, ≤ max_completion_length]`` by the ``generation_backend``'s
-        sampler (:mod:`trainers.grpo_rollouts`)."""
+        """Sampled completion tokens ``[N, ≤ max_completion_length]`` by the ``generation_backend``
+        (:mod:`trainers.grpo_rollouts`)."""
         self.generation_calls += 1
-        return self.sampler.sample(model, prompts)
+        return self.backend.sample(model, prompts)
 
     def train(self, *args, **kwargs):
         try:
             return super().train(*args, **kwargs)
         finally:
-            self.sampler.close()
+            self.backend.close()
 
     def generate_and_score(self, model, rows: list[dict]) -> list[dict[str, torch.Tensor]]:
         args: GRPOConfig = self.args
         tokenizer = self.processing_class
         limit = args.max_prompt_length
         prompts = [r["prompt_ids"][-limit:] if limit else r["prompt_ids"] for r in rows]
-        self.sampler.start(model)  # outside time/generation
+        self.backend.start(model)  # outside time/generation
         started = time.perf_counter()
         rollouts = self.generate(model, prompts)
         self.window["time/generation"].append(time.perf_counter() - started)

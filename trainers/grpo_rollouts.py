@@ -1,10 +1,10 @@
-"""Where GRPO's completions come from: one :class:`RolloutSampler` per ``generation_backend``.
+"""Where GRPO's completions come from: one :class:`GenerationBackend` per ``generation_backend``.
 
-``hf`` samples with the policy's own ``generate`` (:class:`PolicySampler`); ``vllm`` with a vLLM
+``hf`` samples with the policy's own ``generate`` (:class:`PolicyBackend`); ``vllm`` with a vLLM
 engine fed the policy's weights once per generation round, in this process or on a server
-(:class:`EngineSampler`). The trainer asks its sampler for each generation batch and owns what the
-batch becomes (stop cuts, rewards, advantages); a new backend is a sampler and an entry in
-:data:`ROLLOUT_SAMPLERS`.
+(:class:`EngineBackend`). The trainer asks its backend for each generation batch and owns what the
+batch becomes (stop cuts, rewards, advantages); a new backend is a class and an entry in
+:data:`GENERATION_BACKENDS`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def completion_seed(seed: int, generation: int, row: int) -> int:
     return (seed * 1_000_003 + generation) * 2**20 + row
 
 
-class RolloutSampler(ABC):
+class GenerationBackend(ABC):
     """Samples the completions of a :class:`~trainers.grpo.GRPOTrainer`'s generation batches. It reads
     the trainer's state as it is at each call (its arguments, processes, sharding, step and
     ``generation_calls``, which the trainer counts before each batch)."""
@@ -71,7 +71,7 @@ class RolloutSampler(ABC):
         return [completion_seed(seed, calls, first + row) for row in range(count)]
 
 
-class PolicySampler(RolloutSampler):
+class PolicyBackend(GenerationBackend):
     """The policy's own ``generate`` (eval mode, no grad, KV cache); with sharded parameters every
     process generates in lockstep (trainers/sharded_params.py), each as many calls as the others."""
 
@@ -130,7 +130,7 @@ class PolicySampler(RolloutSampler):
         return torch.stack([torch.cat([row, row.new_full((width - len(row),), stop)]) for row in rows])
 
 
-class EngineSampler(RolloutSampler):
+class EngineBackend(GenerationBackend):
     """A vLLM engine (``vllm_mode``: colocated in this process, or a server at ``vllm_server_url``),
     built from the policy at the first generation and fed its weights again before each round that
     follows an optimizer step; each completion under its own seed (:meth:`completion_seeds`)."""
@@ -213,4 +213,4 @@ class EngineSampler(RolloutSampler):
             self.engine.close()  # its memory back before evaluation; the sync count stays readable
 
 
-ROLLOUT_SAMPLERS: dict[GenerationBackendName, type[RolloutSampler]] = {"hf": PolicySampler, "vllm": EngineSampler}
+GENERATION_BACKENDS: dict[GenerationBackendName, type[GenerationBackend]] = {"hf": PolicyBackend, "vllm": EngineBackend}
