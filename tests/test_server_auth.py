@@ -5,7 +5,6 @@ not in its output, the logs, the Prefect database, MLflow's params and tags, or 
 from __future__ import annotations
 
 import base64
-import json
 import shlex
 import stat
 import subprocess
@@ -99,8 +98,11 @@ def test_servers_refuse_requests_without_the_credentials(authed):
     assert not [secret for secret in authed.secrets if secret in authed.up_output]
     mode = (authed.home / "servers" / servers.CREDENTIALS_FILE).stat().st_mode
     assert stat.S_IMODE(mode) == 0o600
-    records = [json.loads((authed.home / "servers" / name / "server.json").read_text()) for name in servers.SERVERS]
-    assert [record["auth"] for record in records] == [True, True]
+    records = [
+        servers.ServerRecord.model_validate_json((authed.home / "servers" / name / servers.RECORD_FILE).read_text())
+        for name in servers.SERVERS
+    ]
+    assert [record.auth for record in records] == [True, True]
 
 
 def command_lines() -> list[str]:
