@@ -74,24 +74,32 @@ lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# Every tier (tests/conftest.py describes them) in one run on two pytest workers, one torch thread each.
-# Whole modules go to a worker (--dist loadscope), heaviest tier first (conftest orders them): a
-# module's fixtures are built once, and the flow tiers' waits on servers overlap the other worker's
-# training. Each worker has its own state folder and session Prefect server, ports come from
-# free_port, and the services tests' databases have names of their own.
-# The vllm tier follows in its own environment (test-vllm), which is built meanwhile: pip mostly
-# waits on the disk, and the tiers leave a core idle while they wait on servers.
+# Every tier (tests/conftest.py describes them), one torch thread per process, in two lanes:
+# - the main tiers in one pytest run on two workers. Whole modules go to a worker (--dist loadscope),
+#   heaviest tier first (conftest orders them): a module's fixtures are built once, and one worker's
+#   waits on servers overlap the other's training. Each worker has its own state folder and session
+#   Prefect server, ports come from free_port, and the services tests' databases have names of their own.
+# - the vllm tier in its own environment, built first (pip mostly waits on the disk). Alone it
+#   keeps the two cores ~65% busy (interpreters starting, engines building, servers answering);
+#   beside the main tiers its waits are their CPU time. Its report (VLLM_TIER_LOG) follows theirs.
+# The lane has a session of its own, so that an interrupt of `make test` stops it too.
+VLLM_TIER_LOG := test-artifacts/vllm-tier.log
+
 test: lint
-	@echo "test: building $(VLLM_VENV) in the background, its log in $(VLLM_LOG)"
-	@$(MAKE) --no-print-directory install-vllm > $(VLLM_LOG) 2>&1 & builder=$$!; \
+	@mkdir -p $(dir $(VLLM_TIER_LOG))
+	@echo "test: the vllm tier runs beside the main tiers once $(VLLM_VENV) is built (build log: $(VLLM_LOG)); its report follows theirs"
+	@setsid bash -c '$(MAKE) --no-print-directory install-vllm > $(VLLM_LOG) 2>&1 \
+		|| { tail -n 40 $(VLLM_LOG); echo "test: building $(VLLM_VENV) failed (log: $(VLLM_LOG))"; exit 1; }; \
+		OMP_NUM_THREADS=1 $(MAKE) --no-print-directory test-vllm' > $(VLLM_TIER_LOG) 2>&1 & lane=$$!; \
+	trap 'kill -TERM -$$lane 2>/dev/null' INT TERM; \
 	OMP_NUM_THREADS=1 bash infra/ops/with-test-services.sh \
 		$(PY) -m pytest -n 2 --dist loadscope --no-loadscope-reorder -m "unit or slow or flow or services" $(PYTEST_ARGS); \
 	tiers=$$?; \
-	wait $$builder || { tail -n 40 $(VLLM_LOG); echo "test: building $(VLLM_VENV) failed (log: $(VLLM_LOG))"; exit 1; }; \
-	exit $$tiers
-	$(MAKE) --no-print-directory test-vllm
+	wait $$lane; vllm=$$?; \
+	echo "test: the vllm tier ($(VLLM_TIER_LOG))"; cat $(VLLM_TIER_LOG); \
+	exit $$(( tiers ? tiers : vllm ))
 
-# The vllm tier: real vLLM engines, in one process (they share the cores with nothing else).
+# The vllm tier: real vLLM engines, in one pytest process (its tests start ranks and servers).
 # TORCHDYNAMO_DISABLE: vLLM's sampler compiles a helper (the sampled tokens' ranks) with inductor on
 # its first call in each process, a C++ build of 9-15 s on this CPU that the tier would pay in the
 # test process and again in the pipeline's; eager computes the same ranks (tier: 83 → 67 s warm,
