@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +76,16 @@ def processes_with_env(key: str, value: str) -> list[int]:
         except OSError:
             continue
     return [pid for pid in found if pid != os.getpid()]
+
+
+def describe_process(pid: int) -> str:
+    """A live process's pid, parent and command line, for an assertion's message."""
+    try:
+        parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return f"{pid} (gone)"
+    return f"{pid} (parent {parent}): {command[:300]}"
 
 
 @dataclass
@@ -201,13 +212,20 @@ def stack(tmp_path_factory):
                 time.sleep(0.2)
         worker_log.close()
         down = stack.alignflow("servers", "down", timeout=120)
-        deadline = time.monotonic() + 30  # `servers down` returns once stopping began; exits may trail it
-        while (left := processes_with_env("ALIGNFLOW_HOME", str(home))) and time.monotonic() < deadline:
+        # Exits may trail `servers down`: with make test's vllm lane beside the tiers, one process of
+        # the stack (not recorded which) outlived it by more than 30 s once. A slow exit is a warning
+        # in the test report, naming the processes; one still alive after 90 s fails.
+        started, warned = time.monotonic(), False
+        while (left := processes_with_env("ALIGNFLOW_HOME", str(home))) and time.monotonic() < started + 90:
+            if not warned and time.monotonic() > started + 30:
+                slow = [describe_process(pid) for pid in left]
+                warnings.warn(f"still exiting 30 s after `servers down`: {slow}", stacklevel=1)
+                warned = True
             time.sleep(0.5)
         for name in databases.values():
             postgres(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         assert down.returncode == 0, down.stdout + down.stderr
-        assert left == [], f"processes left behind: {left}"
+        assert left == [], f"processes left behind: {[describe_process(pid) for pid in left]}"
         assert not postgres("SELECT datname FROM pg_database WHERE datname = ANY(%s)", (list(databases.values()),))
 
 
