@@ -33,6 +33,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from infra.core.config import load_config
 from infra.core.launching import group_alive
+from infra.core.processes import all_pids, command_line, environment, proc_stat
 from infra.ops.deployments import PREFECT_FILE, PROJECT_ROOT
 
 pytestmark = pytest.mark.services
@@ -66,26 +67,19 @@ def processes_with_env(key: str, value: str) -> list[int]:
     """Live processes whose environment has key=value (every process the stack started inherits it)."""
     needle = f"{key}={value}".encode()
     found = []
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            if (
-                needle in environ.read_bytes().split(b"\0")
-                and Path(environ.parent, "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-            ):
-                found.append(int(environ.parent.name))
-        except OSError:
-            continue
-    return [pid for pid in found if pid != os.getpid()]
+    for pid in all_pids() or []:
+        stat = proc_stat(pid)
+        if pid != os.getpid() and needle in (environment(pid) or set()) and stat is not None and not stat.zombie:
+            found.append(pid)
+    return found
 
 
 def describe_process(pid: int) -> str:
     """A live process's pid, parent and command line, for an assertion's message."""
-    try:
-        parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
-        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
+    stat, command = proc_stat(pid), command_line(pid)
+    if stat is None or command is None:
         return f"{pid} (gone)"
-    return f"{pid} (parent {parent}): {command[:300]}"
+    return f"{pid} (parent {stat.ppid}): {b' '.join(command).decode(errors='replace')[:300]}"
 
 
 @dataclass
