@@ -216,6 +216,22 @@ def test_the_dataset_context_tag_is_mlflows():
 
 
 @pytest.mark.unit
+def test_the_basic_auth_settings_are_mlflows_own_but_for_the_credential_cache(tmp_path, monkeypatch):
+    """Read by MLflow as the basic-auth app reads them: what MLflow ships, with the cache switched on."""
+    from mlflow.server.auth.config import read_auth_config
+
+    monkeypatch.setenv("MLFLOW_AUTH_ADMIN_USERNAME", "alignflow")  # as `servers up --auth` sets them
+    monkeypatch.setenv("MLFLOW_AUTH_ADMIN_PASSWORD", "secret")
+    monkeypatch.delenv("MLFLOW_AUTH_CONFIG_PATH", raising=False)
+    shipped = read_auth_config()
+    (tmp_path / "auth.ini").write_text(mlflow_compat.basic_auth_config(60))
+    monkeypatch.setenv("MLFLOW_AUTH_CONFIG_PATH", str(tmp_path / "auth.ini"))
+    ours = read_auth_config()
+    assert (shipped.auth_cache_ttl_seconds, ours.auth_cache_ttl_seconds) == (0, 60)
+    assert ours._replace(auth_cache_ttl_seconds=0) == shipped
+
+
+@pytest.mark.unit
 def test_deleting_artifacts_removes_that_path_only(tmp_path):
     for name in ("checkpoints/step-1/weights", "model/weights"):
         (tmp_path / name).parent.mkdir(parents=True)

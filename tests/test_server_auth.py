@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from helpers import ALIGNFLOW, alignflow, environment_without_services, free_port
 
+from infra.core.mlflow_compat import basic_auth_config
+from infra.core.processes import environment
 from infra.ops import servers
 
 pytestmark = pytest.mark.services
@@ -91,6 +93,15 @@ def test_servers_refuse_requests_without_the_credentials(authed):
     assert status_of(experiments) == 401
     assert status_of(experiments, basic(f"{credentials.mlflow_username}:guess")) == 401
     assert status_of(experiments, basic(f"{credentials.mlflow_username}:{credentials.mlflow_password}")) == 200
+    # MLflow keeps the verified password for a while (servers.MLFLOW_AUTH_CACHE_S): another one is still refused
+    assert status_of(experiments, basic(f"{credentials.mlflow_username}:{credentials.mlflow_password}")) == 200
+    assert status_of(experiments, basic(f"{credentials.mlflow_username}:guess")) == 401
+    mlflow_folder = authed.home / "servers" / "mlflow"
+    settings = f"MLFLOW_AUTH_CONFIG_PATH={mlflow_folder / servers.MLFLOW_AUTH_CONFIG_FILE}".encode()
+    assert settings in environment(servers.read_pid(mlflow_folder))
+    assert (mlflow_folder / servers.MLFLOW_AUTH_CONFIG_FILE).read_text() == basic_auth_config(
+        servers.MLFLOW_AUTH_CACHE_S
+    )
     # `servers env` gave the credentials; `servers up` printed the URLs and where the credentials are, not them
     assert authed.env["PREFECT_API_AUTH_STRING"] == credentials.prefect_auth_string
     assert authed.env["MLFLOW_TRACKING_PASSWORD"] == credentials.mlflow_password

@@ -84,3 +84,25 @@ def relocate_artifact_uris(database: Path, old_prefix: str, new_prefix: str) -> 
             ).rowcount
             for table, column in ARTIFACT_URI_COLUMNS
         )
+
+
+# The basic-auth app's settings file (``MLFLOW_AUTH_CONFIG_PATH``; MLflow's own is
+# mlflow/server/auth/basic_auth.ini): the keys it requires, as MLflow ships them, and the cache.
+BASIC_AUTH_DATABASE = "sqlite:///basic_auth.db"  # the user store, relative to the server's working folder
+BASIC_AUTH_DEFAULT_PERMISSION = "READ"
+
+
+def basic_auth_config(cache_seconds: int) -> str:
+    """The basic-auth app's settings: MLflow's user store and default permission, and its cache of
+    verified credentials for ``cache_seconds`` (0: off, MLflow's default). Without the cache each
+    request checks its password against the stored scrypt hash, ~0.3 CPU s per request on the
+    one-worker server, which answers one request at a time: a two-step tracked run took 2.3x as long
+    (benchmarks/mlflow_auth.py). A hit skips only that check (the key is an HMAC of the password with
+    a per-process secret); a wrong password is checked every time. MLflow versions without the cache
+    ignore the key."""
+    return (
+        "[mlflow]\n"
+        f"default_permission = {BASIC_AUTH_DEFAULT_PERMISSION}\n"
+        f"database_uri = {BASIC_AUTH_DATABASE}\n"
+        f"auth_cache_ttl_seconds = {cache_seconds}\n"
+    )

@@ -22,19 +22,24 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from pydantic import BaseModel, ValidationError
 
 from infra.core.launching import ProcessGroup
-from infra.core.mlflow_compat import default_allowed_hosts
+from infra.core.mlflow_compat import basic_auth_config, default_allowed_hosts
 from infra.core.processes import ProcessRecord, is_alive, listening_pids, pid_alive, process_record
 from infra.core.settings import Settings
 
 HEALTH_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 20.0
+# How long the MLflow server trusts a password it has verified (mlflow_compat.basic_auth_config). It
+# has one worker, so a password changed through MLflow's API is dropped at once; one changed in its
+# user store directly is still taken until then.
+MLFLOW_AUTH_CACHE_S = 60
+MLFLOW_AUTH_CONFIG_FILE = "basic_auth.ini"  # in the MLflow server's folder
 
 
 CREDENTIALS_FILE = "credentials.json"  # in servers/, mode 0600
@@ -102,6 +107,7 @@ class ServerSpec:
     postgres_url: str | None = None  # a PostgreSQL database to create if missing
     artifacts: str | None = None  # where an MLflow server keeps artifacts
     auth: bool = False  # clients need the credentials (:class:`Credentials`)
+    files: dict[str, str] = field(default_factory=dict)  # name → text, written into its folder before it starts
 
 
 class ServerRecord(BaseModel):
@@ -215,15 +221,17 @@ def mlflow_server(options: ServerOptions, folder: Path) -> ServerSpec:
             "--allowed-hosts",
             ",".join([*default_allowed_hosts(), client_host(options.host), f"{client_host(options.host)}:*"]),
         ]
-    auth = {}
+    auth, files = {}, {}
     if options.credentials is not None:
         # MLflow's basic-auth app: its user store is basic_auth.db in the server's folder (its working
         # folder); the admin user it creates at the first start is alignflow's client.
         command += ["--app-name", "basic-auth"]
+        files = {MLFLOW_AUTH_CONFIG_FILE: basic_auth_config(MLFLOW_AUTH_CACHE_S)}
         auth = {
             "MLFLOW_AUTH_ADMIN_USERNAME": options.credentials.mlflow_username,
             "MLFLOW_AUTH_ADMIN_PASSWORD": options.credentials.mlflow_password,
             "MLFLOW_FLASK_SERVER_SECRET_KEY": options.credentials.mlflow_secret_key,
+            "MLFLOW_AUTH_CONFIG_PATH": str(folder / MLFLOW_AUTH_CONFIG_FILE),
         }
     return ServerSpec(
         name="mlflow",
@@ -243,6 +251,7 @@ def mlflow_server(options: ServerOptions, folder: Path) -> ServerSpec:
         postgres_url=options.mlflow_database_url,
         artifacts=artifacts,
         auth=options.credentials is not None,
+        files=files,
     )
 
 
@@ -343,6 +352,8 @@ def start(spec: ServerSpec, folder: Path) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     if spec.postgres_url and ensure_postgres_database(spec.postgres_url):
         print(f"{spec.name}: created database {redacted(spec.postgres_url)}")
+    for name, text in spec.files.items():
+        (folder / name).write_text(text)
     with open(folder / "server.log", "ab") as log:
         group = ProcessGroup.start(
             spec.command,
