@@ -1,7 +1,10 @@
 """The vLLM server's HTTP routes and weight channel without an engine: errors reach the trainer as
 errors, never as a hang (``tests/test_vllm.py`` runs both with vLLM engines)."""
 
+from __future__ import annotations
+
 import threading
+from concurrent.futures import Future
 from http.server import ThreadingHTTPServer
 from typing import Iterator
 
@@ -46,6 +49,56 @@ def test_the_servers_refusals_name_what_is_missing(server):
             ServerError, match="a weight channel over NCCL needs a GPU on the server; this one has none"
         ):
             post(server, "/channel", {"backend": "nccl"})
+
+
+class Broadcasts:
+    """The sender's side of a channel whose receiver answers ``answer`` once it has the tensor at
+    ``answered_at``, before this side sees that send complete (as gloo may order them)."""
+
+    def __init__(self, answer: Future, answered_at: int, result: dict | Exception):
+        self.answer, self.answered_at, self.result = answer, answered_at, result
+        self.sent, self.waited = [], 0
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> Broadcasts:
+        assert root == 0
+        self.sent.append(tensor)
+        if len(self.sent) - 1 == self.answered_at:
+            if isinstance(self.result, Exception):
+                self.answer.set_exception(self.result)
+            else:
+                self.answer.set_result(self.result)
+        return self
+
+    def is_completed(self) -> bool:
+        return len(self.sent) - 1 != self.answered_at  # that one's completion is not seen yet
+
+    def wait(self) -> bool:
+        self.waited += 1
+        return True
+
+
+@pytest.mark.parametrize(
+    "answered_at, result, raised",
+    [
+        (2, {"loaded": 3}, None),  # success once it has the last one: every send completes
+        (2, ServerError("the load failed"), "the load failed"),
+        (0, {"loaded": 3}, "the receiver answered before it received every tensor"),
+    ],
+    ids=["success-at-the-last", "error", "success-too-early"],
+)
+def test_a_send_ends_with_the_receivers_answer_whenever_it_arrives(answered_at, result, raised):
+    from trainers import weight_channel
+
+    tensors = [torch.full((2,), float(i)) for i in range(3)]
+    answer: Future = Future()
+    group = Broadcasts(answer, answered_at, result)
+    if raised is None:
+        weight_channel.send(group, tensors, answer)
+        assert (group.sent, group.waited) == (tensors, 3)
+    else:
+        with pytest.raises((ServerError, RuntimeError), match=raised):
+            weight_channel.send(group, tensors, answer)
+        assert group.sent == tensors[: answered_at + 1]
 
 
 def test_every_configurable_transfer_has_a_maker_and_only_folder_transfers_hold_the_folder(tmp_path):

@@ -87,14 +87,16 @@ def join(host_name: str, port: int, backend: str) -> torch.distributed.ProcessGr
 
 
 def send(group: torch.distributed.ProcessGroup, tensors: list[torch.Tensor], answer: Future) -> None:
-    """Broadcast ``tensors`` in order, unless the receiver's side answers first (``answer``: its
-    reply to the request that announced them): its error then, where a send to a member that stopped
-    receiving would wait out the channel's timeout."""
-    for tensor in tensors:
+    """Broadcast ``tensors`` in order, unless the receiver's side answers with an error first
+    (``answer``: its reply to the request that announced them), where a send to a member that stopped
+    receiving would wait out the channel's timeout. The receiver answers success only once it has
+    every tensor, which may be before this side sees its last send complete."""
+    for index, tensor in enumerate(tensors):
         work = group.broadcast(tensor, 0)
-        while not work.is_completed():
-            if answer.done():
-                answer.result()  # the receiver's error
-                raise RuntimeError("the receiver answered before it received every tensor")
+        while not work.is_completed() and not answer.done():
             time.sleep(0.001)
+        if answer.done():
+            answer.result()  # the receiver's error
+            if index < len(tensors) - 1:
+                raise RuntimeError("the receiver answered before it received every tensor")
         work.wait()
