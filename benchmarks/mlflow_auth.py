@@ -20,7 +20,6 @@ import argparse
 import base64
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,8 +28,9 @@ import urllib.request
 from pathlib import Path
 
 from infra.core.mlflow_compat import basic_auth_config
-from infra.core.processes import group_members, stat_fields
+from infra.core.processes import group_members
 from infra.ops import servers
+from infra.ops.prefect_api import free_port
 
 PROJECT = Path(__file__).resolve().parents[1]
 
@@ -38,20 +38,9 @@ RUN = ["run", "configs/minimal.yaml", "stages=[sft]", "sft.max_steps=2", "evalua
 ARMS = {"cache off (MLflow's default)": 0, f"cache on ({servers.MLFLOW_AUTH_CACHE_S} s)": servers.MLFLOW_AUTH_CACHE_S}
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def group_cpu_seconds(pgid: int) -> float:
-    """User and system CPU of the live processes of group ``pgid`` (fields 14 and 15 of their stat)."""
-    ticks = 0
-    for member in group_members(pgid) or []:
-        fields = stat_fields(member.pid)
-        if fields is not None:
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
+    """User and system CPU of the live processes of group ``pgid``."""
+    return sum(member.cpu_ticks for member in group_members(pgid) or []) / os.sysconf("SC_CLK_TCK")
 
 
 def measure(cache_seconds: int, requests: int, folder: Path) -> dict[str, float]:

@@ -65,6 +65,7 @@ class ProcStat:
     ppid: int  # field 4
     pgid: int  # field 5
     start_ticks: int  # field 22: clock ticks after boot
+    cpu_ticks: int  # fields 14 and 15: user and system CPU time, in clock ticks
 
     @property
     def zombie(self) -> bool:
@@ -76,7 +77,7 @@ def proc_stat(pid: int) -> ProcStat | None:
     fields = stat_fields(pid)
     if fields is None:
         return None
-    return ProcStat(pid, fields[0], int(fields[1]), int(fields[2]), int(fields[19]))
+    return ProcStat(pid, fields[0], int(fields[1]), int(fields[2]), int(fields[19]), int(fields[11]) + int(fields[12]))
 
 
 def all_pids() -> list[int] | None:
