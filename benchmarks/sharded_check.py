@@ -165,4 +165,8 @@ def main(spec: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(json.loads(Path(sys.argv[1]).read_text()))
+    from trainers.launch import run_as_launched_process
+
+    # without it the interpreter's teardown now and then aborted a rank after its check had passed
+    # (SIGABRT, "terminate called without an active exception"; trainers.fast_exit)
+    run_as_launched_process(lambda: main(json.loads(Path(sys.argv[1]).read_text())))

@@ -243,3 +243,50 @@ def test_the_experiment_flow_names_no_stage():
     tree = ast.parse((PROJECT / "flows" / "pipeline.py").read_text())
     strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
     assert not strings & set(STAGES)
+
+
+def called_name(call: ast.Call) -> str:
+    return call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
+
+
+def launched_entry_modules() -> set[str]:
+    """Every module the project's code, tests and benchmarks start under ``accelerate launch``: the
+    module of each ``launch_command`` call and each tests/helpers ``launch_worker`` call, a string
+    literal or ``tasks.machine.RANK_MODULE``."""
+    from tasks.machine import RANK_MODULE
+
+    found: set[str] = set()
+    for folder in ("trainers", "tasks", "flows", "infra", "tests", "benchmarks"):
+        for path in PROJECT.glob(f"{folder}/**/*.py"):
+            for call in (node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)):
+                if called_name(call) == "launch_command":
+                    given = [k.value for k in call.keywords if k.arg == "module"] or call.args[1:2]
+                elif called_name(call) == "launch_worker":
+                    given = call.args[:1]
+                else:
+                    continue
+                for node in given:
+                    if isinstance(node, ast.Constant):
+                        found.add(node.value)
+                    elif isinstance(node, ast.Name) and node.id == "RANK_MODULE":
+                        found.add(RANK_MODULE)
+    return found
+
+
+@pytest.mark.unit
+def test_every_launched_entry_module_ends_its_ranks_without_interpreter_teardown():
+    """A rank whose interpreter tears down torch's state after its job now and then aborts (SIGABRT,
+    "terminate called without an active exception"; trainers.fast_exit): every entry module ends
+    through ``trainers.launch.run_as_launched_process``. benchmarks/sharded_check.py did not, and
+    failed a CI so."""
+    entries = launched_entry_modules()
+    assert {"tasks.launched_rank", "fsdp_cpu", "fsdp_vllm_cpu", "sharded_check"} <= entries
+    search = (PROJECT, PROJECT / "tests", PROJECT / "benchmarks")
+    without = []
+    for module in sorted(entries):
+        relative = Path(*module.split(".")).with_suffix(".py")
+        path = next(folder / relative for folder in search if (folder / relative).is_file())
+        calls = {called_name(n) for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)}
+        if "run_as_launched_process" not in calls:
+            without.append(module)
+    assert without == []
