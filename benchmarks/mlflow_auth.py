@@ -33,6 +33,9 @@ from infra.ops import servers
 from infra.ops.prefect_api import free_port
 
 PROJECT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(PROJECT / "tests"))
+
+from helpers import environment_without_services  # noqa: E402
 
 RUN = ["run", "configs/minimal.yaml", "stages=[sft]", "sft.max_steps=2", "evaluation.num_prompts=4"]
 ARMS = {"cache off (MLflow's default)": 0, f"cache on ({servers.MLFLOW_AUTH_CACHE_S} s)": servers.MLFLOW_AUTH_CACHE_S}
@@ -62,8 +65,11 @@ def measure(cache_seconds: int, requests: int, folder: Path) -> dict[str, float]
             with urllib.request.urlopen(request, timeout=60) as answer:
                 assert answer.status == 200
         figures = {"requests_s": time.perf_counter() - began, "requests_cpu": group_cpu_seconds(pgid) - cpu}
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "ALIGNFLOW_"))}
-        env |= {"ALIGNFLOW_HOME": str(folder / "home"), "MLFLOW_TRACKING_URI": spec.url, "OMP_NUM_THREADS": "1"}
+        env = environment_without_services("ALIGNFLOW_") | {
+            "ALIGNFLOW_HOME": str(folder / "home"),
+            "MLFLOW_TRACKING_URI": spec.url,
+            "OMP_NUM_THREADS": "1",
+        }
         env |= credentials.client_environment("mlflow")
         cpu, began = group_cpu_seconds(pgid), time.perf_counter()
         run = subprocess.run(

@@ -31,6 +31,9 @@ from datetime import datetime
 from pathlib import Path
 
 PROJECT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(PROJECT / "tests"))
+
+from helpers import environment_without_services  # noqa: E402
 
 
 def parse_time(text: str) -> float:
@@ -55,8 +58,7 @@ def prefect_timeline(home: Path) -> tuple[float, float, dict[str, float]]:
 
 
 def timed_run(home: Path, config: str, overrides: list[str] = ()) -> dict[str, float]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-    env["ALIGNFLOW_HOME"] = str(home)
+    env = environment_without_services() | {"ALIGNFLOW_HOME": str(home)}
     began = time.time()
     command = [sys.executable, "-m", "infra.ops.cli", "run", config, *overrides]
     result = subprocess.run(command, cwd=PROJECT, env=env, capture_output=True, text=True)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import environment_without_services
 
 from infra.core.fingerprints import imported_modules
 from trainers.stages import STAGES
@@ -53,8 +53,7 @@ def test_a_run_that_finds_everything_cached_imports_no_torch_or_transformers(tmp
     process (``alignflow run`` as ``main()``, on the session's Prefect API) never imports either
     library, while the first run's does. (The ``alignflow`` command itself also imports torch
     while its temporary server starts: :func:`infra.ops.cli.run_flow`.)"""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-    env |= {"ALIGNFLOW_HOME": str(tmp_path), "PREFECT_API_URL": prefect_api_url}
+    env = environment_without_services() | {"ALIGNFLOW_HOME": str(tmp_path), "PREFECT_API_URL": prefect_api_url}
     probe = (
         "import json, sys; from infra.ops.cli import main; code = main(['run', 'configs/minimal.yaml']); "
         f"print('LOADED', code, json.dumps(sorted(m for m in {COMPUTE!r} if m in sys.modules)))"
