@@ -225,10 +225,13 @@ def run_sharding_check(options: argparse.Namespace, gpu: bool, workdir: Path) ->
     )
     root = Path(__file__).resolve().parents[1]
     path = os.pathsep.join([str(root), str(root / "benchmarks")])
+    temporary = workdir / "tmp"  # torch's launcher leaves a log folder per launch in the temp folder
+    temporary.mkdir(exist_ok=True)
+    env = os.environ | {"PYTHONPATH": path, "TMPDIR": str(temporary)}
     for stage in ("grpo", "dpo"):
         (workdir / f"{stage}.json").write_text(json.dumps(spec | {"stage": stage}))
         command = compute.launch_command(workdir / f"{stage}.json", module="sharded_check")
-        done = subprocess.run(command, cwd=root, env=os.environ | {"PYTHONPATH": path})
+        done = subprocess.run(command, cwd=root, env=env)
         if done.returncode:
             return done.returncode
     print(f"gpu_check: generation, the live reference and the TR-DPO sync are correct under {options.sharding}")

@@ -309,7 +309,16 @@ def launch_worker(module: str, spec: dict, processes: int, folder: Path) -> list
         spec_file, module=module
     )
     path = os.pathsep.join([str(PROJECT), str(PROJECT / "tests")])
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}
+    # torch's launcher leaves a log folder in the temp folder: this test's, not the one the launched
+    # stage tests check for leftovers while they run on the other worker
+    temporary = folder / "tmp"
+    temporary.mkdir()
+    env = os.environ | {
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": path,
+        "TOKENIZERS_PARALLELISM": "false",
+        "TMPDIR": str(temporary),
+    }
     done = subprocess.run(
         command, cwd=PROJECT, env=env, capture_output=True, text=True, timeout=300, start_new_session=True
     )
