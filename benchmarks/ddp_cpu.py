@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import socket
 import subprocess
 import tempfile
 import threading
@@ -32,6 +31,7 @@ import datasets
 from infra.core.config import ComputeConfig
 from infra.core.handles import PreparedData
 from infra.core.stage_io import TrainInputs
+from infra.ops.prefect_api import free_port
 from tasks.launch import launch, untracked_train_job
 from tasks.machine import machine_runner
 from tasks.models import checkpoint_handle
@@ -49,12 +49,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--pairs", type=int, default=64, help="pairs per optimizer step (global batch)")
     parser.add_argument("--steps", type=int, default=10)
     return parser.parse_args()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def prepare(folder: Path, pairs_needed: int) -> dict:

@@ -8,7 +8,6 @@ import importlib
 import importlib.metadata
 import inspect
 import json
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -16,6 +15,7 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 import tomllib
+from helpers import free_port
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -25,12 +25,6 @@ from infra.core.handles import ModelHandle
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 MODEL = ModelHandle(path="org/model", fingerprint="f", tokenizer_fingerprint="t", stage="sft")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.mark.unit
