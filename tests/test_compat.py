@@ -223,6 +223,17 @@ def test_the_basic_auth_settings_are_mlflows_own_but_for_the_credential_cache(tm
     ours = read_auth_config()
     assert (shipped.auth_cache_ttl_seconds, ours.auth_cache_ttl_seconds) == (0, 60)
     assert ours._replace(auth_cache_ttl_seconds=0) == shipped
+    # the admin comes from the environment, which `servers up --auth` checks this MLflow does
+    assert (ours.admin_username, ours.admin_password) == ("alignflow", "secret")
+    assert mlflow_compat.basic_auth_admin_from_environment(mlflow_compat.installed_version())
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("version, taken", [("3.1.0", False), ("3.16.1", False), ("3.17.0", True), ("3.17.2", True)])
+def test_mlflow_takes_the_basic_auth_admin_from_the_environment_from_3_17_on(version, taken):
+    """3.1.0 and 3.16.0 read ``admin_username``/``admin_password`` from the settings file only (read in
+    their wheels' mlflow/server/auth/config.py); 3.17.0 reads MLFLOW_AUTH_ADMIN_* first."""
+    assert mlflow_compat.basic_auth_admin_from_environment(version) is taken
 
 
 @pytest.mark.unit

@@ -203,6 +203,23 @@ def test_servers_status_of_nothing_started_is_stopped_with_exit_3(tmp_path, monk
         main(["servers", "status", "redis"])
 
 
+@pytest.mark.unit
+def test_servers_up_with_auth_refuses_an_mlflow_that_reads_the_admin_from_its_settings_file_only(
+    tmp_path, monkeypatch, capsys
+):
+    """MLflow 3.1-3.16 would not start on alignflow's settings file (no admin password in it), and on
+    their own they create MLflow's default admin: nothing is started or written."""
+    from infra.core import mlflow_compat
+
+    monkeypatch.setenv("ALIGNFLOW_HOME", str(tmp_path))
+    monkeypatch.setattr(mlflow_compat, "installed_version", lambda: "3.16.0")
+    assert main(["servers", "up", "--auth", "--prefect-port", "1", "--mlflow-port", "1"]) == 2
+    error = capsys.readouterr().err
+    assert "--auth needs MLflow 3.17 or later, this is MLflow 3.16.0" in error
+    assert "pip install 'mlflow[auth]>=3.17,<3.18'" in error
+    assert not (tmp_path / "servers").exists()  # no credentials, no server folder
+
+
 @pytest.mark.slow
 def test_deploy_without_a_prefect_server_says_how_to_get_one(tmp_path):
     result = subprocess.run(

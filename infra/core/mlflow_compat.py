@@ -92,6 +92,26 @@ BASIC_AUTH_DATABASE = "sqlite:///basic_auth.db"  # the user store, relative to t
 BASIC_AUTH_DEFAULT_PERMISSION = "READ"
 
 
+# The first MLflow whose basic-auth app creates its admin user from MLFLOW_AUTH_ADMIN_USERNAME and
+# MLFLOW_AUTH_ADMIN_PASSWORD. Before it (3.1-3.16) the admin comes from the settings file only:
+# alignflow's file holds no password (only servers/credentials.json does), so those versions fail to
+# start on it, and on MLflow's shipped file they created its default admin, admin / password1234.
+BASIC_AUTH_ADMIN_FROM_ENVIRONMENT = (3, 17)
+
+
+def installed_version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("mlflow")
+
+
+def basic_auth_admin_from_environment(version: str) -> bool:
+    """Whether MLflow ``version``'s basic-auth app takes its admin from the environment (``servers up
+    --auth`` refuses to start MLflow otherwise)."""
+    major, minor = (int(part) for part in version.split(".")[:2])
+    return (major, minor) >= BASIC_AUTH_ADMIN_FROM_ENVIRONMENT
+
+
 def basic_auth_config(cache_seconds: int) -> str:
     """The basic-auth app's settings: MLflow's user store and default permission, and its cache of
     verified credentials for ``cache_seconds`` (0: off, MLflow's default). Without the cache each

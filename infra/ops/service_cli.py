@@ -8,6 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from infra.core import mlflow_compat
 from infra.core.settings import get_settings
 from infra.ops import servers
 
@@ -143,6 +144,20 @@ def print_exports(environment: dict[str, str]) -> None:
         print(f"export {key}={shlex.quote(value)}")
 
 
+def mlflow_auth_refusal() -> str | None:
+    """Why ``servers up --auth`` must not start the installed MLflow, if it must not."""
+    version = mlflow_compat.installed_version()
+    if mlflow_compat.basic_auth_admin_from_environment(version):
+        return None
+    wanted = ".".join(map(str, mlflow_compat.BASIC_AUTH_ADMIN_FROM_ENVIRONMENT))
+    return (
+        f"--auth needs MLflow {wanted} or later, this is MLflow {version}: its basic-auth app takes the "
+        f"admin's password from its settings file only, and alignflow keeps passwords in servers/"
+        f"{servers.CREDENTIALS_FILE} alone. Upgrade it (pip install 'mlflow[auth]>={wanted},"
+        f"<{mlflow_compat.SUPPORTED[1]}'), or serve without --auth on 127.0.0.1"
+    )
+
+
 def servers_up(args: argparse.Namespace, folders: dict[str, Path]) -> int:
     if args.host in servers.WILDCARD_HOSTS and not (args.auth or args.no_auth):
         print(
@@ -150,6 +165,9 @@ def servers_up(args: argparse.Namespace, folders: dict[str, Path]) -> int:
             "(clients then need the credentials), or --no-auth to serve without authentication anyway",
             file=sys.stderr,
         )
+        return 2
+    if args.auth and "mlflow" in folders and (refusal := mlflow_auth_refusal()):
+        print(f"alignflow servers: {refusal}", file=sys.stderr)
         return 2
     root = servers.servers_dir(get_settings())
     options = servers.ServerOptions(
