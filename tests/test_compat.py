@@ -209,29 +209,43 @@ def test_the_dataset_context_tag_is_mlflows():
     assert mlflow_compat.DATASET_CONTEXT_TAG == MLFLOW_DATASET_CONTEXT
 
 
+def auth_config_read_by_mlflow(monkeypatch, settings: Path | None):
+    """MLflow's basic-auth settings as its app reads them, with the admin in the environment as
+    ``servers up --auth`` gives it, from ``settings`` (None: the file MLflow ships)."""
+    from mlflow.server.auth.config import read_auth_config
+
+    monkeypatch.setenv("MLFLOW_AUTH_ADMIN_USERNAME", "alignflow")
+    monkeypatch.setenv("MLFLOW_AUTH_ADMIN_PASSWORD", "secret")
+    if settings is None:
+        monkeypatch.delenv("MLFLOW_AUTH_CONFIG_PATH", raising=False)
+    else:
+        monkeypatch.setenv("MLFLOW_AUTH_CONFIG_PATH", str(settings))
+    return read_auth_config()
+
+
+@pytest.mark.unit
+def test_servers_up_refuses_auth_exactly_on_an_mlflow_that_takes_its_admin_from_its_settings_file(monkeypatch):
+    shipped = auth_config_read_by_mlflow(monkeypatch, None)
+    taken = (shipped.admin_username, shipped.admin_password) == ("alignflow", "secret")
+    assert mlflow_compat.basic_auth_admin_from_environment(mlflow_compat.installed_version()) == taken
+
+
 @pytest.mark.unit
 def test_the_basic_auth_settings_are_mlflows_own_but_for_the_credential_cache(tmp_path, monkeypatch):
     """Read by MLflow as the basic-auth app reads them: what MLflow ships, with the cache switched on."""
-    from mlflow.server.auth.config import read_auth_config
-
-    monkeypatch.setenv("MLFLOW_AUTH_ADMIN_USERNAME", "alignflow")  # as `servers up --auth` sets them
-    monkeypatch.setenv("MLFLOW_AUTH_ADMIN_PASSWORD", "secret")
-    monkeypatch.delenv("MLFLOW_AUTH_CONFIG_PATH", raising=False)
-    shipped = read_auth_config()
+    if not mlflow_compat.basic_auth_admin_from_environment(mlflow_compat.installed_version()):
+        pytest.skip("`servers up --auth` refuses this MLflow (the test above)")
+    shipped = auth_config_read_by_mlflow(monkeypatch, None)
     (tmp_path / "auth.ini").write_text(mlflow_compat.basic_auth_config(60))
-    monkeypatch.setenv("MLFLOW_AUTH_CONFIG_PATH", str(tmp_path / "auth.ini"))
-    ours = read_auth_config()
+    ours = auth_config_read_by_mlflow(monkeypatch, tmp_path / "auth.ini")
     assert (shipped.auth_cache_ttl_seconds, ours.auth_cache_ttl_seconds) == (0, 60)
     assert ours._replace(auth_cache_ttl_seconds=0) == shipped
-    # the admin comes from the environment, which `servers up --auth` checks this MLflow does
-    assert (ours.admin_username, ours.admin_password) == ("alignflow", "secret")
-    assert mlflow_compat.basic_auth_admin_from_environment(mlflow_compat.installed_version())
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("version, taken", [("3.1.0", False), ("3.16.1", False), ("3.17.0", True), ("3.17.2", True)])
+@pytest.mark.parametrize("version, taken", [("3.9.0", False), ("3.16.1", False), ("3.17.0", True), ("3.17.2", True)])
 def test_mlflow_takes_the_basic_auth_admin_from_the_environment_from_3_17_on(version, taken):
-    """3.1.0 and 3.16.0 read ``admin_username``/``admin_password`` from the settings file only (read in
+    """3.9.0 and 3.16.0 read ``admin_username``/``admin_password`` from the settings file only (read in
     their wheels' mlflow/server/auth/config.py); 3.17.0 reads MLFLOW_AUTH_ADMIN_* first."""
     assert mlflow_compat.basic_auth_admin_from_environment(version) is taken
 

@@ -207,7 +207,7 @@ def test_servers_status_of_nothing_started_is_stopped_with_exit_3(tmp_path, monk
 def test_servers_up_with_auth_refuses_an_mlflow_that_reads_the_admin_from_its_settings_file_only(
     tmp_path, monkeypatch, capsys
 ):
-    """MLflow 3.1-3.16 would not start on alignflow's settings file (no admin password in it), and on
+    """MLflow 3.9-3.16 would not start on alignflow's settings file (no admin password in it), and on
     their own they create MLflow's default admin: nothing is started or written."""
     from infra.core import mlflow_compat
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     from requests import Response
 
-SUPPORTED = ("3.1", "3.18")  # >= the first, < the second: pyproject.toml's "mlflow>=3.1,<3.18"
+SUPPORTED = ("3.9", "3.18")  # >= the first, < the second: pyproject.toml's "mlflow>=3.9,<3.18"
 # Tracking servers' REST endpoint for a batch of metrics, params and tags (the documented REST API).
 LOG_BATCH_ENDPOINT = "/api/2.0/mlflow/runs/log-batch"
 # The tag of a run's dataset input that says what the dataset was for ("training", "evaluation", …):
@@ -93,7 +93,7 @@ BASIC_AUTH_DEFAULT_PERMISSION = "READ"
 
 
 # The first MLflow whose basic-auth app creates its admin user from MLFLOW_AUTH_ADMIN_USERNAME and
-# MLFLOW_AUTH_ADMIN_PASSWORD. Before it (3.1-3.16) the admin comes from the settings file only:
+# MLFLOW_AUTH_ADMIN_PASSWORD. Before it (3.9-3.16) the admin comes from the settings file only:
 # alignflow's file holds no password (only servers/credentials.json does), so those versions fail to
 # start on it, and on MLflow's shipped file they created its default admin, admin / password1234.
 BASIC_AUTH_ADMIN_FROM_ENVIRONMENT = (3, 17)
