@@ -245,30 +245,52 @@ def wait_until_gone(pids: list[int], marker: str, timeout: float = 90) -> list[i
     return left
 
 
+def scheduler_address(scheduler_file: Path, scheduler: subprocess.Popen, timeout: float = 120) -> str:
+    """The address a `dask scheduler` wrote to its ``--scheduler-file`` once it listens."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return json.loads(scheduler_file.read_text())["address"]
+        except (OSError, ValueError, KeyError):  # not written yet, or not flushed
+            assert scheduler.poll() is None, f"the dask scheduler exited with {scheduler.returncode}"
+            assert time.monotonic() < deadline, f"no dask scheduler address after {timeout} s"
+            time.sleep(0.1)
+
+
 @contextmanager
 def dask_cluster(env: dict[str, str], workers: list[list[str]]) -> Iterator[tuple[str, list[subprocess.Popen]]]:
     """`dask scheduler` and one `dask worker` per entry of ``workers`` (its extra arguments) on
     loopback, each in its own process group (a worker's nanny starts the worker process in it);
-    every group is stopped afterwards, all its processes."""
+    every group is stopped afterwards, all its processes. The scheduler binds a port of its own and
+    says which in its scheduler file: a port chosen for it beforehand could be taken by another
+    test's server first, whose listener the client then waits on (a CI's Client timed out so)."""
     from distributed import Client
 
     from infra.core.launching import stop_group
 
-    port = free_port()
-    address = f"tcp://127.0.0.1:{port}"
     dask = str(Path(sys.executable).parent / "dask")
-    commands = [[dask, "scheduler", "--host", "127.0.0.1", "--port", str(port), "--dashboard-address", ":0"]]
-    commands += [[dask, "worker", address, "--nthreads", "1", "--no-dashboard", *extra] for extra in workers]
     processes = []
-    try:
-        for command in commands:
-            processes.append(subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.DEVNULL))
-        with Client(address, timeout=180) as client:
-            client.wait_for_workers(len(workers), timeout=180)
-        yield address, processes
-    finally:
-        for process in reversed(processes):
-            stop_group(process, grace=30)  # the whole group: a nanny's worker process can outlive the nanny
+
+    def start(command: list[str]) -> subprocess.Popen:
+        processes.append(subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.DEVNULL))
+        return processes[-1]
+
+    with tempfile.TemporaryDirectory(prefix="alignflow-dask-") as folder:
+        scheduler_file = Path(folder) / "scheduler.json"
+        try:
+            scheduler = start(
+                [dask, "scheduler", "--host", "127.0.0.1", "--port", "0", "--dashboard-address", ":0",
+                 "--scheduler-file", str(scheduler_file)]
+            )  # fmt: skip
+            address = scheduler_address(scheduler_file, scheduler)
+            for extra in workers:
+                start([dask, "worker", address, "--nthreads", "1", "--no-dashboard", *extra])
+            with Client(address, timeout=180) as client:
+                client.wait_for_workers(len(workers), timeout=180)
+            yield address, processes
+        finally:
+            for process in reversed(processes):
+                stop_group(process, grace=30)  # the whole group: a nanny's worker process can outlive the nanny
 
 
 def flow_run_logs(flow_run_id) -> list[str]:
