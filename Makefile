@@ -53,13 +53,20 @@ VLLM_TIER_MODULES := pytest datasets flows.pipeline tasks.stage_trainer trainers
 # the CPU torch, and the engine needs none of them: they are removed. --no-compile: pip does not
 # compile every module of the environment to bytecode (62 CPU s instead of 111, taken from the
 # tiers beside which it is built); step 4 compiles the modules the vllm tier imports.
-$(VLLM_INSTALLED): pyproject.toml
+# Two parts: the engine (steps 1-2, which `make test` builds beside .venv) and alignflow on it
+# (steps 3-4: `pip install -e .` writes alignflow.egg-info/ in this folder, so not beside .venv's).
+VLLM_ENGINE := $(VLLM_VENV)/.engine-installed
+
+$(VLLM_ENGINE):
 	@echo "vllm 1/4: virtual environment $(VLLM_VENV)"
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	@$(VLLM_PY) -m pip install --quiet --upgrade pip
 	@echo "vllm 2/4: $(TORCH_SPEC) and $(VLLM_SPEC)"
 	@$(VLLM_PY) -m pip install --quiet --no-compile "$(TORCH_SPEC)" "$(VLLM_SPEC)"
 	@$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	@touch $@
+
+$(VLLM_INSTALLED): $(VLLM_ENGINE) pyproject.toml
 	@echo "vllm 3/4: alignflow and its test dependencies"
 	@$(VLLM_PY) -m pip install --quiet --no-compile -e ".[test]"
 	@echo "vllm 4/4: bytecode of the modules the vllm tier imports"
@@ -79,19 +86,25 @@ lint: $(INSTALLED)
 #   heaviest tier first (conftest orders them): a module's fixtures are built once, and one worker's
 #   waits on servers overlap the other's training. Each worker has its own state folder and session
 #   Prefect server, ports come from free_port, and the services tests' databases have names of their own.
-# - the vllm tier in its own environment, built first (pip mostly waits on the disk). Alone it
-#   keeps the two cores ~65% busy (interpreters starting, engines building, servers answering);
-#   beside the main tiers its waits are their CPU time. Its report (VLLM_TIER_LOG) follows theirs.
-# The lane has a session of its own, so that an interrupt of `make test` stops it too.
+# - the vllm tier in its own environment. Its engine is installed while .venv is (pip mostly waits
+#   on the network and the disk, one core each), alignflow on it once .venv is done (MAIN_READY),
+#   then the tier runs beside the main tiers: alone it keeps the two cores ~65% busy (interpreters
+#   starting, engines building, servers answering); beside them its waits are their CPU time. Its
+#   report (VLLM_TIER_LOG) follows theirs.
+# The lane has a session of its own, so that an interrupt of `make test`, or a failed lint, stops it too.
 VLLM_TIER_LOG := test-artifacts/vllm-tier.log
+MAIN_READY := test-artifacts/.main-venv-ready
 
-test: lint
-	@mkdir -p $(dir $(VLLM_TIER_LOG))
-	@echo "test: the vllm tier runs beside the main tiers once $(VLLM_VENV) is built (build log: $(VLLM_LOG)); its report follows theirs"
-	@setsid bash -c '$(MAKE) --no-print-directory install-vllm > $(VLLM_LOG) 2>&1 \
+test:
+	@mkdir -p $(dir $(VLLM_TIER_LOG)) && rm -f $(MAIN_READY)
+	@echo "test: $(VLLM_VENV) is built beside $(VENV) (build log: $(VLLM_LOG)); the vllm tier runs beside the main tiers; its report follows theirs"
+	@setsid bash -c '{ $(MAKE) --no-print-directory $(VLLM_ENGINE) && until [ -e $(MAIN_READY) ]; do sleep 1; done \
+		&& $(MAKE) --no-print-directory install-vllm; } > $(VLLM_LOG) 2>&1 \
 		|| { tail -n 40 $(VLLM_LOG); echo "test: building $(VLLM_VENV) failed (log: $(VLLM_LOG))"; exit 1; }; \
 		OMP_NUM_THREADS=1 $(MAKE) --no-print-directory test-vllm' > $(VLLM_TIER_LOG) 2>&1 & lane=$$!; \
 	trap 'kill -TERM -$$lane 2>/dev/null' INT TERM; \
+	$(MAKE) --no-print-directory lint || { kill -TERM -$$lane 2>/dev/null; exit 2; }; \
+	touch $(MAIN_READY); \
 	OMP_NUM_THREADS=1 bash infra/ops/with-test-services.sh \
 		$(PY) -m pytest -n 2 --dist loadscope --no-loadscope-reorder -m "unit or slow or flow or services" $(PYTEST_ARGS); \
 	tiers=$$?; \
