@@ -30,8 +30,8 @@ import datasets
 
 from infra.core.config import ComputeConfig
 from infra.core.handles import PreparedData
+from infra.core.ports import free_port
 from infra.core.stage_io import TrainInputs
-from infra.ops.prefect_api import free_port
 from tasks.launch import launch, untracked_train_job
 from tasks.machine import machine_runner
 from tasks.models import checkpoint_handle

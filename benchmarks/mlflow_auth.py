@@ -28,9 +28,9 @@ import urllib.request
 from pathlib import Path
 
 from infra.core.mlflow_compat import basic_auth_config
+from infra.core.ports import free_port
 from infra.core.processes import group_members
 from infra.ops import servers
-from infra.ops.prefect_api import free_port
 
 PROJECT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT / "tests"))

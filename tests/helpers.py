@@ -10,7 +10,6 @@ import importlib.metadata
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -102,14 +101,6 @@ def state_folder_environment(home: Path, *also: str) -> dict[str, str]:
     server on the Prefect one starts in ~4 CPU s, not the ~11 s of Prefect's 116 migrations on a new
     one (tests of a new state folder's first start use :func:`environment_without_services`)."""
     return environment_without_services(*also) | {"ALIGNFLOW_HOME": str(with_migrated_databases(home))}
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on now."""
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # closed connections may linger in TIME_WAIT
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def mlflow_client(home: Path | str | None = None):
@@ -323,6 +314,7 @@ def launch_worker(module: str, spec: dict, processes: int, folder: Path) -> list
     processes (gloo), given ``spec`` and ``output_dir`` (``folder``) as its spec file's JSON; every
     rank's results, which rank 0 writes to ``result.json`` there, after checking the world size."""
     from infra.core.config import ComputeConfig
+    from infra.core.ports import free_port
 
     folder.mkdir(parents=True)
     spec_file = folder / "spec.json"

@@ -15,13 +15,13 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 import tomllib
-from helpers import free_port
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from infra.core import mlflow_compat, prefect_compat
 from infra.core.handles import ModelHandle
+from infra.core.ports import free_port
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 MODEL = ModelHandle(path="org/model", fingerprint="f", tokenizer_fingerprint="t", stage="sft")

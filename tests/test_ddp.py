@@ -23,11 +23,12 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from helpers import dask_cluster, free_port, gone_within, processes_naming
+from helpers import dask_cluster, gone_within, processes_naming
 from safetensors.torch import load_file
 
 from infra.core.config import ComputeConfig, EvaluationConfig
 from infra.core.handles import PreparedData, ReferenceLogps
+from infra.core.ports import free_port
 from infra.core.settings import get_settings
 from infra.core.stage_io import TrainInputs
 from tasks import launched_rank

@@ -26,7 +26,6 @@ from helpers import (
     cancelled_run_state,
     dask_cluster,
     flow_run_logs,
-    free_port,
     launched_pids,
     mlflow_client,
     wait_until_gone,
@@ -43,6 +42,7 @@ from prefect.logging import disable_run_logger
 from safetensors.torch import load_file
 
 from infra.core.config import ComputeConfig, TrackingConfig, load_config
+from infra.core.ports import free_port
 from infra.core.settings import get_settings
 from infra.core.stage_io import StageFolder, TrainInputs
 from tasks.machine import LaunchFailed

@@ -15,12 +15,13 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from helpers import free_port, state_folder_environment
+from helpers import state_folder_environment
 from mlflow import MlflowClient
 from prefect.logging import disable_run_logger
 
 from infra.core.config import AdditionTaskConfig, DataConfig, ModelConfig, load_config
 from infra.core.launching import ProcessGroup
+from infra.core.ports import free_port
 from infra.core.stage_io import TrainInputs
 from infra.ops import servers
 from tasks import trainer_callback

@@ -13,8 +13,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers import ALIGNFLOW, PROJECT, free_port, mlflow_client, state_folder_environment
+from helpers import ALIGNFLOW, PROJECT, mlflow_client, state_folder_environment
 
+from infra.core.ports import free_port
 from infra.core.processes import process_record
 from infra.ops import prefect_api, servers
 from infra.ops.prefect_api import TemporaryServer, configured_prefect_api
@@ -131,7 +132,7 @@ def test_a_temporary_server_stops_when_the_process_that_started_it_is_killed(tmp
             sys.executable,
             "-c",
             "import sys, time\n"
-            "from infra.ops.prefect_api import TemporaryServer, free_port\n"
+            "from infra.core.ports import free_port\nfrom infra.ops.prefect_api import TemporaryServer\n"
             f"server = TemporaryServer(free_port(), __import__('pathlib').Path({str(tmp_path / 'server.log')!r}))\n"
             "server.launch(); server.wait_ready(120); print(server.group.pgid, flush=True); time.sleep(600)\n",
         ],

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import ALIGNFLOW, alignflow, environment_without_services, free_port
+from helpers import ALIGNFLOW, alignflow, environment_without_services
 
 from infra.core.mlflow_compat import basic_auth_config
+from infra.core.ports import free_port
 from infra.core.processes import environment
 from infra.ops import servers
 

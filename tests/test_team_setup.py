@@ -19,7 +19,7 @@ from typing import Any
 import psycopg2
 import pytest
 import yaml
-from helpers import environment_without_services, free_port
+from helpers import environment_without_services
 from mlflow import MlflowClient
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
@@ -33,6 +33,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from infra.core.config import load_config
 from infra.core.launching import group_alive
+from infra.core.ports import free_port
 from infra.core.processes import all_pids, command_line, environment, proc_stat
 from infra.ops.deployments import PREFECT_FILE, PROJECT_ROOT
 

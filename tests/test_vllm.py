@@ -23,7 +23,6 @@ from helpers import (
     alignflow,
     cancelled_run_state,
     flow_run_logs,
-    free_port,
     launch_worker,
     mlflow_client,
     processes_naming,
@@ -34,6 +33,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from infra.core.config import ComputeConfig, EvaluationConfig, load_config
 from infra.core.generation_server import managed_generation_server
+from infra.core.ports import free_port
 from tasks.train import trainer_step
 from trainers.builtin_model import TINY_LLAMA, build_char_tokenizer
 from trainers.checkpoints import is_complete

@@ -15,7 +15,6 @@ from __future__ import annotations
 import atexit
 import os
 import secrets
-import socket
 import subprocess
 import time
 from contextlib import contextmanager
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from infra.core.launching import ProcessGroup
+from infra.core.ports import free_port
 from infra.core.prefect_compat import TEMPORARY_SERVER_ENV, temporary_server_command
 from infra.core.settings import get_settings
 from infra.ops.servers import client_environment, is_healthy, server_status, servers_dir
@@ -31,12 +31,6 @@ from infra.ops.servers import client_environment, is_healthy, server_status, ser
 STARTUP_TIMEOUT_S = 90.0  # PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS, unless set
 STOP_GRACE_S = 1.0
 PORT_IN_USE_EXIT = 3  # uvicorn's exit code when its port was taken meanwhile
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @dataclass
