@@ -202,7 +202,7 @@ def run_sharding_check(options: argparse.Namespace, gpu: bool, workdir: Path) ->
     import json
     import subprocess
 
-    from infra.core.config import ComputeConfig
+    from infra.core.config import ComputeConfig, launcher_temp_folder
     from trainers.builtin_model import save_builtin_model
 
     if not gpu and options.sharding != "ddp":
@@ -225,9 +225,7 @@ def run_sharding_check(options: argparse.Namespace, gpu: bool, workdir: Path) ->
     )
     root = Path(__file__).resolve().parents[1]
     path = os.pathsep.join([str(root), str(root / "benchmarks")])
-    temporary = workdir / "tmp"  # torch's launcher leaves a log folder per launch in the temp folder
-    temporary.mkdir(exist_ok=True)
-    env = os.environ | {"PYTHONPATH": path, "TMPDIR": str(temporary)}
+    env = os.environ | {"PYTHONPATH": path, **launcher_temp_folder(workdir / "tmp")}
     for stage in ("grpo", "dpo"):
         (workdir / f"{stage}.json").write_text(json.dumps(spec | {"stage": stage}))
         command = compute.launch_command(workdir / f"{stage}.json", module="sharded_check")

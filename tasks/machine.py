@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping
 
+from infra.core.config import launcher_temp_folder
 from infra.core.gang import Gang, GangError
 from infra.core.launching import Finished, run_process_group
 from infra.core.settings import get_settings
@@ -103,9 +104,7 @@ def run_machine(
         gang = gang_of(spec, machine)
         log(f"{name}: machine {machine} joined; waiting up to {compute.join_timeout} s for the others")
     finished, reason = None, None
-    # torch's launcher keeps a log folder per launch in the temp folder and never removes it: it
-    # goes to the launch folder's, removed afterwards
-    temporary = spec.launch_dir / f"tmp-{machine}"
+    temporary = spec.launch_dir / f"tmp-{machine}"  # the launcher's temp folder (removed below)
     try:
         if gang is not None:
             try:
@@ -115,13 +114,12 @@ def run_machine(
                 raise LaunchFailed(f"{name}: {error}") from None
         command = compute.launch_command(spec.spec_file, RANK_MODULE)
         log(f"{name} on {compute.num_processes} processes: {shlex.join(command)}")
-        temporary.mkdir()
         # each line as it is printed, and no progress bars (transformers' "Loading weights"): every
         # frame of one would be a line of the task's logs
         env = os.environ | {
             "PYTHONUNBUFFERED": "1",
             "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-            "TMPDIR": str(temporary),
+            **launcher_temp_folder(temporary),
             LAUNCHED_AT: str(time.time()),
         }
         finished = run_process_group(command, log, cwd=PROJECT_ROOT, env=env, watch=gang.watch if gang else None)

@@ -313,7 +313,7 @@ def launch_worker(module: str, spec: dict, processes: int, folder: Path) -> list
     """The worker module ``module`` of tests/ under ``accelerate launch`` with ``processes`` CPU
     processes (gloo), given ``spec`` and ``output_dir`` (``folder``) as its spec file's JSON; every
     rank's results, which rank 0 writes to ``result.json`` there, after checking the world size."""
-    from infra.core.config import ComputeConfig
+    from infra.core.config import ComputeConfig, launcher_temp_folder
     from infra.core.ports import free_port
 
     folder.mkdir(parents=True)
@@ -323,15 +323,13 @@ def launch_worker(module: str, spec: dict, processes: int, folder: Path) -> list
         spec_file, module=module
     )
     path = os.pathsep.join([str(PROJECT), str(PROJECT / "tests")])
-    # torch's launcher leaves a log folder in the temp folder: this test's, not the one the launched
-    # stage tests check for leftovers while they run on the other worker
-    temporary = folder / "tmp"
-    temporary.mkdir()
+    # the launcher's temp folder is this test's, not the one the launched stage tests check for
+    # leftovers while they run on the other worker
     env = os.environ | {
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": path,
         "TOKENIZERS_PARALLELISM": "false",
-        "TMPDIR": str(temporary),
+        **launcher_temp_folder(folder / "tmp"),
     }
     done = subprocess.run(
         command, cwd=PROJECT, env=env, capture_output=True, text=True, timeout=300, start_new_session=True

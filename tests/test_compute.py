@@ -18,6 +18,7 @@ from infra.core.config import (
     ModelConfig,
     check_compute,
     compute_device,
+    launcher_temp_folder,
     load_config,
 )
 from infra.core.handles import ReferenceLogps
@@ -296,3 +297,11 @@ def test_ddp_searches_for_unused_parameters_only_in_a_mixture_of_experts():
     assert routes_to_experts(MixtralConfig()) and routes_to_experts(Qwen2MoeConfig())
     assert not routes_to_experts(LlamaConfig())
     assert not routes_to_experts(MixtralConfig(num_local_experts=1))  # one expert takes every token
+
+
+@pytest.mark.unit
+def test_a_launch_gets_a_temp_folder_of_its_own(tmp_path):
+    """torch's launcher leaves a ``torchelastic_*`` folder in the temp folder of every launch."""
+    folder = tmp_path / "launch" / "tmp-0"
+    assert launcher_temp_folder(folder) == {"TMPDIR": str(folder)}
+    assert folder.is_dir() and list(folder.iterdir()) == []

@@ -12,6 +12,7 @@ from infra.core.config.compute import (
     accelerate_config_path,
     check_compute,
     compute_device,
+    launcher_temp_folder,
 )
 from infra.core.config.errors import config_errors, did_you_mean
 from infra.core.config.loading import load_config, merge_onto, read_yaml
@@ -60,6 +61,7 @@ __all__ = [
     "accelerate_config_path",
     "check_compute",
     "compute_device",
+    "launcher_temp_folder",
     "config_errors",
     "did_you_mean",
     "load_config",

@@ -143,6 +143,14 @@ class ComputeConfig(Section):
         return command + ["-m", module, str(spec_path)]
 
 
+def launcher_temp_folder(folder: Path) -> dict[str, str]:
+    """The environment an ``accelerate launch`` gets its temp folder from, ``folder`` (created):
+    torch's launcher keeps a log folder per launch (``torchelastic_*``) in the temp folder and never
+    removes it, so each launch gets one of its own, which its caller removes with the launch's files."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return {"TMPDIR": str(folder)}
+
+
 class ComputeError(ValueError):
     """A compute setting this machine cannot run."""
 
