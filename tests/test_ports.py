@@ -3,13 +3,14 @@ outgoing connection's source port can take them meanwhile (``infra.core.ports``)
 
 from __future__ import annotations
 
+import errno
 import random
 import socket
 
 import pytest
 
 from infra.core import ports
-from infra.core.ports import LOWEST, ephemeral_range, free_port
+from infra.core.ports import LOWEST, bind_error, ephemeral_range, free_port
 
 pytestmark = pytest.mark.unit
 
@@ -38,6 +39,14 @@ def test_a_port_below_the_ephemeral_range_that_a_server_can_bind(linux_default_r
     port = free_port(source=linux_default_range)
     assert LOWEST <= port < 32768
     listening_on(port).close()
+
+
+def test_a_port_something_listens_on_cannot_be_bound_until_it_closes(linux_default_range):
+    server = listening_on(free_port(source=linux_default_range))
+    host, port = server.getsockname()
+    assert bind_error(host, port).errno == errno.EADDRINUSE
+    server.close()
+    assert bind_error(host, port) is None
 
 
 def test_a_port_something_listens_on_is_skipped(linux_default_range, monkeypatch):

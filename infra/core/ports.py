@@ -28,14 +28,17 @@ def ephemeral_range(source: Path = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
         return 32768, 60999
 
 
-def bindable(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no conflict
+def bind_error(host: str, port: int) -> OSError | None:
+    """Why ``port`` of ``host`` cannot be bound now (another process listens there), or None. Bound
+    as servers bind: a connection lingering in TIME_WAIT there is no conflict."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
-        except OSError:
-            return False
-    return True
+        except OSError as error:
+            return error
+    return None
 
 
 def free_port(host: str = "127.0.0.1", source: Path = EPHEMERAL_RANGE_FILE) -> int:
@@ -45,7 +48,7 @@ def free_port(host: str = "127.0.0.1", source: Path = EPHEMERAL_RANGE_FILE) -> i
     low, _ = ephemeral_range(source)
     for _ in range(ATTEMPTS if low > LOWEST else 0):
         port = LOWEST + secrets.randbelow(low - LOWEST)
-        if bindable(port, host):
+        if bind_error(host, port) is None:
             return port
     with socket.socket() as probe:
         probe.bind((host, 0))

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ValidationError
 
 from infra.core.launching import ProcessGroup
 from infra.core.mlflow_compat import basic_auth_config, default_allowed_hosts
+from infra.core.ports import bind_error
 from infra.core.processes import ProcessRecord, is_alive, listening_pids, pid_alive, process_record
 from infra.core.settings import Settings
 
@@ -307,14 +308,8 @@ def read_pid(folder: Path) -> int | None:
 def port_in_use(url: str) -> str | None:
     """Why the host and port of ``url`` cannot be bound (another process listens there), or None."""
     parsed = urllib.parse.urlsplit(url)
-    family = socket.AF_INET6 if ":" in (parsed.hostname or "") else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is no conflict
-        try:
-            probe.bind((parsed.hostname, parsed.port))
-        except OSError as error:
-            return f"port {parsed.port} on {parsed.hostname} is not free ({error.strerror})"
-    return None
+    error = bind_error(parsed.hostname, parsed.port)
+    return None if error is None else f"port {parsed.port} on {parsed.hostname} is not free ({error.strerror})"
 
 
 def answered_by_group(health_url: str, pgid: int) -> bool:
