@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from infra.core.config import load_config
 from infra.core.launching import group_alive
+from infra.core.ports import bind_error
 from infra.core.settings import get_settings
 from infra.core.stage_io import StageFolder
 from infra.core.sweep import SweepConfig, read_sweep_tree
@@ -181,9 +181,7 @@ def test_a_sweep_on_an_external_scheduler_where_one_trial_fails_alone(
         assert main(["sweep", "configs/sweep.yaml", *TINY, *overrides, space]) == 1  # a trial failed
     assert [process.poll() is not None for process in processes] == [True] * 3  # nothing left running
     assert not any(group_alive(process.pid) for process in processes)  # nor the workers' own processes
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # closed connections may linger in TIME_WAIT
-        probe.bind(("127.0.0.1", int(address.rsplit(":", 1)[1])))  # the scheduler's port is free again
+    assert bind_error("127.0.0.1", int(address.rsplit(":", 1)[1])) is None  # the scheduler's port is free again
     (error_line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("alignflow: trial")]
     assert error_line.endswith(f"(failed): DataValidationError: {bad}: row 1: field 'chosen' is missing")
     client = mlflow_client()
