@@ -21,7 +21,7 @@ from infra.core.config import ComputeConfig, EvaluationConfig, compute_device
 from infra.core.fingerprints import atomic_directory, code_fingerprint, hash_value
 from infra.core.handles import ModelHandle, PreparedData, ReferenceLogps
 from infra.core.settings import get_settings
-from infra.core.stage_io import EvaluateJob, StageFolder
+from infra.core.stage_io import EvaluatedModel, EvaluateJob, StageFolder
 from tasks.launch import launch
 from tasks.mlflow_runs import client, log_metrics
 from tasks.reference import with_reference_columns
@@ -90,9 +90,10 @@ def format_cell(metrics: dict[str, float], name: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Scoring:
-    """What each model of one evaluation is scored on and with: the held-out prompts and the pairs
-    (with their reference log-probs; None where the model is the reference), the evaluation settings,
-    the implicit reward's β, where it runs, and the reward model that scores the samples."""
+    """What the models of one evaluation are scored on and with: the held-out prompts and the pairs
+    (with their reference log-probs), the evaluation settings, the implicit reward's β, where it runs,
+    the reward model that scores the samples, and the reference (its fingerprint), which is scored
+    without the pairs: its implicit reward is 0 by definition."""
 
     prompts: list[dict]
     pairs: list[dict] | None
@@ -100,42 +101,46 @@ class Scoring:
     beta: float | None
     compute: ComputeConfig
     reward_model: ModelHandle | None = None
+    reference: str | None = None
 
-    def without_pairs(self) -> Scoring:
-        return dataclasses.replace(self, pairs=None)
+    def pairs_of(self, handle: ModelHandle) -> list[dict] | None:
+        return None if handle.fingerprint == self.reference else self.pairs
 
 
 def score_model(handle: ModelHandle, scoring: Scoring, engines: ReusedEngine | None = None) -> ModelScores:
-    """Every metric of one model (``trainers.evaluation.evaluate_model``), loaded in ``compute.dtype``
-    on this machine's GPU where there is one (unless ``compute.cpu``), or launched over
-    ``compute.num_processes`` with the same result; the reward model scores its samples, ``engines``
-    (:func:`shared_engine`) generates them with vLLM."""
-    compute, reward_model = scoring.compute, scoring.reward_model
-    if compute.num_processes > 1:
-        return launched_scores(handle, scoring)
+    """Every metric of one model (:func:`score_models`)."""
+    (scores,) = score_models([handle], scoring, engines)
+    return scores
+
+
+def score_models(
+    handles: list[ModelHandle], scoring: Scoring, engines: ReusedEngine | None = None
+) -> Iterator[ModelScores]:
+    """Every metric of each model in turn, as each is scored (``trainers.evaluation.evaluate_model``),
+    loaded in ``compute.dtype`` on this machine's GPU where there is one (unless ``compute.cpu``),
+    the reward model scoring their samples and ``engines`` (:func:`shared_engine`) generating them
+    with vLLM; or, over ``compute.num_processes``, launched (:func:`launched_scores`) with the same result."""
+    if scoring.compute.num_processes > 1:
+        yield from launched_scores(handles, scoring)
+        return
     from trainers.evaluation import evaluate_model, evaluation_scorer
     from trainers.modeling import load_causal_lm
 
-    device = compute_device(compute.cpu)
-    model, tokenizer = load_causal_lm(handle.path, handle.revision, compute.dtype, device)
-    scorer = None
-    if reward_model is not None:
-        scorer = evaluation_scorer(reward_model.path, reward_model.revision, compute.dtype, model.device, tokenizer)
-    return evaluate_model(
-        model,
-        tokenizer,
-        scoring.prompts,
-        scoring.pairs,
-        scoring.config.spec(),
-        scoring.beta,
-        reward_model=scorer,
-        engines=engines,
-    )
+    compute, reward_model, device = scoring.compute, scoring.reward_model, compute_device(scoring.compute.cpu)
+    for handle in handles:
+        model, tokenizer = load_causal_lm(handle.path, handle.revision, compute.dtype, device)
+        scorer = None
+        if reward_model is not None:
+            scorer = evaluation_scorer(reward_model.path, reward_model.revision, compute.dtype, model.device, tokenizer)
+        spec = scoring.config.spec()
+        pairs = scoring.pairs_of(handle)
+        yield evaluate_model(model, tokenizer, scoring.prompts, pairs, spec, scoring.beta, None, scorer, engines)
 
 
-def launched_scores(handle: ModelHandle, scoring: Scoring) -> ModelScores:
-    """:func:`score_model` by an :class:`EvaluateJob`: the rows go to its launch folder (on the state
-    folder's storage, which every machine reads), each process scores its share of the batches."""
+def launched_scores(handles: list[ModelHandle], scoring: Scoring) -> list[ModelScores]:
+    """:func:`score_models` by :class:`EvaluateJob` launches (:meth:`EvaluateJob.batches`): the rows go to a
+    launch folder (on the state folder's storage, which every machine reads), each process scores its
+    share of each model's batches."""
     launches = get_settings().launches
     launches.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix="evaluate-", dir=launches))  # evaluations may run side by side
@@ -144,18 +149,23 @@ def launched_scores(handle: ModelHandle, scoring: Scoring) -> ModelScores:
         datasets.DatasetDict({name: datasets.Dataset.from_list(r) for name, r in rows.items() if r}).save_to_disk(
             folder / "rows"
         )
-        job = EvaluateJob(
-            plugins=(),
-            launch_dir=folder / "launch",
-            model=handle.path,
-            revision=handle.revision,
-            splits=folder / "rows",
-            compute=scoring.compute,
-            evaluation=scoring.config,
-            beta=scoring.beta,
-            reward_model=scoring.reward_model,
-        )
-        return launch(job, f"evaluation of {handle.stage}").scores
+        scores = []
+        for group in EvaluateJob.batches(handles, scoring.config):
+            job = EvaluateJob(
+                plugins=(),
+                launch_dir=folder / "launch",
+                models=[
+                    EvaluatedModel(model=h.path, revision=h.revision, pairs=scoring.pairs_of(h) is not None)
+                    for h in group
+                ],
+                splits=folder / "rows",
+                compute=scoring.compute,
+                evaluation=scoring.config,
+                beta=scoring.beta,
+                reward_model=scoring.reward_model,
+            )
+            scores += launch(job, f"evaluation of {', '.join(h.stage for h in group)}").scores
+        return scores
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -190,24 +200,36 @@ def scores_key(
     )
 
 
-def cached_score_model(
-    handle: ModelHandle, scoring: Scoring, key: str, engines: ReusedEngine | None = None
-) -> ModelScores:
-    """:func:`score_model`, computed once per content key under the evaluation cache (a model
-    evaluated again, e.g. the champion or an unchanged stage, is neither loaded nor run)."""
+def cached_scores(
+    handles: list[ModelHandle], scoring: Scoring, keys: list[str], engines: ReusedEngine | None = None
+) -> list[ModelScores]:
+    """:func:`score_models`, each model's scores computed once per content key (``keys``, in the
+    models' order) under the evaluation cache: a model evaluated again, e.g. the champion or an
+    unchanged stage, is neither loaded nor run; the others are scored together, each entry written
+    as its model's scores arrive."""
+    found = {key: cached_entry(key) for key in keys}
+    missing = {key: handle for handle, key in zip(handles, keys) if found[key] is None}  # a key once
+    if missing:
+        for key, scores in zip(missing, score_models(list(missing.values()), scoring, engines)):
+            with atomic_directory(get_settings().eval_cache / key) as staging:
+                content = dataclasses.asdict(scores)
+                (staging / SCORES_FILE).write_text(json.dumps({"sha256": hash_value(content), "scores": content}))
+            found[key] = scores
+    return [found[key] for key in keys]
+
+
+def cached_entry(key: str) -> ModelScores | None:
+    """The evaluation cache's scores under ``key``; None where there are none, or none to trust (an
+    unreadable entry is removed, to be scored again)."""
     folder = get_settings().eval_cache / key
     try:
         return read_scores(folder / SCORES_FILE)
     except FileNotFoundError:
-        pass
+        return None
     except (OSError, ValueError, KeyError, TypeError) as problem:
         get_run_logger().warning("evaluation cache entry %s is unreadable (%s): scoring again", folder, problem)
         shutil.rmtree(folder, ignore_errors=True)
-    scores = score_model(handle, scoring, engines)
-    with atomic_directory(folder) as staging:
-        content = dataclasses.asdict(scores)
-        (staging / SCORES_FILE).write_text(json.dumps({"sha256": hash_value(content), "scores": content}))
-    return scores
+        return None
 
 
 def read_scores(path: Path) -> ModelScores:
@@ -265,16 +287,22 @@ def evaluate(
     run_id = stage_run_id(
         parent_run_id, "evaluate", StageFolder.of(config_name, "evaluate", str(flow_run.get_id() or "local"))
     )
-    scoring = Scoring(prompts, pairs, config, beta, compute, reward_model)
+    scoring = Scoring(prompts, pairs, config, beta, compute, reward_model, reference_fingerprint)
+    keys = [
+        scores_key(
+            model,
+            data,
+            held_out_rewards.reference_logps if scoring.pairs_of(model) else None,
+            config,
+            beta,
+            load_dtype(model.path, model.revision, compute.dtype),
+            reward_model,
+        )
+        for model in models.values()
+    ]
     rows, per_prompt = {}, {}
     with tracked_run(run_id), shared_engine(config) as engines:
-        for label, model in models.items():
-            # the reference's implicit reward is 0 by definition: no reward metrics for it
-            model_scoring = scoring.without_pairs() if model.fingerprint == reference_fingerprint else scoring
-            pairs_from = held_out_rewards.reference_logps if model_scoring.pairs else None
-            dtype = load_dtype(model.path, model.revision, compute.dtype)
-            key = scores_key(model, data, pairs_from, config, beta, dtype, reward_model)
-            scores = cached_score_model(model, model_scoring, key, engines)
+        for label, scores in zip(models, cached_scores(list(models.values()), scoring, keys, engines)):
             rows[label], per_prompt[label] = scores.metrics, scores.per_prompt
             log_metrics(run_id, {f"{label}/{name}": value for name, value in rows[label].items()})
             log_metrics(parent_run_id, {f"eval/{label}/{name}": value for name, value in rows[label].items()})

@@ -19,6 +19,7 @@ from typing import Callable
 
 from pydantic import BaseModel
 
+from infra.core.config import ComputeConfig
 from infra.core.launching import stop_with_parent
 from infra.core.stage_io import LAUNCHED_AT, EvaluateJob, LaunchSpec, ReferenceJob, TrainJob, read_spec
 from trainers.launch import check_world_size, rank, run_as_launched_process
@@ -56,15 +57,14 @@ def train(spec: TrainJob) -> BaseModel:
     return spec.result(world_size=trainer.accelerator.num_processes, log_history=trainer.state.log_history)
 
 
-def loaded_model(spec: ReferenceJob | EvaluateJob):
-    """The spec's model on this process's device, in the spec's dtype, and the launch's state."""
+def loaded_model(path: str, revision: str | None, compute: ComputeConfig):
+    """A model on this process's device, in ``compute``'s dtype, and the launch's state."""
     from accelerate import PartialState
 
     from trainers.modeling import load_causal_lm
 
-    state = PartialState(cpu=spec.compute.cpu)
-    model, tokenizer = load_causal_lm(spec.model, spec.revision, spec.compute.dtype, state.device)
-    report_start("model loaded (spec, process group, model)")
+    state = PartialState(cpu=compute.cpu)
+    model, tokenizer = load_causal_lm(path, revision, compute.dtype, state.device)
     return model, tokenizer, state
 
 
@@ -74,7 +74,8 @@ def reference(spec: ReferenceJob) -> BaseModel:
     from trainers.reference import score_view
     from trainers.reference_views import REFERENCE_VIEWS
 
-    model, tokenizer, state = loaded_model(spec)
+    model, tokenizer, state = loaded_model(spec.model, spec.revision, spec.compute)
+    report_start("model loaded (spec, process group, model)")
     prepared = datasets.load_from_disk(str(spec.splits))
     view = REFERENCE_VIEWS.lookup(spec.view)
     columns = score_view(model, tokenizer.pad_token_id, view, prepared, spec.batch_size, progress=False, state=state)
@@ -82,18 +83,26 @@ def reference(spec: ReferenceJob) -> BaseModel:
 
 
 def evaluate(spec: EvaluateJob) -> BaseModel:
+    """Each model of the spec in turn, the next loaded once the one before is scored."""
     import datasets
 
     from trainers.evaluation import evaluate_model, evaluation_scorer
 
-    model, tokenizer, state = loaded_model(spec)
     splits = datasets.load_from_disk(str(spec.splits))
     prompts, pairs = (splits[name].to_list() if name in splits else [] for name in (spec.PROMPTS, spec.PAIRS))
-    scorer = None
-    if spec.reward_model is not None:
-        rm = spec.reward_model
-        scorer = evaluation_scorer(rm.path, rm.revision, spec.compute.dtype, state.device, tokenizer)
-    scores = evaluate_model(model, tokenizer, prompts, pairs, spec.evaluation.spec(), spec.beta, state, scorer)
+    rm, scores = spec.reward_model, []
+    for scored in spec.models:
+        model, tokenizer, state = loaded_model(scored.model, scored.revision, spec.compute)
+        if not scores:
+            report_start("model loaded (spec, process group, model)")
+        scorer = None
+        if rm is not None:
+            scorer = evaluation_scorer(rm.path, rm.revision, spec.compute.dtype, state.device, tokenizer)
+        with_pairs = pairs if scored.pairs else None
+        scores.append(
+            evaluate_model(model, tokenizer, prompts, with_pairs, spec.evaluation.spec(), spec.beta, state, scorer)
+        )
+        del model, scorer  # before the next model is loaded
     return spec.result(world_size=state.num_processes, scores=scores)
 
 

@@ -202,19 +202,19 @@ def test_an_evaluation_cache_entry_changed_since_it_was_written_is_scored_again(
 
     scored = []
 
-    def score_model(*args):
-        scored.append(args)
-        return evaluate.ModelScores({"accuracy": 0.25}, {"prompt": ["1+1="]}, {"correct": [0.25]})
+    def score_models(handles, *args):
+        scored.extend(handles)
+        return (evaluate.ModelScores({"accuracy": 0.25}, {"prompt": ["1+1="]}, {"correct": [0.25]}) for _ in handles)
 
-    monkeypatch.setattr(evaluate, "score_model", score_model)
+    monkeypatch.setattr(evaluate, "score_models", score_models)
     key = f"integrity-{uuid.uuid4().hex}"
     scoring = evaluate.Scoring([], None, EvaluationConfig(), None, ComputeConfig())
     with disable_run_logger():
-        first = evaluate.cached_score_model(MODEL, scoring, key)
-        assert evaluate.cached_score_model(MODEL, scoring, key) == first and len(scored) == 1
+        (first,) = evaluate.cached_scores([MODEL], scoring, [key])
+        assert evaluate.cached_scores([MODEL], scoring, [key]) == [first] and len(scored) == 1
         entry = get_settings().eval_cache / key / evaluate.SCORES_FILE
         entry.write_text(entry.read_text().replace("0.25}", "0.95}", 1))  # the accuracy, edited
         with pytest.raises(ValueError, match="scores.json does not match its sha256: changed since it was written"):
             evaluate.read_scores(entry)
-        assert evaluate.cached_score_model(MODEL, scoring, key) == first and len(scored) == 2
+        assert evaluate.cached_scores([MODEL], scoring, [key]) == [first] and len(scored) == 2
     assert evaluate.read_scores(entry) == first

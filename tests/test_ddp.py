@@ -9,6 +9,7 @@ of both, and a KL term to a live reference. Each rank runs one torch thread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -543,23 +544,31 @@ def test_the_reference_task_over_two_processes_writes_the_cache_entry_one_proces
 
 
 @pytest.mark.slow
-def test_the_evaluation_task_over_two_processes_scores_what_one_process_scores(workdir, launch_log):
-    from tasks.evaluate import Scoring, score_model
+def test_the_evaluation_task_over_two_processes_scores_what_one_process_scores(workdir, teacher_checkpoint, launch_log):
+    """Two models in one launch, the reference (the policy) without the pairs: each model's scores
+    are one process's."""
+    from tasks.evaluate import Scoring, score_models
 
     spec, _ = workdir
     splits = datasets.load_from_disk(str(spec["splits"]))
     prompts, pairs = splits["grpo_prompts"].to_list(), splits["preference"].to_list()  # 8 prompts, 16 pairs
     # 3 prompt batches (2 + 1 over the processes), 6 pair batches; seeded sampling in every batch
     evaluation = EvaluationConfig(max_new_tokens=3, num_samples=2, pass_k=[1, 2], batch_size=3, seed=5)
+    models = [spec["policy"], teacher_checkpoint]
+    scoring = Scoring(prompts, pairs, evaluation, 0.1, ComputeConfig(cpu=True), reference=spec["policy"].fingerprint)
     with one_torch_thread():
-        one = score_model(spec["policy"], Scoring(prompts, pairs, evaluation, 0.1, ComputeConfig(cpu=True)))
-    two = score_model(spec["policy"], Scoring(prompts, pairs, evaluation, 0.1, cpu(2)))
-    assert "evaluation of init on 2 processes: " in launch_log.text
+        one = list(score_models(models, scoring))
+    two = list(score_models(models, dataclasses.replace(scoring, compute=cpu(2))))
+    assert launch_log.text.count("evaluation of init, teacher on 2 processes: ") == 1  # one launch
+    assert "evaluation of init on" not in launch_log.text
     assert two == one
-    assert {"greedy_accuracy", "sampled_accuracy", "pass_at_2", "rewards/accuracies"} <= one.metrics.keys()
-    assert len(one.per_prompt["sampled_accuracy"]) == 8 and len(one.samples["completion"]) == 8
+    reference, teacher = one
+    assert {"greedy_accuracy", "sampled_accuracy", "pass_at_2", "rewards/accuracies"} <= teacher.metrics.keys()
+    assert "rewards/accuracies" not in reference.metrics and "pass_at_2" in reference.metrics
+    assert reference.samples["completion"] != teacher.samples["completion"]  # other weights, other samples
+    assert len(teacher.per_prompt["sampled_accuracy"]) == 8 and len(teacher.samples["completion"]) == 8
     # the samples differ between batches: each batch has its own seed, not one stream cut in shards
-    assert len(set(one.samples["completion"])) > 1
+    assert len(set(reference.samples["completion"])) > 1
     assert list(get_settings().launches.glob("evaluate-*")) == []
 
 

@@ -133,11 +133,11 @@ def test_second_run_hits_the_caches_and_never_runs_the_reference(first_run, monk
     import trainers.reference
 
     calls, preparations, scored = [], [], []
-    score_model = tasks.evaluate.score_model
+    score_models = tasks.evaluate.score_models
     monkeypatch.setattr(trainers.reference, "reference_logps", lambda *a, **k: calls.append(1) or ([], []))
     monkeypatch.setattr(tasks.data, "prepare_split", lambda *a, **k: preparations.append(1))
-    record = lambda handle, *rest: scored.append(handle.stage) or score_model(handle, *rest)
-    monkeypatch.setattr(tasks.evaluate, "score_model", record)
+    record = lambda handles, *rest: scored.extend(h.stage for h in handles) or score_models(handles, *rest)
+    monkeypatch.setattr(tasks.evaluate, "score_models", record)
     flow_run_id, report = run_flow(load_config(MINIMAL, UNIQUE))
     states = task_states(flow_run_id)
     assert states["train-sft"] == "Cached"

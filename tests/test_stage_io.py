@@ -16,7 +16,7 @@ from infra.core.config import ComputeConfig, EvaluationConfig
 from infra.core.fingerprints import atomic_directory
 from infra.core.handles import ModelHandle, PreparedData
 from infra.core.launching import Finished
-from infra.core.stage_io import EvaluateJob, StageFolder, TrainInputs, TrainJob, read_spec
+from infra.core.stage_io import EvaluatedModel, EvaluateJob, StageFolder, TrainInputs, TrainJob, read_spec
 from tasks.launch import REPEATING_ERRORS
 from tasks.machine import LaunchFailed, failure
 from tasks.metric_sender import MetricsNotDelivered
@@ -74,14 +74,29 @@ def test_a_spec_missing_a_field_or_with_an_unknown_one_is_refused(tmp_path):
 
 
 def test_an_evaluate_job_needs_its_beta_and_its_result_keeps_a_nan_metric(tmp_path):
-    fields = dict(plugins=(), launch_dir=tmp_path, model="m", revision=None, splits=tmp_path, compute=ComputeConfig())
+    models = [EvaluatedModel(model="m", revision=None, pairs=True)]
+    fields = dict(plugins=(), launch_dir=tmp_path, models=models, splits=tmp_path, compute=ComputeConfig())
     with pytest.raises(ValidationError, match=r"beta\n  Field required"):
         EvaluateJob(**fields, evaluation=EvaluationConfig())
     job = EvaluateJob(**fields, evaluation=EvaluationConfig(), beta=None)
     assert job.world_size == 1
-    result = job.result(world_size=1, scores=ModelScores({"rewards/margins": math.nan, "greedy_accuracy": 0.5}, {}, {}))
-    read = job.result.model_validate_json(result.model_dump_json()).scores
-    assert math.isnan(read.metrics["rewards/margins"]) and read.metrics["greedy_accuracy"] == 0.5
+    scores = [ModelScores({"rewards/margins": math.nan, "greedy_accuracy": 0.5}, {}, {}), ModelScores({}, {}, {})]
+    read = job.result.model_validate_json(job.result(world_size=1, scores=scores).model_dump_json()).scores
+    assert math.isnan(read[0].metrics["rewards/margins"]) and read[0].metrics["greedy_accuracy"] == 0.5
+    assert read[1] == scores[1]
+
+
+def test_an_evaluate_job_launches_its_models_together_but_one_at_a_time_on_vllm(tmp_path):
+    hf, vllm = EvaluationConfig(), EvaluationConfig(generation_backend="vllm")
+    assert EvaluateJob.batches(["base", "sft", "dpo"], hf) == [["base", "sft", "dpo"]]
+    assert EvaluateJob.batches(["base", "sft", "dpo"], vllm) == [["base"], ["sft"], ["dpo"]]
+    models = [EvaluatedModel(model=name, revision=None, pairs=False) for name in ("base", "sft")]
+    fields = dict(plugins=(), launch_dir=tmp_path, models=models, splits=tmp_path, compute=ComputeConfig(), beta=None)
+    assert [m.model for m in EvaluateJob(**fields, evaluation=hf).models] == ["base", "sft"]
+    with pytest.raises(ValidationError, match=r"2 models in one launch on vLLM: one per launch"):
+        EvaluateJob(**fields, evaluation=vllm)
+    with pytest.raises(ValidationError, match=r"models\n  List should have at least 1 item"):
+        EvaluateJob(**(fields | {"models": []}), evaluation=hf)
 
 
 def test_the_stage_folder_layout(tmp_path, monkeypatch):

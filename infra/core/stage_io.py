@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Iterator, Literal, Union
+from typing import Annotated, Any, ClassVar, Iterator, Literal, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, TypeAdapter, model_validator
 
@@ -24,6 +24,8 @@ from trainers.metrics import ModelScores
 from trainers.plugins import import_plugins
 from trainers.sections import TrainingConfig
 from trainers.stages import STAGES, StageName
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -185,14 +187,19 @@ class TrainJob(LaunchedJob):
         return data
 
 
-class ModelJob(LaunchedJob):
-    """A job over one model (a folder or hub id at ``revision``) and prepared rows (a ``save_to_disk``
-    folder of splits), loaded in ``compute.dtype`` on each process's device."""
+class RowsJob(LaunchedJob):
+    """A job over prepared rows (a ``save_to_disk`` folder of splits) whose models are loaded in
+    ``compute.dtype`` on each process's device."""
+
+    splits: Path
+    compute: ComputeConfig
+
+
+class ModelJob(RowsJob):
+    """A job over one model: a folder or hub id at ``revision``."""
 
     model: str
     revision: str | None
-    splits: Path
-    compute: ComputeConfig
 
 
 class ReferenceResult(BaseModel):
@@ -218,15 +225,28 @@ class EvaluateResult(BaseModel):
     model_config = ConfigDict(ser_json_inf_nan="constants")  # a NaN metric comes back as NaN, not null
 
     world_size: int
-    scores: ModelScores
+    scores: list[ModelScores]  # one per model of the job, in its order
 
 
-class EvaluateJob(ModelJob):
-    """One model's evaluation (``trainers.evaluation.evaluate_model``) of the :attr:`PROMPTS` and
-    :attr:`PAIRS` splits of ``splits`` (either may be absent), sharded over the processes
-    (``tasks.evaluate`` when ``compute.num_processes > 1``)."""
+class EvaluatedModel(BaseModel):
+    """One model of an :class:`EvaluateJob`: a folder or hub id at ``revision``; ``pairs``: scored on
+    the held-out pairs too (not the reference itself, whose implicit reward is 0 by definition)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str
+    revision: str | None
+    pairs: bool
+
+
+class EvaluateJob(RowsJob):
+    """The evaluation (``trainers.evaluation.evaluate_model``) of each of ``models`` in turn, in one
+    launch, on the :attr:`PROMPTS` and :attr:`PAIRS` splits of ``splits`` (either may be absent),
+    sharded over the processes (``tasks.evaluate`` when ``compute.num_processes > 1``); with vLLM
+    one model (:meth:`batches`)."""
 
     job: Literal["evaluate"] = "evaluate"
+    models: list[EvaluatedModel] = Field(min_length=1)
     evaluation: EvaluationConfig
     beta: float | None
     reward_model: ModelHandle | None = None  # scores the samples (``evaluation.reward_model``, resolved)
@@ -235,6 +255,19 @@ class EvaluateJob(ModelJob):
     PAIRS: ClassVar[str] = "pairs"  # held-out pairs with their reference log-probs
 
     result: ClassVar[type[BaseModel]] = EvaluateResult
+
+    @staticmethod
+    def batches(models: list[T], evaluation: EvaluationConfig) -> list[list[T]]:
+        """The models of each launch: all in one, but one each with vLLM, because a launch of several
+        processes keeps each engine it built until it ends (``trainers.vllm_engine.ColocatedEngine.close``):
+        a model of another shape would need a second engine beside the first."""
+        return [[model] for model in models] if evaluation.generation_backend == "vllm" else [models]
+
+    @model_validator(mode="after")
+    def _batched(self) -> EvaluateJob:
+        if len(self.batches(self.models, self.evaluation)) > 1:
+            raise ValueError(f"{len(self.models)} models in one launch on vLLM: one per launch (EvaluateJob.batches)")
+        return self
 
 
 LaunchSpec = Annotated[Union[TrainJob, ReferenceJob, EvaluateJob], Field(discriminator="job")]
