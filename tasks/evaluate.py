@@ -137,10 +137,10 @@ def score_models(
         yield evaluate_model(model, tokenizer, scoring.prompts, pairs, spec, scoring.beta, None, scorer, engines)
 
 
-def launched_scores(handles: list[ModelHandle], scoring: Scoring) -> list[ModelScores]:
-    """:func:`score_models` by :class:`EvaluateJob` launches (:meth:`EvaluateJob.batches`): the rows go to a
-    launch folder (on the state folder's storage, which every machine reads), each process scores its
-    share of each model's batches."""
+def launched_scores(handles: list[ModelHandle], scoring: Scoring) -> Iterator[ModelScores]:
+    """:func:`score_models` by :class:`EvaluateJob` launches (:meth:`EvaluateJob.batches`), each
+    launch's scores as it ends: the rows go to a launch folder (on the state folder's storage, which
+    every machine reads), each process scores its share of each model's batches."""
     launches = get_settings().launches
     launches.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix="evaluate-", dir=launches))  # evaluations may run side by side
@@ -149,7 +149,6 @@ def launched_scores(handles: list[ModelHandle], scoring: Scoring) -> list[ModelS
         datasets.DatasetDict({name: datasets.Dataset.from_list(r) for name, r in rows.items() if r}).save_to_disk(
             folder / "rows"
         )
-        scores = []
         for group in EvaluateJob.batches(handles, scoring.config):
             job = EvaluateJob(
                 plugins=(),
@@ -164,8 +163,7 @@ def launched_scores(handles: list[ModelHandle], scoring: Scoring) -> list[ModelS
                 beta=scoring.beta,
                 reward_model=scoring.reward_model,
             )
-            scores += launch(job, f"evaluation of {', '.join(h.stage for h in group)}").scores
-        return scores
+            yield from launch(job, f"evaluation of {', '.join(h.stage for h in group)}").scores
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -210,7 +208,7 @@ def cached_scores(
     found = {key: cached_entry(key) for key in keys}
     missing = {key: handle for handle, key in zip(handles, keys) if found[key] is None}  # a key once
     if missing:
-        for key, scores in zip(missing, score_models(list(missing.values()), scoring, engines)):
+        for key, scores in zip(missing, score_models(list(missing.values()), scoring, engines), strict=True):
             with atomic_directory(get_settings().eval_cache / key) as staging:
                 content = dataclasses.asdict(scores)
                 (staging / SCORES_FILE).write_text(json.dumps({"sha256": hash_value(content), "scores": content}))

@@ -194,6 +194,33 @@ def test_a_copied_state_folder_uses_its_own_models(prefect_api_url, tmp_path):
 
 
 @pytest.mark.unit
+def test_the_models_the_evaluation_cache_lacks_are_scored_together_once_per_key(state_dir, monkeypatch):
+    """One call of score_models for the models without an entry (one launch over several processes),
+    a key shared by two labels scored once; the scores come back in the models' order."""
+    from prefect.logging import disable_run_logger
+
+    from tasks import evaluate
+
+    calls = []
+
+    def score_models(handles, *args):
+        calls.append([h.stage for h in handles])
+        return (evaluate.ModelScores({"accuracy": len(h.stage) / 10}, {}, {}) for h in handles)
+
+    monkeypatch.setattr(evaluate, "score_models", score_models)
+    scoring = evaluate.Scoring([], None, EvaluationConfig(), None, ComputeConfig())
+    base, sft, dpo = (MODEL.model_copy(update={"stage": stage}) for stage in ("base", "sft", "dpo"))
+    keys = {stage: f"together-{stage}-{uuid.uuid4().hex}" for stage in ("base", "sft", "dpo")}
+    with disable_run_logger():
+        evaluate.cached_scores([sft], scoring, [keys["sft"]])
+        scores = evaluate.cached_scores(
+            [base, sft, dpo, base], scoring, [keys["base"], keys["sft"], keys["dpo"], keys["base"]]
+        )
+    assert calls == [["sft"], ["base", "dpo"]]
+    assert [s.metrics["accuracy"] for s in scores] == [0.4, 0.3, 0.3, 0.4]
+
+
+@pytest.mark.unit
 def test_an_evaluation_cache_entry_changed_since_it_was_written_is_scored_again(state_dir, monkeypatch):
     """The cache's scores feed every model's row and the promotion gate: one edited on disk is not trusted."""
     from prefect.logging import disable_run_logger
