@@ -72,6 +72,28 @@ def test_the_replicated_gathers_are_no_ops_and_the_reference_is_prepared_whole_a
     assert {p.device for p in reference.parameters()} == {accelerator.device}
 
 
+@pytest.mark.unit
+def test_a_model_samples_in_eval_mode_and_trains_again_after_even_when_sampling_fails():
+    import torch
+    from accelerate import Accelerator
+
+    from trainers.sharded_params import sampling_model
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5)).train()
+    accelerator = Accelerator()
+    replicated = sharding_of(accelerator.state)
+    with sampling_model(model, accelerator, replicated) as sampler:
+        assert sampler is model and [m.training for m in model.modules()] == [False] * 3
+    assert [m.training for m in model.modules()] == [True] * 3
+    with pytest.raises(RuntimeError, match="generation failed"), sampling_model(model, accelerator, replicated):
+        raise RuntimeError("generation failed")
+    assert model.training
+    model.eval()  # a model that was not training stays so
+    with sampling_model(model, accelerator, replicated):
+        pass
+    assert not model.training
+
+
 def run_worker(sharding: str, processes: int, folder: Path, model: str) -> list[dict]:
     """tests/fsdp_cpu.py over ``processes`` CPU processes; every rank's results."""
     return launch_worker("fsdp_cpu", {"model": model, "sharding": sharding}, processes, folder)

@@ -27,7 +27,7 @@ from trainers.distill_section import DistillStageConfig
 from trainers.metric_window import MetricWindow
 from trainers.sampling import sampled_generation_config, sampling_processors
 from trainers.sections import section_fields
-from trainers.sharded_params import forward_model, prepare_reference, sharding_of
+from trainers.sharded_params import prepare_reference, sampling_model, sharding_of
 from trainers.stopping import cut_at_first_stop, stop_token_ids
 
 
@@ -133,12 +133,8 @@ class DistillTrainer(MetricWindow, Trainer):
     def sampled_batch(self, model, inputs: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
         """The batch's prompts with completions the student samples under ``seed`` (this process's
         rows get a seed of their own) instead of the data's."""
-        with forward_model(model, self.accelerator, self.sharding) as student:
-            was_training = student.training
-            student.eval()
-            batch = self.completed_batch(student, inputs, seed, synced_gpus=self.sharding.lockstep)
-            student.train(was_training)
-        return batch
+        with sampling_model(model, self.accelerator, self.sharding) as student:
+            return self.completed_batch(student, inputs, seed, synced_gpus=self.sharding.lockstep)
 
     @torch.no_grad()
     def teacher_batch(self, inputs: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ from trainers.collators import pad_left
 from trainers.grpo_section import GenerationBackendName
 from trainers.lora import has_adapters
 from trainers.sampling import sampled_generation_config, sampling_processors
-from trainers.sharded_params import forward_model
+from trainers.sharded_params import sampling_model
 from trainers.vllm_engine import ColocatedEngine, SamplingOptions, SyncedEngine, require_vllm, serving_weights
 from trainers.vllm_server import ServerEngine
 
@@ -87,9 +87,7 @@ class PolicyBackend(GenerationBackend):
         """Completions of left-padded prompts; with ``generation_seed`` each sampled alone under its own
         seed (:meth:`sample_seeded`)."""
         trainer = self.trainer
-        with forward_model(model, trainer.accelerator, trainer.sharding) as unwrapped:
-            was_training = unwrapped.training
-            unwrapped.eval()
+        with sampling_model(model, trainer.accelerator, trainer.sharding) as unwrapped:
             if trainer.args.generation_seed is not None:
                 completions = self.sample_seeded(unwrapped, prompts)
             else:
@@ -102,7 +100,6 @@ class PolicyBackend(GenerationBackend):
                     logits_processor=self.processors,
                 )
                 completions = output[:, input_ids.shape[1] :].cpu()
-            unwrapped.train(was_training)
         return Rollouts(completions)
 
     def sample_seeded(self, model, prompts: list[list[int]]) -> torch.Tensor:

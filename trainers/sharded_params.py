@@ -139,6 +139,18 @@ def forward_model(model: torch.nn.Module, accelerator: Any, sharding: ParameterS
         yield accelerator.unwrap_model(model)
 
 
+@contextmanager
+def sampling_model(model: torch.nn.Module, accelerator: Any, sharding: ParameterSharding) -> Iterator[torch.nn.Module]:
+    """:func:`forward_model` in eval mode (no dropout while it samples), its training mode restored after."""
+    with forward_model(model, accelerator, sharding) as unwrapped:
+        was_training = unwrapped.training
+        unwrapped.eval()
+        try:
+            yield unwrapped
+        finally:
+            unwrapped.train(was_training)
+
+
 def check_whole(model: torch.nn.Module) -> None:
     """A reference must hold its own weights. Loaded once a launch's process group is up, it may
     not: under FSDP with ``fsdp_cpu_ram_efficient_loading`` transformers loads the weights on
