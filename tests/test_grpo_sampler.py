@@ -109,8 +109,9 @@ def test_two_process_shards_are_disjoint_and_complete():
 def test_each_configurable_generation_backend_has_its_class():
     from typing import get_args
 
-    from trainers.grpo_rollouts import GENERATION_BACKENDS, EngineBackend, PolicyBackend
-    from trainers.grpo_section import GenerationBackendName
+    from trainers.grpo_rollouts import ENGINE_MODES, GENERATION_BACKENDS, EngineBackend, PolicyBackend
+    from trainers.grpo_section import GenerationBackendName, VllmMode
 
     assert set(get_args(GenerationBackendName)) == set(GENERATION_BACKENDS)
     assert GENERATION_BACKENDS == {"hf": PolicyBackend, "vllm": EngineBackend}
+    assert set(get_args(VllmMode)) == set(ENGINE_MODES)

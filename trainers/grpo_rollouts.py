@@ -14,12 +14,12 @@ from abc import ABC, abstractmethod
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
 from trainers.collators import pad_left
-from trainers.grpo_section import GenerationBackendName
+from trainers.grpo_section import GenerationBackendName, VllmMode
 from trainers.lora import has_adapters
 from trainers.sampling import sampled_generation_config, sampling_processors
 from trainers.sharded_params import sampling_model
@@ -27,7 +27,7 @@ from trainers.vllm_engine import ColocatedEngine, SamplingOptions, SyncedEngine,
 from trainers.vllm_server import ServerEngine
 
 if TYPE_CHECKING:
-    from trainers.grpo import GRPOTrainer
+    from trainers.grpo import GRPOConfig, GRPOTrainer
 
 
 @dataclass(frozen=True)
@@ -127,21 +127,67 @@ class PolicyBackend(GenerationBackend):
         return torch.stack([torch.cat([row, row.new_full((width - len(row),), stop)]) for row in rows])
 
 
+def colocated_engine(trainer: GRPOTrainer, policy: torch.nn.Module, weights: dict[str, torch.Tensor]) -> SyncedEngine:
+    """An engine in this process, on its device."""
+    args = trainer.args
+    return ColocatedEngine(policy, weights, args.engine_options, args.seed, trainer.state.global_step)
+
+
+def server_engine(trainer: GRPOTrainer, policy: torch.nn.Module, weights: dict[str, torch.Tensor]) -> SyncedEngine:
+    """The server at ``vllm_server_url``, rank 0 pushing the weights (``vllm_weight_transfer``)."""
+    args = trainer.args
+    return ServerEngine(
+        policy,
+        weights,
+        args.engine_options,
+        args.seed,
+        trainer.state.global_step,
+        url=args.vllm_server_url,
+        transfer=args.vllm_weight_transfer,
+        folder=Path(args.vllm_transfer_folder or Path(args.output_dir) / "vllm-transfer"),
+        pushes=trainer.accelerator.is_main_process,
+        barrier=trainer.accelerator.wait_for_everyone,
+    )
+
+
+def vllm_here(args: GRPOConfig) -> None:
+    require_vllm()  # only a colocated engine needs vLLM in the trainer's environment
+
+
+def server_named(args: GRPOConfig) -> None:
+    if args.vllm_server_url is None:
+        raise ValueError(
+            "vllm_mode server: vllm_server_url names no server (the pipeline's train task starts one; "
+            "outside it, start `alignflow vllm-server` and give its address)"
+        )
+
+
+@dataclass(frozen=True)
+class EngineMode:
+    """Where an :class:`EngineBackend`'s engine runs (``vllm_mode``): what the trainer's arguments
+    must give it (checked when the backend is made) and how the engine is built."""
+
+    check: Callable[[GRPOConfig], None]
+    build: Callable[[GRPOTrainer, torch.nn.Module, dict[str, torch.Tensor]], SyncedEngine]
+
+
+ENGINE_MODES: dict[VllmMode, EngineMode] = {
+    "colocate": EngineMode(vllm_here, colocated_engine),
+    "server": EngineMode(server_named, server_engine),
+}
+
+
 class EngineBackend(GenerationBackend):
-    """A vLLM engine (``vllm_mode``: colocated in this process, or a server at ``vllm_server_url``),
-    built from the policy at the first generation and fed its weights again before each round that
-    follows an optimizer step; each completion under its own seed (:meth:`completion_seeds`)."""
+    """A vLLM engine (``vllm_mode``, :data:`ENGINE_MODES`: colocated in this process, or a server at
+    ``vllm_server_url``), built from the policy at the first generation and fed its weights again
+    before each round that follows an optimizer step; each completion under its own seed
+    (:meth:`completion_seeds`)."""
 
     def __init__(self, trainer: GRPOTrainer):
         super().__init__(trainer)
         args = trainer.args
-        if args.vllm_mode == "colocate":
-            require_vllm()  # a server's trainer needs no vLLM of its own
-        elif args.vllm_server_url is None:
-            raise ValueError(
-                "vllm_mode server: vllm_server_url names no server (the pipeline's train task starts one; "
-                "outside it, start `alignflow vllm-server` and give its address)"
-            )
+        self.mode = ENGINE_MODES[args.vllm_mode]
+        self.mode.check(args)
         self.engine: SyncedEngine | None = None  # built at the first generation
         self.options = SamplingOptions(
             args.temperature, args.top_k, args.top_p, args.max_completion_length, trainer.stop_ids
@@ -154,26 +200,8 @@ class EngineBackend(GenerationBackend):
             return
         started = time.perf_counter()
         with self.policy_weights(model) as weights:  # whole, on every process, where they are sharded
-            self.engine = self.build(self.trainer.accelerator.unwrap_model(model), weights)
+            self.engine = self.mode.build(self.trainer, self.trainer.accelerator.unwrap_model(model), weights)
         self.trainer.window["time/engine_start"].append(time.perf_counter() - started)
-
-    def build(self, policy: torch.nn.Module, weights: dict[str, torch.Tensor]) -> SyncedEngine:
-        trainer, args = self.trainer, self.trainer.args
-        step = trainer.state.global_step
-        if args.vllm_mode == "server":
-            return ServerEngine(
-                policy,
-                weights,
-                args.engine_options,
-                args.seed,
-                step,
-                url=args.vllm_server_url,
-                transfer=args.vllm_weight_transfer,
-                folder=Path(args.vllm_transfer_folder or Path(args.output_dir) / "vllm-transfer"),
-                pushes=trainer.accelerator.is_main_process,
-                barrier=trainer.accelerator.wait_for_everyone,
-            )
-        return ColocatedEngine(policy, weights, args.engine_options, args.seed, step)
 
     def sample(self, model, prompts: list[list[int]]) -> Rollouts:
         """Completions and their engine log-probs, the engine's weights synced to the policy's first if
