@@ -123,18 +123,18 @@ def score_models(
     if scoring.compute.num_processes > 1:
         yield from launched_scores(handles, scoring)
         return
-    from trainers.evaluation import evaluate_model, evaluation_scorer
+    from trainers.evaluation import RewardModelSource, evaluate_models
     from trainers.modeling import load_causal_lm
 
-    compute, reward_model, device = scoring.compute, scoring.reward_model, compute_device(scoring.compute.cpu)
-    for handle in handles:
-        model, tokenizer = load_causal_lm(handle.path, handle.revision, compute.dtype, device)
-        scorer = None
-        if reward_model is not None:
-            scorer = evaluation_scorer(reward_model.path, reward_model.revision, compute.dtype, model.device, tokenizer)
-        spec = scoring.config.spec()
-        pairs = scoring.pairs_of(handle)
-        yield evaluate_model(model, tokenizer, scoring.prompts, pairs, spec, scoring.beta, None, scorer, engines)
+    compute, rm, device = scoring.compute, scoring.reward_model, compute_device(scoring.compute.cpu)
+
+    def load(handle: ModelHandle):
+        return (*load_causal_lm(handle.path, handle.revision, compute.dtype, device), scoring.pairs_of(handle))
+
+    source = None if rm is None else RewardModelSource(rm.path, rm.revision, compute.dtype)
+    yield from evaluate_models(
+        handles, load, scoring.prompts, scoring.config.spec(), scoring.beta, None, source, engines
+    )
 
 
 def launched_scores(handles: list[ModelHandle], scoring: Scoring) -> Iterator[ModelScores]:

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from infra.core.config import ComputeConfig
 from infra.core.launching import stop_with_parent
-from infra.core.stage_io import LAUNCHED_AT, EvaluateJob, LaunchSpec, ReferenceJob, TrainJob, read_spec
+from infra.core.stage_io import LAUNCHED_AT, EvaluatedModel, EvaluateJob, LaunchSpec, ReferenceJob, TrainJob, read_spec
 from trainers.launch import check_world_size, rank, run_as_launched_process
 
 IMPORTED = time.time()  # the rank's interpreter start and this module's imports are behind it
@@ -57,24 +57,22 @@ def train(spec: TrainJob) -> BaseModel:
     return spec.result(world_size=trainer.accelerator.num_processes, log_history=trainer.state.log_history)
 
 
-def loaded_model(path: str, revision: str | None, compute: ComputeConfig):
-    """A model on this process's device, in ``compute``'s dtype, and the launch's state."""
+def launch_state(compute: ComputeConfig):
+    """This process's place in the launch (accelerate's ``PartialState``; on the CPU with ``compute.cpu``)."""
     from accelerate import PartialState
 
-    from trainers.modeling import load_causal_lm
-
-    state = PartialState(cpu=compute.cpu)
-    model, tokenizer = load_causal_lm(path, revision, compute.dtype, state.device)
-    return model, tokenizer, state
+    return PartialState(cpu=compute.cpu)
 
 
 def reference(spec: ReferenceJob) -> BaseModel:
     import datasets
 
+    from trainers.modeling import load_causal_lm
     from trainers.reference import score_view
     from trainers.reference_views import REFERENCE_VIEWS
 
-    model, tokenizer, state = loaded_model(spec.model, spec.revision, spec.compute)
+    state = launch_state(spec.compute)
+    model, tokenizer = load_causal_lm(spec.model, spec.revision, spec.compute.dtype, state.device)
     report_start("model loaded (spec, process group, model)")
     prepared = datasets.load_from_disk(str(spec.splits))
     view = REFERENCE_VIEWS.lookup(spec.view)
@@ -83,27 +81,26 @@ def reference(spec: ReferenceJob) -> BaseModel:
 
 
 def evaluate(spec: EvaluateJob) -> BaseModel:
-    """Each model of the spec in turn, the next loaded once the one before is scored."""
+    """Each model of the spec in turn (``trainers.evaluation.evaluate_models``)."""
     import datasets
 
-    from trainers.evaluation import evaluate_model, evaluation_scorer
+    from trainers.evaluation import RewardModelSource, evaluate_models
+    from trainers.modeling import load_causal_lm
 
+    state = launch_state(spec.compute)
     splits = datasets.load_from_disk(str(spec.splits))
     prompts, pairs = (splits[name].to_list() if name in splits else [] for name in (spec.PROMPTS, spec.PAIRS))
-    rm, scores = spec.reward_model, []
-    for scored in spec.models:
-        model, tokenizer, state = loaded_model(scored.model, scored.revision, spec.compute)
-        if not scores:
+
+    def load(scored: EvaluatedModel):
+        model, tokenizer = load_causal_lm(scored.model, scored.revision, spec.compute.dtype, state.device)
+        if scored is spec.models[0]:
             report_start("model loaded (spec, process group, model)")
-        scorer = None
-        if rm is not None:
-            scorer = evaluation_scorer(rm.path, rm.revision, spec.compute.dtype, state.device, tokenizer)
-        with_pairs = pairs if scored.pairs else None
-        scores.append(
-            evaluate_model(model, tokenizer, prompts, with_pairs, spec.evaluation.spec(), spec.beta, state, scorer)
-        )
-        del model, scorer  # before the next model is loaded
-    return spec.result(world_size=state.num_processes, scores=scores)
+        return model, tokenizer, pairs if scored.pairs else None
+
+    rm = spec.reward_model
+    source = None if rm is None else RewardModelSource(rm.path, rm.revision, spec.compute.dtype)
+    scores = evaluate_models(spec.models, load, prompts, spec.evaluation.spec(), spec.beta, state, source)
+    return spec.result(world_size=state.num_processes, scores=list(scores))
 
 
 RUNNERS: dict[type, Callable] = {TrainJob: train, ReferenceJob: reference, EvaluateJob: evaluate}

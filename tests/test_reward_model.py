@@ -291,6 +291,54 @@ def test_the_evaluation_scores_each_models_samples_by_the_reward_model(reward_st
     assert low <= scores.metrics["reward_model_score"] <= high and low < high
 
 
+@pytest.mark.unit
+def test_an_evaluation_of_several_models_loads_the_reward_model_once(reward_start, tiny, monkeypatch):
+    """``evaluate_models``: one load of the reward model for every model, each model's scores those
+    of its own evaluation with a scorer of its own (the reward model's scores included)."""
+    import copy
+
+    import trainers.evaluation as evaluation
+    from trainers.evaluation import EvaluationSpec, GenerationSpec, RewardModelSource, evaluate_model
+
+    model, tokenizer = tiny
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in other.parameters():
+            parameter.mul_(0.5)  # other weights, other samples
+    rows = [{"prompt_ids": [5, 6, 7], "answer": "7"}, {"prompt_ids": [8, 9], "answer": "3"}]
+    spec = EvaluationSpec(GenerationSpec(max_new_tokens=4, num_samples=2, batch_size=2), (1,), 50, 2, 4)
+    alone = [
+        evaluate_model(
+            m,
+            tokenizer,
+            rows,
+            None,
+            spec,
+            None,
+            reward_model=evaluation.evaluation_scorer(reward_start, None, "float32", "cpu", tokenizer),
+        )
+        for m in (model, other)
+    ]
+    loads = []
+    load_scorer = evaluation.load_scorer
+    monkeypatch.setattr(evaluation, "load_scorer", lambda *args: loads.append(args[0]) or load_scorer(*args))
+    models = {"tiny": model, "other": other}
+    scores = list(
+        evaluation.evaluate_models(
+            models,
+            lambda name: (models[name], tokenizer, None),
+            rows,
+            spec,
+            None,
+            None,
+            RewardModelSource(reward_start, None, "float32"),
+        )
+    )
+    assert loads == [reward_start]
+    assert scores == alone and scores[0] != scores[1]
+    assert "reward_model_score" in scores[1].metrics
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("head", ["classifier", "likelihood"])
 def test_a_lora_reward_model_trains_its_adapters_and_head_and_is_saved_merged(reward_start, tiny_pairs, tmp_path, head):

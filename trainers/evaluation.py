@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Iterable, Iterator, Literal, TypeVar
 
 import torch
 from tqdm.auto import tqdm
@@ -26,6 +26,8 @@ from trainers.reward_model import RewardModelScorer, load_scorer
 from trainers.sharding import batches_of, gather_shards, local_shard
 from trainers.stopping import cut_at_first_stop, stop_token_ids
 from trainers.vllm_engine import EngineOptions, ReusedEngine, SamplingOptions, require_vllm
+
+M = TypeVar("M")
 
 # The evaluation's engine holds one model and nothing trains beside it: most of a GPU's memory.
 EVALUATION_ENGINE = EngineOptions(
@@ -279,13 +281,29 @@ def samples_table(results: list[PromptResult], rows: int) -> dict[str, list]:
     }
 
 
+@dataclass(frozen=True)
+class RewardModelSource:
+    """``evaluation.reward_model`` as an evaluation loads it: a saved reward model at ``revision``, in ``dtype``."""
+
+    path: str
+    revision: str | None
+    dtype: str
+
+    def load(self, device) -> RewardModelScorer:
+        return load_scorer(self.path, self.revision, self.dtype, device, "evaluation.reward_model")
+
+
 def evaluation_scorer(path: str, revision: str | None, dtype: str, device, tokenizer) -> RewardModelScorer:
     """``evaluation.reward_model`` loaded on ``device``; it must read the evaluated models' token ids."""
-    scorer = load_scorer(path, revision, dtype, device, "evaluation.reward_model")
+    scorer = RewardModelSource(path, revision, dtype).load(device)
+    check_scorer_reads(tokenizer, scorer, path)
+    return scorer
+
+
+def check_scorer_reads(tokenizer: PreTrainedTokenizerBase, scorer: RewardModelScorer, path: str) -> None:
     check_same_vocabulary(
         tokenizer, scorer.tokenizer, f"evaluation.reward_model {path}", "it scores the models' sampled token ids"
     )
-    return scorer
 
 
 def reward_model_scores(
@@ -340,3 +358,29 @@ def evaluate_model(
     if pairs:
         scores.metrics.update(preference_rewards(model, tokenizer, pairs, beta, spec.pair_batch_size, state))
     return scores
+
+
+def evaluate_models(
+    models: Iterable[M],
+    load: Callable[[M], tuple[PreTrainedModel, PreTrainedTokenizerBase, list[dict] | None]],
+    prompts: list[dict],
+    spec: EvaluationSpec,
+    beta: float | None,
+    state: Any | None = None,
+    reward_model: RewardModelSource | None = None,
+    engines: ReusedEngine | None = None,
+) -> Iterator[ModelScores]:
+    """:func:`evaluate_model` of each of ``models`` in turn, as ``load`` gives it (the model, its
+    tokenizer and the held-out pairs it is scored on, None for none): each model is let go before
+    the next is loaded. The reward model is loaded once, on the first model's device, and must read
+    every model's token ids."""
+    scorer = None
+    for item in models:
+        model, tokenizer, pairs = load(item)
+        if reward_model is not None:
+            if scorer is None:
+                scorer = reward_model.load(model.device)
+            check_scorer_reads(tokenizer, scorer, reward_model.path)
+        scores = evaluate_model(model, tokenizer, prompts, pairs, spec, beta, state, scorer, engines)
+        del model, tokenizer  # before the next model is loaded
+        yield scores
