@@ -92,16 +92,16 @@ def hf_greedy(model, prompts: list[list[int]], stop: int) -> list[list[int]]:
     return completions
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def generation_server(tmp_path_factory) -> Iterator[tuple[str, Path]]:
-    """A managed vLLM server for the module: its address and the folder it reads weights from."""
+    """A managed vLLM server for a class of tests: its address and the folder it reads weights from."""
     root = tmp_path_factory.mktemp("vllm-server")
     with managed_generation_server(root, lambda line: None) as url:
         yield url, root
 
 
 def build_engine(kind: str, model, request) -> SyncedEngine:
-    """A colocated engine, or the module's server's engine with ``kind`` its weight transfer, built
+    """A colocated engine, or the class's server's engine with ``kind`` its weight transfer, built
     from ``model`` at step 0."""
     if kind == "colocated":
         return ColocatedEngine(model, serving_weights(model), OPTIONS, seed=0, step=0)
@@ -109,36 +109,84 @@ def build_engine(kind: str, model, request) -> SyncedEngine:
     return ServerEngine(model, serving_weights(model), OPTIONS, seed=0, step=0, url=url, transfer=kind, folder=root)
 
 
-@pytest.mark.parametrize("kind", ["colocated", "storage", "collective"])
-@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
-def test_greedy_tokens_after_a_sync_equal_hf_greedy_on_the_new_weights(tie, kind, request):
-    """In the training process, and on a server whose weights arrive by shared storage or by a
-    process group of the trainer and the server (gloo here)."""
-    model, tokenizer = random_llama(tie, positions=256)
-    prompts = chat_prompts(tokenizer, 24, SHARED_PREFIX)
-    assert len(prompts[0]) > 128  # the shared prefix fills a KV block, which the engine caches
-    greedy = SamplingOptions(
-        temperature=0.0, top_k=0, top_p=1.0, max_tokens=NEW_TOKENS, stop_ids=(tokenizer.eos_token_id,)
+class TestWeightSyncs:
+    """An engine synced with the policy's new weights: colocated, and on the class's managed server
+    (:func:`generation_server`), which stops after these tests rather than at the module's end (an
+    idle engine still costs CPU time)."""
+
+    @pytest.mark.parametrize("kind", ["colocated", "storage", "collective"])
+    @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+    def test_greedy_tokens_after_a_sync_equal_hf_greedy_on_the_new_weights(self, tie, kind, request):
+        """In the training process, and on a server whose weights arrive by shared storage or by a
+        process group of the trainer and the server (gloo here)."""
+        model, tokenizer = random_llama(tie, positions=256)
+        prompts = chat_prompts(tokenizer, 24, SHARED_PREFIX)
+        assert len(prompts[0]) > 128  # the shared prefix fills a KV block, which the engine caches
+        greedy = SamplingOptions(
+            temperature=0.0, top_k=0, top_p=1.0, max_tokens=NEW_TOKENS, stop_ids=(tokenizer.eos_token_id,)
+        )
+        engine = build_engine(kind, model, request)
+        try:
+            before = engine.generate(prompts, list(range(len(prompts))), greedy).tokens
+            assert before == hf_greedy(model, prompts, tokenizer.eos_token_id)
+            with torch.no_grad():  # a training step's worth of change; the tied head moves with the embeddings
+                for param in model.parameters():
+                    param.add_(torch.randn_like(param) * 0.05)
+            engine.sync(dict(model.named_parameters()), step=1)
+            engine.sync(dict(model.named_parameters()), step=1)  # the engine holds step 1's weights already
+            after = engine.generate(prompts, list(range(len(prompts))), greedy).tokens
+        finally:
+            engine.close()
+        assert engine.syncs == 1
+        assert after == hf_greedy(model, prompts, tokenizer.eos_token_id)
+        assert sum(a != b for a, b in zip(before, after)) >= len(prompts) // 2  # the sync changed what it generates
+        if kind != "colocated":
+            assert (
+                list(request.getfixturevalue("generation_server")[1].iterdir()) == []
+            )  # the model and weights files removed
+
+    @pytest.mark.parametrize(
+        ("lora", "mode"),
+        [(False, "colocate"), (True, "colocate"), (False, "storage"), (False, "collective")],
+        ids=["full", "lora", "server-storage", "server-collective"],
     )
-    engine = build_engine(kind, model, request)
-    try:
-        before = engine.generate(prompts, list(range(len(prompts))), greedy).tokens
-        assert before == hf_greedy(model, prompts, tokenizer.eos_token_id)
-        with torch.no_grad():  # a training step's worth of change; the tied head moves with the embeddings
-            for param in model.parameters():
-                param.add_(torch.randn_like(param) * 0.05)
-        engine.sync(dict(model.named_parameters()), step=1)
-        engine.sync(dict(model.named_parameters()), step=1)  # the engine holds step 1's weights already
-        after = engine.generate(prompts, list(range(len(prompts))), greedy).tokens
-    finally:
-        engine.close()
-    assert engine.syncs == 1
-    assert after == hf_greedy(model, prompts, tokenizer.eos_token_id)
-    assert sum(a != b for a, b in zip(before, after)) >= len(prompts) // 2  # the sync changed what it generates
-    if kind != "colocated":
-        assert (
-            list(request.getfixturevalue("generation_server")[1].iterdir()) == []
-        )  # the model and weights files removed
+    def test_grpo_syncs_the_weights_once_per_generation_round_and_logs_the_log_prob_gap(
+        self, tmp_path, lora, mode, request
+    ):
+        if mode != "colocate":
+            url, root = request.getfixturevalue("generation_server")
+            server = dict(vllm_mode="server", vllm_server_url=url, vllm_weight_transfer=mode)
+            if mode == "storage":
+                server["vllm_transfer_folder"] = str(root)
+        trainer = grpo_trainer(
+            tmp_path,
+            "vllm",
+            lora,
+            max_steps=6,
+            steps_per_generation=2,
+            vllm_importance_sampling_cap=2.0,
+            **(server if mode != "colocate" else {}),
+        )
+        gathered, policy_weights = [], trainer.backend.policy_weights  # the policy's weights as the engine takes them
+
+        def counted(model):
+            gathered.append(trainer.state.global_step)
+            return policy_weights(model)
+
+        trainer.backend.policy_weights = counted
+        trainer.train()
+        assert trainer.state.global_step == 6
+        assert trainer.generation_calls == 3
+        assert trainer.backend.engine.syncs == 2  # before rounds 2 and 3; the 1st samples the weights it was built from
+        assert gathered == [0, 2, 4]  # the build, then each sync: a collective under FSDP, so not once more
+        logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+        gaps = [entry["vllm/logp_diff_max"] for entry in logs]
+        assert len(gaps) == 6  # every step trains on engine-sampled tokens
+        assert all(entry["vllm/logp_diff_mean"] <= entry["vllm/logp_diff_max"] for entry in logs)
+        # Every round's engine holds the policy that the trainer scores the batch with: only kernel noise
+        # separates the two (a stale tied output head gave gaps of 0.1 here). With LoRA the trainer adds
+        # B·A·x to W·x while the engine multiplies by the merged W + B·A: the rounding differs more.
+        assert max(gaps) < (1e-4 if lora else 1e-5), gaps
 
 
 def test_sampled_tokens_follow_the_models_distribution_and_carry_their_log_probs():
@@ -184,48 +232,6 @@ def grpo_trainer(tmp_path, backend: str, lora: bool = False, **settings) -> GRPO
         processing_class=tokenizer,
         reward_funcs=[lambda prompts, completions, **_: [float(sum(map(ord, c)) % 7) for c in completions]],
     )
-
-
-@pytest.mark.parametrize(
-    ("lora", "mode"),
-    [(False, "colocate"), (True, "colocate"), (False, "storage"), (False, "collective")],
-    ids=["full", "lora", "server-storage", "server-collective"],
-)
-def test_grpo_syncs_the_weights_once_per_generation_round_and_logs_the_log_prob_gap(tmp_path, lora, mode, request):
-    if mode != "colocate":
-        url, root = request.getfixturevalue("generation_server")
-        server = dict(vllm_mode="server", vllm_server_url=url, vllm_weight_transfer=mode)
-        if mode == "storage":
-            server["vllm_transfer_folder"] = str(root)
-    trainer = grpo_trainer(
-        tmp_path,
-        "vllm",
-        lora,
-        max_steps=6,
-        steps_per_generation=2,
-        vllm_importance_sampling_cap=2.0,
-        **(server if mode != "colocate" else {}),
-    )
-    gathered, policy_weights = [], trainer.backend.policy_weights  # the policy's weights as the engine takes them
-
-    def counted(model):
-        gathered.append(trainer.state.global_step)
-        return policy_weights(model)
-
-    trainer.backend.policy_weights = counted
-    trainer.train()
-    assert trainer.state.global_step == 6
-    assert trainer.generation_calls == 3
-    assert trainer.backend.engine.syncs == 2  # before rounds 2 and 3; the 1st samples the weights it was built from
-    assert gathered == [0, 2, 4]  # the build, then each sync: a collective under FSDP, so not once more
-    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
-    gaps = [entry["vllm/logp_diff_max"] for entry in logs]
-    assert len(gaps) == 6  # every step trains on engine-sampled tokens
-    assert all(entry["vllm/logp_diff_mean"] <= entry["vllm/logp_diff_max"] for entry in logs)
-    # Every round's engine holds the policy that the trainer scores the batch with: only kernel noise
-    # separates the two (a stale tied output head gave gaps of 0.1 here). With LoRA the trainer adds
-    # B·A·x to W·x while the engine multiplies by the merged W + B·A: the rounding differs more.
-    assert max(gaps) < (1e-4 if lora else 1e-5), gaps
 
 
 def test_the_evaluation_on_vllm_decodes_as_on_hf_greedy_and_samples_each_prompt_num_samples_times():
@@ -282,12 +288,12 @@ def test_the_evaluation_on_vllm_over_two_processes_scores_what_one_process_score
     assert len(one.samples["completion"]) == 7 and len(set(one.samples["completion"])) > 1  # a seed per prompt
 
 
-@pytest.mark.parametrize("sharding", ["fsdp2", "fsdp1"])
-def test_an_fsdp_policy_over_two_processes_builds_and_syncs_an_engine_per_process(sharding, tiny_checkpoint, tmp_path):
+def test_an_fsdp_policy_over_two_processes_builds_and_syncs_an_engine_per_process(tiny_checkpoint, tmp_path):
     """tests/fsdp_vllm_cpu.py: each process's engine is built from the gathered weights, not the
     process's shards, and synced after a step; it samples what the whole policy would (the gap), the
-    tied output head included."""
-    results = launch_worker("fsdp_vllm_cpu", {"model": tiny_checkpoint.path, "sharding": sharding}, 2, tmp_path / "two")
+    tied output head included. FSDP2 here; the engine reads any sharding's gathered weights alike,
+    and FSDP1's gather (names and values, a full copy's) is tests/test_sharded_params.py's."""
+    results = launch_worker("fsdp_vllm_cpu", {"model": tiny_checkpoint.path, "sharding": "fsdp2"}, 2, tmp_path / "two")
     assert [r["syncs"] for r in results] == [1, 1]
     assert [r["aliases"] for r in results] == [{"lm_head.weight": "model.embed_tokens.weight"}] * 2
     # the whole copy's step and the sharded one's differ by reduction order only (tests/fsdp_cpu.py)
@@ -326,12 +332,13 @@ def test_a_lora_policy_is_served_merged_and_its_frozen_weights_stay_as_they_were
     assert all(torch.equal(param, frozen[name]) for name, param in policy.named_parameters() if name in frozen)
 
 
-def test_the_pipeline_trains_and_evaluates_with_vllm_and_logs_the_log_prob_gap(tmp_path):
-    """``alignflow run`` in this environment (vLLM's transformers): GRPO's rollouts and the evaluation
-    on vLLM, GRPO's configured steps, the gap in MLflow, the evaluation table printed."""
+def test_the_pipeline_trains_and_evaluates_with_vllm_and_logs_the_log_prob_gap(tmp_path, prefect_api_url):
+    """``alignflow run`` in this environment (vLLM's transformers), on the session's Prefect API:
+    GRPO's rollouts and the evaluation on vLLM, GRPO's configured steps, the gap in MLflow, the
+    evaluation table printed."""
     home = tmp_path / "state"
     result = alignflow(
-        state_folder_environment(home),
+        state_folder_environment(home) | {"PREFECT_API_URL": prefect_api_url},
         "run",
         MINIMAL,
         "stages=[sft,grpo]",
@@ -364,14 +371,15 @@ def engine_sampled_the_policy(home: Path):
     return grpo
 
 
-def two_process_grpo(tmp_path: Path, *overrides: str) -> tuple[str, Path]:
-    """``alignflow run`` of GRPO alone on vLLM over two processes (gloo on the CPU); checks what
+def two_process_grpo(tmp_path: Path, prefect_api_url: str, *overrides: str) -> tuple[str, Path]:
+    """``alignflow run`` of GRPO alone on vLLM over two processes (gloo on the CPU), on the session's
+    Prefect API (a run's own temporary server is the main tiers' to test); checks what
     every mode owes: the run succeeded on two processes, and both processes sampled the policy's
     own tokens in both generation rounds (the logged log-prob gap is the max over the processes).
     The run's output and state folder."""
     home = tmp_path / "state"
     result = alignflow(
-        state_folder_environment(home) | {"OMP_NUM_THREADS": "1"},
+        state_folder_environment(home) | {"OMP_NUM_THREADS": "1", "PREFECT_API_URL": prefect_api_url},
         "run",
         MINIMAL,
         "stages=[grpo]",
@@ -386,20 +394,22 @@ def two_process_grpo(tmp_path: Path, *overrides: str) -> tuple[str, Path]:
     return output, home
 
 
-def test_two_training_processes_each_colocate_an_engine(tmp_path):
+def test_two_training_processes_each_colocate_an_engine(tmp_path, prefect_api_url):
     """Colocated over two processes: each rank builds an engine of its own on its device, joined
     through the launch's process group (vLLM's external launcher), syncs it and samples its own
     prompts' completions from it."""
-    output, _ = two_process_grpo(tmp_path)
+    output, _ = two_process_grpo(tmp_path, prefect_api_url)
     assert output.count("Using external launcher for distributed inference") == 2, output[-3000:]
 
 
-def test_two_training_processes_share_the_managed_server(tmp_path):
+def test_two_training_processes_share_the_managed_server(tmp_path, prefect_api_url):
     """With the server the train task starts: rank 0 loads the policy and pushes its weights once
     per round over a weight channel (a process group of rank 0 and the server, beside the ranks'
     own), both ranks sample their own prompts' completions from it, and the server is gone once the
     run ended."""
-    output, home = two_process_grpo(tmp_path, "grpo.vllm_mode=server", "grpo.vllm_weight_transfer=collective")
+    output, home = two_process_grpo(
+        tmp_path, prefect_api_url, "grpo.vllm_mode=server", "grpo.vllm_weight_transfer=collective"
+    )
     requests = re.findall(r"grpo: vLLM server: POST /(\w+) 200", output)
     # minimal: 4 steps, 2 per round: one load (the config), one channel, the first weights and one
     # sync over it, each of the two ranks generating in each round
