@@ -266,12 +266,12 @@ def test_the_evaluation_scores_each_models_samples_by_the_reward_model(reward_st
     """``reward_model_score``: each prompt's mean score of its sampled token ids (stop token
     included), here the likelihood head's mean log-prob, computed per sample by hand; its CI and
     per-prompt values beside exact match."""
-    from trainers.evaluation import EvaluationSpec, GenerationSpec, evaluate_model, evaluation_scorer
+    from trainers.evaluation import EvaluationSpec, GenerationSpec, RewardModelSource, evaluate_model
 
     model, tokenizer = tiny
     rows = [{"prompt_ids": p["prompt_ids"], "answer": "7"} for p in tiny_pairs[:5]]
     spec = EvaluationSpec(GenerationSpec(max_new_tokens=4, num_samples=3, batch_size=2), (1,), 50, 2, 4)
-    scorer = evaluation_scorer(reward_start, None, "float32", "cpu", tokenizer)
+    scorer = RewardModelSource(reward_start, None, "float32").load("cpu")
     scores = evaluate_model(model, tokenizer, rows, None, spec, None, reward_model=scorer)
     plain = evaluate_model(model, tokenizer, rows, None, spec, None)
     assert "reward_model_score" not in plain.metrics
@@ -315,7 +315,7 @@ def test_an_evaluation_of_several_models_loads_the_reward_model_once(reward_star
             None,
             spec,
             None,
-            reward_model=evaluation.evaluation_scorer(reward_start, None, "float32", "cpu", tokenizer),
+            reward_model=RewardModelSource(reward_start, None, "float32").load("cpu"),
         )
         for m in (model, other)
     ]

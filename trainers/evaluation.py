@@ -293,13 +293,6 @@ class RewardModelSource:
         return load_scorer(self.path, self.revision, self.dtype, device, "evaluation.reward_model")
 
 
-def evaluation_scorer(path: str, revision: str | None, dtype: str, device, tokenizer) -> RewardModelScorer:
-    """``evaluation.reward_model`` loaded on ``device``; it must read the evaluated models' token ids."""
-    scorer = RewardModelSource(path, revision, dtype).load(device)
-    check_scorer_reads(tokenizer, scorer, path)
-    return scorer
-
-
 def check_scorer_reads(tokenizer: PreTrainedTokenizerBase, scorer: RewardModelScorer, path: str) -> None:
     check_same_vocabulary(
         tokenizer, scorer.tokenizer, f"evaluation.reward_model {path}", "it scores the models' sampled token ids"
