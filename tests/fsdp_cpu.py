@@ -3,13 +3,14 @@
 
 accelerate 1.15 never selects FSDP on the CPU (``use_cpu`` gives MULTI_CPU, i.e. DDP), so the
 policy is sharded here with torch itself, each decoder layer and the root as infra/core/accelerate's
-TRANSFORMER_BASED_WRAP does (the spec's ``sharding``: ``fsdp2``, ``fully_shard``; ``fsdp1``,
-``FullyShardedDataParallel``), and that entry of trainers/sharded_params.py is used by name. Each
-process checks against a whole copy of the same model: GRPO's seeded generation
+TRANSFORMER_BASED_WRAP does (each of the spec's ``shardings`` in turn, on a new copy of the model, in
+one process group: ``fsdp2``, ``fully_shard``; ``fsdp1``, ``FullyShardedDataParallel``), and that
+entry of trainers/sharded_params.py is used by name. Each process checks against a whole copy of
+the same model: GRPO's seeded generation
 (``GRPOTrainer.generate``), a greedy generation of a different length on each process (lockstep),
 the TR-DPO sync after a training step, and a second training step after the sync. Rank 0 writes
-the results of all processes to ``result.json`` in the spec's ``output_dir``; ``model`` is the
-checkpoint. One process runs it over a process group of one.
+the results of all processes to ``result.json`` in the spec's ``output_dir`` (per process, by
+sharding); ``model`` is the checkpoint. One process runs it over a process group of one.
 
     PYTHONPATH=.:tests python -m accelerate.commands.launch --multi_gpu --num_processes 2 -m fsdp_cpu SPEC.json
 """
@@ -69,30 +70,43 @@ def local_size(model: torch.nn.Module) -> int:
 def main(spec: dict) -> None:
     from accelerate import PartialState
     from accelerate.utils import gather_object
-    from transformers import TrainerState
 
-    from trainers.callbacks import SyncReferenceCallback, mix_into_reference
-    from trainers.grpo import GRPOConfig, GRPOTrainer
     from trainers.launch import end_process_group
-    from trainers.modeling import load_causal_lm
-    from trainers.sharded_params import SHARDINGS, forward_model
 
     state = PartialState(cpu=True)
     if not torch.distributed.is_initialized():  # one process: FSDP still needs a process group
         torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     rank, world = state.process_index, state.num_processes
     out = Path(spec["output_dir"])
-    policy, tokenizer = load_causal_lm(spec["model"])
+    result = {"rank": rank, "world_size": world}
+    for name in spec["shardings"]:
+        result[name] = check_sharding(name, spec["model"], rank, world, out / name)
+    results = gather_object([result])
+    if rank == 0:
+        (out / "result.json").write_text(json.dumps(results))
+    end_process_group()
+
+
+def check_sharding(name: str, model: str, rank: int, world: int, out: Path) -> dict:
+    """This process's results for the sharding ``name`` of a new copy of ``model``."""
+    from transformers import TrainerState
+
+    from trainers.callbacks import SyncReferenceCallback, mix_into_reference
+    from trainers.grpo import GRPOConfig, GRPOTrainer
+    from trainers.modeling import load_causal_lm
+    from trainers.sharded_params import SHARDINGS, forward_model
+
+    policy, tokenizer = load_causal_lm(model)
     initial = copy.deepcopy(policy)
     whole = copy.deepcopy(policy)
     whole_size = local_size(whole)
-    policy = SHARD[spec["sharding"]](policy, world)
+    policy = SHARD[name](policy, world)
     # Before any forward, as accelerate.prepare does: after a forward outside training a unit may
     # stay unsharded, and its parameters() are then the unsharded tensors, not the ones to optimize.
     sharded_optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     whole_optimizer = torch.optim.AdamW(whole.parameters(), lr=1e-2)
-    sharding = SHARDINGS[spec["sharding"]]
-    result = {"rank": rank, "world_size": world, "whole_size": whole_size, "sharded_size": local_size(policy)}
+    sharding = SHARDINGS[name]
+    result = {"whole_size": whole_size, "sharded_size": local_size(policy)}
 
     # GRPO's seeded generation: this process's share of a generation batch of 8 rows.
     args = GRPOConfig(
@@ -143,10 +157,7 @@ def main(spec: dict) -> None:
         training_step(policy, sharded_optimizer, batch) - training_step(whole, whole_optimizer, batch)
     )
 
-    results = gather_object([result])
-    if rank == 0:
-        (out / "result.json").write_text(json.dumps(results))
-    end_process_group()
+    return result
 
 
 if __name__ == "__main__":

@@ -94,16 +94,24 @@ def test_a_model_samples_in_eval_mode_and_trains_again_after_even_when_sampling_
     assert not model.training
 
 
-def run_worker(sharding: str, processes: int, folder: Path, model: str) -> list[dict]:
-    """tests/fsdp_cpu.py over ``processes`` CPU processes; every rank's results."""
-    return launch_worker("fsdp_cpu", {"model": model, "sharding": sharding}, processes, folder)
+SHARDED = ["fsdp2", "fsdp1"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_ranks(tiny_checkpoint, tmp_path_factory) -> dict[int, list[dict]]:
+    """tests/fsdp_cpu.py over 2 CPU processes and over 1, each launch checking every FSDP version in
+    turn (one launch per process count, not per version: a launch's ranks spend ~8 CPU s importing);
+    every rank's results, by process count."""
+    folder = tmp_path_factory.mktemp("fsdp")
+    spec = {"model": tiny_checkpoint.path, "shardings": SHARDED}
+    return {processes: launch_worker("fsdp_cpu", spec, processes, folder / str(processes)) for processes in (2, 1)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding", ["fsdp2", "fsdp1"])
-def test_fsdp_on_two_processes_generates_syncs_and_trains_as_one_unsharded_process(sharding, tiny_checkpoint, tmp_path):
-    two = run_worker(sharding, 2, tmp_path / "two", tiny_checkpoint.path)
-    one = run_worker(sharding, 1, tmp_path / "one", tiny_checkpoint.path)
+@pytest.mark.parametrize("sharding", SHARDED)
+def test_fsdp_on_two_processes_generates_syncs_and_trains_as_one_unsharded_process(sharding, fsdp_ranks):
+    two = [rank[sharding] for rank in fsdp_ranks[2]]
+    one = [rank[sharding] for rank in fsdp_ranks[1]]
     for rank in two:  # each process holds about half of the parameters, before and after the sync
         assert rank["sharded_size"] == rank["size_after_sync"] < 0.6 * rank["whole_size"]
     for rank in two + one:
