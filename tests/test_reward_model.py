@@ -5,6 +5,7 @@ training to held-out pairwise accuracy, and the saved model scoring completions 
 from __future__ import annotations
 
 import math
+import re
 import typing
 from pathlib import Path
 
@@ -337,6 +338,37 @@ def test_an_evaluation_of_several_models_loads_the_reward_model_once(reward_star
     assert loads == [reward_start]
     assert scores == alone and scores[0] != scores[1]
     assert "reward_model_score" in scores[1].metrics
+
+
+@pytest.mark.unit
+def test_a_model_whose_tokenizer_the_reward_model_cannot_read_is_refused_before_it_is_scored(reward_start, tiny):
+    """``evaluate_models`` checks each model's tokenizer against the reward model's before scoring
+    it: a model with one token more (ids the scorer would misread) stops the evaluation with the
+    reward model's path, after the models before it were scored."""
+    import copy
+
+    from trainers.evaluation import EvaluationSpec, GenerationSpec, RewardModelSource, evaluate_models
+
+    model, tokenizer = tiny
+    other = copy.deepcopy(tokenizer)
+    other.add_tokens(["<extra>"])
+    tokenizers = {"same": tokenizer, "other": other}
+    rows = [{"prompt_ids": [5, 6, 7], "answer": "7"}]
+    spec = EvaluationSpec(GenerationSpec(max_new_tokens=2, num_samples=1, batch_size=1), (1,), 10, 0, 1)
+    scored = evaluate_models(
+        tokenizers,
+        lambda name: (model, tokenizers[name], None),
+        rows,
+        spec,
+        None,
+        None,
+        RewardModelSource(reward_start, None, "float32"),
+    )
+    assert "reward_model_score" in next(scored).metrics
+    counts = f"{len(tokenizer)} vs {len(other)} tokens"  # the reward model's, the model's
+    refusal = rf"^evaluation\.reward_model {re.escape(reward_start)} has another tokenizer \({counts}"
+    with pytest.raises(ValueError, match=refusal):
+        next(scored)
 
 
 @pytest.mark.slow
