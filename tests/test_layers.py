@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -26,8 +27,14 @@ def within(imported: set[str], forbidden: set[str]) -> set[str]:
     return {m for m in imported if any(m == f or m.startswith(f + ".") for f in forbidden)}
 
 
+@cache
+def parsed(path: Path) -> ast.Module:
+    """``path``'s syntax tree, parsed once for every test here (none changes a tree)."""
+    return ast.parse(path.read_text())
+
+
 def forbidden_imports(path: Path, forbidden: set[str]) -> set[str]:
-    return within(imported_modules(ast.parse(path.read_text())), forbidden)
+    return within(imported_modules(parsed(path)), forbidden)
 
 
 def loaded_after(statement: str, watched: tuple[str, ...]) -> list[str]:
@@ -84,6 +91,7 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@cache
 def project_modules() -> dict[str, Path]:
     return {
         module_name(p): p
@@ -131,6 +139,7 @@ def imports_of(tree: ast.AST, lazy: bool = True) -> set[str]:
     return names
 
 
+@cache
 def project_import_graph(lazy: bool = True) -> dict[str, set[str]]:
     """Module -> the project modules it imports (a name is resolved to its longest project module);
     those its functions import too unless not ``lazy``."""
@@ -143,7 +152,7 @@ def project_import_graph(lazy: bool = True) -> dict[str, set[str]]:
 
     graph = {}
     for module, path in modules.items():
-        found = {resolve(name) for name in imports_of(ast.parse(path.read_text()), lazy)}
+        found = {resolve(name) for name in imports_of(parsed(path), lazy)}
         graph[module] = {m for m in found if m is not None and m != module}
     return graph
 
@@ -221,7 +230,7 @@ def test_a_rank_that_does_not_log_imports_no_mlflow():
     eager = project_import_graph(lazy=False)
     rank = reachable(eager, "tasks.launched_rank") | reachable(eager, "tasks.stage_trainer")
     assert {"infra.core.stage_io", "trainers.stages", "trainers.callbacks"} <= rank
-    at_start = {module: imports_of(ast.parse(modules[module].read_text()), lazy=False) for module in rank}
+    at_start = {module: imports_of(parsed(modules[module]), lazy=False) for module in rank}
     assert {module for module, names in at_start.items() if within(names, {"mlflow"})} == set()
 
 
@@ -248,6 +257,9 @@ def called_name(call: ast.Call) -> str:
     return call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
 
 
+LAUNCHING_CALL = re.compile(r"\b(launch_command|launch_worker)\b")
+
+
 def launched_entry_modules() -> set[str]:
     """Every module the project's code, tests and benchmarks start under ``accelerate launch``: the
     module of each ``launch_command`` call and each tests/helpers ``launch_worker`` call, a string
@@ -257,7 +269,9 @@ def launched_entry_modules() -> set[str]:
     found: set[str] = set()
     for folder in ("trainers", "tasks", "flows", "infra", "tests", "benchmarks"):
         for path in PROJECT.glob(f"{folder}/**/*.py"):
-            for call in (node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)):
+            if not LAUNCHING_CALL.search(path.read_text()):  # no call to parse for (most files)
+                continue
+            for call in (node for node in ast.walk(parsed(path)) if isinstance(node, ast.Call)):
                 if called_name(call) == "launch_command":
                     given = [k.value for k in call.keywords if k.arg == "module"] or call.args[1:2]
                 elif called_name(call) == "launch_worker":
@@ -285,7 +299,7 @@ def test_every_launched_entry_module_ends_its_ranks_without_interpreter_teardown
     for module in sorted(entries):
         relative = Path(*module.split(".")).with_suffix(".py")
         path = next(folder / relative for folder in search if (folder / relative).is_file())
-        calls = {called_name(n) for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)}
+        calls = {called_name(n) for n in ast.walk(parsed(path)) if isinstance(n, ast.Call)}
         if "run_as_launched_process" not in calls:
             without.append(module)
     assert without == []
