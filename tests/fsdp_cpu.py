@@ -6,11 +6,11 @@ policy is sharded here with torch itself, each decoder layer and the root as inf
 TRANSFORMER_BASED_WRAP does (each of the spec's ``shardings`` in turn, on a new copy of the model, in
 one process group: ``fsdp2``, ``fully_shard``; ``fsdp1``, ``FullyShardedDataParallel``), and that
 entry of trainers/sharded_params.py is used by name. Each process checks against a whole copy of
-the same model: GRPO's seeded generation
-(``GRPOTrainer.generate``), a greedy generation of a different length on each process (lockstep),
-the TR-DPO sync after a training step, and a second training step after the sync. Rank 0 writes
-the results of all processes to ``result.json`` in the spec's ``output_dir`` (per process, by
-sharding); ``model`` is the checkpoint. One process runs it over a process group of one.
+the same model: GRPO's seeded generation (``GRPOTrainer.generate``), a greedy generation of a
+different length on each process (lockstep), the TR-DPO sync after a training step, and a second
+training step after the sync. Rank 0 writes the results of all processes to ``result.json`` in
+the spec's ``output_dir`` (per process, by sharding); ``model`` is the checkpoint. One process runs
+it over a process group of one.
 
     PYTHONPATH=.:tests python -m accelerate.commands.launch --multi_gpu --num_processes 2 -m fsdp_cpu SPEC.json
 """
