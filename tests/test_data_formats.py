@@ -250,6 +250,26 @@ def test_arrow_file_and_saved_dataset_folder(tiny, tmp_path):
         load_rows(str(tmp_path / "saved_dict"), split="test")
 
 
+@pytest.mark.parametrize("suffix", [".csv", ".parquet", ".arrow"])
+def test_reading_a_local_file_leaves_no_copy_in_the_datasets_cache(tmp_path, monkeypatch, suffix):
+    """datasets' builders convert a local file to an Arrow copy in ``~/.cache/huggingface/datasets``
+    (one per file version, never read again: the prepared dataset is written elsewhere)."""
+    cache = tmp_path / "hf-datasets-cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)  # where load_dataset writes by default
+    rows = [{"prompt": "1+1=", "completion": "2"}]
+    path = tmp_path / f"sft{suffix}"
+    if suffix == ".csv":
+        path.write_text("prompt,completion\n1+1=,2\n")
+    elif suffix == ".parquet":
+        datasets.Dataset.from_list(rows).to_parquet(path)
+    else:
+        datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+        (arrow_file,) = (tmp_path / "saved").glob("*.arrow")
+        arrow_file.rename(path)
+    assert load_rows(str(path)) == rows
+    assert not cache.exists() or list(cache.rglob("*")) == []
+
+
 def test_mixing_is_seeded_and_counts_rows_per_source(tiny, tmp_path):
     _, tokenizer = tiny
     a = write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"{i}+0=", "completion": str(i)} for i in range(6)])

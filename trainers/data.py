@@ -20,6 +20,7 @@ import csv
 import json
 import math
 import random
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Literal
@@ -121,14 +122,20 @@ def _read_local_file(path: Path, suffix: str) -> list[dict]:
                 raise DataValidationError(f"{path}: the dataset has no rows")
             features = datasets.Features({column: datasets.Value("string") for column in header})
             options = {"features": features, "keep_default_na": False, "encoding": "utf-8-sig"}
-        dataset = datasets.load_dataset(LOCAL_BUILDERS[suffix], data_files=str(path), split="train", **options)
+        # The builder converts the file to an Arrow copy in its cache (by default the user's
+        # ~/.cache/huggingface/datasets, one copy per version of the file, never read again): here a
+        # scratch folder, gone once the rows are read.
+        with tempfile.TemporaryDirectory(prefix="alignflow-read-") as scratch:
+            dataset = datasets.load_dataset(
+                LOCAL_BUILDERS[suffix], data_files=str(path), split="train", cache_dir=scratch, **options
+            )
+            return dataset.to_list()
     except UnicodeDecodeError as error:
         raise DataValidationError(f"{path}: not UTF-8 text (byte {error.start}: {error.reason})") from None
     except DataValidationError:
         raise
     except Exception as error:  # pyarrow / pandas errors name neither the file nor the cause clearly
         raise DataValidationError(f"{path}: cannot read as {suffix[1:]}: {type(error).__name__}: {error}") from None
-    return dataset.to_list()
 
 
 def check_utf8(path: Path) -> None:
