@@ -104,6 +104,7 @@ def task_runner(spec: SweepConfig) -> TaskRunner:
         return ThreadPoolTaskRunner(max_workers=spec.max_concurrent)
     if spec.address:
         return DaskTaskRunner(address=spec.address)
+    scratch = str(get_settings().root / "dask")  # not /tmp/dask-scratch-space: the scheduler's too
     return DaskTaskRunner(
         cluster_kwargs={
             "n_workers": spec.workers,
@@ -112,7 +113,8 @@ def task_runner(spec: SweepConfig) -> TaskRunner:
             "dashboard_address": ":0",  # any free port: 8787 may be taken
             "silence_logs": logging.WARNING,
             "env": {"OMP_NUM_THREADS": str(spec.torch_threads)},
-            "local_directory": str(get_settings().root / "dask"),  # not /tmp/dask-scratch-space
+            "local_directory": scratch,
+            "scheduler_kwargs": {"local_directory": scratch},
         }
     )
 

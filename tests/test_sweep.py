@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -56,14 +57,23 @@ def task_states(flow_run_ids) -> list[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def grid(prefect_api_url):
+def grid_temp(tmp_path_factory) -> Path:
+    """The temp folder of the grid's sweep (this process's and its cluster's), to find what is left there."""
+    return tmp_path_factory.mktemp("grid-temp")
+
+
+@pytest.fixture(scope="module")
+def grid(prefect_api_url, grid_temp):
     overrides = [
         "base.tracking.experiment_name=sweep-grid",
         "promote=true",
         "base.promotion.registered_model=sweep-grid",
         "base.promotion.min_value=null",  # two-step trials score 0: no floor
     ]
-    return run_sweep(sweep_spec("configs/sweep.yaml", *overrides))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", str(grid_temp))
+        patch.setattr(tempfile, "tempdir", str(grid_temp))  # gettempdir() reads TMPDIR once, then this
+        return run_sweep(sweep_spec("configs/sweep.yaml", *overrides))
 
 
 @pytest.mark.flow
@@ -106,8 +116,9 @@ def test_gc_keeps_every_trials_stage_folder_its_trials_are_not_versions_of_one_a
 
 
 @pytest.mark.flow
-def test_the_local_clusters_scratch_space_is_in_the_state_folder_not_in_tmp(grid):
+def test_the_local_clusters_scratch_space_is_in_the_state_folder_not_in_tmp(grid, grid_temp):
     assert (get_settings().root / "dask" / "dask-scratch-space" / "global.lock").is_file()
+    assert not (grid_temp / "dask-scratch-space").exists()
 
 
 @pytest.mark.flow
