@@ -22,7 +22,7 @@ import json
 import sys
 from typing import Any, NamedTuple
 
-SUPPORTED = ("3.4", "4")  # >= the first, < the second: pyproject.toml's "prefect>=3.4,<4"
+SUPPORTED = ("3.9.1", "4")  # >= the first, < the second: pyproject.toml's "prefect>=3.9.1,<4"
 
 # The temporary server: the API app factory and the variables ``SubprocessASGIServer`` sets (no UI;
 # ``create_app`` reads PREFECT__SERVER_EPHEMERAL: no services, PREFECT__SERVER_FINAL: last app of its process).
