@@ -19,6 +19,7 @@ from trainers.collators import PreferenceCollator, prompt_completion_batch
 from trainers.logprobs import completion_logps, next_token_logps
 from trainers.lora import LoraSettings, add_adapters, live_reference, save_stage_model, trainable_parameters
 from trainers.modeling import load_causal_lm
+from trainers.sections import checkpointing_argument
 from trainers.stages import STAGES
 
 
@@ -146,12 +147,17 @@ def test_grpo_with_lora_anchors_its_kl_to_the_base_model(tiny, handles, tmp_path
     assert torch.allclose(slices[0]["ref_logps"], base.logps, atol=1e-6, rtol=0)
 
 
+def checkpointing(args) -> bool:
+    """Whether the trainer arguments turn activation checkpointing on, under the name this transformers gives it."""
+    return getattr(args, checkpointing_argument(type(args)))
+
+
 @pytest.mark.slow
 def test_the_saved_adapter_and_the_merged_copy_give_the_trained_policys_logits(handles, tmp_path):
     overrides = ["dpo.max_steps=2", "dpo.per_device_train_batch_size=4", "dpo.reference=live"]
     overrides.append("dpo.gradient_checkpointing=true")
     trainer = build("dpo", overrides, handles, tmp_path)
-    assert trainer.args.activation_checkpointing
+    assert checkpointing(trainer.args)
     trainer.train()
     lora_b = [p for n, p in trainer.model.named_parameters() if "lora_B" in n]
     assert all(p.abs().max() > 0 for p in lora_b)  # gradients reached every adapter through the checkpointing
@@ -206,7 +212,7 @@ def test_knobs_reach_the_trainer_arguments(handles, tmp_path):
 
     overrides = ["dpo.eval_strategy=steps", "dpo.eval_steps=3", "dpo.gradient_checkpointing=true"]
     args = build("dpo", overrides, handles, tmp_path, lora=None).args
-    assert (args.eval_strategy, args.eval_steps, args.activation_checkpointing) == ("steps", 3, True)
+    assert (args.eval_strategy, args.eval_steps, checkpointing(args)) == ("steps", 3, True)
     assert args.bf16 is False  # bf16: auto on a machine without CUDA
     # report_to passes through (tensorboard is not installed here: the arguments, not a Trainer)
     section = load_config(None, ["dpo.report_to=[tensorboard]", "dpo.bf16=auto"]).dpo
@@ -390,7 +396,7 @@ def test_every_stage_trains_its_adapters_with_gradient_checkpointing_and_bf16(st
     the start, has moved, and nothing but the adapters has."""
     knobs = [f"{stage}.gradient_checkpointing=true", f"{stage}.bf16=true", f"{stage}.learning_rate=0.01"]
     trainer = build(stage, STAGE_STEPS[stage] + knobs, handles, tmp_path)
-    assert trainer.args.activation_checkpointing and trainer.args.bf16
+    assert checkpointing(trainer.args) and trainer.args.bf16
     frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
     trainer.train()
     assert trainer.state.global_step == 1
