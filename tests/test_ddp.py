@@ -331,11 +331,15 @@ def test_a_part_that_fails_on_its_dask_worker_before_joining_fails_the_wait_at_o
     job = untracked_train_job("dpo", {"max_steps": 1}, inputs, folder / "lost")
     lines: list[str] = []
     resources = {machine_resource(1): 1}
-    scratch = {"local_directory": str(folder)}  # the scheduler's and the worker's, not /tmp/dask-scratch-space
-    cluster = LocalCluster(
-        n_workers=1, processes=False, resources=resources, dashboard_address=":0", **scratch, scheduler_kwargs=scratch
-    )
-    with cluster:
+    scratch = str(folder)  # the worker's and the scheduler's dask-scratch-space, not /tmp's
+    with LocalCluster(
+        n_workers=1,
+        processes=False,
+        resources=resources,
+        dashboard_address=":0",
+        local_directory=scratch,
+        scheduler_kwargs={"local_directory": scratch},
+    ) as cluster:
         placement = OnDask(cluster.scheduler_address, "dpo", lines.append, unreadable_spec)
         placement.place(job, 1)
         gang = Gang(job.launch_dir, 2, 0, join_timeout=60)
