@@ -262,12 +262,15 @@ def dask_cluster(env: dict[str, str], workers: list[list[str]]) -> Iterator[tupl
     dask = str(Path(sys.executable).parent / "dask")
     processes = []
 
-    def start(command: list[str]) -> subprocess.Popen:
-        processes.append(subprocess.Popen(command, env=cluster_env, start_new_session=True, stderr=subprocess.DEVNULL))
-        return processes[-1]
-
     with tempfile.TemporaryDirectory(prefix="alignflow-dask-") as folder:
         cluster_env = env | {"TMPDIR": folder}  # the scheduler's and workers' dask-scratch-space, not /tmp's
+
+        def start(command: list[str]) -> subprocess.Popen:
+            processes.append(
+                subprocess.Popen(command, env=cluster_env, start_new_session=True, stderr=subprocess.DEVNULL)
+            )
+            return processes[-1]
+
         scheduler_file = Path(folder) / "scheduler.json"
         try:
             scheduler = start(
