@@ -28,9 +28,14 @@ def within(imported: set[str], forbidden: set[str]) -> set[str]:
 
 
 @cache
+def source(path: Path) -> str:
+    return path.read_text()
+
+
+@cache
 def parsed(path: Path) -> ast.Module:
     """``path``'s syntax tree, parsed once for every test here (none changes a tree)."""
-    return ast.parse(path.read_text())
+    return ast.parse(source(path))
 
 
 def forbidden_imports(path: Path, forbidden: set[str]) -> set[str]:
@@ -269,7 +274,7 @@ def launched_entry_modules() -> set[str]:
     found: set[str] = set()
     for folder in ("trainers", "tasks", "flows", "infra", "tests", "benchmarks"):
         for path in PROJECT.glob(f"{folder}/**/*.py"):
-            if not LAUNCHING_CALL.search(path.read_text()):  # no call to parse for (most files)
+            if not LAUNCHING_CALL.search(source(path)):  # no call to parse for (most files)
                 continue
             for call in (node for node in ast.walk(parsed(path)) if isinstance(node, ast.Call)):
                 if called_name(call) == "launch_command":
