@@ -30,6 +30,7 @@ from tasks.reference import compute_columns, reference_dtype, reference_key, ref
 from trainers.devices import load_dtype, model_dtype
 from trainers.evaluation import preference_rewards
 from trainers.modeling import load_causal_lm
+from trainers.reward_model import REWARD_HEADS, load_reward_model
 
 CPU_ONLY = Hardware(cuda_devices=0, cuda_bf16=False)
 OLD_GPU = Hardware(cuda_devices=2, cuda_bf16=False)  # e.g. a V100: no bfloat16
@@ -167,6 +168,16 @@ def test_the_loader_takes_the_dtype_and_the_device(tiny_checkpoint):
     )
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert compute_device(ComputeConfig().cpu).type == expected and compute_device(cpu=True).type == "cpu"
+
+
+@pytest.mark.unit
+def test_loaded_models_run_their_own_layers_not_hub_kernels(tiny_checkpoint):
+    """transformers ≥ 5.2x kernelizes a loaded model by default (layers swapped for kernels fetched
+    from the Hub at run time, on CUDA); the pipeline's loaders turn that off, for causal LMs and
+    reward models alike."""
+    assert load_causal_lm(tiny_checkpoint.path)[0].use_kernels is False
+    for head in REWARD_HEADS:
+        assert load_reward_model(tiny_checkpoint.path, head=head)[0].use_kernels is False, head
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from trainers.devices import torch_dtype
 
+# ``from_pretrained`` options of every model the pipeline loads. transformers ≥ 5.2x "kernelizes" a
+# model by default once the ``kernels`` package (its own dependency) is installed: on CUDA it swaps
+# layers for kernels fetched from the Hugging Face Hub at run time, which fails offline and changes
+# the numbers from one hub revision to the next. The pipeline runs the model's own code.
+LOAD_OPTIONS = {"use_kernels": False}
+
 
 def load_tokenizer(path: str, revision: str | None = None) -> PreTrainedTokenizerBase:
     tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
@@ -26,7 +32,7 @@ def load_causal_lm(
     """The model in ``dtype`` (``auto``: the checkpoint's own; see ``compute.dtype``), on ``device``
     (None: where transformers puts it, the CPU; a Trainer moves it to its own device), and its tokenizer."""
     tokenizer = load_tokenizer(path, revision)
-    model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch_dtype(dtype))
+    model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch_dtype(dtype), **LOAD_OPTIONS)
     if device is not None:
         model.to(device)
     model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -39,7 +39,7 @@ from trainers.data import render_completion, render_prompt
 from trainers.devices import torch_dtype
 from trainers.logprobs import completion_logps
 from trainers.metric_window import MetricWindow
-from trainers.modeling import load_tokenizer
+from trainers.modeling import LOAD_OPTIONS, load_tokenizer
 from trainers.registry import Registry
 from trainers.reward_section import RewardStageConfig
 from trainers.sections import section_fields
@@ -125,7 +125,7 @@ def load_reward_model(
     spec = REWARD_HEADS.lookup(head)
     tokenizer = load_tokenizer(path, revision)
     model = spec.auto_class.from_pretrained(
-        path, revision=revision, dtype=torch_dtype(dtype), **dict(spec.load_options)
+        path, revision=revision, dtype=torch_dtype(dtype), **LOAD_OPTIONS, **dict(spec.load_options)
     )
     model.config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer, head
