@@ -35,9 +35,12 @@ class MetricWindow:
         self.window_metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
 
     def record_metrics(self, metrics: dict[str, torch.Tensor], mode: str) -> None:
-        """One batch's metrics, averaged (``num_tokens``: summed) over the processes."""
+        """One batch's metrics, averaged (``num_tokens``: summed) over the processes. They may come
+        from several devices (a counter built on the CPU, a teacher's on its own device): each is
+        gathered from the process's device."""
         names = list(metrics)
-        stacked = torch.stack([metrics[n].float() for n in names]).unsqueeze(0)
+        device = self.accelerator.device
+        stacked = torch.stack([metrics[n].detach().float().to(device) for n in names]).unsqueeze(0)
         gathered = self.accelerator.gather(stacked)  # (processes, metrics)
         for name, total, mean in zip(names, gathered.sum(0).tolist(), gathered.mean(0).tolist()):
             self.window_metrics[mode][name].append(total if name in SUMMED_METRICS else mean)
