@@ -224,7 +224,8 @@ def run_sharding_check(options: argparse.Namespace, gpu: bool, workdir: Path) ->
         accelerate_config=options.sharding if gpu else None,
     )
     root = Path(__file__).resolve().parents[1]
-    path = os.pathsep.join([str(root), str(root / "benchmarks")])
+    # ahead of the caller's own PYTHONPATH (a machine's carried packages, say), which stays
+    path = os.pathsep.join(filter(None, [str(root), str(root / "benchmarks"), os.environ.get("PYTHONPATH")]))
     env = os.environ | {"PYTHONPATH": path, **launcher_temp_folder(workdir / "tmp")}
     for stage in ("grpo", "dpo"):
         (workdir / f"{stage}.json").write_text(json.dumps(spec | {"stage": stage}))
