@@ -75,7 +75,7 @@ def ld_token_weights(completion_mask: torch.Tensor, alpha: float, dtype: torch.d
     public = torch.minimum(lengths[:half], lengths[half:]).repeat(2)
     position = completion_mask.cumsum(1)  # t: 1-based index of a completion token in its completion
     beyond = (position > public[:, None]) & completion_mask.bool()
-    return torch.where(beyond, torch.tensor(alpha, dtype=dtype), torch.tensor(1.0, dtype=dtype))
+    return torch.ones(beyond.shape, dtype=dtype, device=beyond.device).masked_fill(beyond, alpha)
 
 
 def wpo_pair_weights(chosen_logweights: torch.Tensor, rejected_logweights: torch.Tensor) -> torch.Tensor:
