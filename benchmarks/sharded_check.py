@@ -22,11 +22,22 @@ from __future__ import annotations
 import copy
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 ALPHA = 0.5
+STARTED = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    """A line from the main process with the seconds since the process started: a timeout shows
+    which phase it cut."""
+    from accelerate import PartialState
+
+    if PartialState().is_main_process:
+        print(f"sharded_check: {message} ({time.perf_counter() - STARTED:.0f} s)", flush=True)
 
 
 def full_weights(trainer) -> dict[str, torch.Tensor]:
@@ -73,6 +84,7 @@ def check_grpo(spec: dict, inputs, rows: list[dict]) -> dict:
     )
     trainer = STAGES["grpo"].build(section, inputs)
     trainer.train()
+    progress("GRPO trained")
     accelerator, sharding = trainer.accelerator, trainer.sharding
     assert sharding.name == spec["sharding"], sharding.name
     assert is_whole(trainer.ref_model), "the GRPO reference was sharded"
@@ -85,6 +97,7 @@ def check_grpo(spec: dict, inputs, rows: list[dict]) -> dict:
         )
         logits = policy(input_ids=generated).logits.float()
     assert generated.shape[1] == ids.shape[1] + length, generated.shape
+    progress("generated; gathering the full weights")
     whole = whole_copy(trainer.ref_model, full_weights(trainer))
     precision = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
     with torch.no_grad(), torch.autocast(accelerator.device.type, dtype=precision, enabled=precision != torch.float32):
@@ -116,6 +129,7 @@ def check_dpo(spec: dict, inputs) -> dict:
     trainer = STAGES["dpo"].build(section, inputs)
     initial = copy.deepcopy(trainer.ref_model.state_dict())
     trainer.train()
+    progress("DPO trained")
     sharding = sharding_of(trainer.accelerator.state)
     assert sharding.name == spec["sharding"], sharding.name
     reference = trainer.ref_model
@@ -124,6 +138,7 @@ def check_dpo(spec: dict, inputs) -> dict:
     assert moved > 0, "the TR-DPO sync did not move the reference"
     before = {n: t.detach().float().cpu().clone() for n, t in reference.state_dict().items()}
     full = full_weights(trainer)
+    progress("full weights gathered; one more sync")
     mix_into_reference(reference, trainer.model_wrapped, ALPHA, sharding)
     after = reference.state_dict()
     worst = max((after[n].float().cpu() - (ALPHA * full[n] + (1 - ALPHA) * before[n])).abs().max().item() for n in full)

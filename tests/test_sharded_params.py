@@ -158,3 +158,10 @@ def test_the_gpu_checks_sharding_section_refuses_fsdp_on_the_cpu_and_its_ddp_smo
     assert "sharded_check grpo (replicated, 2 processes)" in done.stdout
     assert "sharded_check dpo (replicated, 2 processes)" in done.stdout
     assert "generation, the live reference and the TR-DPO sync are correct under ddp" in done.stdout
+    phases = [line.split(" (")[0] for line in done.stdout.splitlines() if line.startswith("sharded_check: ")]
+    assert phases == [  # the main process's progress, once each: a timeout shows which phase it cut
+        "sharded_check: GRPO trained",
+        "sharded_check: generated; gathering the full weights",
+        "sharded_check: DPO trained",
+        "sharded_check: full weights gathered; one more sync",
+    ]
