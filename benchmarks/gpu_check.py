@@ -1,5 +1,5 @@
-"""GPU check: SFT → cached reference → DPO → reward → GRPO → distill → evaluation of a ~0.5B Llama,
-in bf16, on one GPU.
+"""GPU check: SFT → cached reference → DPO, DPO with LoRA, KTO → reward → GRPO → distill → evaluation
+of a ~0.5B Llama, in bf16, on one GPU.
 
 One prepared script, no network: it builds ``builtin:llama-0.5b`` (Qwen2.5-0.5B's shape, 494M
 parameters, random init) and the built-in tokenizer, prepares the built-in addition task, and runs
@@ -10,7 +10,8 @@ wall time, tokens/s, MFU and peak GPU memory, and it asserts that the reference 
 evaluation ran on the GPU (the GPU memory they allocated holds at least the model's bf16 weights).
 GRPO is scored by the reward stage's model on a device of its own (``grpo.reward_model_device:
 cpu``) and the distillation's teacher (the SFT model) runs on the CPU too (``distill.teacher_device:
-cpu``): their inputs, scores and logits cross devices.
+cpu``): their inputs, scores and logits cross devices. DPO with LoRA adapters (peft, on the cached
+reference) and KTO (a live reference model) start from the SFT model beside DPO.
 
     .venv/bin/python benchmarks/gpu_check.py                      # on a CUDA machine (a few minutes)
     .venv/bin/python benchmarks/gpu_check.py --model builtin:tiny-llama --steps 2 --allow-cpu   # logic smoke
@@ -152,15 +153,26 @@ def pair_token_count(rows) -> int:
     return sum(len(r["prompt_ids"]) * 2 + len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in rows)
 
 
-def train_stage(stage: str, section, inputs, reports, parameters: int, gpu: bool, logs: dict | None = None):
-    """Build the stage with the pipeline's builder, train it, save its model; its handle (and its
-    trainer's last log window in ``logs``)."""
+def train_stage(
+    stage: str,
+    section,
+    inputs,
+    reports,
+    parameters: int,
+    gpu: bool,
+    logs: dict | None = None,
+    name: str | None = None,
+):
+    """Build the stage with the pipeline's builder, train it, save its model (LoRA: its adapters);
+    its handle (and its trainer's last log window in ``logs``). ``name``: its row in the table.
+    With LoRA a token costs 4·N (no weight gradients of the frozen model), else 6·N."""
     from tasks.models import checkpoint_handle
     from trainers.stages import STAGES
 
     trainer = STAGES[stage].build(section, inputs)
     counter = TokenCounter(trainer.model)
-    with measured(stage, 6 * parameters, reports, gpu) as box:
+    flops_per_token = (6 if inputs.lora is None else 4) * parameters
+    with measured(name or stage, flops_per_token, reports, gpu) as box:
         trainer.train()
         box["tokens"] = counter.tokens
     counter.handle.remove()
@@ -278,6 +290,8 @@ def run_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:
     from trainers.distill_section import DistillStageConfig
     from trainers.dpo_section import DPOStageConfig
     from trainers.grpo_section import GRPOStageConfig
+    from trainers.kto_section import KTOStageConfig
+    from trainers.lora import LoraSettings
     from trainers.reward_section import RewardStageConfig
     from trainers.sft_section import SFTConfig
     from trainers.stages import ModelSource, StageInputs
@@ -339,6 +353,23 @@ def run_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:
         "dpo",
         DPOStageConfig(per_device_train_batch_size=options.batch_size, **steps),
         inputs("dpo", sft, with_reference_columns(ref)),
+        reports,
+        parameters,
+        gpu,
+    )
+    train_stage(
+        "dpo",
+        DPOStageConfig(per_device_train_batch_size=options.batch_size, **steps),
+        inputs("dpo-lora", sft, with_reference_columns(ref), lora=LoraSettings()),
+        reports,
+        parameters,
+        gpu,
+        name="dpo (lora)",
+    )
+    train_stage(
+        "kto",
+        KTOStageConfig(per_device_train_batch_size=options.batch_size, reference="live", **steps),
+        inputs("kto", sft, splits),
         reports,
         parameters,
         gpu,

@@ -254,7 +254,8 @@ def test_the_gpu_check_refuses_to_run_without_a_gpu_and_its_cpu_smoke_runs_every
     done = subprocess.run(script + smoke, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.split(" | ")[0].removeprefix("| ") for line in done.stdout.splitlines() if line.startswith("| ")]
-    assert rows == ["stage", "sft", "reference pass", "dpo", "reward", "grpo", "distill", "evaluation"]
+    stages = ["sft", "reference pass", "dpo", "dpo (lora)", "kto", "reward", "grpo", "distill", "evaluation"]
+    assert rows == ["stage", *stages]
     assert "the reference pass and the evaluation ran on cpu" in done.stdout
     assert "GRPO's reward model and the distillation's teacher ran on cpu" in done.stdout
     assert "gpu_check: GRPO on hf: " in done.stdout and " generated tokens/s\n" in done.stdout
