@@ -18,11 +18,22 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
+import pytest
+
+from infra.core.mlflow_compat import basic_auth_admin_from_environment, installed_version
+
 PROJECT = Path(__file__).resolve().parents[1]
 ALIGNFLOW = [sys.executable, "-m", "infra.ops.cli"]  # the `alignflow` command of this checkout
 MINIMAL = "configs/minimal.yaml"
 SMOKE = "alignflow-experiment/smoke"  # the deployment the session's `alignflow serve` serves (conftest.py)
 
+
+# Tests of a server started with `servers up --auth`, which refuses MLflow 3.9-3.16 by design
+# (pyproject's floor is 3.9; tests/test_ops.py and tests/test_compat.py test the refusal itself).
+NEEDS_AUTH_MLFLOW = pytest.mark.skipif(
+    not basic_auth_admin_from_environment(installed_version()),
+    reason=f"`servers up --auth` refuses MLflow {installed_version()} (before 3.17)",
+)
 
 # TrainingArguments of a test trainer: no reporting, no checkpoints, no progress bars, no pinned memory.
 QUIET_TRAINING = dict(report_to=[], save_strategy="no", disable_tqdm=True, dataloader_pin_memory=False)

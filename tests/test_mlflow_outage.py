@@ -15,7 +15,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-from helpers import state_folder_environment
+from helpers import NEEDS_AUTH_MLFLOW, state_folder_environment
 from mlflow import MlflowClient
 from prefect.logging import disable_run_logger
 
@@ -239,6 +239,7 @@ def files_holding(folder: Path, secret: str) -> list[str]:
 
 
 @pytest.mark.slow
+@NEEDS_AUTH_MLFLOW
 def test_alignflow_run_fails_with_one_clear_line_when_mlflow_dies_for_good_and_stores_no_password(
     protected_server, tmp_path
 ):

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import ALIGNFLOW, alignflow, environment_without_services
+from helpers import ALIGNFLOW, NEEDS_AUTH_MLFLOW, alignflow, environment_without_services
 
 from infra.core.mlflow_compat import basic_auth_config
 from infra.core.ports import free_port
 from infra.core.processes import environment
 from infra.ops import servers
 
-pytestmark = pytest.mark.services
+pytestmark = [pytest.mark.services, NEEDS_AUTH_MLFLOW]
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 RUN = ["run", "configs/minimal.yaml", "name=authed", "stages=[sft]", "sft.max_steps=2", "evaluation.num_prompts=4"]
