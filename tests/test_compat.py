@@ -15,6 +15,7 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 import tomllib
+from helpers import NEEDS_AUTH_MLFLOW
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -231,10 +232,9 @@ def test_servers_up_refuses_auth_exactly_on_an_mlflow_that_takes_its_admin_from_
 
 
 @pytest.mark.unit
+@NEEDS_AUTH_MLFLOW
 def test_the_basic_auth_settings_are_mlflows_own_but_for_the_credential_cache(tmp_path, monkeypatch):
     """Read by MLflow as the basic-auth app reads them: what MLflow ships, with the cache switched on."""
-    if not mlflow_compat.basic_auth_admin_from_environment(mlflow_compat.installed_version()):
-        pytest.skip("`servers up --auth` refuses this MLflow (the test above)")
     shipped = auth_config_read_by_mlflow(monkeypatch, None)
     (tmp_path / "auth.ini").write_text(mlflow_compat.basic_auth_config(60))
     ours = auth_config_read_by_mlflow(monkeypatch, tmp_path / "auth.ini")
