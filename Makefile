@@ -43,7 +43,8 @@ install-vllm: $(VLLM_INSTALLED)
 # What the vllm tier imports (pytest, its test module, an engine, an `alignflow run` with its
 # temporary Prefect server and MLflow store): imported once when the environment is built, beside
 # the main tiers, so that the serial vllm tier finds their bytecode (137 s → 106 s measured; a failed
-# import here costs only that).
+# import here costs only that). Importing Prefect creates its home and MLflow writes a telemetry id
+# to ~/.config/mlflow unless told not to: both stay out of the user's home.
 VLLM_TIER_MODULES := pytest datasets flows.pipeline tasks.stage_trainer trainers.vllm_engine vllm.entrypoints.llm \
 	vllm.v1.engine.core vllm.v1.executor.uniproc_executor vllm.v1.worker.cpu_worker vllm.model_executor.model_loader \
 	vllm.model_executor.models.llama prefect.server.api.server mlflow.store.tracking.sqlalchemy_store
@@ -70,7 +71,7 @@ $(VLLM_INSTALLED): $(VLLM_ENGINE) pyproject.toml
 	@echo "vllm 3/4: alignflow and its test dependencies"
 	@$(VLLM_PY) -m pip install --quiet --no-compile -e ".[test]"
 	@echo "vllm 4/4: bytecode of the modules the vllm tier imports"
-	@PYTHONDONTWRITEBYTECODE= $(VLLM_PY) -c "import importlib, sys; [importlib.import_module(m) for m in sys.argv[1:]]" $(VLLM_TIER_MODULES) \
+	@PYTHONDONTWRITEBYTECODE= PREFECT_HOME=$(VLLM_VENV)/prefect-home MLFLOW_DISABLE_TELEMETRY=true DO_NOT_TRACK=1 $(VLLM_PY) -c "import importlib, sys; [importlib.import_module(m) for m in sys.argv[1:]]" $(VLLM_TIER_MODULES) \
 		> /dev/null 2>&1 || echo "vllm 4/4: an import failed; the vllm tier compiles what it imports itself"
 	@touch $@
 
