@@ -162,6 +162,18 @@ def prepare_split(
     return rows, report
 
 
+def check_context(config: DataConfig, context: int | None, model: ModelHandle) -> None:
+    """Refuse a fixed ``data.max_length`` beyond the model's context: rows that long would reach
+    positions the model was never built for (learned position embeddings fail with an index error,
+    rotary ones degrade silently). ``auto`` is capped by the context instead."""
+    if context is None or config.max_length == AUTO or config.max_length <= context:
+        return
+    raise DataValidationError(
+        f"data.max_length={config.max_length} is longer than the model's context: {model.path} takes at most "
+        f"{context} positions (its config.json). Set data.max_length to at most {context}, or to auto"
+    )
+
+
 def check_cut_share(manifest: dict, config: DataConfig) -> None:
     """Refuse data whose truncation cut or dropped more than ``data.max_cut_share`` of a split's
     rows, with the counts, the lengths that would fit, and both ways out."""
@@ -196,6 +208,7 @@ def tokenize_splits(config: DataConfig, handle: ModelHandle) -> tuple[dict[str, 
     if template is not None:
         tokenizer.chat_template = template
     context = context_length(handle.path, handle.revision)
+    check_context(config, context, handle)
     rendered = render_splits(config, tokenizer, context)
     flat = {split: [row for _, rows, _ in parts for row in rows] for split, parts in rendered.items()}
     mode = config.truncation_mode

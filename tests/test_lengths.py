@@ -11,6 +11,7 @@ from transformers import LlamaConfig
 
 from infra.core.config import DataConfig, DatasetSource, ExperimentConfig
 from infra.core.handles import ModelHandle
+from infra.core.settings import get_settings
 from tasks.data import prepare_dataset
 from tests.helpers import chat_tokenizer
 from trainers.clipping import MARGIN_TOKENS, TextClip
@@ -124,20 +125,42 @@ def test_fixed_lengths_that_cut_most_rows_fail_preparation_with_the_counts_and_t
         prepare_dataset.fn(config, chat_model)
 
 
-def test_the_context_caps_auto_lengths_and_the_gate_still_applies(chat_model, chat_data, tmp_path):
+@pytest.fixture
+def small_context_model(chat_model, tmp_path) -> ModelHandle:
+    """The chat model, copied with a context of 64 positions."""
     small = tmp_path / "small-context"
     small.mkdir()
     for file in Path(chat_model.path).iterdir():
         (small / file.name).write_bytes(file.read_bytes())
     config = json.loads((small / "config.json").read_text())
     (small / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
-    handle = chat_model.model_copy(update={"path": str(small)})
+    return chat_model.model_copy(update={"path": str(small)})
+
+
+def test_the_context_caps_auto_lengths_and_the_gate_still_applies(small_context_model, chat_data):
+    handle = small_context_model
     # prompts over 63 tokens (users of 26..50 characters: 99 rows, and the outlier) are cut and leave one
     # token of their 3-token completion; users of 24 and 25 characters (8 rows) keep their prompt and 2 or 1
     with disable_run_logger(), pytest.raises(DataValidationError) as error:
         prepare_dataset.fn(data_config(chat_data), handle)
     assert "max_length=64, max_prompt_length=63 " in str(error.value)
     assert "sft: 108 of 200 rows (100 prompts cut, 108 completions cut, 0 dropped)" in str(error.value)
+
+
+def test_a_fixed_max_length_beyond_the_models_context_fails_preparation_and_writes_nothing(
+    small_context_model, chat_data
+):
+    config = data_config(chat_data, max_length=65, max_prompt_length=16, max_cut_share=1.0)
+    with disable_run_logger(), pytest.raises(DataValidationError) as error:
+        prepare_dataset.fn(config, small_context_model)
+    assert str(error.value) == (
+        f"data.max_length=65 is longer than the model's context: {small_context_model.path} takes at most 64 "
+        "positions (its config.json). Set data.max_length to at most 64, or to auto"
+    )
+    assert list(get_settings().data_cache.glob("*")) == []  # no entry, not even a partial one
+    with disable_run_logger():  # the context itself is allowed
+        prepared = prepare_dataset.fn(config.model_copy(update={"max_length": 64}), small_context_model)
+    assert prepared.truncation == {"max_length": 64, "max_prompt_length": 16, "mode": "keep_end"}
 
 
 def test_the_builtin_configs_keep_their_short_lengths_and_the_default_is_auto():

@@ -206,7 +206,8 @@ class DataConfig(Section):
     max_length: Annotated[int, Field(ge=2)] | Literal["auto"] = Field(
         "auto",
         description="Maximum prompt + completion tokens; `auto`: fit 99.5% of every split's rows, rounded up to a "
-        "multiple of 8 and capped by the model's context (docs/data-and-models.md, lengths).",
+        "multiple of 8 and capped by the model's context; a fixed value may not exceed that context "
+        "(docs/data-and-models.md, lengths).",
     )
     max_prompt_length: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         "auto", description="Maximum prompt tokens; `auto`: fit 99.5% of every split's prompts (as `max_length`)."
