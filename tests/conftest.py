@@ -20,7 +20,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -64,30 +63,23 @@ def state_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def prefect_api_url():
-    """One Prefect API server for the whole session: the command of a run's temporary server, without
-    its auth string, on a copy of the migrated template database in a folder of its own. It answers
-    after ~4 CPU s; Prefect's ``prefect_test_harness`` migrates a new database first (~14 CPU s)."""
+    """One Prefect API server for the whole session: a run's temporary server, without its auth
+    string, on a copy of the migrated template database in a folder of its own. It answers after
+    ~4 CPU s; Prefect's ``prefect_test_harness`` migrates a new database first (~14 CPU s)."""
     from helpers import migrated_prefect_database
     from prefect.logging.handlers import APILogHandler
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from infra.core.launching import ProcessGroup
     from infra.core.ports import free_port
-    from infra.core.prefect_compat import TEMPORARY_SERVER_ENV, temporary_server_command
-    from infra.ops.servers import is_healthy
+    from infra.ops.prefect_api import TemporaryServer
 
     home = _STATE / "session-prefect-server"
     home.mkdir()
     shutil.copyfile(migrated_prefect_database(), home / "prefect.db")
-    port = free_port()
-    env = {**os.environ, **TEMPORARY_SERVER_ENV, "PREFECT_HOME": str(home)}
-    with (home / "server.log").open("ab") as log:
-        server = ProcessGroup.start(temporary_server_command(port), env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + 120
-    while not is_healthy(f"{url}/health"):
-        assert server.poll() is None and time.monotonic() < deadline, (home / "server.log").read_text()[-3000:]
-        time.sleep(0.1)
+    server = TemporaryServer(free_port(), home / "server.log", auth_string=None, home=home)
+    server.launch()
+    server.wait_ready(timeout=120)
+    url = server.api_url
     try:
         with temporary_settings(updates={PREFECT_API_URL: url}):
             yield url

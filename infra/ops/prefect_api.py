@@ -36,12 +36,14 @@ PORT_IN_USE_EXIT = 3  # uvicorn's exit code when its port was taken meanwhile
 @dataclass
 class TemporaryServer:
     """Prefect's temporary API server (the command Prefect's ``SubprocessASGIServer`` runs: the API
-    app on SQLite under ``PREFECT_HOME``, no UI), a process group tied to this process."""
+    app on SQLite under ``PREFECT_HOME``, no UI), a process group tied to this process. ``home``:
+    the ``PREFECT_HOME`` of its database (None: this process's); ``auth_string`` None: no auth."""
 
     port: int
     log: Path
     group: ProcessGroup | None = None
-    auth_string: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
+    auth_string: str | None = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
+    home: Path | None = None
 
     @classmethod
     def of_state_folder(cls) -> "TemporaryServer":
@@ -55,13 +57,18 @@ class TemporaryServer:
     @property
     def client_environment(self) -> dict[str, str]:
         """What a Prefect client needs to talk to it: the URL and the auth string."""
-        return {"PREFECT_API_URL": self.api_url, "PREFECT_API_AUTH_STRING": self.auth_string}
+        auth = {} if self.auth_string is None else {"PREFECT_API_AUTH_STRING": self.auth_string}
+        return {"PREFECT_API_URL": self.api_url, **auth}
 
     def launch(self) -> None:
         """Start it (a Ctrl-C reaches the run, which still reports to the server, not the server)."""
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **TEMPORARY_SERVER_ENV, "PREFECT_SERVER_API_AUTH_STRING": self.auth_string}
+        env = {**os.environ, **TEMPORARY_SERVER_ENV}
         env.pop("PREFECT_API_URL", None)
+        if self.auth_string is not None:
+            env["PREFECT_SERVER_API_AUTH_STRING"] = self.auth_string
+        if self.home is not None:
+            env["PREFECT_HOME"] = str(self.home)
         with self.log.open("ab") as log:
             self.group = ProcessGroup.start(
                 temporary_server_command(self.port), env=env, stdout=log, stderr=subprocess.STDOUT
@@ -78,8 +85,10 @@ class TemporaryServer:
             if is_healthy(f"{self.api_url}/health"):
                 return
             if self.group.poll() == PORT_IN_USE_EXIT:
+                pointed_here = os.environ.get("PREFECT_API_URL") == self.api_url
                 self.port = free_port()
-                os.environ["PREFECT_API_URL"] = self.api_url
+                if pointed_here:  # start_temporary_server's clients follow it to the new port
+                    os.environ["PREFECT_API_URL"] = self.api_url
                 self.launch()
             elif self.group.poll() is not None:
                 break
