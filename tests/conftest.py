@@ -35,8 +35,8 @@ from helpers import migrated_mlflow_database  # noqa: E402
 from infra.core.settings import configure_environment  # noqa: E402
 from trainers.fast_exit import end_at_exit_without_teardown  # noqa: E402
 
+configure_environment()  # first: building the template imports MLflow, which would write ~/.config/mlflow otherwise
 shutil.copyfile(migrated_mlflow_database(), _STATE / "mlflow.db")  # the session's store, migrated once per version
-configure_environment()
 
 SESSION: list[pytest.Session] = []  # the session once it ended (pytest_sessionfinish)
 # Registered before Prefect, MLflow or torch register theirs, so it runs after them: the session
