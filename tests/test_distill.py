@@ -335,3 +335,26 @@ def test_a_teacher_with_a_padded_embedding_samples_only_the_tokenizers_ids(tiny,
     assert batch["input_ids"].max().item() < len(tokenizer) and batch["completion_mask"].sum() > 0
     trainer.train()
     assert trainer.state.global_step == 2
+
+
+@pytest.mark.unit
+def test_sampled_completions_that_would_pass_the_students_context_are_refused_when_the_trainer_is_built(
+    tiny, demonstrations, tmp_path
+):
+    model, tokenizer = tiny
+    model = copy.deepcopy(model)  # the trainers freeze their teacher: not the session's model
+    longest = max(len(row["prompt_ids"]) for row in demonstrations)
+    assert (longest, model.config.max_position_embeddings) == (4, 128)
+    with pytest.raises(ValueError) as error:
+        make_trainer(model, model, tokenizer, demonstrations, tmp_path, max_new_tokens=125, lmbda=0.0, seq_kd=True)
+    assert str(error.value) == (
+        "distill: the longest prompt (4 tokens) + distill.max_new_tokens (125) is 129 tokens, beyond the model's "
+        "context (128 positions): set distill.max_new_tokens to at most 124, or cut the prompts shorter "
+        "(data.max_prompt_length)"
+    )
+    assert make_trainer(model, model, tokenizer, demonstrations, tmp_path, max_new_tokens=124).args.lmbda == 0.5
+    # nothing is sampled without on-policy steps or seq_kd: the data's completions fit already
+    assert (
+        make_trainer(model, model, tokenizer, demonstrations, tmp_path, max_new_tokens=125, lmbda=0.0).args.seq_kd
+        is False
+    )

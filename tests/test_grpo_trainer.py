@@ -529,3 +529,17 @@ def test_vllm_generation_needs_vllm_in_the_trainers_environment_only_when_coloca
         make_trainer(tiny, prompts, tmp_path, **vllm, vllm_mode="server")
     trainer = make_trainer(tiny, prompts, tmp_path, **vllm, vllm_mode="server", vllm_server_url="http://gen:8100")
     assert trainer.backend.engine is None  # built at the first generation
+
+
+def test_a_completion_that_would_pass_the_models_context_is_refused_before_the_first_step(tiny, prompts, tmp_path):
+    longest, context = max(len(p["prompt_ids"]) for p in prompts), tiny[0].config.max_position_embeddings
+    assert (longest, context) == (4, 128)
+    with pytest.raises(ValueError) as error:
+        make_trainer(tiny, prompts, tmp_path, max_completion_length=125)
+    assert str(error.value) == (
+        "grpo: the longest prompt (4 tokens) + grpo.max_completion_length (125) is 129 tokens, beyond the model's "
+        "context (128 positions): set grpo.max_completion_length to at most 124, or cut the prompts shorter "
+        "(data.max_prompt_length or grpo.max_prompt_length)"
+    )
+    assert make_trainer(tiny, prompts, tmp_path, max_completion_length=124).calls == 0  # exactly the context
+    assert make_trainer(tiny, prompts, tmp_path, max_prompt_length=2, max_completion_length=126).calls == 0

@@ -5,6 +5,7 @@ characters of the render plus one per special token, so every expected length is
 import json
 from pathlib import Path
 
+import datasets
 import pytest
 from prefect.logging import disable_run_logger
 from transformers import LlamaConfig
@@ -16,7 +17,13 @@ from tasks.data import prepare_dataset
 from tests.helpers import chat_tokenizer
 from trainers.clipping import MARGIN_TOKENS, TextClip
 from trainers.data import DataValidationError, RenderedRow, Truncation, render_rows, truncate_rows
-from trainers.lengths import fitting_length, resolve_truncation
+from trainers.lengths import (
+    check_generation_fits,
+    config_context,
+    fitting_length,
+    prompt_lengths,
+    resolve_truncation,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -203,3 +210,22 @@ def test_texts_clipped_before_tokenizing_give_the_rows_and_counts_of_whole_ones(
     assert max(len(r.prompt_ids) + r.longest for r in clipped_rows) <= clip.max_chars + 8  # one token a character
     assert truncate_rows(clipped_rows, truncation) == whole
     assert whole.cut == 2
+
+
+def test_a_generation_fits_when_its_longest_prompt_as_cut_plus_its_completions_fit_the_context():
+    check_generation_fits([10, 30], None, 34, 64, "grpo.max_completion_length")  # the last token at the last position
+    check_generation_fits([10, 30], 20, 44, 64, "grpo.max_completion_length")  # prompts cut to 20 first
+    check_generation_fits([500], None, 6, None, "grpo.max_completion_length")  # no context known: nothing to check
+    with pytest.raises(ValueError) as error:
+        check_generation_fits([10, 30], None, 35, 64, "distill.max_new_tokens")
+    assert str(error.value) == (
+        "distill: the longest prompt (30 tokens) + distill.max_new_tokens (35) is 65 tokens, beyond the model's "
+        "context (64 positions): set distill.max_new_tokens to at most 34, or cut the prompts shorter "
+        "(data.max_prompt_length)"
+    )
+    rows = [{"prompt_ids": [1] * n} for n in (3, 7, 5)]
+    assert prompt_lengths(datasets.Dataset.from_list(rows)) == prompt_lengths(rows) == [3, 7, 5]
+    assert prompt_lengths(None) == []
+    assert config_context({"n_positions": 1024, "hidden_size": 8}) == 1024
+    assert config_context({"max_position_embeddings": None, "seq_length": 77}) == 77
+    assert config_context({"hidden_size": 8}) is None

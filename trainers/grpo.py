@@ -51,6 +51,7 @@ from trainers.grpo_section import (
     generation_layout,
 )
 from trainers.layout import GenerationLayout
+from trainers.lengths import check_generation_fits, config_context, prompt_lengths
 from trainers.logprobs import next_token_logps
 from trainers.lora import has_adapters, live_reference
 from trainers.rewards import RewardError, RewardFunction, resolve_rewards, reward_kwargs, score_completions
@@ -206,6 +207,14 @@ class GRPOTrainer(Trainer):
                 "GRPOTrainer does not evaluate during training; score checkpoints with trainers.evaluation"
             )
         args: GRPOConfig = self.args
+        check_generation_fits(
+            prompt_lengths(self.train_dataset),
+            args.max_prompt_length,
+            args.max_completion_length,
+            config_context(self.model.config.to_dict()),
+            "grpo.max_completion_length",
+            "data.max_prompt_length or grpo.max_prompt_length",
+        )
         self.loss_fn = get_grpo_loss(args.loss_type)
         self.objective = get_policy_objective(args.policy_loss)
         self.log_ratio = IMPORTANCE_LEVELS.lookup(args.importance_sampling_level).log_ratio

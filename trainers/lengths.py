@@ -16,6 +16,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
+import datasets
+import pyarrow.compute
+
 from trainers.data import RenderedRow, Truncation
 
 AUTO = "auto"
@@ -85,5 +88,42 @@ def context_length(path: str, revision: str | None = None) -> int | None:
             file = Path(cached if isinstance(cached, str) else hf_hub_download(path, "config.json", revision=revision))
         except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError):
             return None
-    config = json.loads(file.read_text())
+    return config_context(json.loads(file.read_text()))
+
+
+def config_context(config: Mapping) -> int | None:
+    """The maximum positions a model config (``config.json`` as a mapping) names, or None."""
     return next((config[key] for key in CONTEXT_KEYS if isinstance(config.get(key), int)), None)
+
+
+def prompt_lengths(dataset) -> list[int]:
+    """The token count of each prompt (``prompt_ids``) of ``dataset``: Arrow's list lengths for a
+    ``datasets.Dataset`` (no row is decoded), none without a dataset."""
+    if dataset is None:
+        return []
+    if isinstance(dataset, datasets.Dataset):
+        return pyarrow.compute.list_value_length(dataset.data.column("prompt_ids")).to_pylist()
+    return [len(row["prompt_ids"]) for row in dataset]
+
+
+def check_generation_fits(
+    lengths: Iterable[int],
+    max_prompt_length: int | None,
+    new_tokens: int,
+    context: int | None,
+    setting: str,
+    prompt_settings: str = "data.max_prompt_length",
+) -> None:
+    """Refuse a generation whose longest prompt (of ``lengths``, cut to ``max_prompt_length`` when set) plus
+    ``new_tokens`` (the value of ``setting``) would pass the model's ``context`` (None: unknown):
+    the last tokens would sit at positions the model was never built for, and a vLLM engine (whose
+    length is the context) would stop there. The error names ``setting`` and ``prompt_settings``
+    (what cuts the prompts). Checked when the trainer is built, not at its first generation."""
+    longest = max((min(n, max_prompt_length) if max_prompt_length else n for n in lengths), default=0)
+    if context is None or longest + new_tokens <= context:
+        return
+    raise ValueError(
+        f"{setting.split('.')[0]}: the longest prompt ({longest} tokens) + {setting} ({new_tokens}) is "
+        f"{longest + new_tokens} tokens, beyond the model's context ({context} positions): set {setting} to at "
+        f"most {context - longest}, or cut the prompts shorter ({prompt_settings})"
+    )
