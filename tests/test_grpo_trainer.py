@@ -543,3 +543,7 @@ def test_a_completion_that_would_pass_the_models_context_is_refused_before_the_f
     )
     assert make_trainer(tiny, prompts, tmp_path, max_completion_length=124).calls == 0  # exactly the context
     assert make_trainer(tiny, prompts, tmp_path, max_prompt_length=2, max_completion_length=126).calls == 0
+    with pytest.raises(ValueError, match=r"is 65 tokens, beyond grpo.vllm_max_model_len \(64 positions\): set "):
+        make_trainer(
+            tiny, prompts, tmp_path, generation_backend="vllm", vllm_max_model_len=64, max_completion_length=61
+        )

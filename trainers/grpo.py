@@ -207,13 +207,18 @@ class GRPOTrainer(Trainer):
                 "GRPOTrainer does not evaluate during training; score checkpoints with trainers.evaluation"
             )
         args: GRPOConfig = self.args
+        context, limit = config_context(self.model.config.to_dict()), "the model's context"
+        engine_length = args.vllm_max_model_len if args.generation_backend == "vllm" else None
+        if engine_length is not None and (context is None or engine_length < context):
+            context, limit = engine_length, "grpo.vllm_max_model_len"  # the engine's, shorter than the model's
         check_generation_fits(
             prompt_lengths(self.train_dataset),
             args.max_prompt_length,
             args.max_completion_length,
-            config_context(self.model.config.to_dict()),
+            context,
             "grpo.max_completion_length",
             "data.max_prompt_length or grpo.max_prompt_length",
+            limit,
         )
         self.loss_fn = get_grpo_loss(args.loss_type)
         self.objective = get_policy_objective(args.policy_loss)
