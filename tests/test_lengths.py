@@ -17,6 +17,7 @@ from tasks.data import prepare_dataset
 from tests.helpers import chat_tokenizer
 from trainers.clipping import MARGIN_TOKENS, TextClip
 from trainers.data import DataValidationError, RenderedRow, Truncation, render_rows, truncate_rows
+from trainers.evaluation import GenerationSpec, score_prompts
 from trainers.lengths import (
     check_generation_fits,
     config_context,
@@ -229,3 +230,16 @@ def test_a_generation_fits_when_its_longest_prompt_as_cut_plus_its_completions_f
     assert config_context({"n_positions": 1024, "hidden_size": 8}) == 1024
     assert config_context({"max_position_embeddings": None, "seq_length": 77}) == 77
     assert config_context({"hidden_size": 8}) is None
+
+
+def test_an_evaluation_whose_completions_would_pass_the_models_context_is_refused_before_generating(tiny):
+    model, tokenizer = tiny
+    row = {"prompt_ids": tokenizer("12+34=")["input_ids"], "answer": "46"}
+    assert (len(row["prompt_ids"]), model.config.max_position_embeddings) == (6, 128)
+    with pytest.raises(ValueError) as error:
+        score_prompts(model, tokenizer, [row], GenerationSpec(max_new_tokens=123, num_samples=1))
+    assert str(error.value) == (
+        "evaluation: the longest prompt (6 tokens) + evaluation.max_new_tokens (123) is 129 tokens, beyond the "
+        "model's context (128 positions): set evaluation.max_new_tokens to at most 122, or cut the prompts shorter "
+        "(data.max_prompt_length)"
+    )

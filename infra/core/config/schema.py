@@ -282,8 +282,13 @@ class EvaluationConfig(Section):
         default_factory=lambda: [1, 4],
         description="k values for pass@k (unbiased estimator); k > num_samples is skipped.",
     )
-    temperature: float = Field(1.0, gt=0)
-    max_new_tokens: int = Field(5, ge=1)
+    temperature: float = Field(1.0, gt=0, description="Temperature of the sampled completions.")
+    max_new_tokens: int = Field(
+        5,
+        ge=1,
+        description="Generated tokens per completion at most; with the longest prompt at most each model's context "
+        "(checked before it generates).",
+    )
     batch_size: int = Field(256, ge=1, description="Prompts per generate() call.")
     bootstrap_resamples: int = Field(1000, ge=10, description="Bootstrap resamples for the 95% confidence intervals.")
     num_logged_samples: int = Field(
