@@ -1,5 +1,7 @@
 """Stage builders: each registered stage's trainer gets exactly its config section's values."""
 
+import json
+import shutil
 from enum import Enum
 
 import pytest
@@ -8,6 +10,7 @@ from prefect.logging import disable_run_logger
 from infra.core.config import AdditionTaskConfig, DataConfig, DatasetSource, ReferenceConfig, load_config
 from infra.core.stage_io import TrainInputs
 from tasks.data import prepare_dataset
+from tasks.models import checkpoint_handle
 from tasks.reference import cache_ref_logps
 from tasks.stage_trainer import stage_inputs
 from trainers.callbacks import SyncReferenceCallback
@@ -23,8 +26,13 @@ ARGUMENT_NAMES = {"warmup_ratio": "warmup_steps"}
 def handles(tiny_checkpoint, tmp_path_factory):
     """(This module's, instead of the session's.) A real prepared dataset, with a held-out split for
     every stage that evaluates, and a real reference-cache entry for it per reference view (the tiny
-    model is the reference)."""
-    policy = tiny_checkpoint
+    model is the reference). The tiny model's config names 512 positions here, not 128: every
+    section's defaults must fit it (distill's 128 new tokens after a prompt would not)."""
+    folder = tmp_path_factory.mktemp("tiny-512") / "model"
+    shutil.copytree(tiny_checkpoint.path, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 512}))
+    policy = checkpoint_handle(folder, "base")
     sft_eval = tmp_path_factory.mktemp("stages") / "sft_eval.jsonl"
     sft_eval.write_text('{"prompt": "1+2=", "completion": "3"}\n{"prompt": "2+2=", "completion": "4"}\n')
     config = DataConfig(
