@@ -230,6 +230,14 @@ def test_a_generation_fits_when_its_longest_prompt_as_cut_plus_its_completions_f
     assert config_context({"n_positions": 1024, "hidden_size": 8}) == 1024
     assert config_context({"max_position_embeddings": None, "seq_length": 77}) == 77
     assert config_context({"hidden_size": 8}) is None
+    # rotary scaling: YaRN stretches its original length, linear / dynamic the stated one, by the factor
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert config_context({"max_position_embeddings": 32768, "rope_scaling": yarn}) == 131072  # Qwen2.5 with YaRN
+    linear = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    assert config_context({"max_position_embeddings": 4096, "rope_parameters": linear}) == 8192  # transformers 5
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
+    assert config_context({"max_position_embeddings": 131072, "rope_scaling": llama3}) == 131072  # stated scaled
+    assert config_context({"max_position_embeddings": 2048, "rope_parameters": {"rope_type": "default"}}) == 2048
 
 
 def test_an_evaluation_whose_completions_would_pass_the_models_context_is_refused_before_generating(tiny):

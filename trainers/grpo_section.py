@@ -182,7 +182,10 @@ class GRPOStageConfig(TrainingConfig):
         0.3, gt=0.0, le=1.0, description="vllm: the GPU memory share the engine may take (weights and KV cache)."
     )
     vllm_max_model_len: int | None = Field(
-        None, ge=1, description="vllm: the longest prompt + completion; default: the model's max_position_embeddings."
+        None,
+        ge=1,
+        description="vllm: the longest prompt + completion; default: the model's context (max_position_embeddings, "
+        "scaled by its rotary scaling factor as vLLM derives it).",
     )
     vllm_enable_sleep_mode: bool = Field(
         False, description="vllm: the engine gives its GPU memory back between generations (GPUs only)."

@@ -69,6 +69,8 @@ def resolve_truncation(
 
 # Where model configs state how many positions the model takes (Llama/Qwen/Gemma, GPT-2, others).
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+# Rotary scalings whose config states the scaled length itself (vLLM's exceptions alike).
+UNSCALED_ROPE_TYPES = (None, "default", "llama3", "longrope", "su")
 
 
 def context_length(path: str, revision: str | None = None) -> int | None:
@@ -92,8 +94,17 @@ def context_length(path: str, revision: str | None = None) -> int | None:
 
 
 def config_context(config: Mapping) -> int | None:
-    """The maximum positions a model config (``config.json`` as a mapping) names, or None."""
-    return next((config[key] for key in CONTEXT_KEYS if isinstance(config.get(key), int)), None)
+    """The maximum positions a model config (``config.json`` as a mapping) names, or None; for a
+    rotary embedding scaled by ``factor`` (YaRN, linear, dynamic NTK), the scaled length, as vLLM
+    derives it: a YaRN config states its unscaled length (Qwen2.5: 32768, factor 4), and Llama 3.1's
+    ``llama3`` and Phi-3's ``longrope`` state the scaled one already."""
+    positions = next((config[key] for key in CONTEXT_KEYS if isinstance(config.get(key), int)), None)
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}  # transformers 5 names it rope_parameters
+    kind, factor = rope.get("rope_type", rope.get("type")), rope.get("factor")
+    if positions is None or kind in UNSCALED_ROPE_TYPES or not isinstance(factor, int | float) or factor <= 1:
+        return positions
+    base = rope.get("original_max_position_embeddings", positions) if kind == "yarn" else positions
+    return int(base * factor)
 
 
 def prompt_lengths(dataset) -> list[int]:

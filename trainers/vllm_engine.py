@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from trainers.collators import pad_right
+from trainers.lengths import config_context
 from trainers.lora import has_adapters, merged_weights
 
 # The engine core must run in this process for the weight reload to reach its model; set before vllm
@@ -213,7 +214,7 @@ def build_llm(
             model=str(folder),
             dtype=dtype,
             seed=seed,
-            max_model_len=options.max_model_len or AutoConfig.from_pretrained(folder).max_position_embeddings,
+            max_model_len=options.max_model_len or config_context(AutoConfig.from_pretrained(folder).to_dict()),
             gpu_memory_utilization=options.gpu_memory_utilization,
             enable_sleep_mode=options.enable_sleep_mode,
             enforce_eager=device_type == "cpu",
