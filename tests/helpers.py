@@ -30,10 +30,21 @@ SMOKE = "alignflow-experiment/smoke"  # the deployment the session's `alignflow 
 
 # Tests of a server started with `servers up --auth`, which refuses MLflow 3.9-3.16 by design
 # (pyproject's floor is 3.9; tests/test_ops.py and tests/test_compat.py test the refusal itself).
+MLFLOW_VERSION = installed_version()
 NEEDS_AUTH_MLFLOW = pytest.mark.skipif(
-    not basic_auth_admin_from_environment(installed_version()),
-    reason=f"`servers up --auth` refuses MLflow {installed_version()} (before 3.17)",
+    not basic_auth_admin_from_environment(MLFLOW_VERSION),
+    reason=f"`servers up --auth` refuses MLflow {MLFLOW_VERSION} (before 3.17)",
 )
+
+
+def model_with_context(source: str | Path, folder: Path, positions: int) -> Path:
+    """A copy of the model folder ``source`` at ``folder`` whose config.json names ``positions``
+    positions (a rotary model's weights and outputs do not depend on that number)."""
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": positions}))
+    return folder
+
 
 # TrainingArguments of a test trainer: no reporting, no checkpoints, no progress bars, no pinned memory.
 QUIET_TRAINING = dict(report_to=[], save_strategy="no", disable_tqdm=True, dataloader_pin_memory=False)

@@ -14,7 +14,7 @@ from infra.core.config import DataConfig, DatasetSource, ExperimentConfig
 from infra.core.handles import ModelHandle
 from infra.core.settings import get_settings
 from tasks.data import prepare_dataset
-from tests.helpers import chat_tokenizer
+from tests.helpers import chat_tokenizer, model_with_context
 from trainers.clipping import MARGIN_TOKENS, TextClip
 from trainers.data import DataValidationError, RenderedRow, Truncation, render_rows, truncate_rows
 from trainers.evaluation import GenerationSpec, score_prompts
@@ -136,12 +136,7 @@ def test_fixed_lengths_that_cut_most_rows_fail_preparation_with_the_counts_and_t
 @pytest.fixture
 def small_context_model(chat_model, tmp_path) -> ModelHandle:
     """The chat model, copied with a context of 64 positions."""
-    small = tmp_path / "small-context"
-    small.mkdir()
-    for file in Path(chat_model.path).iterdir():
-        (small / file.name).write_bytes(file.read_bytes())
-    config = json.loads((small / "config.json").read_text())
-    (small / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    small = model_with_context(chat_model.path, tmp_path / "small-context", 64)
     return chat_model.model_copy(update={"path": str(small)})
 
 

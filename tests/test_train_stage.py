@@ -1,10 +1,9 @@
 """Stage builders: each registered stage's trainer gets exactly its config section's values."""
 
-import json
-import shutil
 from enum import Enum
 
 import pytest
+from helpers import model_with_context
 from prefect.logging import disable_run_logger
 
 from infra.core.config import AdditionTaskConfig, DataConfig, DatasetSource, ReferenceConfig, load_config
@@ -28,11 +27,9 @@ def handles(tiny_checkpoint, tmp_path_factory):
     every stage that evaluates, and a real reference-cache entry for it per reference view (the tiny
     model is the reference). The tiny model's config names 512 positions here, not 128: every
     section's defaults must fit it (distill's 128 new tokens after a prompt would not)."""
-    folder = tmp_path_factory.mktemp("tiny-512") / "model"
-    shutil.copytree(tiny_checkpoint.path, folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 512}))
-    policy = checkpoint_handle(folder, "base")
+    policy = checkpoint_handle(
+        model_with_context(tiny_checkpoint.path, tmp_path_factory.mktemp("tiny-512") / "model", 512), "base"
+    )
     sft_eval = tmp_path_factory.mktemp("stages") / "sft_eval.jsonl"
     sft_eval.write_text('{"prompt": "1+2=", "completion": "3"}\n{"prompt": "2+2=", "completion": "4"}\n')
     config = DataConfig(

@@ -130,8 +130,8 @@ def check_generation_fits(
     ``new_tokens`` (the value of ``setting``) would pass the model's ``context`` (None: unknown):
     the last tokens would sit at positions the model was never built for, and a vLLM engine (whose
     length is the context) would stop there. The error names ``setting``, ``prompt_settings`` (what
-    cuts the prompts) and ``limit`` (what ``context`` is). Checked when the trainer is built, not at
-    its first generation."""
+    cuts the prompts) and ``limit`` (what ``context`` is). Callers check before any generation: the
+    GRPO and distillation trainers when they are built, the evaluation before each model's."""
     longest = max((min(n, max_prompt_length) if max_prompt_length else n for n in lengths), default=0)
     if context is None or longest + new_tokens <= context:
         return
