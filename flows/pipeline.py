@@ -10,7 +10,7 @@ from prefect.context import FlowRunContext
 from infra.core.config import ExperimentConfig, check_compute, merge_onto
 from infra.core.handles import ModelHandle, PreparedData, ReferenceLogps
 from infra.core.stage_io import TrainInputs
-from tasks.data import prepare_dataset
+from tasks.data import check_generations, prepare_dataset
 from tasks.evaluate import EvalReport, HeldOutRewards, evaluate
 from tasks.models import resolve_model, resolve_scorer, resolve_teacher
 from tasks.promote import find_champion, promote
@@ -48,6 +48,7 @@ def experiment(
     with tracked_run(start_parent_run(config, parent_run_id=nest_under)) as parent_run_id:
         base = resolve_model(config.model)
         data = prepare_dataset(config.data, base)
+        check_generations(config, data, base)  # before any stage trains
         models = {"base": base}
         reward_models: dict[str, ModelHandle] = {}
         policy, held_out_rewards = base, None

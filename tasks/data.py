@@ -9,7 +9,7 @@ from pathlib import Path
 import datasets
 from prefect import get_run_logger, task
 
-from infra.core.config import DataConfig, DatasetSource, is_template_text, template_file
+from infra.core.config import DataConfig, DatasetSource, ExperimentConfig, is_template_text, template_file
 from infra.core.fingerprints import atomic_directory, code_fingerprint, hash_paths, hash_token_ids, hash_value
 from infra.core.handles import ModelHandle, PreparedData
 from infra.core.settings import get_settings
@@ -28,7 +28,9 @@ from trainers.data import (
     truncate_rows,
     validate_rows,
 )
-from trainers.lengths import AUTO, context_length, resolve_truncation
+from trainers.generation_length import evaluation_generation
+from trainers.lengths import AUTO, context_length, prompt_lengths, resolve_truncation
+from trainers.stages import STAGES
 from trainers.synthetic import AdditionTask, generate_addition
 
 MANIFEST = "manifest.json"
@@ -172,6 +174,26 @@ def check_context(config: DataConfig, context: int | None, model: ModelHandle) -
         f"data.max_length={config.max_length} is longer than the model's context: {model.path} takes at most "
         f"{context} positions (its config.json). Set data.max_length to at most {context}, or to auto"
     )
+
+
+def check_generations(config: ExperimentConfig, data: PreparedData, model: ModelHandle) -> None:
+    """Refuse, before any stage trains, a generation that would not fit ``model``'s context: each
+    stage's that samples while it trains (:attr:`trainers.stages.registry.StageSpec.generation`) on
+    the prepared prompts of the split it trains on, and the evaluation's on the held-out prompts it
+    scores. Its trainer or the evaluation would refuse it too, but only once the stages before it
+    had trained. Raises ValueError naming the settings."""
+    context = context_length(model.path, model.revision)  # None: unknown (an engine's length may still apply)
+    prepared = datasets.load_from_disk(data.path)
+    for stage in config.stages:
+        spec = STAGES[stage]
+        generation = spec.generation(config.stage(stage))
+        split = next((s for s in spec.splits if s in prepared), None)
+        if generation is not None and split is not None:
+            generation.check(prompt_lengths(prepared[split]), context)
+    if "eval_prompts" in prepared:
+        held_out = prepared["eval_prompts"]
+        scored = held_out.select(range(min(config.evaluation.num_prompts, len(held_out))))
+        evaluation_generation(config.evaluation.max_new_tokens).check(prompt_lengths(scored), context)
 
 
 def check_cut_share(manifest: dict, config: DataConfig) -> None:

@@ -3,6 +3,7 @@ lengths read off ChatML data with a character-level tokenizer, whose token count
 characters of the render plus one per special token, so every expected length is counted here."""
 
 import json
+import re
 from pathlib import Path
 
 import datasets
@@ -13,13 +14,13 @@ from transformers import LlamaConfig
 from infra.core.config import DataConfig, DatasetSource, ExperimentConfig
 from infra.core.handles import ModelHandle
 from infra.core.settings import get_settings
-from tasks.data import prepare_dataset
+from tasks.data import check_generations, prepare_dataset
 from tests.helpers import chat_tokenizer, model_with_context
 from trainers.clipping import MARGIN_TOKENS, TextClip
 from trainers.data import DataValidationError, RenderedRow, Truncation, render_rows, truncate_rows
 from trainers.evaluation import GenerationSpec, score_prompts
+from trainers.generation_length import Generation
 from trainers.lengths import (
-    check_generation_fits,
     config_context,
     fitting_length,
     prompt_lengths,
@@ -209,16 +210,25 @@ def test_texts_clipped_before_tokenizing_give_the_rows_and_counts_of_whole_ones(
 
 
 def test_a_generation_fits_when_its_longest_prompt_as_cut_plus_its_completions_fit_the_context():
-    check_generation_fits([10, 30], None, 34, 64, "grpo.max_completion_length")  # the last token at the last position
-    check_generation_fits([10, 30], 20, 44, 64, "grpo.max_completion_length")  # prompts cut to 20 first
-    check_generation_fits([500], None, 6, None, "grpo.max_completion_length")  # no context known: nothing to check
+    Generation(34, "grpo.max_completion_length").check([10, 30], 64)  # the last token at the last position
+    Generation(44, "grpo.max_completion_length", max_prompt_length=20).check([10, 30], 64)  # prompts cut to 20 first
+    Generation(6, "grpo.max_completion_length").check([500], None)  # no context known: nothing to check
     with pytest.raises(ValueError) as error:
-        check_generation_fits([10, 30], None, 35, 64, "distill.max_new_tokens")
+        Generation(35, "distill.max_new_tokens").check([10, 30], 64)
     assert str(error.value) == (
         "distill: the longest prompt (30 tokens) + distill.max_new_tokens (35) is 65 tokens, beyond the model's "
         "context (64 positions): set distill.max_new_tokens to at most 34, or cut the prompts shorter "
         "(data.max_prompt_length)"
     )
+    # an engine's own length is the limit where it is shorter than the context, or the context is unknown
+    engine = Generation(20, "grpo.max_completion_length", engine_length=48, engine_setting="grpo.vllm_max_model_len")
+    engine.check([28], 64)
+    engine.check([10], None)
+    Generation(50, "grpo.max_completion_length", engine_length=96).check([14], 64)  # the context is the shorter
+    with pytest.raises(ValueError, match=r"beyond grpo.vllm_max_model_len \(48 positions\): set grpo.max_"):
+        engine.check([29], 64)
+    with pytest.raises(ValueError, match=r"beyond the model's context \(64 positions\)"):
+        Generation(51, "grpo.max_completion_length", engine_length=96).check([14], 64)
     rows = [{"prompt_ids": [1] * n} for n in (3, 7, 5)]
     assert prompt_lengths(datasets.Dataset.from_list(rows)) == prompt_lengths(rows) == [3, 7, 5]
     assert prompt_lengths(None) == []
@@ -246,3 +256,38 @@ def test_an_evaluation_whose_completions_would_pass_the_models_context_is_refuse
         "model's context (128 positions): set evaluation.max_new_tokens to at most 122, or cut the prompts shorter "
         "(data.max_prompt_length)"
     )
+
+
+TEACHER = {"teacher_model": "builtin:tiny-llama"}
+
+
+@pytest.mark.parametrize(
+    ("stages", "overrides", "refused"),
+    [
+        (["sft", "grpo"], {"grpo": {"max_completion_length": 125}}, "grpo.max_completion_length (125) is 129"),
+        (
+            ["sft", "distill"],
+            {"distill": {"teacher_model": "builtin:tiny-llama"}},
+            "distill.max_new_tokens (128) is 132",
+        ),
+        (["sft", "dpo"], {"evaluation": {"max_new_tokens": 125}}, "evaluation.max_new_tokens (125) is 129"),
+        (["sft", "distill"], {"distill": TEACHER | {"lmbda": 0.0}}, None),  # supervised KD: nothing sampled
+        (["grpo"], {"grpo": {"max_completion_length": 124}, "evaluation": {"max_new_tokens": 124}}, None),
+    ],
+    ids=["grpo", "distill", "evaluation", "supervised-distill", "fitting"],
+)
+def test_the_flow_refuses_a_generation_past_the_context_once_the_data_is_prepared(handles, stages, overrides, refused):
+    """The prepared built-in prompts are 4 tokens (``handles``' data; the evaluation's are the
+    ``eval_prompts`` it scores), the tiny model's context 128 positions: GRPO's, on-policy
+    distillation's and the evaluation's completions are checked before any stage trains."""
+    policy, data, _ = handles
+    assert (
+        max(prompt_lengths(datasets.load_from_disk(data.path)["grpo_prompts"])),
+        config_context(json.loads((Path(policy.path) / "config.json").read_text())),
+    ) == (4, 128)
+    config = ExperimentConfig(stages=stages, **overrides)
+    if refused is None:
+        check_generations(config, data, policy)
+        return
+    with pytest.raises(ValueError, match=r"^\w+: the longest prompt \(4 tokens\) \+ " + re.escape(refused)):
+        check_generations(config, data, policy)

@@ -250,6 +250,22 @@ def test_reference_free_objective_runs_with_no_reference_cache_task(prefect_api_
     assert "rewards/accuracies" not in report.rows["dpo"]
 
 
+def test_a_grpo_completion_past_the_context_fails_the_run_before_sft_trains(prefect_api_url):
+    """The GRPO trainer would refuse it too, but only once SFT and DPO had trained: the flow checks
+    every stage's generation once the data is prepared, and no train task runs."""
+    from flows.pipeline import experiment
+
+    state = experiment(load_config(MINIMAL, ["grpo.max_completion_length=125"]), return_state=True)
+    assert state.is_failed()
+    assert (
+        "grpo: the longest prompt (4 tokens) + grpo.max_completion_length (125) is 129 tokens, beyond the model's "
+        "context (128 positions)" in state.message
+    )
+    states = task_states(state.state_details.flow_run_id)
+    assert [state for name, state in states.items() if name.startswith("prepare-dataset")] == ["Completed"]
+    assert [name for name in states if name.startswith(("train-", "cache-reference-logps"))] == []
+
+
 def test_kto_after_sft_trains_on_the_unpaired_pairs_against_cached_reference_logps_and_is_evaluated(prefect_api_url):
     """The `kto` stage in the flow: SFT's model is its start and its reference, whose log-probs of
     KTO's completions and KL completions (the pairs unpaired: two rows each) are one reference-cache

@@ -23,8 +23,8 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from trainers.collators import pad_left, prompt_completion_batch
 from trainers.devices import placed_on
-from trainers.distill_section import DistillStageConfig
-from trainers.lengths import check_generation_fits, config_context, prompt_lengths
+from trainers.distill_section import DistillStageConfig, distill_generation
+from trainers.lengths import config_context, prompt_lengths
 from trainers.metric_window import MetricWindow
 from trainers.sampling import sampled_generation_config, sampling_processors
 from trainers.sections import section_fields
@@ -103,14 +103,8 @@ class DistillTrainer(MetricWindow, Trainer):
             raise ValueError("DistillTrainer needs processing_class: the tokenizer the student samples with")
         args: DistillConfig = self.args
         tokenizer = self.processing_class
-        if args.lmbda > 0 or args.seq_kd:  # completions are sampled: they must fit the student's context
-            check_generation_fits(
-                prompt_lengths(self.train_dataset),
-                None,
-                args.max_new_tokens,
-                config_context(self.model.config.to_dict()),
-                "distill.max_new_tokens",
-            )
+        if (generation := distill_generation(args)) is not None:  # sampled completions fit the student's context
+            generation.check(prompt_lengths(self.train_dataset), config_context(self.model.config.to_dict()))
         self.teacher_device = placed_on(args.teacher_device, self.accelerator.device, "distill.teacher_device")
         if args.teacher_device == "policy":
             self.teacher = prepare_reference(teacher_model, self.accelerator)

@@ -3,8 +3,11 @@ config and :class:`trainers.distill.DistillConfig` both take their fields from t
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field
 
+from trainers.generation_length import Generation
 from trainers.sections import Placement, SchedulerName, StageCompute, TrainingConfig, check_placement
 
 
@@ -56,6 +59,15 @@ class DistillStageConfig(TrainingConfig):
         description="Sequence-level KD (Kim & Rush, 2016; TRL's GKD name): the steps that are not on-policy train on "
         "completions the teacher samples for the `sft` split's prompts instead of the split's own completions.",
     )
+
+
+def distill_generation(options: Any) -> Generation | None:
+    """The completions a section or a ``DistillConfig`` samples: ``max_new_tokens`` after each
+    prompt where any step is on-policy (``lmbda`` > 0) or the teacher samples (``seq_kd``); none
+    otherwise (supervised KD on the data's completions)."""
+    if options.lmbda > 0 or options.seq_kd:
+        return Generation(new_tokens=options.max_new_tokens, setting="distill.max_new_tokens")
+    return None
 
 
 def check_distill(section: DistillStageConfig, compute: StageCompute) -> None:

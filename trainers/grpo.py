@@ -49,9 +49,10 @@ from trainers.grpo_section import (
     check_engine_options,
     check_policy_options,
     generation_layout,
+    grpo_generation,
 )
 from trainers.layout import GenerationLayout
-from trainers.lengths import check_generation_fits, config_context, prompt_lengths
+from trainers.lengths import config_context, prompt_lengths
 from trainers.logprobs import next_token_logps
 from trainers.lora import has_adapters, live_reference
 from trainers.rewards import RewardError, RewardFunction, resolve_rewards, reward_kwargs, score_completions
@@ -207,19 +208,7 @@ class GRPOTrainer(Trainer):
                 "GRPOTrainer does not evaluate during training; score checkpoints with trainers.evaluation"
             )
         args: GRPOConfig = self.args
-        context, limit = config_context(self.model.config.to_dict()), "the model's context"
-        engine_length = args.vllm_max_model_len if args.generation_backend == "vllm" else None
-        if engine_length is not None and (context is None or engine_length < context):
-            context, limit = engine_length, "grpo.vllm_max_model_len"  # the engine's, shorter than the model's
-        check_generation_fits(
-            prompt_lengths(self.train_dataset),
-            args.max_prompt_length,
-            args.max_completion_length,
-            context,
-            "grpo.max_completion_length",
-            "data.max_prompt_length or grpo.max_prompt_length",
-            limit,
-        )
+        grpo_generation(args).check(prompt_lengths(self.train_dataset), config_context(self.model.config.to_dict()))
         self.loss_fn = get_grpo_loss(args.loss_type)
         self.objective = get_policy_objective(args.policy_loss)
         self.log_ratio = IMPORTANCE_LEVELS.lookup(args.importance_sampling_level).log_ratio

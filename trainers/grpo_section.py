@@ -8,6 +8,7 @@ from typing import Any, Iterator, Literal, get_args
 
 from pydantic import Field, model_validator
 
+from trainers.generation_length import Generation
 from trainers.grpo_losses import (
     IMPORTANCE_LEVELS,
     POLICY_OBJECTIVES,
@@ -248,6 +249,20 @@ def generation_layout(options: Any, num_processes: int) -> GenerationLayout:
         num_processes=num_processes,
         steps_per_generation=options.steps_per_generation,
         generation_batch_size=options.generation_batch_size,
+    )
+
+
+def grpo_generation(options: Any) -> Generation:
+    """The completions a section or a ``GRPOConfig`` samples: ``max_completion_length`` tokens after
+    prompts cut to ``max_prompt_length``, within ``vllm_max_model_len`` where vLLM generates and it
+    is set."""
+    return Generation(
+        new_tokens=options.max_completion_length,
+        setting="grpo.max_completion_length",
+        max_prompt_length=options.max_prompt_length,
+        prompt_settings="data.max_prompt_length or grpo.max_prompt_length",
+        engine_length=options.vllm_max_model_len if options.generation_backend == "vllm" else None,
+        engine_setting="grpo.vllm_max_model_len",
     )
 
 

@@ -115,28 +115,3 @@ def prompt_lengths(dataset) -> list[int]:
     if isinstance(dataset, datasets.Dataset):
         return pyarrow.compute.list_value_length(dataset.data.column("prompt_ids")).to_pylist()
     return [len(row["prompt_ids"]) for row in dataset]
-
-
-def check_generation_fits(
-    lengths: Iterable[int],
-    max_prompt_length: int | None,
-    new_tokens: int,
-    context: int | None,
-    setting: str,
-    prompt_settings: str = "data.max_prompt_length",
-    limit: str = "the model's context",
-) -> None:
-    """Refuse a generation whose longest prompt (of ``lengths``, cut to ``max_prompt_length`` when set) plus
-    ``new_tokens`` (the value of ``setting``) would pass the model's ``context`` (None: unknown):
-    the last tokens would sit at positions the model was never built for, and a vLLM engine (whose
-    length is the context) would stop there. The error names ``setting``, ``prompt_settings`` (what
-    cuts the prompts) and ``limit`` (what ``context`` is). Callers check before any generation: the
-    GRPO and distillation trainers when they are built, the evaluation before each model's."""
-    longest = max((min(n, max_prompt_length) if max_prompt_length else n for n in lengths), default=0)
-    if context is None or longest + new_tokens <= context:
-        return
-    raise ValueError(
-        f"{setting.split('.')[0]}: the longest prompt ({longest} tokens) + {setting} ({new_tokens}) is "
-        f"{longest + new_tokens} tokens, beyond {limit} ({context} positions): set {setting} to at "
-        f"most {context - longest}, or cut the prompts shorter ({prompt_settings})"
-    )

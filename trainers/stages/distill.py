@@ -4,7 +4,7 @@ data's completions."""
 
 from __future__ import annotations
 
-from trainers.distill_section import DistillStageConfig, check_distill
+from trainers.distill_section import DistillStageConfig, check_distill, distill_generation
 from trainers.stages.registry import ModelSource, StageInputs, StageSpec, register_stage
 
 
@@ -40,6 +40,7 @@ DISTILL = register_stage(
         splits=("sft",),
         build=build_distill,
         check=check_distill,
+        generation=distill_generation,
         teacher=teacher_of,
         curves=("loss", "logps/student"),
         description="On-policy distillation (GKD) from `distill.teacher_model`, frozen: the generalized JSD between "

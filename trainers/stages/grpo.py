@@ -3,7 +3,7 @@ and reward models (``model:<reward stage or path>``)."""
 
 from __future__ import annotations
 
-from trainers.grpo_section import GRPOStageConfig, check_grpo_compute
+from trainers.grpo_section import GRPOStageConfig, check_grpo_compute, grpo_generation
 from trainers.rewards import reward_model_target
 from trainers.stages.registry import StageInputs, StageSpec, register_stage
 
@@ -51,6 +51,7 @@ GRPO = register_stage(
         splits=("grpo_prompts",),
         build=build_grpo,
         check=check_grpo_compute,
+        generation=grpo_generation,
         reward_models=lambda section: tuple(t for f in section.reward_funcs if (t := reward_model_target(f))),
         description="Group-relative policy optimisation on the `grpo_prompts` split, rewarded by `reward_funcs` "
         "(registered functions, import paths, reward models).",

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
 
+from trainers.generation_length import Generation
 from trainers.lora import LoraSettings
 from trainers.registry import Registry
 from trainers.sections import StageCompute, TrainingConfig
@@ -148,6 +149,9 @@ class StageSpec:
     reward_models: Callable[[Any], tuple[str, ...]] = lambda section: ()
     # The frozen teacher its section names (a model source the flow resolves; ``StageInputs.teacher``).
     teacher: Callable[[Any], ModelSource | None] = lambda section: None
+    # The completions it samples while it trains (GRPO's rollouts, on-policy distillation's): checked
+    # against the model's context once the data is prepared, before any stage of the run trains.
+    generation: Callable[[Any], Generation | None] = lambda section: None
     # The training metrics that show how it learns, as its trainer logs them: what `alignflow compare`
     # plots of it unless told which (a GRPO loss near 0 says little; its mean reward says much).
     curves: tuple[str, ...] = ("loss", "grad_norm")

@@ -286,8 +286,8 @@ class EvaluationConfig(Section):
     max_new_tokens: int = Field(
         5,
         ge=1,
-        description="Generated tokens per completion at most; with the longest prompt at most each model's context "
-        "(checked before it generates).",
+        description="Generated tokens per completion at most; with the longest prompt scored at most the model's "
+        "context (checked once the data is prepared, before any stage trains, and before each model generates).",
     )
     batch_size: int = Field(256, ge=1, description="Prompts per generate() call.")
     bootstrap_resamples: int = Field(1000, ge=10, description="Bootstrap resamples for the 95% confidence intervals.")
