@@ -138,9 +138,11 @@ def score_models(
 
 
 def launched_scores(handles: list[ModelHandle], scoring: Scoring) -> Iterator[ModelScores]:
-    """:func:`score_models` by :class:`EvaluateJob` launches (:meth:`EvaluateJob.batches`), each
-    launch's scores as it ends: the rows go to a launch folder (on the state folder's storage, which
-    every machine reads), each process scores its share of each model's batches."""
+    """:func:`score_models` by :class:`EvaluateJob` launches, each launch's scores as it ends: the
+    rows go to a launch folder (on the state folder's storage, which every machine reads), each
+    process scores its share of each model's batches. One launch scores every model; on vLLM a launch
+    ends at the first model of another shape than its engine's (``tasks.launched_rank.evaluate``),
+    and the next launch starts from there."""
     launches = get_settings().launches
     launches.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix="evaluate-", dir=launches))  # evaluations may run side by side
@@ -149,13 +151,14 @@ def launched_scores(handles: list[ModelHandle], scoring: Scoring) -> Iterator[Mo
         datasets.DatasetDict({name: datasets.Dataset.from_list(r) for name, r in rows.items() if r}).save_to_disk(
             folder / "rows"
         )
-        for group in EvaluateJob.batches(handles, scoring.config):
+        remaining = handles
+        while remaining:
             job = EvaluateJob(
                 plugins=(),
                 launch_dir=folder / "launch",
                 models=[
                     EvaluatedModel(model=h.path, revision=h.revision, pairs=scoring.pairs_of(h) is not None)
-                    for h in group
+                    for h in remaining
                 ],
                 splits=folder / "rows",
                 compute=scoring.compute,
@@ -163,7 +166,11 @@ def launched_scores(handles: list[ModelHandle], scoring: Scoring) -> Iterator[Mo
                 beta=scoring.beta,
                 reward_model=scoring.reward_model,
             )
-            yield from launch(job, f"evaluation of {', '.join(h.stage for h in group)}").scores
+            scores = launch(job, f"evaluation of {', '.join(h.stage for h in remaining)}").scores
+            if not scores:  # the first model of a launch builds its engine: never the case
+                raise RuntimeError(f"a launched evaluation scored none of {[h.stage for h in remaining]}")
+            yield from scores
+            remaining = remaining[len(scores) :]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -81,11 +81,15 @@ def reference(spec: ReferenceJob) -> BaseModel:
 
 
 def evaluate(spec: EvaluateJob) -> BaseModel:
-    """Each model of the spec in turn (``trainers.evaluation.evaluate_models``)."""
+    """Each model of the spec in turn (``trainers.evaluation.evaluate_models``). On vLLM the launch
+    builds one engine, each next model of the first one's shape is synced into it, and the launch
+    ends at the first model of another shape: its result holds the models scored until then, and
+    the parent launches the rest (``tasks.evaluate.launched_scores``)."""
     import datasets
 
-    from trainers.evaluation import RewardModelSource, evaluate_models
+    from trainers.evaluation import RewardModelSource, evaluate_models, evaluation_engine
     from trainers.modeling import load_causal_lm
+    from trainers.vllm_engine import EngineShapeChanged
 
     state = launch_state(spec.compute)
     splits = datasets.load_from_disk(str(spec.splits))
@@ -99,8 +103,17 @@ def evaluate(spec: EvaluateJob) -> BaseModel:
 
     rm = spec.reward_model
     source = None if rm is None else RewardModelSource(rm.path, rm.revision, spec.compute.dtype)
-    scores = evaluate_models(spec.models, load, prompts, spec.evaluation.spec(), spec.beta, state, source)
-    return spec.result(world_size=state.num_processes, scores=list(scores))
+    vllm = spec.evaluation.generation_backend == "vllm"
+    engines = evaluation_engine(spec.evaluation.seed, replaceable=False) if vllm else None
+    scores = []
+    try:
+        for scored in evaluate_models(
+            spec.models, load, prompts, spec.evaluation.spec(), spec.beta, state, source, engines
+        ):
+            scores.append(scored)
+    except EngineShapeChanged:
+        pass  # the next models are another launch's
+    return spec.result(world_size=state.num_processes, scores=scores)
 
 
 RUNNERS: dict[type, Callable] = {TrainJob: train, ReferenceJob: reference, EvaluateJob: evaluate}

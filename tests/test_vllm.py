@@ -25,6 +25,7 @@ from helpers import (
     flow_run_logs,
     launch_worker,
     mlflow_client,
+    model_with_context,
     processes_naming,
     state_folder_environment,
 )
@@ -270,22 +271,40 @@ def test_an_evaluations_models_of_one_shape_share_one_engine_and_score_as_with_a
     assert [r.greedy for r in shared[1]] != [r.greedy for r in shared[0]]  # the sync changed what it generates
 
 
-def test_the_evaluation_on_vllm_over_two_processes_scores_what_one_process_scores(tiny, tiny_checkpoint, monkeypatch):
+def test_the_evaluation_on_vllm_over_two_processes_scores_what_one_process_scores(
+    tiny, tiny_checkpoint, teacher_checkpoint, tmp_path, monkeypatch
+):
     """``compute.num_processes`` 2: each launched rank builds an engine of its own for its share of
-    the prompts (7: 4 and 3); the scores, every sample's text included, are one process's."""
-    from tasks.evaluate import Scoring, score_model
+    the prompts (7: 4 and 3), syncs the next model of the same shape into it, and leaves a model of
+    another shape (here 256 positions) to a second launch; the scores, every sample's text included,
+    are one process's."""
+    import tasks.evaluate
+    from tasks.evaluate import Scoring, score_models
+    from tasks.models import checkpoint_handle
 
     _, tokenizer = tiny
     rows = generate_addition(AdditionTask(max_operand=9, num_eval_problems=20))
     prompts, _ = tokenize_split(rows["grpo_prompts"][:7], "grpo_prompts", tokenizer, Truncation(32, 16))
     evaluation = EvaluationConfig(generation_backend="vllm", max_new_tokens=4, num_samples=3, pass_k=[1, 3], seed=5)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    other_shape = checkpoint_handle(model_with_context(tiny_checkpoint.path, tmp_path / "other", 256), "other")
+    models = [tiny_checkpoint, teacher_checkpoint, other_shape]
     scoring = Scoring(prompts, None, evaluation, None, ComputeConfig(cpu=True))
-    one = score_model(tiny_checkpoint, scoring)
+    with evaluation_engine(evaluation.seed) as engines:  # one process: the same engine reuse
+        one = list(score_models(models, scoring, engines))
+    launched, launch = [], tasks.evaluate.launch
+
+    def recorded(job, label):  # the real launch, its models noted
+        launched.append([scored.model for scored in job.models])
+        return launch(job, label)
+
+    monkeypatch.setattr(tasks.evaluate, "launch", recorded)
     two_processes = ComputeConfig(cpu=True, num_processes=2, main_process_port=free_port())
-    two = score_model(tiny_checkpoint, dataclasses.replace(scoring, compute=two_processes))
+    two = list(score_models(models, dataclasses.replace(scoring, compute=two_processes)))
+    assert launched == [[m.path for m in models], [other_shape.path]]
     assert two == one
-    assert len(one.samples["completion"]) == 7 and len(set(one.samples["completion"])) > 1  # a seed per prompt
+    assert len(one[0].samples["completion"]) == 7 and len(set(one[0].samples["completion"])) > 1  # a seed per prompt
+    assert one[0] != one[1]  # the synced model's own scores
 
 
 def test_an_fsdp_policy_over_two_processes_builds_and_syncs_an_engine_per_process(tiny_checkpoint, tmp_path):

@@ -142,9 +142,10 @@ def completions(tokenizer: PreTrainedTokenizerBase, kept: list[list[int]], per_p
     return [flat[i : i + per_prompt] for i in range(0, len(flat), per_prompt)]
 
 
-def evaluation_engine(seed: int) -> ReusedEngine:
-    """The vLLM engine an evaluation's models share (:func:`score_prompts`' ``engines``)."""
-    return ReusedEngine(EVALUATION_ENGINE, seed)
+def evaluation_engine(seed: int, replaceable: bool = True) -> ReusedEngine:
+    """The vLLM engine an evaluation's models share (:func:`score_prompts`' ``engines``); not
+    ``replaceable`` in a launch of several processes (:class:`ReusedEngine`)."""
+    return ReusedEngine(EVALUATION_ENGINE, seed, replaceable)
 
 
 def engine_completions(

@@ -377,15 +377,23 @@ def serving_shape(model: torch.nn.Module) -> str:
     return json.dumps([architecture(base), config, str(parameter.dtype), str(parameter.device)], default=str)
 
 
+class EngineShapeChanged(RuntimeError):
+    """A model of another shape reached a :class:`ReusedEngine` that may not replace its engine."""
+
+
 class ReusedEngine:
     """One engine for a sequence of models (an evaluation's base model, stages and champion): the
     first builds it, each next one of the same :func:`serving_shape` is synced into it, and one of
     another shape replaces it (one engine at a time: each takes its share of the GPU's memory). A
     build costs seconds on the CPU and tens of seconds on a GPU; a sync about what copying the
-    weights does. ``builds`` counts the engines built. Close it, or use it as a context manager."""
+    weights does. ``builds`` counts the engines built. Close it, or use it as a context manager.
 
-    def __init__(self, options: EngineOptions, seed: int):
-        self.options, self.seed = options, seed
+    In a launch of several processes an engine is kept until the process ends (:meth:`ColocatedEngine.close`),
+    so there ``replaceable`` is False: a model of another shape raises :class:`EngineShapeChanged`
+    before anything is built, and the launch leaves that model and the next ones to another."""
+
+    def __init__(self, options: EngineOptions, seed: int, replaceable: bool = True):
+        self.options, self.seed, self.replaceable = options, seed, replaceable
         self.engine: ColocatedEngine | None = None
         self.shape: str | None = None
         self.models = 0
@@ -393,8 +401,10 @@ class ReusedEngine:
 
     def serving(self, model: torch.nn.Module) -> ColocatedEngine:
         """The engine, holding ``model``'s weights."""
-        self.models += 1  # each model is a new "step": its weights are pushed
         shape = serving_shape(model)
+        if self.engine is not None and shape != self.shape and not self.replaceable:
+            raise EngineShapeChanged(f"{architecture(served_model(model))}: another shape than the engine's")
+        self.models += 1  # each model is a new "step": its weights are pushed
         if self.engine is not None and shape == self.shape:
             self.engine.sync(serving_weights(model), step=self.models)
         else:

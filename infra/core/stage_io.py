@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Iterator, Literal, TypeVar, Union
+from typing import Annotated, Any, ClassVar, Iterator, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, TypeAdapter, model_validator
 
@@ -24,8 +24,6 @@ from trainers.metrics import ModelScores
 from trainers.plugins import import_plugins
 from trainers.sections import TrainingConfig
 from trainers.stages import STAGES, StageName
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -225,7 +223,7 @@ class EvaluateResult(BaseModel):
     model_config = ConfigDict(ser_json_inf_nan="constants")  # a NaN metric comes back as NaN, not null
 
     world_size: int
-    scores: list[ModelScores]  # one per model of the job, in its order
+    scores: list[ModelScores]  # one per model of the job, in its order; on vLLM maybe the first ones only
 
 
 class EvaluatedModel(BaseModel):
@@ -242,8 +240,9 @@ class EvaluatedModel(BaseModel):
 class EvaluateJob(RowsJob):
     """The evaluation (``trainers.evaluation.evaluate_model``) of each of ``models`` in turn, in one
     launch, on the :attr:`PROMPTS` and :attr:`PAIRS` splits of ``splits`` (either may be absent),
-    sharded over the processes (``tasks.evaluate`` when ``compute.num_processes > 1``); with vLLM
-    one model (:meth:`batches`)."""
+    sharded over the processes (``tasks.evaluate`` when ``compute.num_processes > 1``). On vLLM the
+    result may hold fewer scores than models: the launch ends at the first model of another shape
+    than its engine's (``tasks.launched_rank.evaluate``)."""
 
     job: Literal["evaluate"] = "evaluate"
     models: list[EvaluatedModel] = Field(min_length=1)
@@ -255,19 +254,6 @@ class EvaluateJob(RowsJob):
     PAIRS: ClassVar[str] = "pairs"  # held-out pairs with their reference log-probs
 
     result: ClassVar[type[BaseModel]] = EvaluateResult
-
-    @staticmethod
-    def batches(models: list[T], evaluation: EvaluationConfig) -> list[list[T]]:
-        """The models of each launch: all in one, but one each with vLLM, because a launch of several
-        processes keeps each engine it built until it ends (``trainers.vllm_engine.ColocatedEngine.close``):
-        a model of another shape would need a second engine beside the first."""
-        return [[model] for model in models] if evaluation.generation_backend == "vllm" else [models]
-
-    @model_validator(mode="after")
-    def _batched(self) -> EvaluateJob:
-        if len(self.batches(self.models, self.evaluation)) > 1:
-            raise ValueError(f"{len(self.models)} models in one launch on vLLM: one per launch (EvaluateJob.batches)")
-        return self
 
 
 LaunchSpec = Annotated[Union[TrainJob, ReferenceJob, EvaluateJob], Field(discriminator="job")]
