@@ -23,6 +23,7 @@ from trainers.generation_length import Generation
 from trainers.lengths import (
     config_context,
     fitting_length,
+    model_context,
     prompt_lengths,
     resolve_truncation,
 )
@@ -248,7 +249,7 @@ def test_a_generation_fits_when_its_longest_prompt_as_cut_plus_its_completions_f
 def test_an_evaluation_whose_completions_would_pass_the_models_context_is_refused_before_generating(tiny):
     model, tokenizer = tiny
     row = {"prompt_ids": tokenizer("12+34=")["input_ids"], "answer": "46"}
-    assert (len(row["prompt_ids"]), model.config.max_position_embeddings) == (6, 128)
+    assert (len(row["prompt_ids"]), model_context(model)) == (6, 128)
     with pytest.raises(ValueError) as error:
         score_prompts(model, tokenizer, [row], GenerationSpec(max_new_tokens=123, num_samples=1))
     assert str(error.value) == (

@@ -24,7 +24,7 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 from trainers.collators import pad_left, prompt_completion_batch
 from trainers.devices import placed_on
 from trainers.distill_section import DistillStageConfig, distill_generation
-from trainers.lengths import config_context, prompt_lengths
+from trainers.lengths import model_context, prompt_lengths
 from trainers.metric_window import MetricWindow
 from trainers.sampling import sampled_generation_config, sampling_processors
 from trainers.sections import section_fields
@@ -104,7 +104,7 @@ class DistillTrainer(MetricWindow, Trainer):
         args: DistillConfig = self.args
         tokenizer = self.processing_class
         if (generation := distill_generation(args)) is not None:  # sampled completions fit the student's context
-            generation.check(prompt_lengths(self.train_dataset), config_context(self.model.config.to_dict()))
+            generation.check(prompt_lengths(self.train_dataset), model_context(self.model))
         self.teacher_device = placed_on(args.teacher_device, self.accelerator.device, "distill.teacher_device")
         if args.teacher_device == "policy":
             self.teacher = prepare_reference(teacher_model, self.accelerator)

@@ -11,7 +11,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from trainers.collators import PreferenceCollator, pad_left
 from trainers.generation_length import evaluation_generation
-from trainers.lengths import config_context
+from trainers.lengths import model_context
 from trainers.logprobs import completion_logps
 from trainers.losses import reward_metrics
 from trainers.metrics import (
@@ -196,7 +196,7 @@ def score_prompts(
     by the spec's backend: the model's ``generate`` or a vLLM engine (``engines``' when given), sharded
     over the processes of ``state`` (:func:`generate_completions`, :func:`engine_completions`)."""
     prompts = [r["prompt_ids"] for r in rows]
-    evaluation_generation(spec.max_new_tokens).check(map(len, prompts), config_context(model.config.to_dict()))
+    evaluation_generation(spec.max_new_tokens).check(map(len, prompts), model_context(model))
     if spec.backend == "vllm":
         require_vllm()
         greedy, sampled = engine_completions(model, tokenizer, prompts, spec, engines, state)

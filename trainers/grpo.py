@@ -52,7 +52,7 @@ from trainers.grpo_section import (
     grpo_generation,
 )
 from trainers.layout import GenerationLayout
-from trainers.lengths import config_context, prompt_lengths
+from trainers.lengths import model_context, prompt_lengths
 from trainers.logprobs import next_token_logps
 from trainers.lora import has_adapters, live_reference
 from trainers.rewards import RewardError, RewardFunction, resolve_rewards, reward_kwargs, score_completions
@@ -208,7 +208,7 @@ class GRPOTrainer(Trainer):
                 "GRPOTrainer does not evaluate during training; score checkpoints with trainers.evaluation"
             )
         args: GRPOConfig = self.args
-        grpo_generation(args).check(prompt_lengths(self.train_dataset), config_context(self.model.config.to_dict()))
+        grpo_generation(args).check(prompt_lengths(self.train_dataset), model_context(self.model))
         self.loss_fn = get_grpo_loss(args.loss_type)
         self.objective = get_policy_objective(args.policy_loss)
         self.log_ratio = IMPORTANCE_LEVELS.lookup(args.importance_sampling_level).log_ratio

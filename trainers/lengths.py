@@ -107,6 +107,11 @@ def config_context(config: Mapping) -> int | None:
     return int(base * factor)
 
 
+def model_context(model) -> int | None:
+    """The maximum positions of a loaded model, as its config names them (:func:`config_context`)."""
+    return config_context(model.config.to_dict())
+
+
 def prompt_lengths(dataset) -> list[int]:
     """The token count of each prompt (``prompt_ids``) of ``dataset``: Arrow's list lengths for a
     ``datasets.Dataset`` (no row is decoded), none without a dataset."""
