@@ -262,7 +262,7 @@ def test_a_grpo_completion_past_the_context_fails_the_run_before_sft_trains(pref
         "context (128 positions)" in state.message
     )
     states = task_states(state.state_details.flow_run_id)
-    assert [state for name, state in states.items() if name.startswith("prepare-dataset")] == ["Completed"]
+    assert [task for name, task in states.items() if name.startswith("prepare-dataset")] == ["Completed"]
     assert [name for name in states if name.startswith(("train-", "cache-reference-logps"))] == []
 
 

@@ -3,8 +3,8 @@
 A spec holds everything the rest of alignflow needs to know about a stage: its config section
 (which becomes a section of the experiment config and of the Prefect UI form), how to build its
 trainer, the prepared data split it trains on, whether it trains on cached reference log-probs,
-whether its result may be cached across flow runs, and what its section must satisfy with the
-compute section. The config, the train task and the flow
+whether its result may be cached across flow runs, what its section must satisfy with the
+compute section, and what it samples while it trains. The config, the train task and the flow
 read specs; none of them names a stage.
 """
 
