@@ -48,7 +48,7 @@ def experiment(
     with tracked_run(start_parent_run(config, parent_run_id=nest_under)) as parent_run_id:
         base = resolve_model(config.model)
         data = prepare_dataset(config.data, base)
-        check_generations(config, data, base)  # before any stage trains
+        check_generations(config, data)  # before any stage trains
         models = {"base": base}
         reward_models: dict[str, ModelHandle] = {}
         policy, held_out_rewards = base, None

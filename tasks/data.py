@@ -176,14 +176,15 @@ def check_context(config: DataConfig, context: int | None, model: ModelHandle) -
     )
 
 
-def check_generations(config: ExperimentConfig, data: PreparedData, model: ModelHandle) -> None:
-    """Refuse, before any stage trains, a generation that would not fit ``model``'s context: each
-    stage's that samples while it trains (:attr:`trainers.stages.registry.StageSpec.generation`) on
-    the prepared prompts of the split it trains on, and the evaluation's on the held-out prompts it
-    scores. Its trainer or the evaluation would refuse it too, but only once the stages before it
-    had trained. Raises ValueError naming the settings."""
-    context = context_length(model.path, model.revision)  # None: unknown (an engine's length may still apply)
-    prepared = datasets.load_from_disk(data.path)
+def check_generations(config: ExperimentConfig, data: PreparedData) -> None:
+    """Refuse, before any stage trains, a generation that would not fit the model's context (as
+    preparation read it, :attr:`PreparedData.context`; None: unknown, where an engine's own length
+    may still apply): each stage's that samples while it trains
+    (:attr:`trainers.stages.registry.StageSpec.generation`) on the prepared prompts of the split it
+    trains on, and the evaluation's on the held-out prompts it scores. Its trainer or the evaluation
+    would refuse it too, but only once the stages before it had trained. Raises ValueError naming
+    the settings."""
+    context, prepared = data.context, datasets.load_from_disk(data.path)
     for stage in config.stages:
         spec = STAGES[stage]
         generation = spec.generation(config.stage(stage))
@@ -281,6 +282,7 @@ def prepare_dataset(config: DataConfig, tokenizer: ModelHandle) -> PreparedData:
         truncated_completions=manifest["truncated_completions"],
         token_fingerprints=manifest["token_fingerprints"],
         truncation=manifest["truncation"],
+        context=manifest["context"],
     )
 
 

@@ -268,7 +268,7 @@ TEACHER = {"teacher_model": "builtin:tiny-llama"}
         (["sft", "grpo"], {"grpo": {"max_completion_length": 125}}, "grpo.max_completion_length (125) is 129"),
         (
             ["sft", "distill"],
-            {"distill": {"teacher_model": "builtin:tiny-llama"}},
+            {"distill": TEACHER},
             "distill.max_new_tokens (128) is 132",
         ),
         (["sft", "dpo"], {"evaluation": {"max_new_tokens": 125}}, "evaluation.max_new_tokens (125) is 129"),
@@ -285,10 +285,11 @@ def test_the_flow_refuses_a_generation_past_the_context_once_the_data_is_prepare
     assert (
         max(prompt_lengths(datasets.load_from_disk(data.path)["grpo_prompts"])),
         config_context(json.loads((Path(policy.path) / "config.json").read_text())),
-    ) == (4, 128)
+        data.context,
+    ) == (4, 128, 128)
     config = ExperimentConfig(stages=stages, **overrides)
     if refused is None:
-        check_generations(config, data, policy)
+        check_generations(config, data)
         return
     with pytest.raises(ValueError, match=r"^\w+: the longest prompt \(4 tokens\) \+ " + re.escape(refused)):
-        check_generations(config, data, policy)
+        check_generations(config, data)

@@ -64,6 +64,7 @@ class PreparedData(Handle):
     truncation: dict[str, Any]  # max_length, max_prompt_length, mode
     truncated_prompts: dict[str, int] = {}  # split -> kept rows whose prompt was cut
     truncated_completions: dict[str, int] = {}  # split -> kept rows with a completion cut
+    context: int | None = None  # the model's maximum positions, as preparation read them (None: unknown)
 
 
 class ReferenceLogps(Handle):
