@@ -97,9 +97,21 @@ def summarize(run: Run, curves: list[str], stage: str) -> RunSummary:
 
 
 def differing_params(params: list[dict[str, str]]) -> list[str]:
-    """The config fields whose values differ between runs, sorted."""
-    names = sorted({name for run in params for name in run})
-    return [n for n in names if len({run.get(n) for run in params}) > 1]
+    """The config fields whose values differ between the runs: the top-level ones (``name``,
+    ``stages``, ``seed``) first, then the sections' fields, each sorted. A stage's field
+    (``dpo.beta``) is compared between the runs that train that stage only: a run without DPO
+    logs a ``dpo.beta`` too, which trained nothing."""
+    trained = [set(yaml.safe_load(run.get("stages", "[]")) or []) for run in params]
+    staged = set().union(*trained)
+
+    def differs(name: str) -> bool:
+        section = name.partition(".")[0] if "." in name else None
+        return (
+            len({run.get(name) for run, stages in zip(params, trained) if section in stages or section not in staged})
+            > 1
+        )
+
+    return [n for n in sorted({n for run in params for n in run}, key=lambda n: ("." in n, n)) if differs(n)]
 
 
 def curve_stage(stages: list[str], differing: list[str], final: str) -> str:

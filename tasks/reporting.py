@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -10,6 +11,9 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, never a display
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+LEGEND_WIDTH = 70  # characters per legend line: the label of a run that differs in many settings wraps
 
 
 @dataclass(frozen=True)
@@ -79,14 +83,22 @@ def training_curves_figure(runs: list[RunSummary], metrics: list[str], stage: st
         axis.set_title(f"{stage}: {metric}" if stage else metric)
         axis.set_xlabel("optimizer step")
         axis.grid(alpha=0.3)
-    handles = [plt.Line2D([], [], color=colours[run.run_id], marker=".", label=run.label) for run in runs]
-    figure.legend(handles=handles, loc="lower center", ncol=min(len(runs), 3), fontsize=7, frameon=False)
-    figure.tight_layout(rect=(0, 0.06 * math.ceil(len(runs) / 3), 1, 1))
+    figure.tight_layout()
+    legend_below(figure, [plt.Line2D([], [], color=colours[run.run_id], marker=".") for run in runs], runs)
     return figure
 
 
+def legend_below(figure: plt.Figure, handles: list, runs: list[RunSummary]) -> None:
+    """One legend for the figure, under its panels, a run's label wrapped at :data:`LEGEND_WIDTH`
+    characters (the saved file grows to hold it: :func:`saved`)."""
+    labels = [textwrap.fill(run.label, LEGEND_WIDTH) for run in runs]
+    figure.legend(
+        handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0), ncol=min(len(runs), 2), fontsize=7, frameon=False
+    )
+
+
 def saved(figure: plt.Figure, path: Path) -> Path:
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=110, bbox_inches="tight")  # the legend under the panels included
     plt.close(figure)
     return path
 
@@ -105,7 +117,7 @@ def eval_bars_figure(runs: list[RunSummary], metrics: list[str]) -> plt.Figure:
         lower = [v - run.metrics.get(f"{m}_ci_low", v) for m, v in zip(metrics, values)]
         upper = [run.metrics.get(f"{m}_ci_high", v) - v for m, v in zip(metrics, values)]
         positions = [i + (index - (len(runs) - 1) / 2) * width for i in range(len(metrics))]
-        axis.bar(positions, values, width, yerr=[lower, upper], capsize=3, color=colours[run.run_id], label=run.label)
+        axis.bar(positions, values, width, yerr=[lower, upper], capsize=3, color=colours[run.run_id])
     for position, metric in enumerate(metrics):
         if not any(metric in run.metrics for run in runs):
             axis.text(position, 0.5, "not measured", ha="center", color="grey")
@@ -113,9 +125,9 @@ def eval_bars_figure(runs: list[RunSummary], metrics: list[str]) -> plt.Figure:
     axis.set_xlim(-0.5, len(metrics) - 0.5)  # every group gets its slot, a bar-less one too
     axis.set_ylim(0, 1.05)
     axis.set_ylabel("held-out score (95% CI)")
-    axis.legend(fontsize=7)
     axis.grid(axis="y", alpha=0.3)
     figure.tight_layout()
+    legend_below(figure, [Patch(color=colours[run.run_id]) for run in runs], runs)
     return figure
 
 

@@ -1,5 +1,6 @@
 import copy
 import math
+from dataclasses import replace
 
 import matplotlib.image
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 from tasks.compare import curve_stage, differing_params
 from tasks.reporting import (
+    LEGEND_WIDTH,
     RunSummary,
     comparison_rows,
     eval_bars_figure,
@@ -14,6 +16,7 @@ from tasks.reporting import (
     markdown_table,
     plot_eval_bars,
     plot_training_curves,
+    saved,
     training_curves_figure,
 )
 from trainers.data import Truncation, tokenize_split
@@ -136,10 +139,36 @@ def test_eval_bars_say_which_metric_no_run_measured():
 def test_curves_come_from_the_first_stage_whose_settings_differ():
     params = [{"dpo.beta": "0.1", "sft.seed": "0", "name": "a"}, {"dpo.beta": "0.5", "sft.seed": "0", "name": "b"}]
     differing = differing_params(params)
-    assert differing == ["dpo.beta", "name"]
+    assert differing == ["name", "dpo.beta"]  # the top-level fields first
     assert curve_stage(["sft", "dpo", "grpo"], differing, "grpo") == "dpo"
     assert curve_stage(["sft", "dpo", "grpo"], ["name", "sft.seed", "grpo.beta"], "grpo") == "sft"
     assert curve_stage(["sft", "dpo", "grpo"], ["name"], "grpo") == "grpo"
+
+
+def test_a_stages_settings_differ_only_between_the_runs_that_train_it():
+    """The default run against an RLHF run (no DPO, a reward stage): their ``dpo.beta`` differ, but
+    the RLHF run trained no DPO; a second DPO run's β does differ from the default's."""
+    default = {"name": "default", "stages": "['sft', 'dpo', 'grpo']", "seed": "0", "dpo.beta": "0.5"}
+    default |= {"grpo.reward_funcs": "['correctness']", "compute.cpu": "False"}
+    rlhf = {"name": "rlhf", "stages": "['sft', 'reward', 'grpo']", "seed": "0", "dpo.beta": "0.1"}
+    rlhf |= {"grpo.reward_funcs": "['model:reward']", "reward.learning_rate": "1e-05", "compute.cpu": "True"}
+    assert differing_params([default, rlhf]) == ["name", "stages", "compute.cpu", "grpo.reward_funcs"]
+    beta = default | {"name": "beta", "dpo.beta": "0.1"}
+    assert differing_params([default, rlhf, beta]) == ["name", "stages", "compute.cpu", "dpo.beta", "grpo.reward_funcs"]
+
+
+def test_a_long_label_wraps_in_a_legend_under_the_panels_that_the_saved_file_holds(tmp_path):
+    long = ", ".join(f"dpo.setting_{i}=value_{i}" for i in range(8))  # 207 characters
+    runs = [replace(run, distinction=long) for run in summaries()[:2]]
+    for figure in (training_curves_figure(runs, ["loss"], "dpo"), eval_bars_figure(runs, ["sampled_accuracy"])):
+        (legend,) = figure.legends
+        texts = [text.get_text() for text in legend.get_texts()]
+        assert [text.replace("\n", " ") for text in texts] == [run.label for run in runs]
+        assert max(len(line) for text in texts for line in text.splitlines()) <= LEGEND_WIDTH
+        figure.canvas.draw()
+        assert legend.get_window_extent().y1 <= figure.axes[0].get_tightbbox().y0  # under the panels
+        path = saved(figure, tmp_path / "plot.png")
+        assert matplotlib.image.imread(path).shape[0] > figure.get_figheight() * 110  # the file grew to hold the legend
 
 
 def test_a_stages_curves_are_its_own_and_a_stage_this_process_does_not_know_gets_loss_and_grad_norm():
