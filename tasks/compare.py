@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import yaml
 from mlflow.entities import Run
@@ -96,22 +96,22 @@ def summarize(run: Run, curves: list[str], stage: str) -> RunSummary:
     return RunSummary(run.info.run_id, run.info.run_name, dict(run.data.params), final, histories)
 
 
-def differing_params(params: list[dict[str, str]]) -> list[str]:
-    """The config fields whose values differ between the runs: the top-level ones (``name``,
-    ``stages``, ``seed``) first, then the sections' fields, each sorted. A stage's field
-    (``dpo.beta``) is compared between the runs that train that stage only: a run without DPO
-    logs a ``dpo.beta`` too, which trained nothing."""
+def trained_fields(params: list[dict[str, str]]) -> list[dict[str, str]]:
+    """Each run's config fields without those of the stages it does not train (of the stages some
+    run here trains): a run without DPO logs a ``dpo.beta`` too, which trained nothing."""
     trained = [set(yaml.safe_load(run.get("stages", "[]")) or []) for run in params]
     staged = set().union(*trained)
+    return [
+        {name: value for name, value in run.items() if "." not in name or name.split(".")[0] not in staged - stages}
+        for run, stages in zip(params, trained)
+    ]
 
-    def differs(name: str) -> bool:
-        section = name.partition(".")[0] if "." in name else None
-        return (
-            len({run.get(name) for run, stages in zip(params, trained) if section in stages or section not in staged})
-            > 1
-        )
 
-    return [n for n in sorted({n for run in params for n in run}, key=lambda n: ("." in n, n)) if differs(n)]
+def differing_params(params: list[dict[str, str]]) -> list[str]:
+    """The config fields whose values differ between the runs that have them: the top-level ones
+    (``name``, ``stages``, ``seed``) first, then the sections' fields, each sorted."""
+    names = sorted({name for run in params for name in run}, key=lambda name: ("." in name, name))
+    return [name for name in names if len({run[name] for run in params if name in run}) > 1]
 
 
 def curve_stage(stages: list[str], differing: list[str], final: str) -> str:
@@ -139,12 +139,14 @@ def compare_runs(
     if not runs:
         raise ValueError(f"experiment {experiment!r} has no finished experiment runs to compare ({selection})")
     chosen = select_baseline(runs, baseline)
-    differing = differing_params([run.data.params for run in runs])
+    fields = trained_fields([run.data.params for run in runs])
+    differing = differing_params(fields)
     shown = params or differing[:MAX_VARYING_PARAMS]
     final = chosen.data.tags.get("alignflow.final_stage", "")
     stage = stage or curve_stage(yaml.safe_load(chosen.data.params.get("stages", "[]")), differing, final)
     curves = curves or list(stage_curves(stage))
-    summaries = label_runs([summarize(run, curves, stage) for run in runs], shown)
+    summaries = [replace(summarize(run, curves, stage), params=used) for run, used in zip(runs, fields)]
+    summaries = label_runs(summaries, shown)
     base = next(s for s in summaries if s.run_id == chosen.info.run_id)
     if metrics is None:
         metrics = [m for m in DEFAULT_METRICS if any(m in summary.metrics for summary in summaries)] or DEFAULT_METRICS

@@ -6,7 +6,7 @@ import matplotlib.image
 import pytest
 import torch
 
-from tasks.compare import curve_stage, differing_params
+from tasks.compare import curve_stage, differing_params, trained_fields
 from tasks.reporting import (
     LEGEND_WIDTH,
     RunSummary,
@@ -147,14 +147,18 @@ def test_curves_come_from_the_first_stage_whose_settings_differ():
 
 def test_a_stages_settings_differ_only_between_the_runs_that_train_it():
     """The default run against an RLHF run (no DPO, a reward stage): their ``dpo.beta`` differ, but
-    the RLHF run trained no DPO; a second DPO run's β does differ from the default's."""
+    the RLHF run trained no DPO, so it has none; a second DPO run's β does differ from the default's."""
     default = {"name": "default", "stages": "['sft', 'dpo', 'grpo']", "seed": "0", "dpo.beta": "0.5"}
     default |= {"grpo.reward_funcs": "['correctness']", "compute.cpu": "False"}
     rlhf = {"name": "rlhf", "stages": "['sft', 'reward', 'grpo']", "seed": "0", "dpo.beta": "0.1"}
     rlhf |= {"grpo.reward_funcs": "['model:reward']", "reward.learning_rate": "1e-05", "compute.cpu": "True"}
-    assert differing_params([default, rlhf]) == ["name", "stages", "compute.cpu", "grpo.reward_funcs"]
+    assert trained_fields([default, rlhf])[1] == {key: rlhf[key] for key in rlhf if key != "dpo.beta"}
+    assert differing_params(trained_fields([default, rlhf])) == ["name", "stages", "compute.cpu", "grpo.reward_funcs"]
     beta = default | {"name": "beta", "dpo.beta": "0.1"}
-    assert differing_params([default, rlhf, beta]) == ["name", "stages", "compute.cpu", "dpo.beta", "grpo.reward_funcs"]
+    differing = differing_params(trained_fields([default, rlhf, beta]))
+    assert differing == ["name", "stages", "compute.cpu", "dpo.beta", "grpo.reward_funcs"]
+    kto = {"name": "kto", "stages": "['sft', 'kto']", "dpo.beta": "0.1", "grpo.reward_funcs": "['correctness']"}
+    assert trained_fields([default, kto])[1] == {"name": "kto", "stages": "['sft', 'kto']"}  # its table cells: blank
 
 
 def test_a_long_label_wraps_in_a_legend_under_the_panels_that_the_saved_file_holds(tmp_path):
