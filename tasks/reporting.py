@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 import textwrap
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -14,6 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 LEGEND_WIDTH = 70  # characters per legend line: the label of a run that differs in many settings wraps
+LOG_AXIS_FACTOR = 10.0  # a training-curve panel whose runs lie further apart than this is drawn on a log axis
 
 
 @dataclass(frozen=True)
@@ -80,12 +82,24 @@ def training_curves_figure(runs: list[RunSummary], metrics: list[str], stage: st
                 axis.plot(steps, values, marker=".", color=colours[run.run_id], label=run.label)
         if not axis.get_lines():
             axis.text(0.5, 0.5, f"not logged by {stage or 'this stage'}", ha="center", transform=axis.transAxes)
+        if spread_apart([list(line.get_ydata()) for line in axis.get_lines()]):
+            axis.set_yscale("log")
         axis.set_title(f"{stage}: {metric}" if stage else metric)
         axis.set_xlabel("optimizer step")
         axis.grid(alpha=0.3)
     figure.tight_layout()
     legend_below(figure, [plt.Line2D([], [], color=colours[run.run_id], marker=".") for run in runs], runs)
     return figure
+
+
+def spread_apart(curves: list[list[float]], factor: float = LOG_AXIS_FACTOR) -> bool:
+    """Whether the runs' curves lie more than ``factor`` apart (their medians), all positive: a
+    linear axis would flatten all but the highest (IPO's loss, ~1/(2β)², beside the sigmoid loss's
+    ~0.7 in a sweep over DPO losses), a log axis shows each."""
+    if len(curves) < 2 or any(value <= 0 for curve in curves for value in curve):
+        return False
+    medians = [statistics.median(curve) for curve in curves]
+    return max(medians) > factor * min(medians)
 
 
 def legend_below(figure: plt.Figure, handles: list, runs: list[RunSummary]) -> None:

@@ -17,6 +17,7 @@ from tasks.reporting import (
     plot_eval_bars,
     plot_training_curves,
     saved,
+    spread_apart,
     training_curves_figure,
 )
 from trainers.data import Truncation, tokenize_split
@@ -129,6 +130,19 @@ def test_curves_keep_one_colour_per_run_across_panels_and_share_one_legend():
     assert [handle.get_color() for handle in legend.legend_handles] == [colours[0][label] for label in labels]
     unlogged = training_curves_figure(runs, ["kl"], "dpo").axes[0]
     assert [text.get_text() for text in unlogged.texts] == ["not logged by dpo"]
+
+
+def test_a_panel_whose_runs_lie_ten_times_apart_is_drawn_on_a_log_axis():
+    """A sweep over DPO losses: IPO's loss at β = 0.1 (~(1/(2β))² = 25) beside the sigmoid loss's
+    (~0.69) would flatten the sigmoid runs on a linear axis."""
+    runs = label_runs(summaries()[:2], ["dpo.beta"])
+    runs[0].curves["loss"] = [(20, 0.69), (40, 0.60)]
+    runs[1].curves["loss"] = [(20, 24.5), (40, 23.4)]
+    runs[0].curves["kl"], runs[1].curves["kl"] = [(20, 0.5)], [(20, 4.9)]  # 9.8 times apart: linear
+    runs[0].curves["margin"], runs[1].curves["margin"] = [(20, -0.1)], [(20, 30.0)]  # not all positive
+    panels = training_curves_figure(runs, ["loss", "kl", "margin"], "dpo").axes
+    assert [axis.get_yscale() for axis in panels] == ["log", "linear", "linear"]
+    assert not spread_apart([[0.69, 0.6]])  # one run: nothing to set apart
 
 
 def test_eval_bars_say_which_metric_no_run_measured():
