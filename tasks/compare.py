@@ -96,15 +96,23 @@ def summarize(run: Run, curves: list[str], stage: str) -> RunSummary:
     return RunSummary(run.info.run_id, run.info.run_name, dict(run.data.params), final, histories)
 
 
+def logged_stages(params: dict[str, str]) -> list[str]:
+    """The stages a run trained, as its logged ``stages`` config field lists them."""
+    return yaml.safe_load(params.get("stages", "[]")) or []
+
+
 def trained_fields(params: list[dict[str, str]]) -> list[dict[str, str]]:
     """Each run's config fields without those of the stages it does not train (of the stages some
     run here trains): a run without DPO logs a ``dpo.beta`` too, which trained nothing."""
-    trained = [set(yaml.safe_load(run.get("stages", "[]")) or []) for run in params]
+    trained = [set(logged_stages(run)) for run in params]
     staged = set().union(*trained)
-    return [
-        {name: value for name, value in run.items() if "." not in name or name.split(".")[0] not in staged - stages}
-        for run, stages in zip(params, trained)
-    ]
+    fields = []
+    for run, stages in zip(params, trained):
+        untrained = staged - stages
+        fields.append(
+            {name: value for name, value in run.items() if "." not in name or name.partition(".")[0] not in untrained}
+        )
+    return fields
 
 
 def differing_params(params: list[dict[str, str]]) -> list[str]:
@@ -143,7 +151,7 @@ def compare_runs(
     differing = differing_params(fields)
     shown = params or differing[:MAX_VARYING_PARAMS]
     final = chosen.data.tags.get("alignflow.final_stage", "")
-    stage = stage or curve_stage(yaml.safe_load(chosen.data.params.get("stages", "[]")), differing, final)
+    stage = stage or curve_stage(logged_stages(chosen.data.params), differing, final)
     curves = curves or list(stage_curves(stage))
     summaries = [replace(summarize(run, curves, stage), params=used) for run, used in zip(runs, fields)]
     summaries = label_runs(summaries, shown)
