@@ -4,10 +4,13 @@ training to held-out pairwise accuracy, and the saved model scoring completions 
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import typing
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -120,6 +123,52 @@ def reward_start(tiny, tmp_path_factory):
 def sequence_reward(model, ids: list[int]) -> torch.Tensor:
     """The score head at the sequence's last token, from the unpadded sequence alone."""
     return model(torch.tensor([ids])).logits[0, 0]
+
+
+@contextmanager
+def records_of(name: str) -> Iterator[list[logging.LogRecord]]:
+    """What the logger ``name`` hands to its handlers meanwhile (transformers' own may not propagate)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+@pytest.mark.unit
+def test_a_classifier_from_a_causal_lm_says_its_head_is_new_in_one_line_and_other_missing_weights_keep_the_report(
+    reward_start, tiny, tmp_path, caplog
+):
+    from transformers import AutoModelForSequenceClassification
+
+    from trainers.modeling import LOAD_REPORT_LOGGER
+
+    with records_of(LOAD_REPORT_LOGGER) as plain:  # transformers' own report of the new head, a warning table
+        AutoModelForSequenceClassification.from_pretrained(reward_start, num_labels=1)
+    assert [r.levelname for r in plain] == ["WARNING"] and "score.weight" in plain[0].getMessage()
+
+    caplog.clear()
+    with records_of(LOAD_REPORT_LOGGER) as report, caplog.at_level(logging.INFO, logger="trainers.modeling"):
+        load_reward_model(reward_start, head="classifier")
+    assert report == []
+    assert caplog.messages == [
+        f"{reward_start}: a new LlamaForSequenceClassification head, score.weight initialised fresh"
+    ]
+
+    model, tokenizer = tiny
+    weights = {name: value for name, value in model.state_dict().items() if name != "model.norm.weight"}
+    model.save_pretrained(tmp_path, state_dict=weights)
+    tokenizer.save_pretrained(tmp_path)
+    caplog.clear()
+    with records_of(LOAD_REPORT_LOGGER) as report, caplog.at_level(logging.INFO, logger="trainers.modeling"):
+        load_reward_model(str(tmp_path), head="classifier")
+    (table,) = report
+    assert {"model.norm.weight", "score.weight"} <= set(re.findall(r"[\w.]+\.weight", table.getMessage()))
+    assert [r for r in caplog.records if r.name == "trainers.modeling"] == []
 
 
 @pytest.mark.unit

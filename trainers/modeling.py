@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -12,6 +14,9 @@ from trainers.devices import torch_dtype
 # layers for kernels fetched from the Hugging Face Hub at run time, which fails offline and changes
 # the numbers from one hub revision to the next. The pipeline runs the model's own code.
 LOAD_OPTIONS = {"use_kernels": False}
+# Where ``from_pretrained`` reports the weights a load found missing, unused or mismatched (its "load report").
+LOAD_REPORT_LOGGER = "transformers.modeling_utils"
+LOGGER = logging.getLogger(__name__)
 
 
 def load_tokenizer(path: str, revision: str | None = None) -> PreTrainedTokenizerBase:
@@ -48,3 +53,33 @@ def check_same_vocabulary(
             f"{other_role} has another tokenizer ({len(other)} vs {len(own)} tokens, or the same count with other "
             f"ids): {why}"
         )
+
+
+def load_with_new_head(auto_class: type, path: str, revision: str | None = None, dtype: str = "auto", **options):
+    """``auto_class.from_pretrained`` of a checkpoint saved with another head (a sequence classifier
+    from a causal LM). The weights outside the shared base model (``base_model_prefix``) are expected
+    to be missing (the new head, initialised fresh) or unused (the old head): transformers' load
+    report of them, a warning table, becomes one INFO line. Any other missing, unused or mismatched
+    weight keeps the report."""
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        held.append(record)
+        return False
+
+    report = logging.getLogger(LOAD_REPORT_LOGGER)
+    report.addFilter(hold)
+    try:
+        model, loading = auto_class.from_pretrained(
+            path, revision=revision, dtype=torch_dtype(dtype), output_loading_info=True, **LOAD_OPTIONS, **options
+        )
+    finally:
+        report.removeFilter(hold)
+    base = f"{model.base_model_prefix}."
+    missing, unused = loading["missing_keys"], loading["unexpected_keys"]
+    if loading["mismatched_keys"] or any(key.startswith(base) for key in (*missing, *unused)):
+        for record in held:
+            report.handle(record)
+    else:
+        LOGGER.info("%s: a new %s head, %s initialised fresh", path, type(model).__name__, ", ".join(sorted(missing)))
+    return model

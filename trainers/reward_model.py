@@ -39,7 +39,7 @@ from trainers.data import render_completion, render_prompt
 from trainers.devices import torch_dtype
 from trainers.logprobs import completion_logps
 from trainers.metric_window import MetricWindow
-from trainers.modeling import LOAD_OPTIONS, load_tokenizer
+from trainers.modeling import LOAD_OPTIONS, load_tokenizer, load_with_new_head
 from trainers.registry import Registry
 from trainers.reward_section import RewardStageConfig
 from trainers.sections import section_fields
@@ -79,6 +79,10 @@ class RewardHead:
     peft_task_type: str  # LoRA adapters for this kind of model (``trainers.lora.add_adapters``)
     load_options: tuple[tuple[str, int], ...] = ()
 
+    def saved_as(self, architectures: list[str]) -> bool:
+        """Whether a checkpoint saved as ``architectures`` (its config's) is a model of this head."""
+        return any(architecture.endswith(self.architecture_suffix) for architecture in architectures)
+
 
 def classifier_scores(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
@@ -103,11 +107,16 @@ REWARD_HEADS.add(
 REWARD_HEADS.add("likelihood", RewardHead(AutoModelForCausalLM, "ForCausalLM", likelihood_scores, "CAUSAL_LM"))
 
 
+def saved_architectures(path: str, revision: str | None = None) -> list[str]:
+    """The architectures the checkpoint at ``path`` was saved as (its config's ``architectures``)."""
+    return AutoConfig.from_pretrained(path, revision=revision).architectures or []
+
+
 def saved_head(path: str, revision: str | None = None) -> str:
     """The head of a saved reward model (or of a causal LM: ``likelihood``), from its architecture."""
-    architectures = AutoConfig.from_pretrained(path, revision=revision).architectures or []
+    architectures = saved_architectures(path, revision)
     for name, head in REWARD_HEADS.items():
-        if any(architecture.endswith(head.architecture_suffix) for architecture in architectures):
+        if head.saved_as(architectures):
             return name
     raise ValueError(
         f"{path} is neither a sequence classifier nor a causal LM (architectures {architectures}): it cannot score "
@@ -120,13 +129,16 @@ def load_reward_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
     """The reward model at ``path`` with ``head`` (None: the saved model's own, :func:`saved_head`),
     its tokenizer (whose padding token the model's config gets) and the head's name. A classifier
-    loaded from a causal LM gets a fresh score head."""
+    loaded from a causal LM gets a fresh score head (:func:`~trainers.modeling.load_with_new_head`)."""
     head = head or saved_head(path, revision)
     spec = REWARD_HEADS.lookup(head)
     tokenizer = load_tokenizer(path, revision)
-    model = spec.auto_class.from_pretrained(
-        path, revision=revision, dtype=torch_dtype(dtype), **LOAD_OPTIONS, **dict(spec.load_options)
-    )
+    if spec.saved_as(saved_architectures(path, revision)):
+        model = spec.auto_class.from_pretrained(
+            path, revision=revision, dtype=torch_dtype(dtype), **LOAD_OPTIONS, **dict(spec.load_options)
+        )
+    else:
+        model = load_with_new_head(spec.auto_class, path, revision, dtype, **dict(spec.load_options))
     model.config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer, head
 
