@@ -29,7 +29,13 @@ class RunSummary:
 
     @property
     def label(self) -> str:
+        """What a plot's legend calls it: what sets it apart, or its name, and its short id."""
         return f"{self.distinction or self.name} ({self.run_id[:8]})"
+
+    @property
+    def handle(self) -> str:
+        """What a table calls it, where what sets it apart has columns of its own: its name and short id."""
+        return f"{self.name} ({self.run_id[:8]})"
 
 
 def label_runs(runs: list[RunSummary], params: list[str]) -> list[RunSummary]:
@@ -48,7 +54,7 @@ def comparison_rows(
     """One row per run: key params, each metric and its delta against the baseline."""
     rows = []
     for run in runs:
-        row: dict[str, object] = {"run": run.label, "baseline": "yes" if run.run_id == baseline.run_id else ""}
+        row: dict[str, object] = {"run": run.handle, "baseline": "yes" if run.run_id == baseline.run_id else ""}
         row |= {p: run.params.get(p, "") for p in params}
         for m in metrics:
             value, reference = run.metrics.get(m, math.nan), baseline.metrics.get(m, math.nan)
@@ -72,7 +78,8 @@ def markdown_table(rows: list[dict[str, object]]) -> str:
 
 
 def training_curves_figure(runs: list[RunSummary], metrics: list[str], stage: str) -> plt.Figure:
-    """One panel per training metric of ``stage``, one line per run in its own colour, one legend."""
+    """One panel per training metric of ``stage``, one line per run in its own colour, one legend of
+    the runs drawn (a run that did not train ``stage`` has no line, nor a legend entry)."""
     colours = run_colours(runs)
     figure, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4.2), squeeze=False)
     for axis, metric in zip(axes[0], metrics):
@@ -88,7 +95,9 @@ def training_curves_figure(runs: list[RunSummary], metrics: list[str], stage: st
         axis.set_xlabel("optimizer step")
         axis.grid(alpha=0.3)
     figure.tight_layout()
-    legend_below(figure, [plt.Line2D([], [], color=colours[run.run_id], marker=".") for run in runs], runs)
+    drawn = [run for run in runs if any(run.curves.get(metric) for metric in metrics)]
+    if drawn:
+        legend_below(figure, [plt.Line2D([], [], color=colours[run.run_id], marker=".") for run in drawn], drawn)
     return figure
 
 

@@ -103,8 +103,9 @@ def summaries() -> list[RunSummary]:
 
 
 def test_comparison_rows_and_deltas():
-    runs = summaries()
+    runs = label_runs(summaries(), ["dpo.beta"])
     rows = comparison_rows(runs, runs[1], ["dpo.beta"], ["sampled_accuracy"])
+    assert [r["run"] for r in rows] == ["exp (aaaaaaaa)", "exp (bbbbbbbb)", "exp (cccccccc)"]  # β has its column
     assert [r["baseline"] for r in rows] == ["", "yes", ""]
     assert [r["dpo.beta"] for r in rows] == ["0.1", "0.5", "1.0"]
     assert [r["Δ sampled_accuracy"] for r in rows] == pytest.approx([-0.12, 0.0, -0.04])
@@ -128,8 +129,12 @@ def test_curves_keep_one_colour_per_run_across_panels_and_share_one_legend():
     (legend,) = figure.legends
     assert [text.get_text() for text in legend.get_texts()] == labels
     assert [handle.get_color() for handle in legend.legend_handles] == [colours[0][label] for label in labels]
-    unlogged = training_curves_figure(runs, ["kl"], "dpo").axes[0]
-    assert [text.get_text() for text in unlogged.texts] == ["not logged by dpo"]
+    unlogged = training_curves_figure(runs, ["kl"], "dpo")
+    assert [text.get_text() for text in unlogged.axes[0].texts] == ["not logged by dpo"]
+    assert unlogged.legends == []
+    untrained = replace(runs[2], curves={})  # a run that did not train DPO (a KTO run): no line, no entry
+    (legend,) = training_curves_figure([*runs[:2], untrained], ["loss"], "dpo").legends
+    assert [text.get_text() for text in legend.get_texts()] == labels[:2]
 
 
 def test_a_panel_whose_runs_lie_ten_times_apart_is_drawn_on_a_log_axis():
