@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -62,8 +63,12 @@ def load_with_new_head(auto_class: type, path: str, revision: str | None = None,
     report of them, a warning table, becomes one INFO line. Any other missing, unused or mismatched
     weight keeps the report."""
     held: list[logging.LogRecord] = []
+    loading_thread = threading.get_ident()
 
     def hold(record: logging.LogRecord) -> bool:
+        """Holds back this thread's records (another thread's load reports as usual)."""
+        if record.thread != loading_thread:
+            return True
         held.append(record)
         return False
 
