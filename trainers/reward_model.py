@@ -79,8 +79,9 @@ class RewardHead:
     peft_task_type: str  # LoRA adapters for this kind of model (``trainers.lora.add_adapters``)
     load_options: tuple[tuple[str, int], ...] = ()
 
-    def saved_as(self, architectures: list[str]) -> bool:
-        """Whether a checkpoint saved as ``architectures`` (its config's) is a model of this head."""
+    def matches(self, architectures: list[str]) -> bool:
+        """Whether any of ``architectures`` (class names: a saved config's, or a model's own) is one of
+        this head's models."""
         return any(architecture.endswith(self.architecture_suffix) for architecture in architectures)
 
 
@@ -114,9 +115,13 @@ def saved_architectures(path: str, revision: str | None = None) -> list[str]:
 
 def saved_head(path: str, revision: str | None = None) -> str:
     """The head of a saved reward model (or of a causal LM: ``likelihood``), from its architecture."""
-    architectures = saved_architectures(path, revision)
+    return head_of(saved_architectures(path, revision), path)
+
+
+def head_of(architectures: list[str], path: str) -> str:
+    """The head of the checkpoint at ``path``, saved as ``architectures``."""
     for name, head in REWARD_HEADS.items():
-        if head.saved_as(architectures):
+        if head.matches(architectures):
             return name
     raise ValueError(
         f"{path} is neither a sequence classifier nor a causal LM (architectures {architectures}): it cannot score "
@@ -130,10 +135,11 @@ def load_reward_model(
     """The reward model at ``path`` with ``head`` (None: the saved model's own, :func:`saved_head`),
     its tokenizer (whose padding token the model's config gets) and the head's name. A classifier
     loaded from a causal LM gets a fresh score head (:func:`~trainers.modeling.load_with_new_head`)."""
-    head = head or saved_head(path, revision)
+    architectures = saved_architectures(path, revision)
+    head = head or head_of(architectures, path)
     spec = REWARD_HEADS.lookup(head)
     tokenizer = load_tokenizer(path, revision)
-    if spec.saved_as(saved_architectures(path, revision)):
+    if spec.matches(architectures):
         model = spec.auto_class.from_pretrained(
             path, revision=revision, dtype=torch_dtype(dtype), **LOAD_OPTIONS, **dict(spec.load_options)
         )
@@ -178,7 +184,7 @@ class RewardTrainer(MetricWindow, Trainer):
         super().__init__(*args, **kwargs)
         self.head = REWARD_HEADS.lookup(self.args.head)
         model_class = type(self.model).__name__
-        if not model_class.endswith(self.head.architecture_suffix):
+        if not self.head.matches([model_class]):
             raise ValueError(
                 f"head {self.args.head!r} scores with a …{self.head.architecture_suffix} model, not a {model_class}: "
                 "load it with load_reward_model(path, head=…)"
