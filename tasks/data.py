@@ -250,6 +250,7 @@ def tokenize_splits(config: DataConfig, handle: ModelHandle) -> tuple[dict[str, 
         "truncation": asdict(truncation),
         "fitted_lengths": {"max_length": fitted.max_length, "max_prompt_length": fitted.max_prompt_length},
         "context": context,
+        "chat_template": template,
     }
     return tokenized, manifest
 
@@ -283,6 +284,7 @@ def prepare_dataset(config: DataConfig, tokenizer: ModelHandle) -> PreparedData:
         token_fingerprints=manifest["token_fingerprints"],
         truncation=manifest["truncation"],
         context=manifest["context"],
+        chat_template=manifest["chat_template"],
     )
 
 

@@ -92,8 +92,9 @@ def format_cell(metrics: dict[str, float], name: str) -> str:
 class Scoring:
     """What the models of one evaluation are scored on and with: the held-out prompts and the pairs
     (with their reference log-probs), the evaluation settings, the implicit reward's β, where it runs,
-    the reward model that scores the samples, and the reference (its fingerprint), which is scored
-    without the pairs: its implicit reward is 0 by definition."""
+    the reward model that scores the samples, the reference (its fingerprint), which is scored
+    without the pairs: its implicit reward is 0 by definition, and the chat template the data was
+    prepared with when it overrides the tokenizers' (:attr:`PreparedData.chat_template`)."""
 
     prompts: list[dict]
     pairs: list[dict] | None
@@ -102,6 +103,7 @@ class Scoring:
     compute: ComputeConfig
     reward_model: ModelHandle | None = None
     reference: str | None = None
+    chat_template: str | None = None
 
     def pairs_of(self, handle: ModelHandle) -> list[dict] | None:
         return None if handle.fingerprint == self.reference else self.pairs
@@ -129,7 +131,8 @@ def score_models(
     compute, rm, device = scoring.compute, scoring.reward_model, compute_device(scoring.compute.cpu)
 
     def load(handle: ModelHandle):
-        return (*load_causal_lm(handle.path, handle.revision, compute.dtype, device), scoring.pairs_of(handle))
+        loaded = load_causal_lm(handle.path, handle.revision, compute.dtype, device, scoring.chat_template)
+        return (*loaded, scoring.pairs_of(handle))
 
     source = None if rm is None else RewardModelSource(rm.path, rm.revision, compute.dtype)
     yield from evaluate_models(
@@ -165,6 +168,7 @@ def launched_scores(handles: list[ModelHandle], scoring: Scoring) -> Iterator[Mo
                 evaluation=scoring.config,
                 beta=scoring.beta,
                 reward_model=scoring.reward_model,
+                chat_template=scoring.chat_template,
             )
             scores = launch(job, f"evaluation of {', '.join(h.stage for h in remaining)}").scores
             if not scores:  # the first model of a launch builds its engine: never the case
@@ -292,7 +296,7 @@ def evaluate(
     run_id = stage_run_id(
         parent_run_id, "evaluate", StageFolder.of(config_name, "evaluate", str(flow_run.get_id() or "local"))
     )
-    scoring = Scoring(prompts, pairs, config, beta, compute, reward_model, reference_fingerprint)
+    scoring = Scoring(prompts, pairs, config, beta, compute, reward_model, reference_fingerprint, data.chat_template)
     keys = [
         scores_key(
             model,

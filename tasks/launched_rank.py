@@ -96,7 +96,9 @@ def evaluate(spec: EvaluateJob) -> BaseModel:
     prompts, pairs = (splits[name].to_list() if name in splits else [] for name in (spec.PROMPTS, spec.PAIRS))
 
     def load(scored: EvaluatedModel):
-        model, tokenizer = load_causal_lm(scored.model, scored.revision, spec.compute.dtype, state.device)
+        model, tokenizer = load_causal_lm(
+            scored.model, scored.revision, spec.compute.dtype, state.device, spec.chat_template
+        )
         if scored is spec.models[0]:
             report_start("model loaded (spec, process group, model)")
         return model, tokenizer, pairs if scored.pairs else None

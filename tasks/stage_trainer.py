@@ -45,6 +45,7 @@ def stage_inputs(
         cpu=inputs.compute.cpu,
         reward_models={stage: ModelSource(m.path, m.revision) for stage, m in inputs.reward_models.items()},
         teacher=None if inputs.teacher is None else ModelSource(inputs.teacher.path, inputs.teacher.revision),
+        chat_template=inputs.data.chat_template,
     )
 
 

@@ -109,3 +109,42 @@ def pair_grpo(model, tokenizer, rows: list[dict], rewards, output_dir, max_compl
         processing_class=tokenizer,
         reward_funcs=rewards,
     )
+
+
+def scripted_checkpoint(tokenizer, after_prompt: list[str], folder):
+    """:func:`scripted_policy`'s bigram table as the weights of a plain ``LlamaForCausalLM``, saved
+    with ``tokenizer`` in ``folder``: loaded with ``from_pretrained``, as every stage and evaluation
+    loads a model. The layer adds nothing (its output projections are zero), the embeddings are the
+    identity (the hidden size is the vocabulary's), so the final RMSNorm turns token ``a`` into
+    ``sqrt(V)·e_a``, and the head's column ``a`` holds the table's row ``a`` divided by ``sqrt(V)``."""
+    vocab = len(tokenizer)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=vocab,
+        intermediate_size=4,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=2,
+        rms_norm_eps=0.0,
+        tie_word_embeddings=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    chain = tokenizer.convert_tokens_to_ids(["\n", *after_prompt])
+    table = torch.full((vocab, vocab), -1e4)
+    table[:, tokenizer.convert_tokens_to_ids("x")] = 0.0
+    for current, following in zip(chain, chain[1:]):
+        table[current] = -1e4
+        table[current, following] = 0.0
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
+        model.model.embed_tokens.weight.copy_(torch.eye(vocab))
+        model.model.norm.weight.fill_(1.0)
+        model.lm_head.weight.copy_(table.T / vocab**0.5)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -20,8 +20,13 @@ LOAD_REPORT_LOGGER = "transformers.modeling_utils"
 LOGGER = logging.getLogger(__name__)
 
 
-def load_tokenizer(path: str, revision: str | None = None) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: str, revision: str | None = None, chat_template: str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of ``path``, with ``chat_template`` (``data.chat_template``'s text, as the data was
+    prepared with it: :attr:`infra.core.handles.PreparedData.chat_template`) over its own template when
+    given: the end-of-turn stop set reads the template, and a trainer saves the tokenizer with its model."""
     tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     if tokenizer.pad_token is None and tokenizer.eos_token is None:
         raise ValueError(
             f"the tokenizer of {path} has neither a pad token nor an EOS token: give it an EOS token (completions "
@@ -33,11 +38,16 @@ def load_tokenizer(path: str, revision: str | None = None) -> PreTrainedTokenize
 
 
 def load_causal_lm(
-    path: str, revision: str | None = None, dtype: str = "auto", device: torch.device | str | None = None
+    path: str,
+    revision: str | None = None,
+    dtype: str = "auto",
+    device: torch.device | str | None = None,
+    chat_template: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The model in ``dtype`` (``auto``: the checkpoint's own; see ``compute.dtype``), on ``device``
-    (None: where transformers puts it, the CPU; a Trainer moves it to its own device), and its tokenizer."""
-    tokenizer = load_tokenizer(path, revision)
+    (None: where transformers puts it, the CPU; a Trainer moves it to its own device), and its tokenizer
+    (with ``chat_template`` over its own: :func:`load_tokenizer`)."""
+    tokenizer = load_tokenizer(path, revision, chat_template)
     model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch_dtype(dtype), **LOAD_OPTIONS)
     if device is not None:
         model.to(device)

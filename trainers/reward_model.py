@@ -130,15 +130,20 @@ def head_of(architectures: list[str], path: str) -> str:
 
 
 def load_reward_model(
-    path: str, revision: str | None = None, dtype: str = "auto", head: str | None = None
+    path: str,
+    revision: str | None = None,
+    dtype: str = "auto",
+    head: str | None = None,
+    chat_template: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
     """The reward model at ``path`` with ``head`` (None: the saved model's own, :func:`saved_head`),
-    its tokenizer (whose padding token the model's config gets) and the head's name. A classifier
-    loaded from a causal LM gets a fresh score head (:func:`~trainers.modeling.load_with_new_head`)."""
+    its tokenizer (whose padding token the model's config gets; with ``chat_template`` over its own)
+    and the head's name. A classifier loaded from a causal LM gets a fresh score head
+    (:func:`~trainers.modeling.load_with_new_head`)."""
     architectures = saved_architectures(path, revision)
     head = head or head_of(architectures, path)
     spec = REWARD_HEADS.lookup(head)
-    tokenizer = load_tokenizer(path, revision)
+    tokenizer = load_tokenizer(path, revision, chat_template)
     if spec.matches(architectures):
         model = spec.auto_class.from_pretrained(
             path, revision=revision, dtype=torch_dtype(dtype), **LOAD_OPTIONS, **dict(spec.load_options)

@@ -65,6 +65,9 @@ class PreparedData(Handle):
     truncated_prompts: dict[str, int] = {}  # split -> kept rows whose prompt was cut
     truncated_completions: dict[str, int] = {}  # split -> kept rows with a completion cut
     context: int | None = None  # the model's maximum positions, as preparation read them (None: unknown)
+    # ``data.chat_template``'s text, when it overrides the tokenizer's: every tokenizer loaded for a stage
+    # or an evaluation of this data gets it (its end-of-turn stops generation; trained models save it)
+    chat_template: str | None = None
 
 
 class ReferenceLogps(Handle):

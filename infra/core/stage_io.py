@@ -249,6 +249,7 @@ class EvaluateJob(RowsJob):
     evaluation: EvaluationConfig
     beta: float | None
     reward_model: ModelHandle | None = None  # scores the samples (``evaluation.reward_model``, resolved)
+    chat_template: str | None = None  # over the models' tokenizers' (``Scoring.chat_template``)
 
     PROMPTS: ClassVar[str] = "prompts"  # held-out prompts with answers
     PAIRS: ClassVar[str] = "pairs"  # held-out pairs with their reference log-probs

@@ -47,13 +47,18 @@ class StageInputs:
     lora: LoraSettings | None = None  # train LoRA adapters on the frozen policy instead of all its weights
     reward_models: Mapping[str, ModelSource] = field(default_factory=dict)  # earlier reward stages' models, by stage
     teacher: ModelSource | None = None  # the frozen model a distillation stage learns from
+    # ``data.chat_template``'s text over the policy tokenizer's own (the template the data was prepared with)
+    chat_template: str | None = None
 
     def load_policy(self):
-        """The policy and its tokenizer; with ``lora``, wrapped with fresh trainable adapters."""
+        """The policy and its tokenizer (with :attr:`chat_template`); with ``lora``, wrapped with fresh
+        trainable adapters."""
         from trainers.lora import add_adapters
         from trainers.modeling import load_causal_lm
 
-        model, tokenizer = load_causal_lm(self.policy.path, self.policy.revision, self.dtype)
+        model, tokenizer = load_causal_lm(
+            self.policy.path, self.policy.revision, self.dtype, chat_template=self.chat_template
+        )
         return (model if self.lora is None else add_adapters(model, self.lora)), tokenizer
 
     def load_reference(self):

@@ -12,7 +12,10 @@ def build_reward(section: RewardStageConfig, inputs: StageInputs):
     from trainers.lora import add_adapters
     from trainers.reward_model import REWARD_HEADS, PairSequenceCollator, RewardConfig, RewardTrainer, load_reward_model
 
-    model, tokenizer, _ = load_reward_model(inputs.policy.path, inputs.policy.revision, inputs.dtype, section.head)
+    policy = inputs.policy
+    model, tokenizer, _ = load_reward_model(
+        policy.path, policy.revision, inputs.dtype, section.head, chat_template=inputs.chat_template
+    )
     if inputs.lora is not None:  # saved merged (trainers.lora.save_stage_model), as a full reward model is
         model = add_adapters(model, inputs.lora, REWARD_HEADS.lookup(section.head).peft_task_type)
     return RewardTrainer(
