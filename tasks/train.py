@@ -19,6 +19,7 @@ from __future__ import annotations
 import shutil
 import socket
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -164,82 +165,149 @@ def run_stage(
     """Train in ``folder`` from its latest complete checkpoint (or from the start), tracked in
     the stage's MLflow run (the one an earlier attempt created, if any): in this process, or over
     ``inputs.compute``'s processes with ``accelerate launch`` (:func:`tasks.launch.launch`)."""
-    from tasks import stage_trainer
-    from trainers.checkpoints import checkpoints, discard_incomplete_checkpoints, training_done, write_atomically
-
     resumed = folder.run_id_file.exists()
     run_id = stage_run_id(parent_run_id, stage, folder)
     with tracked_run(run_id):
-        log_new_params(run_id, stage_params(stage, section, inputs))
-        if inputs.reference_logps is not None:
-            client().set_tag(run_id, "alignflow.reference_cache_key", inputs.reference_logps.key)
-            # a missing or corrupt entry is computed here, once: the trainer (each rank) only reads it
-            entry, _ = ensure_entry(inputs.reference_logps, run_id)
-            log_reference_input(run_id, entry)
-        for removed, problem in discard_incomplete_checkpoints(folder.path).items():
-            get_run_logger().warning("%s: removed %s, which cannot be resumed from: %s", stage, removed, problem)
-        checkpoint = next(iter(checkpoints(folder.path)), None)  # the newest; those left are complete
-        # resumed from the last step's checkpoint, the Trainer would train one step more when that
-        # step ends inside an epoch: the model is loaded from the checkpoint instead
-        final = checkpoint if checkpoint is not None and training_done(checkpoint) else None
+        track_inputs(run_id, stage, section, inputs)
+        start = resume_point(stage, folder)
         if resumed:
-            mark_resumed(run_id, parent_run_id, stage, trainer_step(checkpoint))
-        if inputs.compute.trains_pure_bf16 and inputs.lora is None:
-            get_run_logger().warning(
-                "%s: compute.dtype bfloat16 without mixed_precision trains pure bf16 weights: AdamW updates below "
-                "bf16's resolution round away. For mixed precision: compute.dtype float32 and mixed_precision bf16",
-                stage,
-            )
-        if final is not None:
-            get_run_logger().info("%s: %s is the last step: saving its model", stage, final)
-        elif checkpoint is not None:
-            get_run_logger().info("%s: resuming from %s", stage, checkpoint)
-        log_checkpoints = tracking.log_checkpoints
+            mark_resumed(run_id, parent_run_id, stage, trainer_step(start.checkpoint))
+        warn_pure_bf16(stage, inputs)
         # the last step's checkpoint trains nothing: no generation server for it
-        with served_section(stage, section, folder, run_id) if final is None else nullcontext(section) as served:
-            if inputs.compute.multi_process:
-                with atomic_directory(folder.model_dir) as staging:
-                    spec = TrainJob(
-                        plugins=tuple(plugins),
-                        launch_dir=folder.launch_dir,
-                        stage=stage,
-                        section=served,
-                        inputs=inputs,
-                        folder=folder,
-                        model_dir=staging,
-                        run_id=run_id,
-                        log_checkpoints=log_checkpoints,
-                        checkpoint=checkpoint,
-                        final=final is not None,
-                    )
-                    launch(spec, stage)
-                hosts = launched_hosts(spec)
-                adapter = folder.adapter_dir if inputs.lora is not None else None
-            else:
-                trainer = stage_trainer.tracked_trainer(
-                    stage, served, inputs, folder.path, run_id, log_checkpoints, policy_from=final
-                )
-                stage_trainer.log_model_params(run_id, trainer, inputs)
-                stage_trainer.train_from(trainer, checkpoint, final)
-                with atomic_directory(folder.model_dir) as staging:
-                    adapter = save_stage_model(trainer, staging, folder.adapter_dir)
-                hosts = [socket.gethostname()]
-        # where it ran: the machines in machine order, and the processes over all of them
-        client().set_tag(run_id, "alignflow.machines", ",".join(hosts))
-        client().set_tag(run_id, "alignflow.processes", str(inputs.compute.num_processes))
-        logged = log_checkpoints != "none"
-        handle = checkpoint_handle(
-            folder.model_dir, stage, mlflow_run_id=run_id, source=f"runs:/{run_id}/model" if logged else None
+        serving = served_section(stage, section, folder, run_id) if start.final is None else nullcontext(section)
+        with serving as served:
+            train_run = StageRun(stage, served, inputs, folder, run_id, tracking.log_checkpoints, start)
+            trained = train_run.launched(plugins) if inputs.compute.multi_process else train_run.here()
+        handle = record_model(run_id, stage, inputs, folder, tracking, trained)
+    return handle
+
+
+def track_inputs(run_id: str, stage: str, section: TrainingConfig, inputs: TrainInputs) -> None:
+    """The stage run's params, and the reference-cache entry it reads: a missing or corrupt entry is
+    computed here, once (the trainer, each rank, only reads it)."""
+    log_new_params(run_id, stage_params(stage, section, inputs))
+    if inputs.reference_logps is not None:
+        client().set_tag(run_id, "alignflow.reference_cache_key", inputs.reference_logps.key)
+        entry, _ = ensure_entry(inputs.reference_logps, run_id)
+        log_reference_input(run_id, entry)
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a stage's training starts: its newest complete checkpoint (None: from the start), and
+    ``final``, that checkpoint when it is the last step's (the model is loaded from it, nothing is
+    trained: resumed from it, the Trainer would train one step more when that step ends inside an epoch)."""
+
+    checkpoint: Path | None
+    final: Path | None
+
+
+def resume_point(stage: str, folder: StageFolder) -> ResumePoint:
+    """The stage's :class:`ResumePoint`, once the checkpoints that cannot be resumed from are removed."""
+    from trainers.checkpoints import checkpoints, discard_incomplete_checkpoints, training_done
+
+    logger = get_run_logger()
+    for removed, problem in discard_incomplete_checkpoints(folder.path).items():
+        logger.warning("%s: removed %s, which cannot be resumed from: %s", stage, removed, problem)
+    checkpoint = next(iter(checkpoints(folder.path)), None)  # the newest; those left are complete
+    final = checkpoint if checkpoint is not None and training_done(checkpoint) else None
+    if final is not None:
+        logger.info("%s: %s is the last step: saving its model", stage, final)
+    elif checkpoint is not None:
+        logger.info("%s: resuming from %s", stage, checkpoint)
+    return ResumePoint(checkpoint, final)
+
+
+def warn_pure_bf16(stage: str, inputs: TrainInputs) -> None:
+    if inputs.compute.trains_pure_bf16 and inputs.lora is None:
+        get_run_logger().warning(
+            "%s: compute.dtype bfloat16 without mixed_precision trains pure bf16 weights: AdamW updates below "
+            "bf16's resolution round away. For mixed precision: compute.dtype float32 and mixed_precision bf16",
+            stage,
         )
-        if adapter is not None:
-            record_adapter_base(adapter, inputs.policy)
-        if logged:
-            client().log_artifacts(run_id, handle.path, "model")
-            if adapter is not None:
-                client().log_artifacts(run_id, str(adapter), "adapter")
-        write_atomically(folder.finished_file, handle.model_dump_json(indent=2).encode())  # last: finished
-        if not tracking.keep_checkpoints:
-            prune_checkpoints(folder)  # only resuming an unfinished stage reads them
+
+
+@dataclass(frozen=True)
+class Trained:
+    """Where a stage trained (its machines, in machine order) and its LoRA adapter's folder (None without)."""
+
+    hosts: list[str]
+    adapter: Path | None
+
+
+@dataclass(frozen=True)
+class StageRun:
+    """One training of a stage into ``folder.model_dir``, from ``start``, tracked in ``run_id``."""
+
+    stage: str
+    section: TrainingConfig  # as its trainer gets it (with a started generation server's address)
+    inputs: TrainInputs
+    folder: StageFolder
+    run_id: str
+    log_checkpoints: str
+    start: ResumePoint
+
+    def here(self) -> Trained:
+        """In this process."""
+        from tasks import stage_trainer
+
+        trainer = stage_trainer.tracked_trainer(
+            self.stage,
+            self.section,
+            self.inputs,
+            self.folder.path,
+            self.run_id,
+            self.log_checkpoints,
+            policy_from=self.start.final,
+        )
+        stage_trainer.log_model_params(self.run_id, trainer, self.inputs)
+        stage_trainer.train_from(trainer, self.start.checkpoint, self.start.final)
+        with atomic_directory(self.folder.model_dir) as staging:
+            adapter = save_stage_model(trainer, staging, self.folder.adapter_dir)
+        return Trained([socket.gethostname()], adapter)
+
+    def launched(self, plugins: Sequence[str]) -> Trained:
+        """Over ``inputs.compute``'s processes and machines (a :class:`TrainJob` under ``accelerate launch``)."""
+        with atomic_directory(self.folder.model_dir) as staging:
+            spec = TrainJob(
+                plugins=tuple(plugins),
+                launch_dir=self.folder.launch_dir,
+                stage=self.stage,
+                section=self.section,
+                inputs=self.inputs,
+                folder=self.folder,
+                model_dir=staging,
+                run_id=self.run_id,
+                log_checkpoints=self.log_checkpoints,
+                checkpoint=self.start.checkpoint,
+                final=self.start.final is not None,
+            )
+            launch(spec, self.stage)
+        return Trained(launched_hosts(spec), self.folder.adapter_dir if self.inputs.lora is not None else None)
+
+
+def record_model(
+    run_id: str, stage: str, inputs: TrainInputs, folder: StageFolder, tracking: TrackingConfig, trained: Trained
+) -> ModelHandle:
+    """The trained model's handle: where it ran (tags), its adapter's base, its MLflow artifacts,
+    then ``model.json`` (last: the stage is finished), and the checkpoints pruned unless kept."""
+    from trainers.checkpoints import write_atomically
+
+    client().set_tag(run_id, "alignflow.machines", ",".join(trained.hosts))
+    client().set_tag(run_id, "alignflow.processes", str(inputs.compute.num_processes))
+    logged = tracking.log_checkpoints != "none"
+    handle = checkpoint_handle(
+        folder.model_dir, stage, mlflow_run_id=run_id, source=f"runs:/{run_id}/model" if logged else None
+    )
+    if trained.adapter is not None:
+        record_adapter_base(trained.adapter, inputs.policy)
+    if logged:
+        client().log_artifacts(run_id, handle.path, "model")
+        if trained.adapter is not None:
+            client().log_artifacts(run_id, str(trained.adapter), "adapter")
+    write_atomically(folder.finished_file, handle.model_dump_json(indent=2).encode())
+    if not tracking.keep_checkpoints:
+        prune_checkpoints(folder)  # only resuming an unfinished stage reads them
     return handle
 
 
