@@ -45,7 +45,7 @@ install-vllm: $(VLLM_INSTALLED)
 # the main tiers, so that the serial vllm tier finds their bytecode (137 s → 106 s measured; a failed
 # import here costs only that). Importing Prefect creates its home and MLflow writes a telemetry id
 # to ~/.config/mlflow unless told not to: both stay out of the user's home.
-VLLM_TIER_MODULES := pytest datasets flows.pipeline tasks.stage_trainer trainers.vllm_engine vllm.entrypoints.llm \
+VLLM_TIER_MODULES := pytest datasets flows.pipeline tasks.stage_trainer trainers.generation.vllm_engine vllm.entrypoints.llm \
 	vllm.v1.engine.core vllm.v1.executor.uniproc_executor vllm.v1.worker.cpu_worker vllm.model_executor.model_loader \
 	vllm.model_executor.models.llama prefect.server.api.server mlflow.store.tracking.sqlalchemy_store
 

@@ -1,5 +1,5 @@
 """Peak memory of preparing a dataset with one huge row: texts clipped in characters before
-tokenizing (``trainers/clipping.py``, the pipeline's way) vs. tokenized whole.
+tokenizing (``trainers/data/clipping.py``, the pipeline's way) vs. tokenized whole.
 
 The file is a ``.jsonl`` SFT split of 60 addition rows and one whose prompt is ``--megabytes`` MB
 (``"1+2+1+2+…"``); the built-in tiny model's tokenizer (one token per character) prepares it
@@ -48,7 +48,7 @@ def child(mode: str, path: Path) -> dict:
     from infra.core.config import DataConfig, DatasetSource, ModelConfig
     from tasks.data import prepare_dataset
     from tasks.models import resolve_model
-    from trainers import clipping
+    from trainers.data.rows import clipping
 
     if mode == "whole":
         clipping.TextClip.for_tokenizer = classmethod(lambda cls, tokenizer, most, keep_end: cls(sys.maxsize, keep_end))

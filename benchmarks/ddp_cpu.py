@@ -35,11 +35,11 @@ from infra.core.stage_io import TrainInputs
 from tasks.launch import launch, untracked_train_job
 from tasks.machine import machine_runner
 from tasks.models import checkpoint_handle
-from trainers.builtin_model import save_builtin_model
-from trainers.data import Truncation, tokenize_split
-from trainers.modeling import load_causal_lm
-from trainers.reference import reference_logps
-from trainers.synthetic import AdditionTask, generate_addition
+from trainers.data.rows import Truncation, tokenize_split
+from trainers.data.synthetic import AdditionTask, generate_addition
+from trainers.models.builtin import save_builtin_model
+from trainers.models.loading import load_causal_lm
+from trainers.scoring.reference_pass import reference_logps
 
 REPO = Path(__file__).resolve().parents[1]
 

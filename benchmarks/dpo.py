@@ -4,7 +4,7 @@ A ~36M-parameter Llama built from config (random weights, no downloads) trains w
 ``DPOTrainer`` on random token pairs. Each mode runs in a fresh process so that its peak RSS
 (``VmHWM`` of ``/proc/self/status``: the peak of this process image, not inherited from the
 parent as ``ru_maxrss`` would be) is its own; the cached mode reads reference log-probs computed beforehand, in
-another process, with the same function the pipeline uses (``trainers.reference.reference_logps``).
+another process, with the same function the pipeline uses (``trainers.scoring.reference_pass.reference_logps``).
 
     .venv/bin/python benchmarks/dpo.py                 # prints a markdown table
     .venv/bin/python benchmarks/dpo.py --steps 8 --batch-size 8 --threads 4
@@ -30,9 +30,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainers.collators import PreferenceCollator  # noqa: E402
-from trainers.dpo import DPOConfig, DPOTrainer  # noqa: E402
-from trainers.reference import reference_logps  # noqa: E402
+from trainers.data.collators import PreferenceCollator  # noqa: E402
+from trainers.dpo.trainer import DPOConfig, DPOTrainer  # noqa: E402
+from trainers.scoring.reference_pass import reference_logps  # noqa: E402
 
 MODEL = dict(
     vocab_size=32000,

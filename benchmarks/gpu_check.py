@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-# --sharding: the accelerate config and the parameter sharding (trainers/sharded_params.py) it gives.
+# --sharding: the accelerate config and the parameter sharding (trainers/runtime/parameter_sharding.py) it gives.
 SHARDING_CHECKS = {"ddp": "replicated", "fsdp": "fsdp2", "zero3": "zero3"}
 # Dense bf16 peak TFLOP/s (no sparsity) of the GPUs a team is likely to have.
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
@@ -167,7 +167,7 @@ def train_stage(
     its handle (and its trainer's last log window in ``logs``). ``name``: its row in the table.
     With LoRA a token costs 4·N (no weight gradients of the frozen model), else 6·N."""
     from tasks.models import checkpoint_handle
-    from trainers.stages import STAGES
+    from trainers.catalog import STAGES
 
     trainer = STAGES[stage].build(section, inputs)
     counter = TokenCounter(trainer.model)
@@ -215,7 +215,7 @@ def run_sharding_check(options: argparse.Namespace, gpu: bool, workdir: Path) ->
     import subprocess
 
     from infra.core.config import ComputeConfig, launcher_temp_folder
-    from trainers.builtin_model import save_builtin_model
+    from trainers.models.builtin import save_builtin_model
 
     if not gpu and options.sharding != "ddp":
         print("gpu_check: accelerate runs FSDP and DeepSpeed on GPUs only; on the CPU: --sharding ddp", file=sys.stderr)
@@ -286,15 +286,15 @@ def run_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:
     from tasks.evaluate import Scoring, score_model
     from tasks.models import checkpoint_handle
     from tasks.reference import ensure_entry, with_reference_columns
-    from trainers.builtin_model import save_builtin_model
-    from trainers.distill_section import DistillStageConfig
-    from trainers.dpo_section import DPOStageConfig
-    from trainers.grpo_section import GRPOStageConfig
-    from trainers.kto_section import KTOStageConfig
-    from trainers.lora import LoraSettings
-    from trainers.reward_section import RewardStageConfig
-    from trainers.sft_section import SFTConfig
-    from trainers.stages import ModelSource, StageInputs
+    from trainers.catalog import ModelSource, StageInputs
+    from trainers.distill.section import DistillStageConfig
+    from trainers.dpo.section import DPOStageConfig
+    from trainers.grpo.section import GRPOStageConfig
+    from trainers.kto.section import KTOStageConfig
+    from trainers.models.builtin import save_builtin_model
+    from trainers.models.lora import LoraSettings
+    from trainers.reward.section import RewardStageConfig
+    from trainers.sft.section import SFTConfig
 
     compute = ComputeConfig(
         mixed_precision="bf16" if gpu else "no", dtype="bfloat16" if gpu else "float32", cpu=not gpu
@@ -307,7 +307,7 @@ def run_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:
         data = prepare_dataset.fn(DataConfig(builtin=AdditionTaskConfig(num_eval_problems=options.eval_prompts)), base)
     import torch
 
-    from trainers.modeling import load_causal_lm
+    from trainers.models.loading import load_causal_lm
 
     parameters = sum(p.numel() for p in load_causal_lm(base.path)[0].parameters())
     weight_bytes = parameters * 2  # in bfloat16

@@ -27,11 +27,11 @@ import time
 import datasets
 import torch
 
-from trainers.builtin_model import build_builtin_model
-from trainers.data import Truncation, tokenize_split
-from trainers.grpo import GRPOConfig, GRPOTrainer
-from trainers.modeling import load_causal_lm
-from trainers.synthetic import AdditionTask, generate_addition
+from trainers.data.rows import Truncation, tokenize_split
+from trainers.data.synthetic import AdditionTask, generate_addition
+from trainers.grpo.trainer import GRPOConfig, GRPOTrainer
+from trainers.models.builtin import build_builtin_model
+from trainers.models.loading import load_causal_lm
 
 
 def parse_args() -> argparse.Namespace:

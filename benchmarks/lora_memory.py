@@ -54,7 +54,7 @@ def save_checkpoint(model_name: str, folder: Path) -> int:
     """One of ``ARCHITECTURES`` (with the built-in tokenizer: ids 0-2 are pad, bos, eos, as the
     model's) or a ``builtin:`` model with a vocabulary of at least 32,000 rows (the random
     pairs' token ids), saved as a checkpoint folder; returns its parameter count."""
-    from trainers.builtin_model import build_builtin_model, build_char_tokenizer
+    from trainers.models.builtin import build_builtin_model, build_char_tokenizer
 
     if model_name in ARCHITECTURES:
         import torch
@@ -77,9 +77,9 @@ def run_mode(mode: str, options: argparse.Namespace) -> dict:
     import torch
 
     from infra.core.config import ComputeConfig
-    from trainers.dpo_section import DPOStageConfig
-    from trainers.lora import LoraSettings, trainable_parameters
-    from trainers.stages import STAGES, ModelSource, StageInputs
+    from trainers.catalog import STAGES, ModelSource, StageInputs
+    from trainers.dpo.section import DPOStageConfig
+    from trainers.models.lora import LoraSettings, trainable_parameters
 
     torch.set_num_threads(options.threads)
     rows = random_pairs(options.steps * options.batch_size, options.prompt_length, options.completion_length)

@@ -67,9 +67,9 @@ def is_whole(model: torch.nn.Module) -> bool:
 
 
 def check_grpo(spec: dict, inputs, rows: list[dict]) -> dict:
-    from trainers.grpo_section import GRPOStageConfig
-    from trainers.sharded_params import forward_model
-    from trainers.stages import STAGES
+    from trainers.catalog import STAGES
+    from trainers.grpo.section import GRPOStageConfig
+    from trainers.runtime.parameter_sharding import forward_model
 
     section = GRPOStageConfig(
         per_device_train_batch_size=8,
@@ -110,10 +110,10 @@ def check_grpo(spec: dict, inputs, rows: list[dict]) -> dict:
 
 
 def check_dpo(spec: dict, inputs) -> dict:
-    from trainers.callbacks import mix_into_reference
-    from trainers.dpo_section import DPOStageConfig
-    from trainers.sharded_params import sharding_of
-    from trainers.stages import STAGES
+    from trainers.catalog import STAGES
+    from trainers.dpo.section import DPOStageConfig
+    from trainers.runtime.callbacks import mix_into_reference
+    from trainers.runtime.parameter_sharding import sharding_of
 
     section = DPOStageConfig(
         per_device_train_batch_size=4,
@@ -150,10 +150,10 @@ def main(spec: dict) -> None:
     import datasets
     from accelerate import PartialState
 
-    from trainers.data import Truncation, tokenize_split
-    from trainers.modeling import load_tokenizer
-    from trainers.stages import ModelSource, StageInputs
-    from trainers.synthetic import AdditionTask, generate_addition
+    from trainers.catalog import ModelSource, StageInputs
+    from trainers.data.rows import Truncation, tokenize_split
+    from trainers.data.synthetic import AdditionTask, generate_addition
+    from trainers.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(spec["model"])
     rows = generate_addition(AdditionTask(max_operand=9, num_eval_problems=20))
@@ -180,8 +180,8 @@ def main(spec: dict) -> None:
 
 
 if __name__ == "__main__":
-    from trainers.launch import run_as_launched_process
+    from trainers.runtime.launched_process import run_as_launched_process
 
     # without it the interpreter's teardown now and then aborted a rank after its check had passed
-    # (SIGABRT, "terminate called without an active exception"; trainers.fast_exit)
+    # (SIGABRT, "terminate called without an active exception"; trainers.runtime.fast_exit)
     run_as_launched_process(lambda: main(json.loads(Path(sys.argv[1]).read_text())))

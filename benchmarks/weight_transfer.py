@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from infra.core.generation_server import managed_generation_server
-from trainers.builtin_model import build_builtin_model
-from trainers.vllm_engine import ColocatedEngine, EngineOptions, SyncedEngine, serving_weights
-from trainers.vllm_server import ServerEngine
+from trainers.generation.vllm_engine import ColocatedEngine, EngineOptions, SyncedEngine, serving_weights
+from trainers.generation.vllm_server import ServerEngine
+from trainers.models.builtin import build_builtin_model
 
 OPTIONS = EngineOptions(gpu_memory_utilization=0.3, max_model_len=128, enable_sleep_mode=False, cpu_kv_cache_gib=1)
 

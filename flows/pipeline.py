@@ -17,8 +17,8 @@ from tasks.promote import find_champion, promote
 from tasks.reference import cache_ref_logps
 from tasks.tracking import link_stage, start_parent_run, tracked_run
 from tasks.train import train
-from trainers.reference_views import HELD_OUT_PAIRS_VIEW, PAIRS_VIEW
-from trainers.stages import STAGES
+from trainers.catalog import STAGES
+from trainers.scoring.reference_views import HELD_OUT_PAIRS_VIEW, PAIRS_VIEW
 
 
 def deployment_default_config() -> dict | None:

@@ -23,7 +23,7 @@ from tasks.reporting import (
     plot_training_curves,
 )
 from tasks.tracking import tracked_run
-from trainers.stages import stage_curves
+from trainers.catalog import stage_curves
 
 MAX_VARYING_PARAMS = 8
 DEFAULT_METRICS = ["greedy_accuracy", "sampled_accuracy", "pass_at_4"]
@@ -142,7 +142,7 @@ def compare_runs(
     explicitly are shown even where no run has them, marked "not measured"); ``params`` to the
     config fields whose values differ between the runs, and label the runs; ``stage`` (whose
     training curves are plotted) to the first stage whose settings differ; ``curves`` to that
-    stage's own (:attr:`trainers.stages.StageSpec.curves`)."""
+    stage's own (:attr:`trainers.catalog.StageSpec.curves`)."""
     runs = experiment_runs(experiment, selection)
     if not runs:
         raise ValueError(f"experiment {experiment!r} has no finished experiment runs to compare ({selection})")

@@ -13,8 +13,10 @@ from infra.core.config import DataConfig, DatasetSource, ExperimentConfig, is_te
 from infra.core.fingerprints import atomic_directory, code_fingerprint, hash_paths, hash_token_ids, hash_value
 from infra.core.handles import ModelHandle, PreparedData
 from infra.core.settings import get_settings
-from trainers.clipping import TextClip
-from trainers.data import (
+from trainers.catalog import STAGES
+from trainers.data.clipping import TextClip
+from trainers.data.lengths import AUTO, context_length, prompt_lengths, resolve_truncation
+from trainers.data.rows import (
     MARGIN,
     SPLIT_FIELDS,
     DataValidationError,
@@ -28,10 +30,8 @@ from trainers.data import (
     truncate_rows,
     validate_rows,
 )
-from trainers.generation_length import evaluation_generation
-from trainers.lengths import AUTO, context_length, prompt_lengths, resolve_truncation
-from trainers.stages import STAGES
-from trainers.synthetic import AdditionTask, generate_addition
+from trainers.data.synthetic import AdditionTask, generate_addition
+from trainers.generation.budget import evaluation_generation
 
 MANIFEST = "manifest.json"
 
@@ -102,7 +102,7 @@ RenderedSource = tuple[str, list[RenderedRow], DatasetSource | None]
 
 def render_splits(config: DataConfig, tokenizer, context: int | None) -> dict[str, list[RenderedSource]]:
     """Every source of every split normalized, validated and rendered to token ids, uncut, each text
-    clipped first to what the lengths (or the model's ``context``) could keep (:mod:`trainers.clipping`)."""
+    clipped first to what the lengths (or the model's ``context``) could keep (:mod:`trainers.data.clipping`)."""
     most = config.max_length if config.max_length != AUTO else context
     keep_end = config.truncation_mode == "keep_end"
     clip = TextClip.for_tokenizer(tokenizer, most, keep_end) if most else None
@@ -180,7 +180,7 @@ def check_generations(config: ExperimentConfig, data: PreparedData) -> None:
     """Refuse, before any stage trains, a generation that would not fit the model's context (as
     preparation read it, :attr:`PreparedData.context`; None: unknown, where an engine's own length
     may still apply): each stage's that samples while it trains
-    (:attr:`trainers.stages.registry.StageSpec.generation`) on the prepared prompts of the split it
+    (:attr:`trainers.stages.spec.StageSpec.generation`) on the prepared prompts of the split it
     trains on, and the evaluation's on the held-out prompts it scores. Its trainer or the evaluation
     would refuse it too, but only once the stages before it had trained. Raises ValueError naming
     the settings."""
@@ -224,7 +224,7 @@ def check_cut_share(manifest: dict, config: DataConfig) -> None:
 
 def tokenize_splits(config: DataConfig, handle: ModelHandle) -> tuple[dict[str, list[dict]], dict]:
     """The prepared rows of every split and the manifest that describes them."""
-    from trainers.modeling import load_tokenizer  # transformers: only when preparing
+    from trainers.models.loading import load_tokenizer  # transformers: only when preparing
 
     tokenizer = load_tokenizer(handle.path, handle.revision)
     template = resolve_chat_template(config.chat_template)

@@ -26,11 +26,11 @@ from tasks.launch import launch
 from tasks.mlflow_runs import client, log_metrics
 from tasks.reference import with_reference_columns
 from tasks.tracking import stage_run_id, tracked_run
-from trainers.devices import load_dtype
-from trainers.metrics import ModelScores
+from trainers.models.devices import load_dtype
+from trainers.scoring.metrics import ModelScores
 
 if TYPE_CHECKING:
-    from trainers.vllm_engine import ReusedEngine
+    from trainers.generation.vllm_engine import ReusedEngine
 
 # Shown in the printed table; every metric (CIs, pass@k, lengths) goes to MLflow.
 TABLE_COLUMNS = {
@@ -118,15 +118,15 @@ def score_model(handle: ModelHandle, scoring: Scoring, engines: ReusedEngine | N
 def score_models(
     handles: list[ModelHandle], scoring: Scoring, engines: ReusedEngine | None = None
 ) -> Iterator[ModelScores]:
-    """Every metric of each model in turn, as each is scored (``trainers.evaluation.evaluate_model``),
+    """Every metric of each model in turn, as each is scored (``trainers.evaluation.evaluate.evaluate_model``),
     loaded in ``compute.dtype`` on this machine's GPU where there is one (unless ``compute.cpu``),
     the reward model scoring their samples and ``engines`` (:func:`shared_engine`) generating them
     with vLLM; or, over ``compute.num_processes``, launched (:func:`launched_scores`) with the same result."""
     if scoring.compute.num_processes > 1:
         yield from launched_scores(handles, scoring)
         return
-    from trainers.evaluation import RewardModelSource, evaluate_models
-    from trainers.modeling import load_causal_lm
+    from trainers.evaluation.evaluate import RewardModelSource, evaluate_models
+    from trainers.models.loading import load_causal_lm
 
     compute, rm, device = scoring.compute, scoring.reward_model, compute_device(scoring.compute.cpu)
 
@@ -257,7 +257,7 @@ def shared_engine(config: EvaluationConfig) -> Iterator[ReusedEngine | None]:
     if config.generation_backend != "vllm":
         yield None
         return
-    from trainers.evaluation import evaluation_engine  # torch and vLLM, only where vLLM generates
+    from trainers.evaluation.evaluate import evaluation_engine  # torch and vLLM, only where vLLM generates
 
     with evaluation_engine(config.seed) as engines:
         yield engines

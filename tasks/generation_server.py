@@ -14,7 +14,8 @@ from prefect import get_run_logger
 from infra.core.generation_server import managed_generation_server
 from infra.core.stage_io import StageFolder
 from tasks.mlflow_runs import client
-from trainers.grpo_section import FOLDER_TRANSFERS, GRPOStageConfig
+from trainers.generation.transfers import FOLDER_TRANSFERS
+from trainers.grpo.section import GRPOStageConfig
 from trainers.sections import TrainingConfig
 
 

@@ -4,7 +4,7 @@
 
 It reads the typed spec (which imports its plugins), checks the world size, runs the job and, on rank 0,
 writes the job's result beside the spec; a failed rank writes its error report there
-(:func:`trainers.launch.run_as_launched_process`). A training stage builds the same trainer as the
+(:func:`trainers.runtime.launched_process.run_as_launched_process`). A training stage builds the same trainer as the
 in-process path (:func:`tasks.stage_trainer.tracked_trainer`): rank 0 with the MLflow tracker of the
 stage's run, the others with nothing that logs.
 """
@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from infra.core.config import ComputeConfig
 from infra.core.launching import stop_with_parent
 from infra.core.stage_io import LAUNCHED_AT, EvaluatedModel, EvaluateJob, LaunchSpec, ReferenceJob, TrainJob, read_spec
-from trainers.launch import check_world_size, rank, run_as_launched_process
+from trainers.runtime.launched_process import check_world_size, rank, run_as_launched_process
 
 IMPORTED = time.time()  # the rank's interpreter start and this module's imports are behind it
 
@@ -42,7 +42,7 @@ def report_start(ready: str) -> None:
 def train(spec: TrainJob) -> BaseModel:
     """Train the spec's stage from its checkpoint (or its start) and save the model into ``model_dir``."""
     from tasks.stage_trainer import log_model_params, tracked_trainer, train_from
-    from trainers.lora import save_stage_model
+    from trainers.models.lora import save_stage_model
 
     run_id = spec.run_id if rank() == 0 else None
     final = spec.checkpoint if spec.final else None
@@ -67,9 +67,9 @@ def launch_state(compute: ComputeConfig):
 def reference(spec: ReferenceJob) -> BaseModel:
     import datasets
 
-    from trainers.modeling import load_causal_lm
-    from trainers.reference import score_view
-    from trainers.reference_views import REFERENCE_VIEWS
+    from trainers.catalog import REFERENCE_VIEWS
+    from trainers.models.loading import load_causal_lm
+    from trainers.scoring.reference_pass import score_view
 
     state = launch_state(spec.compute)
     model, tokenizer = load_causal_lm(spec.model, spec.revision, spec.compute.dtype, state.device)
@@ -81,15 +81,15 @@ def reference(spec: ReferenceJob) -> BaseModel:
 
 
 def evaluate(spec: EvaluateJob) -> BaseModel:
-    """Each model of the spec in turn (``trainers.evaluation.evaluate_models``). On vLLM the launch
+    """Each model of the spec in turn (``trainers.evaluation.evaluate.evaluate_models``). On vLLM the launch
     builds one engine, each next model of the first one's shape is synced into it, and the launch
     ends at the first model of another shape: its result holds the models scored until then, and
     the parent launches the rest (``tasks.evaluate.launched_scores``)."""
     import datasets
 
-    from trainers.evaluation import RewardModelSource, evaluate_models, evaluation_engine
-    from trainers.modeling import load_causal_lm
-    from trainers.vllm_engine import EngineShapeChanged
+    from trainers.evaluation.evaluate import RewardModelSource, evaluate_models, evaluation_engine
+    from trainers.generation.vllm_engine import EngineShapeChanged
+    from trainers.models.loading import load_causal_lm
 
     state = launch_state(spec.compute)
     splits = datasets.load_from_disk(str(spec.splits))

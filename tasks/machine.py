@@ -24,7 +24,7 @@ from infra.core.gang import Gang, GangError
 from infra.core.launching import Finished, run_process_group
 from infra.core.settings import get_settings
 from infra.core.stage_io import LAUNCHED_AT, LaunchSpec, read_spec
-from trainers.launch import RankError
+from trainers.runtime.launched_process import RankError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 RANK_MODULE = "tasks.launched_rank"  # run as `-m` in every process

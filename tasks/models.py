@@ -19,10 +19,10 @@ from infra.core.fingerprints import atomic_directory, code_fingerprint, hash_pat
 from infra.core.handles import ModelHandle
 from infra.core.settings import get_settings
 from tasks.mlflow_runs import client
-from trainers.builtin_model import builtin_spec, is_builtin, save_builtin_model
-from trainers.lora import ADAPTER_CONFIG, is_adapter_folder
-from trainers.stages import ModelSource
-from trainers.tokenizer_identity import TOKENIZER_JSON, tokenizer_identity
+from trainers.catalog import ModelSource
+from trainers.models.builtin import builtin_spec, is_builtin, save_builtin_model
+from trainers.models.lora import ADAPTER_CONFIG, is_adapter_folder
+from trainers.models.tokenizer_identity import TOKENIZER_JSON, tokenizer_identity
 
 # What determines a model's outputs (not training_args.bin or generation_config.json, which name runs and folders).
 WEIGHT_PATTERNS = (
@@ -120,7 +120,7 @@ def check_safetensors(file: Path) -> None:
 
 
 def tokenizer_fingerprint(path: Path) -> str:
-    """By what the tokenizer, as transformers loads it, does (:mod:`trainers.tokenizer_identity`), so
+    """By what the tokenizer, as transformers loads it, does (:mod:`trainers.models.tokenizer_identity`), so
     that ``save_pretrained`` round trips keep it; a tokenizer without ``tokenizer.json``
     (sentencepiece only) by its files. Loading a tokenizer imports transformers and torch: the value
     is kept under ``cache/tokenizers/``, keyed by the files loading reads and transformers' version,
@@ -130,7 +130,7 @@ def tokenizer_fingerprint(path: Path) -> str:
     read = hash_paths(path, [*TOKENIZER_FILES, "config.json"])  # config.json: its model type picks the class
     memo = get_settings().tokenizer_cache / hash_value({"files": read, "transformers": version("transformers")})
     if not memo.is_file():
-        from trainers.checkpoints import write_atomically  # torch: loading the tokenizer imports it too
+        from trainers.runtime.checkpoints import write_atomically  # torch: loading the tokenizer imports it too
 
         memo.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(memo, hash_value(tokenizer_identity(path)).encode())
@@ -204,7 +204,7 @@ def model_handle(config: ModelConfig, stage: str = "base") -> ModelHandle:
     handle's ``source``: it resolves on any machine."""
     if is_builtin(config.source):
         spec = builtin_spec(config.source, config.seed)  # name, architecture, seed; the module's source has the rest
-        identity = hash_value({"spec": spec, "code": code_fingerprint("trainers.builtin_model")})
+        identity = hash_value({"spec": spec, "code": code_fingerprint("trainers.models.builtin")})
         target = get_settings().model_cache / f"{config.source.removeprefix('builtin:')}-{identity}"
         if not target.exists():
             with atomic_directory(target) as staging:

@@ -15,7 +15,7 @@ from infra.core.handles import ModelHandle, PreparedData
 from tasks.evaluate import EvalReport
 from tasks.mlflow_runs import client
 from tasks.models import checkpoint_handle, download_mlflow_model
-from trainers.metrics import bootstrap_ci
+from trainers.scoring.metrics import bootstrap_ci
 
 CHAMPION_LABEL = "champion"
 BOOTSTRAP_SEED = 0

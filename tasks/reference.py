@@ -1,5 +1,5 @@
 """Reference log-probs: one frozen forward pass over a view of the prepared data (the preference
-pairs; KTO's completions and KL completions: ``trainers.reference_views``), stored once per
+pairs; KTO's completions and KL completions: ``trainers.scoring.reference_views``), stored once per
 content key in the shared reference cache (``infra/core/refcache.py``) and reused by every run,
 experiment and machine that asks for the same data and reference."""
 
@@ -26,8 +26,8 @@ from tasks.launch import launch
 from tasks.mlflow_runs import log_dataset_input, log_metrics
 from tasks.reference_columns import joined_splits, reference_store
 from tasks.results import CACHED_RESULT, checked_cache_key
-from trainers.devices import load_dtype, model_dtype
-from trainers.reference_views import REFERENCE_VIEWS
+from trainers.catalog import REFERENCE_VIEWS
+from trainers.models.devices import load_dtype, model_dtype
 
 MLFLOW_SCHEMA = {"row_id": "long", "ref_chosen_logps": "float", "ref_rejected_logps": "float"}
 PROGRESS_STEP = 5.0  # percent between updates of the Prefect progress artifact
@@ -96,8 +96,8 @@ def compute_columns(ref: ReferenceLogps) -> dict[str, Columns]:
     where there is one (unless ``compute.cpu``), or launched over ``compute.num_processes``."""
     if ref.compute.num_processes > 1:
         return launched_columns(ref)
-    from trainers.modeling import load_causal_lm
-    from trainers.reference import score_view
+    from trainers.models.loading import load_causal_lm
+    from trainers.scoring.reference_pass import score_view
 
     view = REFERENCE_VIEWS.lookup(ref.view)
     reference = ref.reference
@@ -113,7 +113,7 @@ def compute_columns(ref: ReferenceLogps) -> dict[str, Columns]:
 
 def launched_columns(ref: ReferenceLogps) -> dict[str, Columns]:
     """:func:`compute_columns` by a :class:`ReferenceJob` over ``ref.compute``'s processes, each
-    scoring its share of the batches: the same values as one process (``trainers.sharding``)."""
+    scoring its share of the batches: the same values as one process (``trainers.runtime.work_split``)."""
     job = ReferenceJob(
         plugins=(),
         launch_dir=get_settings().launches / f"reference-{ref.key}",  # one launch per key: under its lock

@@ -11,8 +11,9 @@ import pyarrow as pa
 from infra.core.handles import ReferenceLogps
 from infra.core.refcache import CacheEntry, CacheIntegrityError, ReferenceCache
 from infra.core.settings import get_settings
-from trainers.data import REF_COLUMNS
-from trainers.reference_views import REFERENCE_VIEWS, ReferenceView
+from trainers.catalog import REFERENCE_VIEWS
+from trainers.data.rows import REF_COLUMNS
+from trainers.scoring.reference_views import ReferenceView
 
 
 def reference_store(root: str | None = None) -> ReferenceCache:

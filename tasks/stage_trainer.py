@@ -14,11 +14,11 @@ from transformers.trainer_callback import PrinterCallback
 
 from infra.core.stage_io import TrainInputs
 from tasks.reference_columns import read_reference_columns
-from trainers.callbacks import FiniteGuard, ProgressLineCallback
-from trainers.checkpoints import CheckpointCompletion, EpochEndEvaluation, restore_extra_state, trainer_state
-from trainers.lora import trainable_parameters
+from trainers.catalog import STAGES, ModelSource, StageInputs
+from trainers.models.lora import trainable_parameters
+from trainers.runtime.callbacks import FiniteGuard, ProgressLineCallback
+from trainers.runtime.checkpoints import CheckpointCompletion, EpochEndEvaluation, restore_extra_state, trainer_state
 from trainers.sections import TrainingConfig
-from trainers.stages import STAGES, ModelSource, StageInputs
 
 
 def stage_inputs(

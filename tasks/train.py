@@ -4,7 +4,7 @@ and its inputs; this task runs it, saves the model and tracks it in MLflow.
 A stage's output folder is a function of what its model is a function of (:func:`stage_key`), so
 an identical rerun, or a Prefect retry, finds what the attempt before it left: a finished model
 (``model/`` and ``model.json``) is reused as it is; otherwise training resumes from the latest
-complete checkpoint (``trainers/checkpoints.py``), in the same MLflow run.
+complete checkpoint (``trainers/runtime/checkpoints.py``), in the same MLflow run.
 
 One process trains in this task's process; several (``compute.num_processes`` or
 ``num_machines`` above 1) run the same trainer under ``accelerate launch`` (a
@@ -40,9 +40,9 @@ from tasks.models import checkpoint_handle, record_adapter_base
 from tasks.reference import ensure_entry, log_reference_input
 from tasks.results import CACHED_RESULT, checked_cache_key
 from tasks.tracking import mark_resumed, stage_run_id, tracked_run
-from trainers.lora import save_stage_model
+from trainers.catalog import STAGES
+from trainers.models.lora import save_stage_model
 from trainers.sections import TrainingConfig
-from trainers.stages import STAGES
 
 
 def stage_key_inputs(stage: str, section: TrainingConfig, inputs: TrainInputs, plugins: tuple[str, ...] = ()) -> dict:
@@ -204,7 +204,7 @@ class ResumePoint:
 
 def resume_point(stage: str, folder: StageFolder) -> ResumePoint:
     """The stage's :class:`ResumePoint`, once the checkpoints that cannot be resumed from are removed."""
-    from trainers.checkpoints import checkpoints, discard_incomplete_checkpoints, training_done
+    from trainers.runtime.checkpoints import checkpoints, discard_incomplete_checkpoints, training_done
 
     logger = get_run_logger()
     for removed, problem in discard_incomplete_checkpoints(folder.path).items():
@@ -291,7 +291,7 @@ def record_model(
 ) -> ModelHandle:
     """The trained model's handle: where it ran (tags), its adapter's base, its MLflow artifacts,
     then ``model.json`` (last: the stage is finished), and the checkpoints pruned unless kept."""
-    from trainers.checkpoints import write_atomically
+    from trainers.runtime.checkpoints import write_atomically
 
     client().set_tag(run_id, "alignflow.machines", ",".join(trained.hosts))
     client().set_tag(run_id, "alignflow.processes", str(inputs.compute.num_processes))

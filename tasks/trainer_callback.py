@@ -9,7 +9,7 @@ from transformers import TrainerCallback
 from infra.core.settings import get_settings
 from tasks.metric_sender import MetricSender
 from tasks.mlflow_runs import client, metric_values
-from trainers.grpo_section import COMPLETIONS_LOG_KEY
+from trainers.grpo.section import COMPLETIONS_LOG_KEY
 
 COMPLETIONS_TABLE = "completions.json"
 

@@ -33,7 +33,7 @@ os.environ.pop("PREFECT_API_URL", None)
 from helpers import migrated_mlflow_database  # noqa: E402
 
 from infra.core.settings import configure_environment  # noqa: E402
-from trainers.fast_exit import end_at_exit_without_teardown  # noqa: E402
+from trainers.runtime.fast_exit import end_at_exit_without_teardown  # noqa: E402
 
 configure_environment()  # first: building the template imports MLflow, which would write ~/.config/mlflow otherwise
 shutil.copyfile(migrated_mlflow_database(), _STATE / "mlflow.db")  # the session's store, migrated once per version
@@ -91,7 +91,7 @@ def prefect_api_url():
 @pytest.fixture(scope="session")
 def tiny():
     """The built-in model and tokenizer (fresh weights, seed 0)."""
-    from trainers.builtin_model import build_builtin_model
+    from trainers.models.builtin import build_builtin_model
 
     return build_builtin_model("builtin:tiny-llama", seed=0)
 
@@ -99,8 +99,8 @@ def tiny():
 @pytest.fixture(scope="session")
 def tiny_pairs(tiny) -> list[dict]:
     """32 of the built-in task's preference pairs, tokenized for ``tiny`` (prompt, chosen, rejected ids)."""
-    from trainers.data import Truncation, tokenize_split
-    from trainers.synthetic import AdditionTask, generate_addition
+    from trainers.data.rows import Truncation, tokenize_split
+    from trainers.data.synthetic import AdditionTask, generate_addition
 
     rows = generate_addition(AdditionTask(max_operand=9, num_eval_problems=20))["preference"]
     tokenized, dropped = tokenize_split(rows, "preference", tiny[1], Truncation(32, 16))
@@ -125,7 +125,7 @@ def teacher_checkpoint(tmp_path_factory):
     """The built-in model with other weights (seed 1) and the same tokenizer, saved as a checkpoint
     folder, as its handle: a distillation teacher."""
     from tasks.models import checkpoint_handle
-    from trainers.builtin_model import save_builtin_model
+    from trainers.models.builtin import save_builtin_model
 
     folder = save_builtin_model("builtin:tiny-llama", 1, tmp_path_factory.mktemp("teacher-checkpoint") / "model")
     return checkpoint_handle(folder, "teacher")

@@ -5,7 +5,7 @@ accelerate 1.15 never selects FSDP on the CPU (``use_cpu`` gives MULTI_CPU, i.e.
 policy is sharded here with torch itself, each decoder layer and the root as infra/core/accelerate's
 TRANSFORMER_BASED_WRAP does (each of the spec's ``shardings`` in turn, on a new copy of the model, in
 one process group: ``fsdp2``, ``fully_shard``; ``fsdp1``, ``FullyShardedDataParallel``), and that
-entry of trainers/sharded_params.py is used by name. Each process checks against a whole copy of
+entry of trainers/runtime/parameter_sharding.py is used by name. Each process checks against a whole copy of
 the same model: GRPO's seeded generation (``GRPOTrainer.generate``), a greedy generation of a
 different length on each process (lockstep), the TR-DPO sync after a training step, and a second
 training step after the sync. Rank 0 writes the results of all processes to ``result.json`` in
@@ -71,7 +71,7 @@ def main(spec: dict) -> None:
     from accelerate import PartialState
     from accelerate.utils import gather_object
 
-    from trainers.launch import end_process_group
+    from trainers.runtime.launched_process import end_process_group
 
     state = PartialState(cpu=True)
     if not torch.distributed.is_initialized():  # one process: FSDP still needs a process group
@@ -91,10 +91,10 @@ def check_sharding(name: str, model: str, rank: int, world: int, out: Path) -> d
     """This process's results for the sharding ``name`` of a new copy of ``model``."""
     from transformers import TrainerState
 
-    from trainers.callbacks import SyncReferenceCallback, mix_into_reference
-    from trainers.grpo import GRPOConfig, GRPOTrainer
-    from trainers.modeling import load_causal_lm
-    from trainers.sharded_params import SHARDINGS, forward_model
+    from trainers.grpo.trainer import GRPOConfig, GRPOTrainer
+    from trainers.models.loading import load_causal_lm
+    from trainers.runtime.callbacks import SyncReferenceCallback, mix_into_reference
+    from trainers.runtime.parameter_sharding import SHARDINGS, forward_model
 
     policy, tokenizer = load_causal_lm(model)
     initial = copy.deepcopy(policy)
@@ -161,6 +161,6 @@ def check_sharding(name: str, model: str, rank: int, world: int, out: Path) -> d
 
 
 if __name__ == "__main__":
-    from trainers.launch import run_as_launched_process
+    from trainers.runtime.launched_process import run_as_launched_process
 
     run_as_launched_process(lambda: main(json.loads(Path(sys.argv[1]).read_text())))

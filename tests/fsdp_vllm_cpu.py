@@ -37,10 +37,10 @@ def main(spec: dict) -> None:
     from accelerate import PartialState
     from accelerate.utils import gather_object
 
-    from trainers.grpo import GRPOConfig, GRPOTrainer
-    from trainers.launch import end_process_group
-    from trainers.modeling import load_causal_lm
-    from trainers.sharded_params import SHARDINGS
+    from trainers.grpo.trainer import GRPOConfig, GRPOTrainer
+    from trainers.models.loading import load_causal_lm
+    from trainers.runtime.launched_process import end_process_group
+    from trainers.runtime.parameter_sharding import SHARDINGS
 
     state = PartialState(cpu=True)
     rank, world = state.process_index, state.num_processes
@@ -89,6 +89,6 @@ def main(spec: dict) -> None:
 
 
 if __name__ == "__main__":
-    from trainers.launch import run_as_launched_process
+    from trainers.runtime.launched_process import run_as_launched_process
 
     run_as_launched_process(lambda: main(json.loads(Path(sys.argv[1]).read_text())))

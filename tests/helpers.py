@@ -208,7 +208,7 @@ def chat_tokenizer(style: str):
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    from trainers.builtin_model import CHARACTERS
+    from trainers.models.builtin import CHARACTERS
 
     template, specials, eos, bos, _ = STYLES[style]
     specials = ["<pad>", "<unk>", *specials]

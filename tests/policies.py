@@ -80,7 +80,7 @@ SHORT_GRPO = dict(
 
 def grpo_args(output_dir, **settings):
     """``GRPOConfig`` for a test run: no reporting, no progress bars, no pinned memory."""
-    from trainers.grpo import GRPOConfig
+    from trainers.grpo.trainer import GRPOConfig
 
     return GRPOConfig(
         output_dir=str(output_dir), report_to=[], disable_tqdm=True, dataloader_pin_memory=False, **settings
@@ -91,7 +91,7 @@ def pair_grpo(model, tokenizer, rows: list[dict], rewards, output_dir, max_compl
     """A GRPO trainer over ``rows`` that samples two completions of one prompt per generation."""
     import datasets
 
-    from trainers.grpo import GRPOConfig, GRPOTrainer
+    from trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 
     args = GRPOConfig(
         output_dir=str(output_dir),

@@ -220,15 +220,15 @@ def test_naming_a_reward_by_import_path_imports_nothing_outside_plugins(files):
 
 @pytest.mark.unit
 def test_builtin_model_names_agree_with_the_builtin_models():
-    from trainers.builtin_model import BUILTIN_MODELS
+    from trainers.models.builtin import BUILTIN_MODELS
 
     assert set(BUILTIN_MODEL_NAMES) == set(BUILTIN_MODELS)
 
 
 @pytest.mark.unit
 def test_every_metric_the_evaluation_produces_is_a_valid_promotion_metric(tiny):
-    from trainers.evaluation import GenerationSpec, answer_metrics, score_prompts
-    from trainers.metrics import evaluation_metric_names
+    from trainers.evaluation.evaluate import GenerationSpec, answer_metrics, score_prompts
+    from trainers.scoring.metrics import evaluation_metric_names
 
     model, tokenizer = tiny
     rows = [{"prompt_ids": tokenizer("1+1=")["input_ids"], "answer": "2"}]

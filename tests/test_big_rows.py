@@ -1,5 +1,5 @@
 """A file with one huge row is prepared in memory that grows with the lengths kept, not with the
-row (``trainers/clipping.py``): measured in fresh processes by ``benchmarks/big_row_memory.py``."""
+row (``trainers/data/clipping.py``): measured in fresh processes by ``benchmarks/big_row_memory.py``."""
 
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainers.callbacks import FiniteGuard, ProgressLineCallback, duration, progress_line
-from trainers.divergence import NonFiniteTraining
+from trainers.runtime.callbacks import FiniteGuard, ProgressLineCallback, duration, progress_line
+from trainers.runtime.errors import NonFiniteTraining
 
 
 @pytest.mark.unit

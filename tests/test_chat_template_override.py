@@ -20,9 +20,9 @@ from tasks.data import prepare_dataset
 from tasks.evaluate import Scoring, score_models
 from tasks.models import checkpoint_handle
 from tasks.stage_trainer import stage_inputs
-from trainers.grpo_section import GRPOStageConfig
-from trainers.modeling import load_tokenizer
-from trainers.stages import STAGES
+from trainers.catalog import STAGES
+from trainers.grpo.section import GRPOStageConfig
+from trainers.models.loading import load_tokenizer
 
 OVERRIDE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|eot|>\n{% endfor %}"

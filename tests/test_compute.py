@@ -27,10 +27,10 @@ from infra.ops import cli
 from tasks.data import prepare_dataset
 from tasks.models import resolve_model
 from tasks.reference import compute_columns, reference_dtype, reference_key, reference_key_inputs
-from trainers.devices import load_dtype, model_dtype
-from trainers.evaluation import preference_rewards
-from trainers.modeling import load_causal_lm
-from trainers.reward_model import REWARD_HEADS, load_reward_model
+from trainers.evaluation.evaluate import preference_rewards
+from trainers.models.devices import load_dtype, model_dtype
+from trainers.models.loading import load_causal_lm
+from trainers.scoring.reward_model import REWARD_HEADS, load_reward_model
 
 CPU_ONLY = Hardware(cuda_devices=0, cuda_bf16=False)
 OLD_GPU = Hardware(cuda_devices=2, cuda_bf16=False)  # e.g. a V100: no bfloat16
@@ -266,8 +266,8 @@ def test_the_gpu_check_refuses_to_run_without_a_gpu_and_its_cpu_smoke_runs_every
 def test_a_stage_takes_the_compute_sections_dtype_and_mixed_precision(tiny_checkpoint, tmp_path):
     from transformers import TrainingArguments
 
-    from trainers.sft_section import SFTConfig
-    from trainers.stages import ModelSource, StageInputs
+    from trainers.catalog import ModelSource, StageInputs
+    from trainers.sft.section import SFTConfig
 
     start = ModelSource(tiny_checkpoint.path)
 
@@ -304,7 +304,7 @@ def test_a_stage_takes_the_compute_sections_dtype_and_mixed_precision(tiny_check
 def test_ddp_searches_for_unused_parameters_only_in_a_mixture_of_experts():
     from transformers import LlamaConfig, MixtralConfig, Qwen2MoeConfig
 
-    from trainers.devices import routes_to_experts
+    from trainers.models.devices import routes_to_experts
 
     assert routes_to_experts(MixtralConfig()) and routes_to_experts(Qwen2MoeConfig())
     assert not routes_to_experts(LlamaConfig())

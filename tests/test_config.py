@@ -6,9 +6,9 @@ from pydantic import ValidationError
 
 from infra.core.config import ExperimentConfig, config_errors, did_you_mean, load_config, merge_onto
 from infra.ops.cli import main
-from trainers.evaluation import GenerationSpec
-from trainers.losses import PREFERENCE_LOSSES
-from trainers.rewards import REWARD_FUNCTIONS
+from trainers.dpo.losses import PREFERENCE_LOSSES
+from trainers.evaluation.evaluate import GenerationSpec
+from trainers.grpo.rewards import REWARD_FUNCTIONS
 
 pytestmark = pytest.mark.unit
 
@@ -182,8 +182,8 @@ def test_stage_defaults_keep_the_shared_constraints(override):
 
 
 PLUGIN = '''
-from trainers.losses import register_loss
-from trainers.rewards import register_reward
+from trainers.dpo.losses import register_loss
+from trainers.grpo.rewards import register_reward
 
 
 @register_loss("plugin_margin", hyperparameters=("beta",))
@@ -360,7 +360,7 @@ def test_grpo_objective_options_that_load():
 
 
 def test_a_grpo_objective_that_reads_no_section_field_is_a_config_error():
-    from trainers.grpo_losses import POLICY_OBJECTIVES, register_policy_objective
+    from trainers.grpo.losses import POLICY_OBJECTIVES, register_policy_objective
 
     register_policy_objective("plugin_objective", hyperparameters=("plugin_tau",))(lambda *args: None)
     try:

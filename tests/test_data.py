@@ -3,9 +3,9 @@ import json
 import pytest
 import torch
 
-from trainers.collators import IGNORE_INDEX, CompletionOnlyCollator, PreferenceCollator
-from trainers.data import DataValidationError, Truncation, load_rows, tokenize_split, validate_rows
-from trainers.synthetic import AdditionTask, generate_addition
+from trainers.data.collators import IGNORE_INDEX, CompletionOnlyCollator, PreferenceCollator
+from trainers.data.rows import DataValidationError, Truncation, load_rows, tokenize_split, validate_rows
+from trainers.data.synthetic import AdditionTask, generate_addition
 
 pytestmark = pytest.mark.unit
 

@@ -15,8 +15,8 @@ from prefect.logging import disable_run_logger
 from infra.core.config import DataConfig, DatasetSource, ModelConfig
 from tasks.data import data_fingerprint, prepare_dataset, prepare_split
 from tasks.models import resolve_model
-from trainers.collators import IGNORE_INDEX, CompletionOnlyCollator, PreferenceCollator
-from trainers.data import (
+from trainers.data.collators import IGNORE_INDEX, CompletionOnlyCollator, PreferenceCollator
+from trainers.data.rows import (
     SPLIT_FIELDS,
     DataValidationError,
     Truncation,
@@ -26,8 +26,8 @@ from trainers.data import (
     tokenize_rows,
     validate_rows,
 )
-from trainers.modeling import load_tokenizer
-from trainers.reward_model import PairSequenceCollator
+from trainers.models.loading import load_tokenizer
+from trainers.scoring.reward_model import PairSequenceCollator
 
 pytestmark = pytest.mark.unit
 

@@ -37,10 +37,10 @@ from tasks.launch import launch, untracked_train_job
 from tasks.machine import RANK_MODULE, LaunchFailed, machine_runner
 from tasks.models import checkpoint_handle
 from tasks.placement import machine_resource
-from trainers.data import Truncation, tokenize_split
-from trainers.modeling import load_causal_lm
-from trainers.reference import reference_logps
-from trainers.synthetic import AdditionTask, generate_addition
+from trainers.data.rows import Truncation, tokenize_split
+from trainers.data.synthetic import AdditionTask, generate_addition
+from trainers.models.loading import load_causal_lm
+from trainers.scoring.reference_pass import reference_logps
 
 REPO = Path(__file__).resolve().parents[1]
 # A reward with spread on an untrained model, unscored (None) for some rows: missing rewards cross ranks too.
@@ -77,7 +77,7 @@ def run(job, folder: Path, lines: list[str] | None = None):
         lines = [] if lines is None else lines
         result = launch(job, job.job, lines.append)
     assert result.world_size == job.world_size
-    # DDP searches for unused parameters only in a model that may leave some out (trainers.devices.ddp_arguments)
+    # DDP searches for unused parameters only in a model that may leave some out (trainers.models.devices.ddp_arguments)
     assert not [line for line in lines if "find_unused_parameters=True" in line]
     return result
 
@@ -382,7 +382,7 @@ def test_a_rank_that_fails_on_machine_1_stops_machine_0_with_its_traceback_and_l
 
 @pytest.mark.slow
 def test_killing_machine_1_mid_stage_fails_both_sides_and_the_rerun_resumes_to_the_uninterrupted_weights(workdir):
-    from trainers.checkpoints import checkpoints, discard_incomplete_checkpoints, is_complete
+    from trainers.runtime.checkpoints import checkpoints, discard_incomplete_checkpoints, is_complete
 
     spec, folder = workdir
     section = {"max_steps": 40, "save_steps": 2, "per_device_train_batch_size": 2, "logging_steps": 1}
@@ -479,8 +479,8 @@ def test_the_launch_command_is_built_from_the_compute_section():
 
 @pytest.mark.unit
 def test_a_group_may_straddle_processes_but_a_generation_batch_holds_whole_groups():
-    from trainers.grpo_rollouts import completion_seed
-    from trainers.layout import resolve_layout
+    from trainers.grpo.layout import resolve_layout
+    from trainers.grpo.rollouts import completion_seed
 
     layout = resolve_layout(per_device_batch_size=2, gradient_accumulation_steps=1, num_generations=4, num_processes=2)
     assert (layout.generation_batch_size, layout.per_device_generation_batch_size, layout.prompts_per_generation) == (
@@ -520,7 +520,7 @@ def test_the_reference_task_over_two_processes_writes_the_cache_entry_one_proces
     view, handles, tmp_path, launch_log
 ):
     from tasks.reference import ensure_entry, reference_key
-    from trainers.reference_views import REFERENCE_VIEWS
+    from trainers.scoring.reference_views import REFERENCE_VIEWS
 
     policy, data, _ = handles
     assert data.rows["preference"] > 2 * 5 and data.rows["preference"] % 5  # batches on both ranks, the last short
@@ -584,7 +584,7 @@ def test_the_evaluation_task_over_two_processes_scores_what_one_process_scores(w
     [(6, 2, [(0, 3), (3, 6)]), (3, 2, [(0, 2), (2, 3)]), (1, 2, [(0, 1), (1, 1)]), (7, 3, [(0, 3), (3, 5), (5, 7)])],
 )
 def test_shards_are_contiguous_disjoint_and_complete(items, processes, bounds):
-    from trainers.sharding import batches_of, shard_bounds
+    from trainers.runtime.work_split import batches_of, shard_bounds
 
     assert [shard_bounds(items, processes, index) for index in range(processes)] == bounds
     assert batches_of(list(range(7)), 3) == [[0, 1, 2], [3, 4, 5], [6]]

@@ -13,17 +13,17 @@ from helpers import QUIET_TRAINING
 from pydantic import ValidationError
 
 from infra.core.config import load_config
-from trainers.devices import placed_on
-from trainers.distill import (
+from trainers.catalog import STAGES
+from trainers.distill.trainer import (
     DistillConfig,
     DistillTrainer,
     PromptCompletionCollator,
     draws_on_policy,
     generalized_jsd,
 )
-from trainers.modeling import check_same_vocabulary
-from trainers.stages import STAGES
-from trainers.stages.grpo import reward_functions
+from trainers.grpo.stage import reward_functions
+from trainers.models.devices import placed_on
+from trainers.models.loading import check_same_vocabulary
 
 
 def written_jsd(student: torch.Tensor, teacher: torch.Tensor, beta: float, tau: float) -> torch.Tensor:
@@ -220,7 +220,7 @@ def test_with_seq_kd_the_off_policy_steps_train_on_the_teachers_samples_under_th
     """λ = 0 with ``seq_kd`` (sequence-level KD): each step's batch is the batch's prompts with the
     teacher's samples under the step's seed (what a trainer whose student is the teacher samples
     under that seed), not the data's completions."""
-    from trainers.distill import derived_seed
+    from trainers.distill.trainer import derived_seed
 
     model, tokenizer = tiny
     teacher = perturbed(model, 0.05, 0)

@@ -8,13 +8,13 @@ import torch
 from helpers import QUIET_TRAINING
 from transformers import TrainerCallback
 
-from trainers.collators import PreferenceCollator
-from trainers.data import Truncation, tokenize_split
-from trainers.dpo import DPOConfig, DPOTrainer, ld_token_weights, wpo_pair_weights
-from trainers.dpo_section import DPOStageConfig
-from trainers.losses import PREFERENCE_LOSSES
-from trainers.reference import reference_logps
-from trainers.synthetic import AdditionTask, generate_addition
+from trainers.data.collators import PreferenceCollator
+from trainers.data.rows import Truncation, tokenize_split
+from trainers.data.synthetic import AdditionTask, generate_addition
+from trainers.dpo.losses import PREFERENCE_LOSSES
+from trainers.dpo.section import DPOStageConfig
+from trainers.dpo.trainer import DPOConfig, DPOTrainer, ld_token_weights, wpo_pair_weights
+from trainers.scoring.reference_pass import reference_logps
 
 pytestmark = pytest.mark.slow  # training: seconds a test
 

@@ -17,7 +17,7 @@ from infra.core.fingerprints import code_fingerprint, imported_modules
 from infra.core.handles import ModelHandle, PreparedData
 from tasks.data import data_fingerprint
 from tasks.reference import reference_key_inputs
-from trainers.stages import STAGES
+from trainers.catalog import STAGES
 
 PROJECT = Path(__file__).resolve().parents[1]
 # The code behind each cache: the reference log-prob cache, prepared data, the cached SFT model.
@@ -107,7 +107,7 @@ def test_the_key_of_every_cache_changes_with_the_fingerprint_of_its_code(monkeyp
         "builtin model": (
             tasks.models,
             lambda: tasks.models.resolve_model.fn(ModelConfig()),  # its folder (checkpoint_handle below)
-            ("trainers.builtin_model",),
+            ("trainers.models.builtin",),
         ),
     }
     model_cache = SimpleNamespace(model_cache=tmp_path)
@@ -129,5 +129,11 @@ def test_the_key_of_every_cache_changes_with_the_fingerprint_of_its_code(monkeyp
 def test_imports_in_function_bodies_count_and_from_imports_name_submodules():
     import ast
 
-    tree = ast.parse("def build():\n    from trainers.dpo import DPOTrainer\n    import trainers.collators\n")
-    assert imported_modules(tree) == {"trainers.dpo", "trainers.dpo.DPOTrainer", "trainers.collators"}
+    tree = ast.parse(
+        "def build():\n    from trainers.dpo.trainer import DPOTrainer\n    import trainers.data.collators\n"
+    )
+    assert imported_modules(tree) == {
+        "trainers.dpo.trainer",
+        "trainers.dpo.trainer.DPOTrainer",
+        "trainers.data.collators",
+    }

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainers.grpo_losses import (
+from trainers.grpo.losses import (
     ADVANTAGE_ESTIMATORS,
     GRPO_LOSSES,
     IMPORTANCE_LEVELS,
@@ -33,7 +33,7 @@ from trainers.grpo_losses import (
     truncated_importance_weights,
     weighted_rewards,
 )
-from trainers.rewards import REWARD_FUNCTIONS, RewardError, allow_module, get_reward, score_completions
+from trainers.grpo.rewards import REWARD_FUNCTIONS, RewardError, allow_module, get_reward, score_completions
 
 pytestmark = pytest.mark.unit
 
@@ -205,13 +205,13 @@ def test_math_verify_compares_final_answers_symbolically_on_any_thread():
 
 def test_reward_names_resolve_by_registry_or_import_path():
     assert get_reward("format") is REWARD_FUNCTIONS["format"]
-    allow_module("trainers.rewards")  # as a config listing it in `plugins` does
-    assert get_reward("trainers.rewards:length_penalty") is REWARD_FUNCTIONS["length_penalty"]
-    assert get_reward("trainers.rewards.correctness") is REWARD_FUNCTIONS["correctness"]
+    allow_module("trainers.grpo.rewards")  # as a config listing it in `plugins` does
+    assert get_reward("trainers.grpo.rewards:length_penalty") is REWARD_FUNCTIONS["length_penalty"]
+    assert get_reward("trainers.grpo.rewards.correctness") is REWARD_FUNCTIONS["correctness"]
     with pytest.raises(ValueError, match="unknown reward function 'nope'"):
         get_reward("nope")
-    with pytest.raises(ValueError, match="'trainers.rewards:missing' cannot be imported"):
-        get_reward("trainers.rewards:missing")
+    with pytest.raises(ValueError, match="'trainers.grpo.rewards:missing' cannot be imported"):
+        get_reward("trainers.grpo.rewards:missing")
     with pytest.raises(ValueError, match="needs a dataset column 'answer'"):
         get_reward("correctness")(prompts=["p"], completions=["1"])
     with pytest.raises(RewardError, match="'format' returned 1 values for 2 completions"):

@@ -3,8 +3,8 @@
 import pytest
 from accelerate.data_loader import prepare_data_loader
 
-from trainers.layout import GenerationLayout, resolve_layout
-from trainers.samplers import RepeatSampler, generation_dataloader
+from trainers.grpo.layout import GenerationLayout, resolve_layout
+from trainers.grpo.samplers import RepeatSampler, generation_dataloader
 
 pytestmark = pytest.mark.unit
 
@@ -109,8 +109,8 @@ def test_two_process_shards_are_disjoint_and_complete():
 def test_each_configurable_generation_backend_has_its_class():
     from typing import get_args
 
-    from trainers.grpo_rollouts import ENGINE_MODES, GENERATION_BACKENDS, EngineBackend, PolicyBackend
-    from trainers.grpo_section import GenerationBackendName, VllmMode
+    from trainers.grpo.rollouts import ENGINE_MODES, GENERATION_BACKENDS, EngineBackend, PolicyBackend
+    from trainers.grpo.section import GenerationBackendName, VllmMode
 
     assert set(get_args(GenerationBackendName)) == set(GENERATION_BACKENDS)
     assert GENERATION_BACKENDS == {"hf": PolicyBackend, "vllm": EngineBackend}

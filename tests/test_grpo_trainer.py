@@ -12,12 +12,12 @@ import torch
 from policies import SHORT_GRPO, grpo_args
 from transformers import TrainerCallback
 
-from trainers.data import Truncation, tokenize_split
-from trainers.grpo import COMPLETIONS_LOG_KEY, GRPOConfig, GRPOTrainer, completion_batch
-from trainers.grpo_section import GRPOStageConfig
-from trainers.rewards import RewardError, allow_module
-from trainers.samplers import RepeatSampler
-from trainers.synthetic import AdditionTask, generate_addition
+from trainers.data.rows import Truncation, tokenize_split
+from trainers.data.synthetic import AdditionTask, generate_addition
+from trainers.grpo.rewards import RewardError, allow_module
+from trainers.grpo.samplers import RepeatSampler
+from trainers.grpo.section import GRPOStageConfig
+from trainers.grpo.trainer import COMPLETIONS_LOG_KEY, GRPOConfig, GRPOTrainer, completion_batch
 
 pytestmark = pytest.mark.slow  # training: seconds a test
 
@@ -161,7 +161,7 @@ def test_dapo_with_more_steps_per_generation_than_accumulation_equals_the_big_ba
 
 def test_tokens_after_the_first_stop_token_count_for_nothing():
     eos, end_of_turn, pad = 2, 3, 0
-    stop = (eos, end_of_turn)  # a chat model's turn ends at a token other than EOS (trainers/stopping.py)
+    stop = (eos, end_of_turn)  # a chat model's turn ends at a token other than EOS (trainers/models/stop_tokens.py)
     prompts = [[10, 11], [12], [13]]
     generated = torch.tensor([[20, eos, 30, 31], [21, 22, 23, 24], [25, end_of_turn, 26, eos]])
     other_tail = torch.tensor([[20, eos, 40, eos], [21, 22, 23, 24], [25, end_of_turn, eos, 41]])

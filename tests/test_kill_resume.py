@@ -182,7 +182,7 @@ def test_a_stage_stopped_between_saving_its_model_and_recording_it_saves_it_agai
     from infra.core.config import load_config
     from infra.core.settings import get_settings
     from tasks.mlflow_runs import client
-    from trainers.checkpoints import file_records
+    from trainers.runtime.checkpoints import file_records
 
     # the checkpoints of a finished stage are kept here (by default they are pruned once it finished)
     overrides = ["stages=[dpo]", "name=unrecorded", "evaluation.num_prompts=4", "tracking.keep_checkpoints=true"]

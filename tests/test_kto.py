@@ -14,9 +14,9 @@ from helpers import QUIET_TRAINING
 from pydantic import ValidationError
 
 from infra.core.config import load_config
-from trainers.kto import KTOConfig, KTOTrainer, UnpairedCollator, kl_reference_point, kto_losses
-from trainers.kto_data import KL_COMPLETION, kl_partners, kto_splits, unpaired, with_kl_completions
-from trainers.stages import STAGES
+from trainers.catalog import STAGES
+from trainers.kto.data import KL_COMPLETION, kl_partners, kto_splits, unpaired, with_kl_completions
+from trainers.kto.trainer import KTOConfig, KTOTrainer, UnpairedCollator, kl_reference_point, kto_losses
 
 BETA, WD, WU = 0.3, 1.5, 0.7
 
@@ -148,9 +148,8 @@ def loss_and_gradient(trainer, policy, batch) -> tuple[float, list[torch.Tensor]
 def test_cached_reference_logps_of_the_kto_view_give_the_live_references_loss_and_gradient(tiny, pairs, tmp_path):
     """The reference pass over the ``kto`` view's two completions (what the cache stores) stands in
     for the live reference model: the same loss and gradient, with no reference model loaded."""
-    from trainers.kto_data import REF_KL_LOGPS, REF_LOGPS
-    from trainers.reference import reference_logps
-    from trainers.reference_views import KTO_VIEW
+    from trainers.kto.data import KTO_VIEW, REF_KL_LOGPS, REF_LOGPS
+    from trainers.scoring.reference_pass import reference_logps
 
     model, tokenizer = tiny
     policy, reference = policy_and_reference(model)
@@ -235,7 +234,7 @@ def test_kto_needs_unpaired_completions_or_preference_pairs(tmp_path):
 
 @pytest.mark.slow
 def test_the_stage_trains_on_the_unpaired_split_when_there_is_one(tiny_checkpoint, pairs, tmp_path):
-    from trainers.stages import STAGES, ModelSource, StageInputs
+    from trainers.catalog import STAGES, ModelSource, StageInputs
 
     labelled = [
         {"prompt_ids": p["prompt_ids"], "completion_ids": p["chosen_ids"], "label": i % 3 > 0}

@@ -48,8 +48,8 @@ from infra.core.stage_io import StageFolder, TrainInputs
 from tasks.machine import LaunchFailed
 from tasks.mlflow_runs import experiment_id
 from tasks.train import train
-from trainers.checkpoints import COMPLETE_MARKER, is_complete
-from trainers.stages import STAGES
+from trainers.catalog import STAGES
+from trainers.runtime.checkpoints import COMPLETE_MARKER, is_complete
 
 REPO = Path(__file__).resolve().parents[1]
 FAILS_ON_RANK_1 = """

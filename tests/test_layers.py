@@ -15,7 +15,7 @@ import pytest
 from helpers import environment_without_services
 
 from infra.core.fingerprints import imported_modules
-from trainers.stages import STAGES
+from trainers.catalog import STAGES
 
 PROJECT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "prefect", "mlflow", "datasets")
@@ -195,8 +195,8 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_cycle_finder_finds_a_cycle_through_a_lazy_import():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_cycles(graph) == [["a", "b", "c"]]
-    lazy = ast.parse("def f():\n    import trainers.dpo\nif TYPE_CHECKING:\n    import tasks.train\n")
-    assert imports_of(lazy) == {"trainers.dpo"}
+    lazy = ast.parse("def f():\n    import trainers.dpo.trainer\nif TYPE_CHECKING:\n    import tasks.train\n")
+    assert imports_of(lazy) == {"trainers.dpo.trainer"}
 
 
 @pytest.mark.unit
@@ -234,7 +234,7 @@ def test_a_rank_that_does_not_log_imports_no_mlflow():
     modules = project_modules()
     eager = project_import_graph(lazy=False)
     rank = reachable(eager, "tasks.launched_rank") | reachable(eager, "tasks.stage_trainer")
-    assert {"infra.core.stage_io", "trainers.stages", "trainers.callbacks"} <= rank
+    assert {"infra.core.stage_io", "trainers.catalog", "trainers.runtime.callbacks"} <= rank
     at_start = {module: imports_of(parsed(modules[module]), lazy=False) for module in rank}
     assert {module for module, names in at_start.items() if within(names, {"mlflow"})} == set()
 
@@ -294,8 +294,8 @@ def launched_entry_modules() -> set[str]:
 @pytest.mark.unit
 def test_every_launched_entry_module_ends_its_ranks_without_interpreter_teardown():
     """A rank whose interpreter tears down torch's state after its job now and then aborts (SIGABRT,
-    "terminate called without an active exception"; trainers.fast_exit): every entry module ends
-    through ``trainers.launch.run_as_launched_process``. benchmarks/sharded_check.py did not, and
+    "terminate called without an active exception"; trainers.runtime.fast_exit): every entry module ends
+    through ``trainers.runtime.launched_process.run_as_launched_process``. benchmarks/sharded_check.py did not, and
     failed a CI so."""
     entries = launched_entry_modules()
     assert {"tasks.launched_rank", "fsdp_cpu", "fsdp_vllm_cpu", "sharded_check"} <= entries
@@ -308,3 +308,69 @@ def test_every_launched_entry_module_ends_its_ranks_without_interpreter_teardown
         if "run_as_launched_process" not in calls:
             without.append(module)
     assert without == []
+
+
+# trainers/'s packages in dependency order: a module imports only from its own package and from the
+# packages before it. The algorithms share one place in the order and import none of each other.
+TRAINERS_ORDER = (
+    ("trainers", "trainers.registry", "trainers.sections", "trainers.lazy"),  # the ground
+    ("trainers.models",),
+    ("trainers.data",),
+    ("trainers.runtime",),
+    ("trainers.scoring",),
+    ("trainers.generation",),
+    ("trainers.stages",),
+    ("trainers.sft", "trainers.dpo", "trainers.kto", "trainers.reward", "trainers.distill", "trainers.grpo"),
+    ("trainers.evaluation",),
+    ("trainers.catalog", "trainers.plugins"),  # on top: every stage registered; plugins
+)
+
+
+def trainers_package(module: str) -> str:
+    """The entry of :data:`TRAINERS_ORDER` that holds ``module``."""
+    names = [name for level in TRAINERS_ORDER for name in level]
+    return max((n for n in names if module == n or module.startswith(n + ".")), key=len)
+
+
+def trainers_level(module: str) -> int:
+    package = trainers_package(module)
+    return next(i for i, level in enumerate(TRAINERS_ORDER) if package in level)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """Each trainers module's imports of a package after its own, or of another package of its place."""
+    found = {}
+    for module, imported in graph.items():
+        if not module.startswith("trainers"):
+            continue
+        level, package = trainers_level(module), trainers_package(module)
+        wrong = sorted(
+            other
+            for other in imported
+            if other.startswith("trainers")
+            and (
+                trainers_level(other) > level
+                or (trainers_level(other) == level and level > 0 and trainers_package(other) != package)
+            )
+        )
+        if wrong:
+            found[module] = wrong
+    return found
+
+
+@pytest.mark.unit
+def test_trainers_packages_import_only_their_own_and_those_before_them():
+    modules = [m for m in project_modules() if m.startswith("trainers")]
+    unplaced = [m for m in modules if m.count(".") > 1 and trainers_package(m) == "trainers"]
+    assert unplaced == [], "a trainers package not in TRAINERS_ORDER"
+    assert upward_imports(project_import_graph()) == {}
+
+
+@pytest.mark.unit
+def test_an_import_of_a_later_package_or_between_algorithms_is_found():
+    graph = {"trainers.data.rows": {"trainers.grpo.rewards"}, "trainers.grpo.stage": {"trainers.reward.stage"}}
+    graph |= {"trainers.grpo.trainer": {"trainers.grpo.losses", "trainers.models.loading"}}
+    assert upward_imports(graph) == {
+        "trainers.data.rows": ["trainers.grpo.rewards"],
+        "trainers.grpo.stage": ["trainers.reward.stage"],
+    }

@@ -16,17 +16,17 @@ from infra.core.handles import ModelHandle
 from infra.core.settings import get_settings
 from tasks.data import check_generations, prepare_dataset
 from tests.helpers import chat_tokenizer, model_with_context
-from trainers.clipping import MARGIN_TOKENS, TextClip
-from trainers.data import DataValidationError, RenderedRow, Truncation, render_rows, truncate_rows
-from trainers.evaluation import GenerationSpec, score_prompts
-from trainers.generation_length import Generation
-from trainers.lengths import (
+from trainers.data.clipping import MARGIN_TOKENS, TextClip
+from trainers.data.lengths import (
     config_context,
     fitting_length,
     model_context,
     prompt_lengths,
     resolve_truncation,
 )
+from trainers.data.rows import DataValidationError, RenderedRow, Truncation, render_rows, truncate_rows
+from trainers.evaluation.evaluate import GenerationSpec, score_prompts
+from trainers.generation.budget import Generation
 
 pytestmark = pytest.mark.unit
 
@@ -178,7 +178,7 @@ def test_the_builtin_configs_keep_their_short_lengths_and_the_default_is_auto():
 
 
 def test_the_context_is_read_from_the_models_config_as_json(tmp_path):
-    from trainers.lengths import context_length
+    from trainers.data.lengths import context_length
 
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_positions": 1024}))

@@ -7,8 +7,8 @@ from unittest.mock import patch
 import pytest
 import torch
 
-from trainers.collators import PreferenceCollator, prompt_completion_batch
-from trainers.logprobs import TargetLogProbs, completion_logps, next_token_logps, plan_chunks
+from trainers.data.collators import PreferenceCollator, prompt_completion_batch
+from trainers.scoring.logprobs import TargetLogProbs, completion_logps, next_token_logps, plan_chunks
 
 
 def naive_token_logps(logits, targets):
@@ -77,7 +77,7 @@ def test_entropy_and_logprobs_equal_the_full_vocabulary_forms_for_every_chunk_pl
     rows, cols = mask.nonzero(as_tuple=True)
     weights, entropy_weights = torch.randn(rows.numel()), torch.randn(rows.numel())
 
-    with patch("trainers.logprobs.MERGE_ELEMENTS", PLANS[plan]):
+    with patch("trainers.scoring.logprobs.MERGE_ELEMENTS", PLANS[plan]):
         spans = plan_chunks(logits, rows, cols, 4).spans
         got, means, entropy = TargetLogProbs.apply(logits, rows, cols, targets[rows, cols], 4, True)
     assert len(spans) == {"dense": 6, "skip_gaps": 5, "sliced": 5}[plan]
@@ -115,7 +115,7 @@ def test_logprobs_and_entropy_pass_gradcheck_in_float64(merge, temperature):
     def outputs(x):
         return TargetLogProbs.apply(x, rows, cols, targets, 2, True, temperature)
 
-    with patch("trainers.logprobs.MERGE_ELEMENTS", merge):
+    with patch("trainers.scoring.logprobs.MERGE_ELEMENTS", merge):
         assert torch.autograd.gradcheck(lambda x: outputs(x)[::2], (logits,))  # log-probs and entropy
         assert torch.autograd.gradcheck(lambda x: outputs(x)[2], (logits,))  # the entropy alone
         logps, _, entropy = outputs(logits)
@@ -128,11 +128,11 @@ def test_logprobs_and_entropy_pass_gradcheck_in_float64(merge, temperature):
 def test_chunk_plan_spans_small_gaps_and_skips_large_ones():
     logits = torch.empty(2, 10, 100)
     rows, cols = torch.tensor([0, 0, 0, 1, 1]), torch.tensor([1, 2, 4, 7, 8])
-    with patch("trainers.logprobs.MERGE_ELEMENTS", 100):  # a gap of one position (100 logits) is spanned
+    with patch("trainers.scoring.logprobs.MERGE_ELEMENTS", 100):  # a gap of one position (100 logits) is spanned
         plan = plan_chunks(logits, rows, cols, 3)
     assert plan.spans == [(1, 4), (4, 5), (17, 19)]
     assert plan.size == 6 and plan.where.tolist() == [0, 1, 3, 4, 5]
-    with patch("trainers.logprobs.MERGE_ELEMENTS", 10**9):  # one span across the row boundary
+    with patch("trainers.scoring.logprobs.MERGE_ELEMENTS", 10**9):  # one span across the row boundary
         assert plan_chunks(logits, rows, cols, 100).spans == [(1, 19)]
         assert plan_chunks(torch.empty(2, 12, 100)[:, 2:], rows, cols, 100).spans == [(1, 5), (17, 19)]
     with pytest.raises(ValueError, match="row-major"):
@@ -250,7 +250,7 @@ def test_completion_logps_options_weight_tokens_and_give_wpo_terms_and_are_off_b
     ones = completion_logps(model, ids, attention, mask, token_weights=torch.ones(ids.shape))
     assert torch.equal(ones.logps, plain.logps)
     weights = torch.rand(ids.shape, dtype=torch.float64)
-    with patch("trainers.logprobs.CHUNK_ELEMENTS", 1):
+    with patch("trainers.scoring.logprobs.CHUNK_ELEMENTS", 1):
         got = completion_logps(model, ids, attention, mask, token_weights=weights, wpo_terms=True)
     assert got.wpo_logweights.requires_grad is False and got.logps.requires_grad
     with torch.no_grad():
@@ -335,7 +335,7 @@ def test_preference_collator_stacks_chosen_then_rejected(tiny):
 PEAK_SCRIPT = textwrap.dedent(
     """
     import re, sys, torch
-    from trainers.logprobs import CHUNK_ELEMENTS, TargetLogProbs
+    from trainers.scoring.logprobs import CHUNK_ELEMENTS, TargetLogProbs
 
     def kib(field):
         return int(re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))

@@ -14,13 +14,13 @@ from infra.core.stage_io import StageFolder, TrainInputs
 from tasks.data import prepare_dataset
 from tasks.models import check_model_folder, checkpoint_handle, rebased_adapter
 from tasks.stage_trainer import stage_inputs
-from trainers.builtin_model import TINY_LLAMA
-from trainers.collators import PreferenceCollator, prompt_completion_batch
-from trainers.logprobs import completion_logps, next_token_logps
-from trainers.lora import LoraSettings, add_adapters, live_reference, save_stage_model, trainable_parameters
-from trainers.modeling import load_causal_lm
+from trainers.catalog import STAGES
+from trainers.data.collators import PreferenceCollator, prompt_completion_batch
+from trainers.models.builtin import TINY_LLAMA
+from trainers.models.loading import load_causal_lm
+from trainers.models.lora import LoraSettings, add_adapters, live_reference, save_stage_model, trainable_parameters
+from trainers.scoring.logprobs import completion_logps, next_token_logps
 from trainers.sections import checkpointing_argument
-from trainers.stages import STAGES
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +208,7 @@ def test_sft_logs_its_eval_loss_on_the_held_out_split_at_eval_steps(tiny, handle
 
 @pytest.mark.slow
 def test_knobs_reach_the_trainer_arguments(handles, tmp_path):
-    from trainers.dpo import DPOConfig
+    from trainers.dpo.trainer import DPOConfig
 
     overrides = ["dpo.eval_strategy=steps", "dpo.eval_steps=3", "dpo.gradient_checkpointing=true"]
     args = build("dpo", overrides, handles, tmp_path, lora=None).args
@@ -333,7 +333,7 @@ def test_the_0_5b_example_has_qwen_0_5b_s_parameter_count_and_trains_lora_with_t
     LoRA parameters; the config turns on LoRA, checkpointing and bf16 (auto) in every stage."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trainers.builtin_model import LLAMA_0_5B
+    from trainers.models.builtin import LLAMA_0_5B
 
     config = load_config("configs/llama-0.5b-lora.yaml")
     assert config.model.source == "builtin:llama-0.5b"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainers.losses import (
+from trainers.dpo.losses import (
     PREFERENCE_LOSSES,
     LossMix,
     LossParams,

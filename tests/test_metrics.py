@@ -20,11 +20,11 @@ from tasks.reporting import (
     spread_apart,
     training_curves_figure,
 )
-from trainers.data import Truncation, tokenize_split
-from trainers.evaluation import Completion, PromptResult, answer_metrics, preference_rewards
-from trainers.metrics import bootstrap_ci, pass_at_k
-from trainers.reference import reference_logps
-from trainers.synthetic import AdditionTask, generate_addition
+from trainers.data.rows import Truncation, tokenize_split
+from trainers.data.synthetic import AdditionTask, generate_addition
+from trainers.evaluation.evaluate import Completion, PromptResult, answer_metrics, preference_rewards
+from trainers.scoring.metrics import bootstrap_ci, pass_at_k
+from trainers.scoring.reference_pass import reference_logps
 
 pytestmark = pytest.mark.unit
 
@@ -195,7 +195,7 @@ def test_a_long_label_wraps_in_a_legend_under_the_panels_that_the_saved_file_hol
 
 
 def test_a_stages_curves_are_its_own_and_a_stage_this_process_does_not_know_gets_loss_and_grad_norm():
-    from trainers.stages import stage_curves
+    from trainers.catalog import stage_curves
 
     assert stage_curves("grpo") == ("reward", "completions/mean_length")  # not DPO's, which GRPO never logs
     assert stage_curves("dpo") == ("loss", "rewards/accuracies")

@@ -15,10 +15,10 @@ from policies import pair_grpo, scripted_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from trainers.collators import IGNORE_INDEX, CompletionOnlyCollator
-from trainers.data import Truncation, normalize_rows, render_rows, truncate_rows
-from trainers.evaluation import GenerationSpec, score_prompts
-from trainers.stopping import stop_token_ids
+from trainers.data.collators import IGNORE_INDEX, CompletionOnlyCollator
+from trainers.data.rows import Truncation, normalize_rows, render_rows, truncate_rows
+from trainers.evaluation.evaluate import GenerationSpec, score_prompts
+from trainers.models.stop_tokens import stop_token_ids
 
 pytestmark = pytest.mark.unit
 

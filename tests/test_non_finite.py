@@ -13,8 +13,8 @@ from infra.core.config import load_config
 from infra.core.stage_io import StageFolder, TrainInputs
 from tasks.mlflow_runs import client, experiment_id
 from tasks.train import stage_key, train
-from trainers.checkpoints import checkpoints
-from trainers.divergence import NonFiniteTraining
+from trainers.runtime.checkpoints import checkpoints
+from trainers.runtime.errors import NonFiniteTraining
 
 pytestmark = pytest.mark.slow  # training: seconds a test
 

@@ -23,7 +23,7 @@ from infra.ops import servers
 from infra.ops.cli import main
 from infra.ops.deployments import PROJECT_ROOT, config_parameters, schedules, select_deployments, served_deployments
 from tasks.tracking import flow_run_url
-from trainers.dpo_section import DPOStageConfig
+from trainers.dpo.section import DPOStageConfig
 
 
 @pytest.mark.unit

@@ -21,7 +21,7 @@ from infra.core.reachability import TrackingServerUnreachable
 from infra.core.refcache import ReferenceCache
 from infra.core.settings import get_settings
 from infra.ops.cli import main
-from trainers.stages import STAGES
+from trainers.catalog import STAGES
 
 pytestmark = pytest.mark.flow
 
@@ -130,11 +130,11 @@ def test_dpo_run_lists_the_reference_cache_entry_as_an_input_with_its_digest(fir
 def test_second_run_hits_the_caches_and_never_runs_the_reference(first_run, monkeypatch):
     import tasks.data
     import tasks.evaluate
-    import trainers.reference
+    import trainers.scoring.reference_pass
 
     calls, preparations, scored = [], [], []
     score_models = tasks.evaluate.score_models
-    monkeypatch.setattr(trainers.reference, "reference_logps", lambda *a, **k: calls.append(1) or ([], []))
+    monkeypatch.setattr(trainers.scoring.reference_pass, "reference_logps", lambda *a, **k: calls.append(1) or ([], []))
     monkeypatch.setattr(tasks.data, "prepare_split", lambda *a, **k: preparations.append(1))
     record = lambda handles, *rest: scored.extend(h.stage for h in handles) or score_models(handles, *rest)
     monkeypatch.setattr(tasks.evaluate, "score_models", record)
@@ -157,10 +157,10 @@ def test_second_run_hits_the_caches_and_never_runs_the_reference(first_run, monk
 
 
 def test_a_new_dpo_setting_trains_dpo_again_on_the_same_reference_entry(first_run, monkeypatch):
-    import trainers.reference
+    import trainers.scoring.reference_pass
 
     calls = []
-    monkeypatch.setattr(trainers.reference, "reference_logps", lambda *a, **k: calls.append(1) or ([], []))
+    monkeypatch.setattr(trainers.scoring.reference_pass, "reference_logps", lambda *a, **k: calls.append(1) or ([], []))
     flow_run_id, _ = run_flow(load_config(MINIMAL, [*UNIQUE, "dpo.learning_rate=0.001"]))
     states = task_states(flow_run_id)
     assert states["train-sft"] == "Cached" and calls == []

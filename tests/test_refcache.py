@@ -161,7 +161,7 @@ def request_entry(root: str, barrier, calls_file: str, results) -> None:
     results.put((computed, entry.digest, entry.tables["preference"].column("ref_chosen_logps").to_pylist()))
     results.close()
     results.join_thread()  # the outcome is in the pipe
-    # No interpreter teardown, as the product's processes end (trainers/fast_exit.py): pyarrow's C++
+    # No interpreter teardown, as the product's processes end (trainers/runtime/fast_exit.py): pyarrow's C++
     # threads now and then abort it ("terminate called without an active exception", SIGABRT).
     os._exit(0)
 

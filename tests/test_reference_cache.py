@@ -13,15 +13,15 @@ import pytest
 import torch
 from prefect.logging import disable_run_logger
 
-import trainers.reference
+import trainers.scoring.reference_pass
 from infra.core.config import AdditionTaskConfig, DataConfig, DatasetSource, ModelConfig, ReferenceConfig
 from infra.core.refcache import CacheIntegrityError
 from tasks.data import prepare_dataset
 from tasks.models import checkpoint_handle, resolve_model
 from tasks.reference import cache_ref_logps, reference_key, reference_key_inputs, with_reference_columns
 from tasks.reference_columns import join_columns
-from trainers.modeling import load_causal_lm
-from trainers.reference_views import PAIRS_VIEW
+from trainers.models.loading import load_causal_lm
+from trainers.scoring.reference_views import PAIRS_VIEW
 
 pytestmark = pytest.mark.unit
 
@@ -113,9 +113,11 @@ def test_cached_values_equal_the_live_reference_hits_run_no_forward_and_corrupti
             assert abs(row["ref_chosen_logps"] - live_completion_logp(model, row, "chosen")) <= 1e-5
             assert abs(row["ref_rejected_logps"] - live_completion_logp(model, row, "rejected")) <= 1e-5
 
-    real = trainers.reference.reference_logps
+    real = trainers.scoring.reference_pass.reference_logps
     calls = []
-    monkeypatch.setattr(trainers.reference, "reference_logps", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        trainers.scoring.reference_pass, "reference_logps", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
     with disable_run_logger():
         assert cache_ref_logps.fn(data, base, ReferenceConfig(batch_size=32)) == ref.model_copy(
             update={"batch_size": 32}
@@ -154,7 +156,7 @@ def test_the_kto_view_caches_each_completion_and_its_kl_completion_under_its_own
     """KTO's rows (the pairs unpaired, each with another row's completion as its KL completion) are
     scored by the reference pass and cached: both columns equal the live reference's log-probs, the
     key is not the pairs' key, and the trainer's rows are the ones scored."""
-    from trainers.kto_data import kto_splits
+    from trainers.kto.data import kto_splits
 
     monkeypatch.setenv("ALIGNFLOW_REFERENCE_CACHE", str(tmp_path / "refcache"))
     with disable_run_logger():

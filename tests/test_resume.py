@@ -1,4 +1,4 @@
-"""Resuming a stage from a checkpoint (trainers/checkpoints.py): the weights equal an uninterrupted
+"""Resuming a stage from a checkpoint (trainers/runtime/checkpoints.py): the weights equal an uninterrupted
 run's, with the state the ``Trainer`` does not save (GRPO's generation buffer, bco_pair's running
 mean) restored; only checkpoints marked complete are resumed from."""
 
@@ -15,7 +15,8 @@ import torch
 from infra.core.config import load_config
 from infra.core.stage_io import TrainInputs
 from tasks.stage_trainer import stage_inputs
-from trainers.checkpoints import (
+from trainers.catalog import STAGES
+from trainers.runtime.checkpoints import (
     COMPLETE_MARKER,
     CheckpointCompletion,
     EpochEndEvaluation,
@@ -25,7 +26,6 @@ from trainers.checkpoints import (
     restore_extra_state,
     training_done,
 )
-from trainers.stages import STAGES
 
 pytestmark = pytest.mark.slow  # training: seconds a test
 
@@ -230,7 +230,7 @@ def test_only_complete_checkpoints_are_resumed_from(tmp_path):
 def test_a_checkpoint_removed_while_it_is_checked_is_incomplete_not_an_error(tmp_path, monkeypatch):
     """A reader (a test polling for a step, `alignflow runs`) may check a folder that the training
     process rotates away meanwhile: the checkpoint is then incomplete, with why."""
-    import trainers.checkpoints as checkpoints
+    import trainers.runtime.checkpoints as checkpoints
 
     folder = tmp_path / "checkpoint-4"
     folder.mkdir()
@@ -289,7 +289,7 @@ def test_a_resumed_stages_tracker_does_not_log_a_step_its_run_already_has():
 
     from tasks.mlflow_runs import client, experiment_id
     from tasks.trainer_callback import COMPLETIONS_TABLE, MlflowTrainerCallback
-    from trainers.grpo_section import COMPLETIONS_LOG_KEY
+    from trainers.grpo.section import COMPLETIONS_LOG_KEY
 
     experiment = experiment_id("resume-logging")
     run_id = client().create_run(experiment).info.run_id

@@ -2,7 +2,7 @@
 the data has them (messages or strings), conversational completions as assistant messages,
 ``completion_ids``, ``trainer_state`` and every other column. The TRL functions below are the
 examples of TRL's GRPO documentation, re-typed; each runs unchanged on rows prepared from data by
-``trainers.data`` and completions written by a fixture policy."""
+``trainers.data.rows`` and completions written by a fixture policy."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from helpers import chat_tokenizer
 from policies import pair_grpo, scripted_policy
 from transformers import TrainerState
 
-from trainers.data import Truncation, render_rows, truncate_rows
-from trainers.rewards import RewardError, check_signature, correctness, score_completions
+from trainers.data.rows import Truncation, render_rows, truncate_rows
+from trainers.grpo.rewards import RewardError, check_signature, correctness, score_completions
 
 pytestmark = pytest.mark.unit
 

@@ -18,7 +18,9 @@ from helpers import QUIET_TRAINING
 from pydantic import ValidationError
 
 from infra.core.config import load_config
-from trainers.reward_model import (
+from trainers.grpo.rewards import resolve_rewards
+from trainers.reward.section import RewardHeadName
+from trainers.scoring.reward_model import (
     REWARD_HEADS,
     PairSequenceCollator,
     RewardConfig,
@@ -28,8 +30,6 @@ from trainers.reward_model import (
     load_reward_model,
     saved_head,
 )
-from trainers.reward_section import RewardHeadName
-from trainers.rewards import resolve_rewards
 
 
 def log_sigmoid(x: float) -> float:
@@ -145,14 +145,14 @@ def test_a_classifier_from_a_causal_lm_says_its_head_is_new_in_one_line_and_othe
 ):
     from transformers import AutoModelForSequenceClassification
 
-    from trainers.modeling import LOAD_REPORT_LOGGER
+    from trainers.models.loading import LOAD_REPORT_LOGGER
 
     with records_of(LOAD_REPORT_LOGGER) as plain:  # transformers' own report of the new head, a warning table
         AutoModelForSequenceClassification.from_pretrained(reward_start, num_labels=1)
     assert [r.levelname for r in plain] == ["WARNING"] and "score.weight" in plain[0].getMessage()
 
     caplog.clear()
-    with records_of(LOAD_REPORT_LOGGER) as report, caplog.at_level(logging.INFO, logger="trainers.modeling"):
+    with records_of(LOAD_REPORT_LOGGER) as report, caplog.at_level(logging.INFO, logger="trainers.models.loading"):
         load_reward_model(reward_start, head="classifier")
     assert report == []
     assert caplog.messages == [
@@ -164,11 +164,11 @@ def test_a_classifier_from_a_causal_lm_says_its_head_is_new_in_one_line_and_othe
     model.save_pretrained(tmp_path, state_dict=weights)
     tokenizer.save_pretrained(tmp_path)
     caplog.clear()
-    with records_of(LOAD_REPORT_LOGGER) as report, caplog.at_level(logging.INFO, logger="trainers.modeling"):
+    with records_of(LOAD_REPORT_LOGGER) as report, caplog.at_level(logging.INFO, logger="trainers.models.loading"):
         load_reward_model(str(tmp_path), head="classifier")
     (table,) = report
     assert {"model.norm.weight", "score.weight"} <= set(re.findall(r"[\w.]+\.weight", table.getMessage()))
-    assert [r for r in caplog.records if r.name == "trainers.modeling"] == []
+    assert [r for r in caplog.records if r.name == "trainers.models.loading"] == []
 
 
 @pytest.mark.unit
@@ -242,8 +242,8 @@ def test_training_separates_its_pairs_and_the_saved_model_scores_completions_as_
 ):
     """From fresh weights, 30 steps on 16 pairs rank every pair's chosen answer first (accuracy on
     them from below 1 to 1); held-out accuracy from an SFT model is a benchmark (configs/rlhf.yaml)."""
-    from trainers.data import Truncation, tokenize_split
-    from trainers.synthetic import AdditionTask, generate_addition
+    from trainers.data.rows import Truncation, tokenize_split
+    from trainers.data.synthetic import AdditionTask, generate_addition
 
     _, tokenizer = tiny
     rows = generate_addition(AdditionTask(max_operand=9, num_eval_problems=20))["preference"][:16]
@@ -316,7 +316,7 @@ def test_the_evaluation_scores_each_models_samples_by_the_reward_model(reward_st
     """``reward_model_score``: each prompt's mean score of its sampled token ids (stop token
     included), here the likelihood head's mean log-prob, computed per sample by hand; its CI and
     per-prompt values beside exact match."""
-    from trainers.evaluation import EvaluationSpec, GenerationSpec, RewardModelSource, evaluate_model
+    from trainers.evaluation.evaluate import EvaluationSpec, GenerationSpec, RewardModelSource, evaluate_model
 
     model, tokenizer = tiny
     rows = [{"prompt_ids": p["prompt_ids"], "answer": "7"} for p in tiny_pairs[:5]]
@@ -327,7 +327,7 @@ def test_the_evaluation_scores_each_models_samples_by_the_reward_model(reward_st
     assert "reward_model_score" not in plain.metrics
     assert {k: v for k, v in scores.metrics.items() if "reward_model" not in k} == plain.metrics  # the same samples
 
-    from trainers.evaluation import score_prompts
+    from trainers.evaluation.evaluate import score_prompts
 
     results = score_prompts(model, tokenizer, rows, spec.generation)
     with torch.no_grad():
@@ -347,8 +347,8 @@ def test_an_evaluation_of_several_models_loads_the_reward_model_once(reward_star
     of its own evaluation with a scorer of its own (the reward model's scores included)."""
     import copy
 
-    import trainers.evaluation as evaluation
-    from trainers.evaluation import EvaluationSpec, GenerationSpec, RewardModelSource, evaluate_model
+    import trainers.evaluation.evaluate as evaluation
+    from trainers.evaluation.evaluate import EvaluationSpec, GenerationSpec, RewardModelSource, evaluate_model
 
     model, tokenizer = tiny
     other = copy.deepcopy(model)
@@ -396,7 +396,7 @@ def test_a_model_whose_tokenizer_the_reward_model_cannot_read_is_refused_before_
     reward model's path, after the models before it were scored."""
     import copy
 
-    from trainers.evaluation import EvaluationSpec, GenerationSpec, RewardModelSource, evaluate_models
+    from trainers.evaluation.evaluate import EvaluationSpec, GenerationSpec, RewardModelSource, evaluate_models
 
     model, tokenizer = tiny
     other = copy.deepcopy(tokenizer)
@@ -425,7 +425,7 @@ def test_a_model_whose_tokenizer_the_reward_model_cannot_read_is_refused_before_
 def test_a_lora_reward_model_trains_its_adapters_and_head_and_is_saved_merged(reward_start, tiny_pairs, tmp_path, head):
     """With LoRA only the adapters (and a classifier's whole score head) train; the stage saves the
     merged model, which loads as a plain reward model of its head and scores as the adapted one did."""
-    from trainers.lora import LoraSettings, add_adapters, save_stage_model, trainable_parameters
+    from trainers.models.lora import LoraSettings, add_adapters, save_stage_model, trainable_parameters
 
     base, tokenizer, _ = load_reward_model(reward_start, head=head)
     total = sum(p.numel() for p in base.parameters())

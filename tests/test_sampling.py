@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from trainers.builtin_model import build_builtin_model
-from trainers.sampling import InverseCdfSampling, VocabularyMask, sampling_processors
+from trainers.generation.token_sampling import InverseCdfSampling, VocabularyMask, sampling_processors
+from trainers.models.builtin import build_builtin_model
 
 pytestmark = pytest.mark.unit
 

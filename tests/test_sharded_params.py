@@ -1,4 +1,4 @@
-"""Sharded parameters (trainers/sharded_params.py): the gather each accelerate distributed type
+"""Sharded parameters (trainers/runtime/parameter_sharding.py): the gather each accelerate distributed type
 gets, the reference preparation, and FSDP2 under real processes on the CPU (gloo).
 
 accelerate 1.15 selects neither FSDP nor DeepSpeed on the CPU, so the FSDP2 test shards the policy
@@ -19,7 +19,7 @@ import pytest
 from accelerate.utils import DistributedType
 from helpers import launch_worker
 
-from trainers.sharded_params import SHARDINGS, sharding_of
+from trainers.runtime.parameter_sharding import SHARDINGS, sharding_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,7 +58,7 @@ def test_the_replicated_gathers_are_no_ops_and_the_reference_is_prepared_whole_a
 
     from accelerate import Accelerator
 
-    from trainers.sharded_params import forward_model, prepare_reference
+    from trainers.runtime.parameter_sharding import forward_model, prepare_reference
 
     model = copy.deepcopy(tiny[0])
     accelerator = Accelerator()  # as the in-process trainers make it (one shared accelerate state)
@@ -77,7 +77,7 @@ def test_a_model_samples_in_eval_mode_and_trains_again_after_even_when_sampling_
     import torch
     from accelerate import Accelerator
 
-    from trainers.sharded_params import sampling_model
+    from trainers.runtime.parameter_sharding import sampling_model
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5)).train()
     accelerator = Accelerator()
@@ -133,7 +133,7 @@ def test_a_reference_without_its_weights_on_this_process_is_refused(tiny):
 
     from accelerate import Accelerator
 
-    from trainers.sharded_params import prepare_reference
+    from trainers.runtime.parameter_sharding import prepare_reference
 
     empty = copy.deepcopy(tiny[0]).to("meta")  # as FSDP's cpu_ram_efficient_loading leaves ranks other than 0
     with pytest.raises(ValueError, match="the reference's parameter model.embed_tokens.weight holds no weights"):

@@ -21,10 +21,10 @@ from tasks.launch import REPEATING_ERRORS
 from tasks.machine import LaunchFailed, failure
 from tasks.metric_sender import MetricsNotDelivered
 from tasks.train import worth_retrying
-from trainers.divergence import NonFiniteTraining
-from trainers.dpo_section import DPOStageConfig
-from trainers.launch import RankError
-from trainers.metrics import ModelScores
+from trainers.dpo.section import DPOStageConfig
+from trainers.runtime.errors import NonFiniteTraining
+from trainers.runtime.launched_process import RankError
+from trainers.scoring.metrics import ModelScores
 
 pytestmark = pytest.mark.unit
 

@@ -10,9 +10,9 @@ from helpers import chat_tokenizer
 from policies import chat_prompt, pair_grpo, scripted_policy
 from transformers import GenerationConfig
 
-from trainers.builtin_model import build_char_tokenizer
-from trainers.evaluation import GenerationSpec, generate_completions, score_prompts
-from trainers.stopping import end_of_turn_id, stop_token_ids
+from trainers.evaluation.evaluate import GenerationSpec, generate_completions, score_prompts
+from trainers.models.builtin import build_char_tokenizer
+from trainers.models.stop_tokens import end_of_turn_id, stop_token_ids
 
 pytestmark = pytest.mark.unit
 

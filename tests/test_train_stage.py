@@ -12,8 +12,8 @@ from tasks.data import prepare_dataset
 from tasks.models import checkpoint_handle
 from tasks.reference import cache_ref_logps
 from tasks.stage_trainer import stage_inputs
-from trainers.callbacks import SyncReferenceCallback
-from trainers.stages import STAGES
+from trainers.catalog import STAGES
+from trainers.runtime.callbacks import SyncReferenceCallback
 
 pytestmark = pytest.mark.slow  # training: seconds a test
 

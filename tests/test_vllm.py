@@ -36,15 +36,21 @@ from infra.core.config import ComputeConfig, EvaluationConfig, load_config
 from infra.core.generation_server import managed_generation_server
 from infra.core.ports import free_port
 from tasks.train import trainer_step
-from trainers.builtin_model import TINY_LLAMA, build_char_tokenizer
-from trainers.checkpoints import is_complete
-from trainers.data import Truncation, tokenize_split
-from trainers.evaluation import GenerationSpec, evaluation_engine, score_prompts
-from trainers.grpo import GRPOTrainer
-from trainers.lora import LoraSettings, add_adapters
-from trainers.synthetic import AdditionTask, generate_addition
-from trainers.vllm_engine import ColocatedEngine, EngineOptions, SamplingOptions, SyncedEngine, serving_weights
-from trainers.vllm_server import ServerEngine
+from trainers.data.rows import Truncation, tokenize_split
+from trainers.data.synthetic import AdditionTask, generate_addition
+from trainers.evaluation.evaluate import GenerationSpec, evaluation_engine, score_prompts
+from trainers.generation.vllm_engine import (
+    ColocatedEngine,
+    EngineOptions,
+    SamplingOptions,
+    SyncedEngine,
+    serving_weights,
+)
+from trainers.generation.vllm_server import ServerEngine
+from trainers.grpo.trainer import GRPOTrainer
+from trainers.models.builtin import TINY_LLAMA, build_char_tokenizer
+from trainers.models.lora import LoraSettings, add_adapters
+from trainers.runtime.checkpoints import is_complete
 
 pytestmark = pytest.mark.vllm
 
@@ -368,7 +374,7 @@ def test_the_pipeline_trains_and_evaluates_with_vllm_and_logs_the_log_prob_gap(t
     output = result.stdout + result.stderr
     assert "| grpo |" in output  # the evaluation table
     # vLLM's build logs reach the run's output, without the chat-template warmup's traceback that
-    # every engine build logged (the tokenizer is skipped: trainers.vllm_engine.SkippedTokenizerWarmup)
+    # every engine build logged (the tokenizer is skipped: trainers.generation.vllm_engine.SkippedTokenizerWarmup)
     assert output.count("Using max model len") >= 2 and "Chat template warmup failed" not in output, output[-3000:]
     # one engine for the models scored: base and sft, and grpo unless its weights are sft's (an
     # evaluation cache hit: 4 steps whose completions all scored 0 leave them where they were)
@@ -433,7 +439,7 @@ def test_two_training_processes_share_the_managed_server(tmp_path, prefect_api_u
     # minimal: 4 steps, 2 per round: one load (the config), one channel, the first weights and one
     # sync over it, each of the two ranks generating in each round
     assert sorted(requests) == ["channel"] + ["generate"] * 4 + ["load"] + ["receive"] * 2, output[-3000:]
-    assert processes_naming(str(home), "trainers.vllm_server") == []  # stopped with its stage
+    assert processes_naming(str(home), "trainers.generation.vllm_server") == []  # stopped with its stage
     assert "Using external launcher" not in output  # no engine in the training processes
 
 
@@ -464,16 +470,16 @@ def test_a_cancelled_flow_run_leaves_no_vllm_server_behind(served_smoke, state_d
             [f"GRPO never checkpointed step 4 ({state}); the flow run's first logs:", *flow_run_logs(flow_run.id)]
         )
         time.sleep(0.5)
-    (server,) = processes_naming(str(outputs), "trainers.vllm_server")
+    (server,) = processes_naming(str(outputs), "trainers.generation.vllm_server")
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(flow_run.id, Cancelling(message="cancelled by the test"))
     # The task stops it (seconds); failing that, the runner SIGKILLs the flow-run process after its
     # 30 s grace and the server's parent-death signal takes it along. Once in about four runs of the
     # whole tier it outlived 25 s (cause not found): the logs say which way it went.
     deadline = time.monotonic() + 45
-    while processes_naming(str(outputs), "trainers.vllm_server") and time.monotonic() < deadline:
+    while processes_naming(str(outputs), "trainers.generation.vllm_server") and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert processes_naming(str(outputs), "trainers.vllm_server") == [], flow_run_logs(flow_run.id)[-30:]
+    assert processes_naming(str(outputs), "trainers.generation.vllm_server") == [], flow_run_logs(flow_run.id)[-30:]
     assert cancelled_run_state(flow_run.id).type == StateType.CANCELLED
     logs = flow_run_logs(flow_run.id)
     up = [line for line in logs if line.startswith("grpo: vLLM server up at http://127.0.0.1:")]

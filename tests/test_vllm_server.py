@@ -11,7 +11,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from trainers.vllm_server import CollectiveTransfer, EngineHost, ServerError, handler_for, post
+from trainers.generation.vllm_server import CollectiveTransfer, EngineHost, ServerError, handler_for, post
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +87,7 @@ class Broadcasts:
     ids=["success-at-the-last", "error", "success-too-early"],
 )
 def test_a_send_ends_with_the_receivers_answer_whenever_it_arrives(answered_at, result, raised):
-    from trainers import weight_channel
+    from trainers.generation import weight_channel
 
     tensors = [torch.full((2,), float(i)) for i in range(3)]
     answer: Future = Future()
@@ -107,9 +107,9 @@ def test_every_configurable_transfer_has_a_maker_and_only_folder_transfers_hold_
     it receives on are each other's inverse."""
     from typing import get_args
 
-    from trainers import weight_channel
-    from trainers.grpo_section import FOLDER_TRANSFERS, WeightTransferName
-    from trainers.vllm_server import WEIGHT_TRANSFERS, StorageTransfer, weight_transfer
+    from trainers.generation import weight_channel
+    from trainers.generation.transfers import FOLDER_TRANSFERS, WeightTransferName
+    from trainers.generation.vllm_server import WEIGHT_TRANSFERS, StorageTransfer, weight_transfer
 
     assert set(WEIGHT_TRANSFERS) == set(get_args(WeightTransferName)) and FOLDER_TRANSFERS <= set(WEIGHT_TRANSFERS)
     storage = weight_transfer("storage", "http://127.0.0.1:9", tmp_path)

@@ -7,7 +7,7 @@ import importlib
 import re
 from typing import Iterable
 
-from trainers.rewards import allow_module
+from trainers.grpo.rewards import allow_module
 
 MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 

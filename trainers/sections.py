@@ -50,7 +50,7 @@ class StageCompute(Protocol):
 
 
 # Where a frozen helper model of a stage (a reward model, a teacher) runs: on the policy's device, or
-# on one of its own (the CPU, or a GPU that training does not use). ``trainers.devices.placed_on``.
+# on one of its own (the CPU, or a GPU that training does not use). ``trainers.models.devices.placed_on``.
 Placement = Annotated[str, Field(pattern=r"^(policy|cpu|cuda(:[0-9]+)?)$")]
 
 

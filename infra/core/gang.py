@@ -7,7 +7,7 @@ machine ``python -m tasks.machine``) joins before it starts its ranks: it writes
 ``machine-<M>.alive`` and refreshes it while it runs. Then it waits until every machine has
 joined, up to ``compute.join_timeout``; a machine that has not joined by then is named in the
 error of every machine that waits, and no rank starts anywhere. While the ranks run, each machine
-watches the others: a rank's error report (``error-rank-<R>.json``, ``trainers.launch``), a
+watches the others: a rank's error report (``error-rank-<R>.json``, ``trainers.runtime.launched_process``), a
 machine that ended its part with a failure (``machine-<M>.failed``) or one whose heartbeat
 stopped (its process was killed) stops the local ranks.
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from trainers.launch import RankError
+from trainers.runtime.launched_process import RankError
 
 HEARTBEAT_S = 2.0  # how often a machine refreshes its file
 POLL_S = 0.5

@@ -1,4 +1,4 @@
-"""A managed vLLM server (:mod:`trainers.vllm_server`) for a stage that generates in server mode
+"""A managed vLLM server (:mod:`trainers.generation.vllm_server`) for a stage that generates in server mode
 without a server's address: started on this machine, health-checked, its output handed over line by
 line, stopped when the block ends however it ends. It runs as a process group tied to this process
 (:class:`~infra.core.launching.ProcessGroup`): a cancelled flow run stops it as it stops a launch,
@@ -30,10 +30,10 @@ def managed_generation_server(
 ) -> Iterator[str]:
     """The address of a vLLM server started on loopback for the block, reading models and weights
     under ``weights_root``; ``on_line`` gets each line of its output."""
-    from trainers.vllm_server import LISTENING, health
+    from trainers.generation.vllm_server import LISTENING, health
 
     weights_root.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "trainers.vllm_server", "127.0.0.1", "0", str(weights_root)]
+    command = [sys.executable, "-m", "trainers.generation.vllm_server", "127.0.0.1", "0", str(weights_root)]
     group = ProcessGroup.start(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tail: deque[str] = deque(maxlen=40)
     addresses: list[str] = []

@@ -82,7 +82,7 @@ class ReferenceLogps(Handle):
     dtype: str = "float32"  # the reference forward's (part of the key)
     # where it is computed: the CPU or the GPU, and over how many processes (``compute.num_processes``)
     compute: ComputeConfig = ComputeConfig()  # noqa: RUF009 (frozen)
-    view: str = "pairs"  # what is scored: ``trainers.reference_views`` (part of the key)
+    view: str = "pairs"  # what is scored: ``trainers.scoring.reference_views`` (part of the key)
 
     @property
     def path(self) -> str:

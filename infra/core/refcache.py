@@ -5,7 +5,7 @@ Layout under the cache root (a local folder, a ``file://`` URL or any fsspec URL
 
     <root>/<key>/manifest.json              key inputs; rows and sha256 of each file; producer; timing
     <root>/<key>/<split>.parquet            row_id, ref_chosen_logps, ref_rejected_logps (a row's two
-                                            scored completions: ``trainers/reference_views.py``)
+                                            scored completions: ``trainers/scoring/reference_views.py``)
     <root>/.staging/<key>.<unix time>.<id>/ an entry being written, moved to <root>/<key> when complete
     <root>/.locks/<key>.lock                held while an entry is computed
 

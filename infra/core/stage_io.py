@@ -19,11 +19,11 @@ from infra.core.config import ComputeConfig, EvaluationConfig
 from infra.core.fingerprints import staging_copies
 from infra.core.handles import ModelHandle, PreparedData, ReferenceLogps
 from infra.core.settings import get_settings
-from trainers.lora import LoraSettings
-from trainers.metrics import ModelScores
+from trainers.catalog import STAGES, StageName
+from trainers.models.lora import LoraSettings
 from trainers.plugins import import_plugins
+from trainers.scoring.metrics import ModelScores
 from trainers.sections import TrainingConfig
-from trainers.stages import STAGES, StageName
 
 
 @dataclass(frozen=True)
@@ -208,7 +208,7 @@ class ReferenceResult(BaseModel):
 
 
 class ReferenceJob(ModelJob):
-    """Reference log-probs of the splits of the reference view ``view`` (``trainers.reference_views``)
+    """Reference log-probs of the splits of the reference view ``view`` (``trainers.scoring.reference_views``)
     of ``splits``, their batches sharded over the processes (``tasks.reference`` when
     ``compute.num_processes > 1``)."""
 
@@ -238,7 +238,7 @@ class EvaluatedModel(BaseModel):
 
 
 class EvaluateJob(RowsJob):
-    """The evaluation (``trainers.evaluation.evaluate_model``) of each of ``models`` in turn, in one
+    """The evaluation (``trainers.evaluation.evaluate.evaluate_model``) of each of ``models`` in turn, in one
     launch, on the :attr:`PROMPTS` and :attr:`PAIRS` splits of ``splits`` (either may be absent),
     sharded over the processes (``tasks.evaluate`` when ``compute.num_processes > 1``). On vLLM the
     result may hold fewer scores than models: the launch ends at the first model of another shape

@@ -21,7 +21,7 @@ from infra.core.config import (
     read_yaml,
     set_path,
 )
-from trainers.metrics import evaluation_metric_names
+from trainers.scoring.metrics import evaluation_metric_names
 from trainers.sections import Section, Seed
 
 # Kept in step with tasks.search.SAMPLERS (which imports Optuna; a test checks both agree).

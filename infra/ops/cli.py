@@ -24,7 +24,7 @@ from infra.ops.cache_cli import add_cache_parser, cache_command
 from infra.ops.databases import first_time_setup, prepare_databases
 from infra.ops.gc_cli import add_gc_parser, gc_command
 from infra.ops.runs import add_runs_parser, cleanup, runs_command
-from trainers.fast_exit import end_at_exit_without_teardown
+from trainers.runtime.fast_exit import end_at_exit_without_teardown
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -293,7 +293,7 @@ def run_flow(module: str, name: str, *args, check=None, before_run=None, preload
     ``alignflow`` process (not when :func:`main` is called in-process), the Prefect API is chosen
     before the import, so that a temporary server boots meanwhile (:mod:`infra.ops.prefect_api`;
     on a fresh state folder under the first-time set-up lock), and the process ends without
-    interpreter teardown (:mod:`trainers.fast_exit`). The flows import torch only where a task
+    interpreter teardown (:mod:`trainers.runtime.fast_exit`). The flows import torch only where a task
     computes. While the process waits for the temporary server, it imports the modules ``preload``
     one at a time, for as long as the server is not up: all of them on a fresh state folder (the
     server migrates a new database), else only the first (torch), which about fills the wait on
@@ -329,7 +329,7 @@ def run_flow(module: str, name: str, *args, check=None, before_run=None, preload
 
 # What a run that computes imports, in steps of about a second (torch, transformers' models, the
 # trainers), while the temporary server starts (:func:`run_flow`).
-EVALUATION_MODULES = ("torch", "trainers.modeling", "trainers.evaluation")
+EVALUATION_MODULES = ("torch", "trainers.models.loading", "trainers.evaluation.evaluate")
 TRAINING_MODULES = (*EVALUATION_MODULES, "tasks.stage_trainer")
 
 

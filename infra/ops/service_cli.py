@@ -297,7 +297,14 @@ def worker_command(args: argparse.Namespace) -> int:
 
 
 def vllm_server_command(args: argparse.Namespace) -> int:
-    command = [sys.executable, "-m", "trainers.vllm_server", args.host, str(args.port), str(args.weights_root)]
+    command = [
+        sys.executable,
+        "-m",
+        "trainers.generation.vllm_server",
+        args.host,
+        str(args.port),
+        str(args.weights_root),
+    ]
     return servers.run_in_group(command, grace=10.0)
 
 

@@ -3,7 +3,7 @@
 It is loaded from YAML in ``configs/``, overridden from the command line as ``key.sub=value``
 (:mod:`infra.core.config.loading`), and is the experiment flow's only parameter (the Prefect UI
 renders it as a form). Each training stage's section comes from its registered
-:class:`~trainers.stages.StageSpec`; choice fields are checked against their registries when the
+:class:`~trainers.catalog.StageSpec`; choice fields are checked against their registries when the
 config is validated, so a module listed in ``plugins`` can register more. Importing this module
 imports no torch: config errors come back at once.
 """
@@ -19,15 +19,15 @@ from pydantic import AfterValidator, BaseModel, Field, create_model, field_valid
 from infra.core.config.compute import ComputeConfig
 from infra.core.config.tree import get_path, set_path
 from infra.core.settings import get_settings
-from trainers.lora import LoraSettings
-from trainers.metrics import evaluation_metric_names, per_prompt_metric_names
+from trainers.catalog import STAGES, StageName
+from trainers.models.lora import LoraSettings
 from trainers.plugins import import_plugins
+from trainers.scoring.metrics import evaluation_metric_names, per_prompt_metric_names
 from trainers.sections import Section, Seed, TrainingConfig
-from trainers.stages import STAGES, StageName
 
-# Kept in step with trainers.builtin_model.BUILTIN_MODELS (which imports torch; tests check both agree).
+# Kept in step with trainers.models.builtin.BUILTIN_MODELS (which imports torch; tests check both agree).
 BUILTIN_MODEL_NAMES = ("tiny-llama", "llama-20m", "llama-0.5b")
-# Suffixes that trainers.data reads as local files (anything else is a `datasets.load_dataset` name).
+# Suffixes that trainers.data.rows reads as local files (anything else is a `datasets.load_dataset` name).
 LOCAL_DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 # A path component is at most 255 bytes; names get suffixes (`<name>-<trial>`, `<stage>-<key>`).
@@ -160,7 +160,7 @@ class DatasetSource(Section):
     @field_validator("path")
     @classmethod
     def _local_file_exists(cls, path: str) -> str:
-        if path.lower().endswith(LOCAL_DATA_SUFFIXES) and not Path(path).is_file():  # as trainers.data reads it
+        if path.lower().endswith(LOCAL_DATA_SUFFIXES) and not Path(path).is_file():  # as trainers.data.rows reads it
             what = "is not a regular file" if Path(path).exists() else "does not exist"
             raise ValueError(f"data file {path!r} {what}")
         return path
@@ -311,7 +311,7 @@ class EvaluationConfig(Section):
 
     def generation(self):
         """These settings as the trainers' evaluation takes them (imports torch)."""
-        from trainers.evaluation import GenerationSpec
+        from trainers.evaluation.evaluate import GenerationSpec
 
         return GenerationSpec(
             self.max_new_tokens, self.num_samples, self.temperature, self.batch_size, self.seed, self.generation_backend
@@ -319,7 +319,7 @@ class EvaluationConfig(Section):
 
     def spec(self):
         """The whole evaluation of one model as the trainers take it (imports torch)."""
-        from trainers.evaluation import EvaluationSpec
+        from trainers.evaluation.evaluate import EvaluationSpec
 
         return EvaluationSpec(
             self.generation(), tuple(self.pass_k), self.bootstrap_resamples, self.num_logged_samples, self.batch_size

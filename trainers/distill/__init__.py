@@ -1,0 +1,1 @@
+"""On-policy distillation: the trainer, its config section and the stage."""

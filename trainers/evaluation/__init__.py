@@ -1,0 +1,1 @@
+"""Evaluation of a causal LM on verifiable prompts and held-out preference pairs."""

@@ -1,0 +1,360 @@
+"""A vLLM engine as a server of its own (``vllm_mode: server``): generation on other devices or
+machines than training, as TRL's ``trl vllm-serve`` and verl's rollout workers do.
+
+The server (``python -m trainers.generation.vllm_server``, ``alignflow vllm-server``) holds one engine in its
+process and answers JSON over HTTP; it starts without a model, so it is up before the trainer knows
+what it serves:
+
+- ``GET /health``: ``{"model": true|false}``;
+- ``POST /load``: build the engine from a model folder (:func:`~trainers.generation.vllm_engine.write_model_folder`);
+- ``POST /reload``: reload the weights in place from a safetensors file (then forget the prefix cache);
+- ``POST /channel``: open a weight channel (below); ``POST /receive``: reload from it;
+- ``POST /generate``: token ids in, sampled token ids and their log-probs out.
+
+It is alignflow's own small server around vLLM's ``LLM`` (the standard library's HTTP server)
+rather than ``vllm serve``: the OpenAI server pins a FastAPI that Prefect's does not meet, and its
+weight-transfer routes run on GPU-only engines (NCCL, CUDA IPC). Weights travel by a transport
+(:data:`WEIGHT_TRANSFERS`):
+
+- ``storage`` writes a safetensors file to a folder both sides read (shared storage between
+  machines) and asks the server to reload from it;
+- ``collective`` broadcasts them from the trainer's process to the server's over a weight channel
+  (:mod:`trainers.generation.weight_channel`: NCCL between GPUs, gloo on CPUs): the server hosts it on a port
+  it announces, and for each sync the trainer sends the names, shapes and dtypes, then every tensor
+  in that order.
+
+With ``storage`` the model itself is loaded from the transfer folder; with ``collective`` the server
+builds its engine from the model's config and the first weights follow over the channel. The server
+reads models and weights only under its ``--weights-root``.
+
+:class:`ServerEngine` is the trainer's side: a :class:`~trainers.generation.vllm_engine.SyncedEngine` whose
+engine is the server's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+import tempfile
+import threading
+import traceback
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+
+from trainers.generation import weight_channel
+from trainers.generation.transfers import FOLDER_TRANSFERS
+from trainers.generation.vllm_engine import (
+    EngineOptions,
+    EngineSamples,
+    SamplingOptions,
+    SyncedEngine,
+    build_llm,
+    reload_weights,
+    require_vllm,
+    sample,
+    savable,
+    served_config,
+    write_model_folder,
+)
+
+LISTENING = "alignflow vLLM server listening on "  # the line a starter reads the address from
+REQUEST_TIMEOUT_S = 600.0  # a build or a generation batch on a slow device
+
+
+class ServerError(RuntimeError):
+    """The server answered a request with an error (its message carries the server's traceback)."""
+
+
+class EngineHost:
+    """The server's engine: none until ``/load``; one request at a time reaches it."""
+
+    def __init__(self, weights_root: Path):
+        self.weights_root = weights_root.resolve()
+        self.llm = None
+        self.lock = threading.Lock()
+        self.channel: weight_channel.Receiver | None = None
+
+    def inside_root(self, path: str) -> Path:
+        resolved = Path(path).resolve()
+        if not resolved.is_relative_to(self.weights_root):
+            raise PermissionError(f"{path} is outside the server's weights root {self.weights_root}")
+        return resolved
+
+    def load(self, dtype: str, options: dict, seed: int, folder: str | None = None, config: dict | None = None) -> dict:
+        """Build the engine from a model folder under the weights root, or from a model's ``config``
+        alone, with random weights that the weight channel replaces next."""
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"  # the server's device, not the trainer's
+        settings = (getattr(torch, dtype), device_type, EngineOptions(**options), seed)
+        with self.lock:
+            self.llm = None  # the engine before gives its memory back first
+            if config is None:
+                self.llm = build_llm(self.inside_root(folder), *settings)
+            else:
+                with tempfile.TemporaryDirectory(prefix="alignflow-vllm-config-") as staging:
+                    (Path(staging) / "config.json").write_text(json.dumps(config))
+                    self.llm = build_llm(staging, *settings, dummy_weights=True)
+        return {}
+
+    def reload(self, path: str) -> dict:
+        from safetensors.torch import load_file
+
+        weights = load_file(self.inside_root(path))
+        with self.lock:
+            reload_weights(self.ready(), list(weights.items()))
+        return {}
+
+    def open_channel(self, backend: str) -> dict:
+        """Host a weight channel (:func:`trainers.generation.weight_channel.host`); the answer is its port. A
+        channel opened before is replaced."""
+        port, self.channel = weight_channel.host(backend)
+        return {"port": port}
+
+    def receive(self, names: list[str], shapes: list[list[int]], dtypes: list[str]) -> dict:
+        """Receive the named tensors by the weight channel and reload them in place."""
+        llm = self.ready()  # its error before anything is received: the trainer's sends stop on it
+        if self.channel is None:
+            raise RuntimeError("no weight channel: POST /channel first")
+        tensors = self.channel.receive(shapes, dtypes)
+        with self.lock:
+            reload_weights(llm, list(zip(names, tensors)))
+        return {}
+
+    def generate(self, prompts: list[list[int]], seeds: list[int], sampling: dict) -> dict:
+        options = SamplingOptions(**{**sampling, "stop_ids": tuple(sampling["stop_ids"])})
+        with self.lock:
+            samples = sample(self.ready(), prompts, seeds, options)
+        return dataclasses.asdict(samples)
+
+    def ready(self):
+        if self.llm is None:
+            raise RuntimeError("no model loaded: POST /load first")
+        return self.llm
+
+
+def handler_for(host: EngineHost) -> type[BaseHTTPRequestHandler]:
+    routes = {
+        "/load": host.load,
+        "/reload": host.reload,
+        "/channel": host.open_channel,
+        "/receive": host.receive,
+        "/generate": host.generate,
+    }
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                self.answer(200, {"model": host.llm is not None})
+            else:
+                self.answer(404, {"error": f"no route {self.path}"})
+
+        def do_POST(self) -> None:
+            route = routes.get(self.path)
+            if route is None:
+                self.answer(404, {"error": f"no route {self.path}"})
+                return
+            try:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                self.answer(200, route(**body))
+            except Exception:  # the trainer raises it, with this traceback
+                self.answer(500, {"error": traceback.format_exc()})
+
+        def answer(self, status: int, payload: dict) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args) -> None:  # noqa: A002 (the base class's name)
+            print(f"{self.command} {self.path} {args[1] if len(args) > 1 else ''}", flush=True)
+
+    return Handler
+
+
+def serve(host: str, port: int, weights_root: Path) -> None:
+    """Serve until stopped (SIGTERM, SIGINT); ``port`` 0 picks a free one, announced on stdout."""
+    require_vllm()
+    server = ThreadingHTTPServer((host, port), handler_for(EngineHost(weights_root)))
+    print(f"{LISTENING}http://{host}:{server.server_address[1]}", flush=True)
+    server.serve_forever()
+
+
+def post(url: str, route: str, payload: dict) -> dict:
+    request = urllib.request.Request(
+        url.rstrip("/") + route, json.dumps(payload).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        raise ServerError(f"vLLM server {url}{route}: {json.loads(error.read())['error']}") from None
+
+
+def health(url: str, timeout: float = 5.0) -> dict:
+    """The server's ``/health`` answer; raises ``OSError`` when nothing answers."""
+    with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+Weights = dict[str, torch.Tensor]  # the policy's parameters by name
+NamedWeights = list[tuple[str, torch.Tensor]]  # as the engine names them: a tied weight under each name
+
+
+class WeightTransfer(Protocol):
+    """How a :class:`ServerEngine` gets weights to its server: the model's first load (the server
+    builds its engine), then a push of the weights after each step that changed them."""
+
+    def load(self, model: torch.nn.Module, weights: Weights, named: NamedWeights, settings: dict) -> None:
+        """Build the server's engine for ``model`` with ``weights`` (``named``: as the engine names
+        them), with the ``/load`` request's ``settings`` (dtype, engine options, seed)."""
+
+    def push(self, weights: NamedWeights) -> None: ...
+
+
+class StorageTransfer:
+    """Weights by shared storage: a safetensors file under ``folder`` (written, renamed into place,
+    reloaded by the server, removed). The model's first load goes through ``folder`` too: a model
+    folder the server builds its engine from."""
+
+    def __init__(self, url: str, folder: Path):
+        self.url, self.folder = url, folder
+
+    def load(self, model: torch.nn.Module, weights: Weights, named: NamedWeights, settings: dict) -> None:
+        staging = self.folder / f"model-{uuid.uuid4().hex}"
+        staging.mkdir(parents=True)
+        try:
+            write_model_folder(model, weights, staging)
+            post(self.url, "/load", settings | {"folder": str(staging)})
+        finally:
+            shutil.rmtree(staging)
+
+    def push(self, weights: NamedWeights) -> None:
+        from safetensors.torch import save_file
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"weights-{uuid.uuid4().hex}.safetensors"
+        staging = path.with_suffix(".partial")
+        try:
+            save_file(savable(weights), staging)
+            staging.rename(path)
+            post(self.url, "/reload", {"path": str(path)})
+        finally:
+            staging.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
+
+
+class CollectiveTransfer:
+    """Weights by a weight channel of this process and the server (:mod:`trainers.generation.weight_channel`),
+    opened at the first push on the backend of the weights' device: the server is told the names,
+    shapes and dtypes (``/receive``, answered once it has reloaded), and meanwhile each tensor is
+    broadcast. It carries the model's first weights too: the server builds its engine from the
+    config alone."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.group: torch.distributed.ProcessGroup | None = None
+        self.requests = ThreadPoolExecutor(max_workers=1, thread_name_prefix="alignflow-weight-channel")
+
+    def load(self, model: torch.nn.Module, weights: Weights, named: NamedWeights, settings: dict) -> None:
+        post(self.url, "/load", settings | {"config": json.loads(served_config(model).to_json_string())})
+        self.push(named)
+
+    def open(self, backend: str) -> None:
+        port = post(self.url, "/channel", {"backend": backend})["port"]
+        self.group = weight_channel.join(urllib.parse.urlsplit(self.url).hostname, port, backend)
+
+    def push(self, weights: NamedWeights) -> None:
+        tensors = [tensor.contiguous() for _, tensor in weights]
+        if self.group is None:
+            self.open(weight_channel.backend_for(tensors[0].device))
+        manifest = {
+            "names": [name for name, _ in weights],
+            "shapes": [list(tensor.shape) for tensor in tensors],
+            "dtypes": [str(tensor.dtype).removeprefix("torch.") for tensor in tensors],
+        }
+        answer = self.requests.submit(post, self.url, "/receive", manifest)
+        weight_channel.send(self.group, tensors, answer)
+        answer.result()
+
+
+# each transfer by its config name, made from the server's address (and, for FOLDER_TRANSFERS, the
+# shared folder: weight_transfer)
+WEIGHT_TRANSFERS: dict[str, Callable[..., WeightTransfer]] = {
+    "storage": StorageTransfer,
+    "collective": CollectiveTransfer,
+}
+
+
+def weight_transfer(name: str, url: str, folder: Path) -> WeightTransfer:
+    """The transfer ``name`` to the server at ``url``, through ``folder`` where it loads through one."""
+    return WEIGHT_TRANSFERS[name](url, folder) if name in FOLDER_TRANSFERS else WEIGHT_TRANSFERS[name](url)
+
+
+class ServerEngine(SyncedEngine):
+    """The trainer's side of a vLLM server at ``url``: loads ``model`` with ``weights`` (its
+    :func:`~trainers.generation.vllm_engine.serving_weights`, whole) as they are at optimizer step ``step`` into
+    the server by ``transfer`` (:meth:`WeightTransfer.load`: a model folder under ``folder``, which the
+    server reads too, or the config and then the weights over a channel), then pushes its weights by
+    ``transfer`` after each step that changed them.
+
+    Training processes share the server: each generates its own prompts' completions, one pushes
+    (``pushes``: the main process) and every one waits at ``barrier`` after each load and push, so no
+    process samples from the weights before."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        weights: dict[str, torch.Tensor],
+        options: EngineOptions,
+        seed: int,
+        step: int,
+        url: str,
+        transfer: str,
+        folder: Path,
+        pushes: bool = True,
+        barrier: Callable[[], None] = lambda: None,
+    ):
+        super().__init__(model, step)
+        self.url, self.pushes, self.barrier = url, pushes, barrier
+        self.transfer = weight_transfer(transfer, url, folder)
+        if pushes:
+            dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
+            settings = {"dtype": dtype, "options": dataclasses.asdict(options), "seed": seed}
+            self.transfer.load(model, weights, self.named_for_engine(weights), settings)
+        barrier()
+
+    def push_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        if self.pushes:
+            self.transfer.push(weights)
+        self.barrier()
+
+    def generate(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingOptions) -> EngineSamples:
+        answer = post(
+            self.url, "/generate", {"prompts": prompts, "seeds": seeds, "sampling": dataclasses.asdict(sampling)}
+        )
+        return EngineSamples(answer["tokens"], answer["logps"])
+
+
+def main(argv: list[str]) -> None:
+    """``python -m trainers.generation.vllm_server HOST PORT WEIGHTS_ROOT``: what ``alignflow vllm-server`` and
+    the managed server run."""
+    host, port, weights_root = argv
+    try:
+        serve(host, int(port), Path(weights_root))
+    except KeyboardInterrupt:
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,102 @@
+"""A weight channel: a process group of two processes, a trainer (member 0, which sends) and a vLLM
+server (member 1, which receives), for the ``collective`` weight transfer
+(:mod:`trainers.generation.vllm_server`). NCCL between GPUs, gloo on CPUs: TRL's communicator pattern.
+
+The group is built from torch's own process-group classes on a ``TCPStore`` that the receiver
+hosts, not by ``init_process_group``: neither side's default group (a launch's ranks, vLLM's own)
+is touched. The store listens on every interface (torch's does, whatever the host), as gloo's
+pairs do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import threading
+import time
+from concurrent.futures import Future
+
+import torch
+
+TIMEOUT = datetime.timedelta(minutes=10)  # a member waits this long for the other
+
+
+def pair_group(store: torch.distributed.Store, member: int, backend: str) -> torch.distributed.ProcessGroup:
+    """A process group of two on ``store``, this process as ``member``; returns once the other
+    member has joined too."""
+    if backend == "nccl":
+        return torch.distributed.ProcessGroupNCCL(store, member, 2)
+    return torch.distributed.ProcessGroupGloo(store, member, 2, TIMEOUT)
+
+
+# each backend by the kind of device whose tensors it moves
+BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
+
+
+def backend_for(device: torch.device) -> str:
+    """The backend that moves tensors on ``device``."""
+    return BACKENDS["cuda" if device.type == "cuda" else "cpu"]
+
+
+def device_for(backend: str) -> torch.device:
+    """The device a member of a ``backend`` channel receives tensors on (its inverse)."""
+    return torch.device(next(kind for kind, name in BACKENDS.items() if name == backend))
+
+
+@dataclasses.dataclass
+class Receiver:
+    """The receiving member: its group once joined (in the background, while the sender joins from
+    its side), the device tensors arrive on."""
+
+    joining: threading.Thread
+    device: torch.device
+    group: torch.distributed.ProcessGroup | None = None
+
+    def receive(self, shapes: list[list[int]], dtypes: list[str]) -> list[torch.Tensor]:
+        """Tensors of these shapes and dtypes, in the order the sender broadcasts them."""
+        self.joining.join()
+        if self.group is None:
+            raise RuntimeError("the weight channel's sender never joined")
+        tensors = [
+            torch.empty(shape, dtype=getattr(torch, dtype), device=self.device) for shape, dtype in zip(shapes, dtypes)
+        ]
+        for tensor in tensors:
+            self.group.broadcast(tensor, 0).wait()
+        return tensors
+
+
+def host(backend: str) -> tuple[int, Receiver]:
+    """Host a channel's store on a free port and join it as member 1 once the sender joins as
+    member 0: the port (for the sender) and the receiver."""
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("a weight channel over NCCL needs a GPU on the server; this one has none")
+    store = torch.distributed.TCPStore("0.0.0.0", 0, 2, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
+
+    def join() -> None:
+        receiver.group = pair_group(store, 1, backend)
+
+    receiver = Receiver(threading.Thread(target=join, daemon=True), device_for(backend))
+    receiver.joining.start()
+    return store.port, receiver
+
+
+def join(host_name: str, port: int, backend: str) -> torch.distributed.ProcessGroup:
+    """The sender's member of the channel hosted at ``host_name:port``."""
+    store = torch.distributed.TCPStore(host_name, port, 2, is_master=False, timeout=TIMEOUT)
+    return pair_group(store, 0, backend)
+
+
+def send(group: torch.distributed.ProcessGroup, tensors: list[torch.Tensor], answer: Future) -> None:
+    """Broadcast ``tensors`` in order, unless the receiver's side answers with an error first
+    (``answer``: its reply to the request that announced them), where a send to a member that stopped
+    receiving would wait out the channel's timeout. The receiver answers success only once it has
+    every tensor, which may be before this side sees its last send complete."""
+    for index, tensor in enumerate(tensors):
+        work = group.broadcast(tensor, 0)
+        while not work.is_completed() and not answer.done():
+            time.sleep(0.001)
+        if answer.done():
+            answer.result()  # the receiver's error
+            if index < len(tensors) - 1:
+                raise RuntimeError("the receiver answered before it received every tensor")
+        work.wait()

@@ -1,0 +1,1 @@
+"""KTO: the trainer, its rows (with their KL completions and reference view), its config section and the stage."""

@@ -1,0 +1,259 @@
+"""A reward model: a scorer of prompt + completion sequences, trained on preference pairs with the
+Bradley–Terry loss (:class:`RewardTrainer`), then used to score completions
+(:class:`RewardModelScorer`, a GRPO reward function). Its *head* (:data:`REWARD_HEADS`) says what
+the score is:
+
+* ``classifier``: ``AutoModelForSequenceClassification`` with ``num_labels=1`` loaded from the
+  causal LM the stage starts from (its score head fresh, the rest of its weights shared).
+  transformers reads the logit at each sequence's last token that is not padding
+  (``config.pad_token_id``).
+* ``likelihood``: the causal LM itself; the score is its mean log-prob of the completion's tokens,
+  ``(1/|y|) Σ_t log π(y_t | x, y_<t)``, SimPO's reference-free implicit reward (Meng et al. 2024,
+  arXiv:2405.14734) without its β. A small model that already solves the task holds what a fresh
+  score head must learn in its next-token distributions.
+
+The sequences are the prompt and the completion as the data preparation tokenizes them (the
+completion's EOS included), so training and scoring read the same tokens. A saved reward model's
+head is read off its architecture (``…ForSequenceClassification`` or ``…ForCausalLM``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Trainer,
+    TrainingArguments,
+)
+
+from trainers.data.collators import prompt_completion_batch
+from trainers.data.rows import render_completion, render_prompt
+from trainers.models.devices import torch_dtype
+from trainers.models.loading import LOAD_OPTIONS, load_tokenizer, load_with_new_head
+from trainers.registry import Registry
+from trainers.reward.section import RewardStageConfig
+from trainers.runtime.metric_window import MetricWindow
+from trainers.scoring.logprobs import completion_logps
+from trainers.sections import section_fields
+
+
+def bradley_terry_losses(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    margin: torch.Tensor | None = None,
+    center_rewards_coefficient: float | None = None,
+) -> torch.Tensor:
+    """The Bradley–Terry reward-model loss per pair (Ouyang et al. 2022, arXiv:2203.02155, eq. 1;
+    the margin of Touvron et al. 2023, arXiv:2307.09288, eq. 2; the centring term of Eisenstein et
+    al. 2023, arXiv:2312.09244), for rewards ``r_c``, ``r_r`` of the chosen and rejected sequences:
+
+        L = −log σ(r_c − r_r − m) + c (r_c + r_r)²
+
+    ``m`` is the pair's margin (0 without one), ``c`` the centring coefficient (none: 0). The
+    centring term's batch mean is TRL's ``center_rewards_coefficient · mean((r_c + r_r)²)``."""
+    difference = chosen - rejected
+    if margin is not None:
+        difference = difference - margin
+    losses = -F.logsigmoid(difference)
+    if center_rewards_coefficient:
+        losses = losses + center_rewards_coefficient * (chosen + rejected) ** 2
+    return losses
+
+
+@dataclass(frozen=True)
+class RewardHead:
+    """What a reward model is: the transformers class that loads it (``num_labels`` for a
+    classifier) and how it scores a batch of ``prompt_completion_batch`` rows, one score per row."""
+
+    auto_class: type
+    architecture_suffix: str  # of a saved model's ``config.architectures``
+    score: Callable[[PreTrainedModel, dict[str, torch.Tensor]], torch.Tensor]
+    peft_task_type: str  # LoRA adapters for this kind of model (``trainers.models.lora.add_adapters``)
+    load_options: tuple[tuple[str, int], ...] = ()
+
+    def matches(self, architectures: list[str]) -> bool:
+        """Whether any of ``architectures`` (class names: a saved config's, or a model's own) is one of
+        this head's models."""
+        return any(architecture.endswith(self.architecture_suffix) for architecture in architectures)
+
+
+def classifier_scores(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+
+
+def likelihood_scores(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    logps = completion_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+    return logps.logps / logps.num_tokens
+
+
+REWARD_HEADS: Registry[RewardHead] = Registry("reward head", "reward.head")
+REWARD_HEADS.add(
+    "classifier",
+    RewardHead(
+        AutoModelForSequenceClassification,
+        "ForSequenceClassification",
+        classifier_scores,
+        "SEQ_CLS",
+        (("num_labels", 1),),
+    ),
+)
+REWARD_HEADS.add("likelihood", RewardHead(AutoModelForCausalLM, "ForCausalLM", likelihood_scores, "CAUSAL_LM"))
+
+
+def saved_architectures(path: str, revision: str | None = None) -> list[str]:
+    """The architectures the checkpoint at ``path`` was saved as (its config's ``architectures``)."""
+    return AutoConfig.from_pretrained(path, revision=revision).architectures or []
+
+
+def saved_head(path: str, revision: str | None = None) -> str:
+    """The head of a saved reward model (or of a causal LM: ``likelihood``), from its architecture."""
+    return head_of(saved_architectures(path, revision), path)
+
+
+def head_of(architectures: list[str], path: str) -> str:
+    """The head of the checkpoint at ``path``, saved as ``architectures``."""
+    for name, head in REWARD_HEADS.items():
+        if head.matches(architectures):
+            return name
+    raise ValueError(
+        f"{path} is neither a sequence classifier nor a causal LM (architectures {architectures}): it cannot score "
+        "completions as a reward model"
+    )
+
+
+def load_reward_model(
+    path: str,
+    revision: str | None = None,
+    dtype: str = "auto",
+    head: str | None = None,
+    chat_template: str | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    """The reward model at ``path`` with ``head`` (None: the saved model's own, :func:`saved_head`),
+    its tokenizer (whose padding token the model's config gets; with ``chat_template`` over its own)
+    and the head's name. A classifier loaded from a causal LM gets a fresh score head
+    (:func:`~trainers.models.loading.load_with_new_head`)."""
+    architectures = saved_architectures(path, revision)
+    head = head or head_of(architectures, path)
+    spec = REWARD_HEADS.lookup(head)
+    tokenizer = load_tokenizer(path, revision, chat_template)
+    if spec.matches(architectures):
+        model = spec.auto_class.from_pretrained(
+            path, revision=revision, dtype=torch_dtype(dtype), **LOAD_OPTIONS, **dict(spec.load_options)
+        )
+    else:
+        model = load_with_new_head(spec.auto_class, path, revision, dtype, **dict(spec.load_options))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer, head
+
+
+@dataclass
+class PairSequenceCollator:
+    """``2B`` sequences, the ``B`` prompt + chosen then the ``B`` prompt + rejected, padded right;
+    ``margin`` when the pairs have one."""
+
+    pad_token_id: int
+
+    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+        prompts = [f["prompt_ids"] for f in features]
+        completions = [f["chosen_ids"] for f in features] + [f["rejected_ids"] for f in features]
+        batch = prompt_completion_batch(prompts + prompts, completions, self.pad_token_id)
+        if "margin" in features[0]:
+            batch["margin"] = torch.tensor([float(f["margin"]) for f in features])
+        return batch
+
+
+@dataclass
+@section_fields(RewardStageConfig)
+class RewardConfig(TrainingArguments):
+    """``TrainingArguments`` plus the reward section's fields, with its defaults."""
+
+    remove_unused_columns: bool = False  # the collator reads prompt_ids / chosen_ids / rejected_ids
+
+
+class RewardTrainer(MetricWindow, Trainer):
+    """Trains a reward model (``args.head``) on preference pairs with :func:`bradley_terry_losses`;
+    logs the pairs' ``accuracy`` (r_c > r_r), mean ``margin`` and rewards, ``eval_``-prefixed on the
+    held-out pairs."""
+
+    loss_is_scaled_for_ga = False  # compute_loss returns a per-micro-batch mean
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.head = REWARD_HEADS.lookup(self.args.head)
+        model_class = type(self.model).__name__
+        if not self.head.matches([model_class]):
+            raise ValueError(
+                f"head {self.args.head!r} scores with a …{self.head.architecture_suffix} model, not a {model_class}: "
+                "load it with load_reward_model(path, head=…)"
+            )
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        rewards = self.head.score(model, inputs)
+        chosen, rejected = rewards.to(torch.promote_types(rewards.dtype, torch.float32)).chunk(2)
+        losses = bradley_terry_losses(chosen, rejected, inputs.get("margin"), self.args.center_rewards_coefficient)
+        loss = losses.mean()
+        difference = (chosen - rejected).detach()
+        metrics = {
+            "accuracy": (difference > 0).float().mean(),
+            "margin": difference.mean(),
+            "rewards/chosen": chosen.detach().mean(),
+            "rewards/rejected": rejected.detach().mean(),
+        }
+        self.record_metrics(metrics, "train" if model.training else "eval")
+        return (loss, {"rewards": rewards}) if return_outputs else loss
+
+
+class RewardModelScorer:
+    """A reward model as a GRPO reward function (TRL's contract, :mod:`trainers.grpo.rewards`): each
+    prompt and completion, as the data has them, tokenized as the data preparation tokenizes a pair
+    (:func:`~trainers.data.rows.render_prompt`, :func:`~trainers.data.rows.render_completion`), scored in
+    batches of ``batch_size`` without gradient. :meth:`to` puts the model on a device (the policy's,
+    or its own: ``grpo.reward_model_device``)."""
+
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, head: str, name: str, batch_size: int = 64
+    ):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.score = REWARD_HEADS.lookup(head).score
+        self.__name__ = name
+        self.batch_size = batch_size
+
+    def to(self, device: torch.device | str) -> RewardModelScorer:
+        self.model.to(device)
+        return self
+
+    @torch.no_grad()
+    def __call__(self, *, prompts: list, completions: list, **kwargs) -> list[float]:
+        rendered = [
+            (render_prompt(self.tokenizer, p), render_completion(self.tokenizer, c, p))
+            for p, c in zip(prompts, completions)
+        ]
+        return self.score_ids(rendered)
+
+    @torch.no_grad()
+    def score_ids(self, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[float]:
+        """Scores of ``(prompt ids, completion ids)`` pairs, in batches of ``batch_size``."""
+        device = next(self.model.parameters()).device
+        scores: list[float] = []
+        for start in range(0, len(sequences), self.batch_size):
+            part = sequences[start : start + self.batch_size]
+            batch = prompt_completion_batch(
+                [list(p) for p, _ in part], [list(c) for _, c in part], self.tokenizer.pad_token_id
+            )
+            scores += self.score(self.model, {k: v.to(device) for k, v in batch.items()}).float().tolist()
+        return scores
+
+
+def load_scorer(path: str, revision: str | None, dtype: str, device, name: str) -> RewardModelScorer:
+    """The saved reward model at ``path`` as a scorer on ``device``, named ``name`` in logs."""
+    model, tokenizer, head = load_reward_model(path, revision, dtype)
+    return RewardModelScorer(model, tokenizer, head, name).to(device)

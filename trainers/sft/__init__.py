@@ -1,0 +1,1 @@
+"""SFT: its config section and stage (the trainer is ``transformers.Trainer``)."""
