@@ -8,7 +8,8 @@ one value per completion, ``None`` where the function does not apply to that row
 the rows' prompts as the data has them: strings, or lists of ``{"role", "content"}`` messages.
 ``completions`` are the decoded completions, cut at their first stop token: strings for string
 prompts, ``[{"role": "assistant", "content": text}]`` for conversational ones. ``completion_ids``
-are their token ids (stop token excluded), ``trainer_state`` the Trainer's ``TrainerState``, and
+are the sampled token ids, up to and including the stop token of a completion that has one (as
+TRL's include the EOS; a truncated completion has none), ``trainer_state`` the Trainer's ``TrainerState``, and
 ``columns`` every other column of the rows (e.g. ``answer``). Functions must accept ``**kwargs``;
 a function written for TRL's ``GRPOTrainer`` runs unchanged. With ``reward_inputs: rendered``,
 ``prompts`` are the prompts as the chat template rendered them (special tokens included) and
@@ -182,7 +183,8 @@ def integer_format(completions, **kwargs) -> list[float | None]:
 
 @register_reward("length_penalty")
 def length_penalty(completion_ids, **kwargs) -> list[float | None]:
-    """−(number of completion tokens, EOS excluded); scale it with its reward weight (e.g. 0.01)."""
+    """−(number of sampled completion tokens, the stop token included, as a length penalty written
+    for TRL counts them); scale it with its reward weight (e.g. 0.01)."""
     return [-float(len(ids)) for ids in completion_ids]
 
 
