@@ -1,7 +1,7 @@
 """What several test modules share, in one place: no test module imports another.
 
 Imported by name (``from helpers import ...``): pytest puts ``tests/`` on ``sys.path`` (the rootdir
-``conftest.py``), as it does for ``killing.py`` and ``fsdp_cpu.py``, the other helper modules.
+``conftest.py``), as it does for ``killing.py``, ``fsdp_cpu.py`` and ``kto_cpu.py``, the other helper modules.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import math
 import datasets
 import pytest
 import torch
-from helpers import QUIET_TRAINING
+from helpers import QUIET_TRAINING, launch_worker
 from pydantic import ValidationError
 
 from infra.core.config import load_config
@@ -53,6 +53,10 @@ def test_the_reference_point_is_the_clamped_mean_kl_without_gradient():
     point = kl_reference_point(kl)
     assert point.item() == pytest.approx(0.2) and not point.requires_grad
     assert kl_reference_point(torch.tensor([-0.5, 0.1])).item() == 0.0  # max(0, ·)
+    # every process's KL rows, gathered: the mean of all, then the clamp (one process's mean, −0.6, is
+    # negative; clamping it first would give (0.8 + 0) / 2)
+    gathered = torch.tensor([1.0, 0.6, -0.4, -0.8], dtype=torch.float64)
+    assert kl_reference_point(gathered).item() == pytest.approx(max(0.0, (1.0 + 0.6 - 0.4 - 0.8) / 4), abs=1e-12)
 
 
 @pytest.mark.unit
@@ -201,6 +205,49 @@ def test_the_trainers_loss_and_gradient_equal_the_per_sequence_formula_in_float6
     for name, p in policy.named_parameters():
         assert torch.allclose(got[name], p.grad, atol=1e-6, rtol=0), name
     assert trainer.window_metrics["eval"]["kl"] == [pytest.approx(z0, abs=1e-6)]  # logged as float32
+
+
+@pytest.mark.slow
+def test_two_processes_give_one_process_reference_point_and_loss_when_one_estimate_is_negative(
+    tiny_checkpoint, pairs, tmp_path
+):
+    """z₀ is the clamped mean of every process's KL rows: with the reference log-probs set so that
+    the first process's KL log-ratios are (1.0, 0.6) and the second's (−0.4, −0.8), both processes
+    use z₀ = max(0, 0.1) (not (0.8 + max(0, −0.6)) / 2), and their losses average to one
+    process's, both against the formula."""
+    from trainers.kto.data import REF_KL_LOGPS, REF_LOGPS
+    from trainers.models.loading import load_causal_lm
+    from trainers.scoring.reference_pass import reference_logps
+    from trainers.scoring.reference_views import KTO_VIEW
+
+    model, tokenizer = load_causal_lm(tiny_checkpoint.path)
+    rows = with_kl_completions(unpaired(pairs[:2]))  # desirable, undesirable, desirable, undesirable
+    kl_targets, reward_targets = [1.0, 0.6, -0.4, -0.8], [0.5, -0.2, 0.3, -0.7]
+    logps, kl_logps = reference_logps(
+        model, tokenizer.pad_token_id, rows, 4, progress=False, completions=KTO_VIEW.completions
+    )
+    rows = [
+        row | {REF_LOGPS: logp - r, REF_KL_LOGPS: kl_logp - k}
+        for row, logp, kl_logp, r, k in zip(rows, logps, kl_logps, reward_targets, kl_targets)
+    ]
+    kto = {"beta": BETA, "desirable_weight": WD, "undesirable_weight": WU}
+    spec = {"model": tiny_checkpoint.path, "rows": rows, "kto": kto}
+    one, two = (launch_worker("kto_cpu", spec, n, tmp_path / str(n)) for n in (1, 2))
+
+    z0 = max(0.0, sum(kl_targets) / 4)
+    losses = [
+        WD * (1 - sigmoid(BETA * (r - z0))) if row["label"] else WU * (1 - sigmoid(BETA * (z0 - r)))
+        for row, r in zip(rows, reward_targets)
+    ]
+    assert z0 == pytest.approx(0.1)
+    assert one[0]["kl"] == [pytest.approx(z0, abs=1e-5)]
+    assert [rank["kl"] for rank in two] == [[pytest.approx(z0, abs=1e-5)]] * 2
+    assert one[0]["loss"] == pytest.approx(sum(losses) / 4, abs=1e-6)
+    assert [rank["loss"] for rank in two] == [
+        pytest.approx(sum(losses[:2]) / 2, abs=1e-6),
+        pytest.approx(sum(losses[2:]) / 2, abs=1e-6),
+    ]
+    assert (two[0]["loss"] + two[1]["loss"]) / 2 == pytest.approx(one[0]["loss"], abs=1e-6)
 
 
 @pytest.mark.slow

@@ -63,7 +63,7 @@ def rollout(rows: list[dict], end: str, rewards, **options):
     model = scripted_policy(tokenizer, [*BOXED, end])
     trainer = pair_grpo(model, tokenizer, prepared, [*rewards, record], options.pop("output_dir"), 12, **options)
     trainer.generate_and_score(trainer.model, [prepared[0]] * 2)
-    answer_ids = tokenizer.convert_tokens_to_ids(BOXED)
+    answer_ids = tokenizer.convert_tokens_to_ids([*BOXED, end])  # the stop token included, as TRL's
     assert seen["completion_ids"] == [answer_ids, answer_ids]
     assert isinstance(seen["trainer_state"], TrainerState)
     return seen, trainer.latest_samples
@@ -94,6 +94,29 @@ def test_rendered_inputs_give_the_templates_prompt_text_and_plain_completions(tm
     assert seen["prompts"] == ["<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"] * 2
     assert seen["completions"] == ["\\boxed{4}"] * 2
     assert seen["ground_truth"] == ["4", "4"] and table["rewards/reward_func"] == [1.0, 1.0]
+
+
+def test_completion_ids_end_with_the_stop_token_as_trls_and_a_truncated_completion_has_none(tmp_path):
+    """TRL hands a reward the sampled ids up to and including the EOS: a reward written for TRL that
+    reads them (a length penalty, a check of the last id) scores the same here. The policy answers
+    a prompt ending in a newline with ``42`` and EOS, and any other prompt with ``x`` until the limit."""
+    tokenizer = chat_tokenizer("chatml")
+    rows = [{"prompt": "2+2?\n"}, {"prompt": "2+2="}]
+    prepared = truncate_rows(render_rows(rows, "grpo_prompts", tokenizer), Truncation(256, 128)).rows
+    seen = {}
+
+    def trl_length_and_stop(completion_ids, **kwargs):
+        seen.update(kwargs, completion_ids=completion_ids)
+        return [-len(ids) + (ids[-1] == tokenizer.eos_token_id) for ids in completion_ids]
+
+    model = scripted_policy(tokenizer, ["4", "2", "<|endoftext|>"])
+    trainer = pair_grpo(model, tokenizer, prepared, [trl_length_and_stop], tmp_path, 6)
+    trainer.generate_and_score(trainer.model, prepared)
+    four, two, x = tokenizer.convert_tokens_to_ids(["4", "2", "x"])
+    assert tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|endoftext|>") == 4
+    assert seen["completion_ids"] == [[four, two, 4], [x] * 6]
+    assert seen["completions"] == ["42", "xxxxxx"]  # the texts, as TRL decodes them: no special token
+    assert trainer.latest_samples["rewards/trl_length_and_stop"] == [-3 + 1, -6]
 
 
 def test_builtin_rewards_read_message_completions_and_answers_of_any_type():

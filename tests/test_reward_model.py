@@ -14,10 +14,12 @@ from typing import Iterator
 
 import pytest
 import torch
-from helpers import QUIET_TRAINING
+from helpers import QUIET_TRAINING, chat_tokenizer
+from policies import chat_prompt, pair_grpo, scripted_policy
 from pydantic import ValidationError
 
 from infra.core.config import load_config
+from trainers.data.rows import TemplateError, Truncation, render_completion, render_rows, truncate_rows
 from trainers.grpo.rewards import resolve_rewards
 from trainers.reward.section import RewardHeadName
 from trainers.scoring.reward_model import (
@@ -224,7 +226,7 @@ def test_the_likelihood_heads_loss_and_gradient_and_its_scores_equal_the_mean_lo
         assert torch.allclose(got[name], parameter.grad, atol=1e-9, rtol=0), name
     scorer = RewardModelScorer(model, tokenizer, head, name="model:lm", batch_size=2)
     rows = [("1+2=", "3"), ("4+4=", "8"), ("9+0=", "19")]
-    scores = scorer(prompts=[p for p, _ in rows], completions=[c for _, c in rows])
+    scores = scorer(prompts=[p for p, _ in rows], completions=[c for _, c in rows], truncated=[False] * 3)
     with torch.no_grad():
         expected = []
         for prompt, completion in rows:
@@ -234,6 +236,59 @@ def test_the_likelihood_heads_loss_and_gradient_and_its_scores_equal_the_mean_lo
     assert scores == pytest.approx(expected, abs=1e-6)  # returned as float32
     with pytest.raises(ValueError, match="head 'classifier' scores with a …ForSequenceClassification model"):
         RewardTrainer(model=model, args=RewardConfig(output_dir=str(tmp_path), **QUIET_TRAINING))
+
+
+def fed_sequences(model) -> list[list[int]]:
+    """Every sequence ``model`` is run on from now on (its unpadded ``input_ids``), in order."""
+    fed: list[list[int]] = []
+
+    def record(module, args, kwargs):
+        for ids, mask in zip(kwargs["input_ids"].tolist(), kwargs["attention_mask"].tolist()):
+            fed.append([token for token, kept in zip(ids, mask) if kept])
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
+    return fed
+
+
+@pytest.mark.unit
+def test_grpos_reward_model_scores_a_truncated_completion_without_eos_or_end_of_turn(tmp_path):
+    """A completion cut at ``max_completion_length`` reaches the reward model as cut: no EOS (a string
+    completion) and no end of turn (a conversational one), while a completion that stopped is scored
+    with its stop token, as the reward model was trained. The fixture policy answers a prompt ending
+    in a newline with ``42`` then the stop token, and any other prompt with ``x`` until the limit."""
+    tokenizer = chat_tokenizer("chatml")
+    four, two, x, eos, end_of_turn = tokenizer.convert_tokens_to_ids(["4", "2", "x", "<|endoftext|>", "<|im_end|>"])
+    reward_lm = scripted_policy(tokenizer, ["4"])  # any causal LM of the vocabulary: what it is fed is checked
+    fed = fed_sequences(reward_lm)
+
+    def score(rows: list[dict], policy_ends: str, limit: int) -> None:
+        prepared = truncate_rows(render_rows(rows, "grpo_prompts", tokenizer), Truncation(256, 128)).rows
+        scorer = RewardModelScorer(reward_lm, tokenizer, "likelihood", name="model:rm")
+        policy = scripted_policy(tokenizer, ["4", "2", policy_ends])
+        trainer = pair_grpo(policy, tokenizer, prepared, [scorer], tmp_path / str(len(fed)), limit)
+        trainer.generate_and_score(trainer.model, prepared)
+
+    # string prompts: the first completion stops at EOS, the second is cut after 6 tokens
+    score([{"prompt": "2+2?\n"}, {"prompt": "2+2="}], "<|endoftext|>", 6)
+    assert fed == [tokenizer("2+2?\n").input_ids + [four, two, eos], tokenizer("2+2=").input_ids + [x] * 6]
+    # conversational: the turn ends at <|im_end|> within 6 tokens, and is cut after 2
+    fed.clear()
+    conversation = [{"prompt": [{"role": "user", "content": "2+2?"}]}] * 2
+    score(conversation, "<|im_end|>", 6)
+    score(conversation, "<|im_end|>", 2)
+    prompt = chat_prompt(tokenizer)
+    assert fed == [prompt + [four, two, end_of_turn]] * 2 + [prompt + [four, two]] * 2
+
+
+@pytest.mark.unit
+def test_a_truncated_turn_whose_text_the_template_rewrites_is_refused_naming_it():
+    tokenizer = chat_tokenizer("chatml")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] | upper }}<|im_end|>{% endfor %}"
+    prompt, completion = [{"role": "user", "content": "2+2?"}], [{"role": "assistant", "content": "four"}]
+    assert render_completion(tokenizer, completion, prompt) == tokenizer("FOUR<|im_end|>").input_ids
+    message = "the chat template does not render the completion's text as written ('four' is not in its render"
+    with pytest.raises(TemplateError, match=re.escape(message)):
+        render_completion(tokenizer, completion, prompt, ended=False)
 
 
 @pytest.mark.slow
@@ -275,7 +330,7 @@ def test_training_separates_its_pairs_and_the_saved_model_scores_completions_as_
     scorer = RewardModelScorer(model, tokenizer, head, name="model:rm", batch_size=3)
     prompts = [r["prompt"] for r in rows[:4]] * 2
     completions = [r["chosen"] for r in rows[:4]] + [r["rejected"] for r in rows[:4]]
-    scores = scorer(prompts=prompts, completions=completions, completion_ids=[], answer=[None] * 8)
+    scores = scorer(prompts=prompts, completions=completions, truncated=[False] * 8, answer=[None] * 8)
     with torch.no_grad():
         want = [sequence_reward(trainer.model, p["prompt_ids"] + p["chosen_ids"]).item() for p in pairs[:4]]
         want += [sequence_reward(trainer.model, p["prompt_ids"] + p["rejected_ids"]).item() for p in pairs[:4]]

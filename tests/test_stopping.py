@@ -81,7 +81,7 @@ def test_grpo_rollouts_stop_at_the_end_of_turn_and_rewards_see_the_answer_only(t
     assert trainer.stop_ids == token_ids(tokenizer, "<|endoftext|>", "<|im_end|>")
     (slice_,) = trainer.generate_and_score(trainer.model, [{"prompt_ids": prompt}] * 2)
     answer = list(token_ids(tokenizer, "f", "h"))
-    assert seen == [(["fh", "fh"], [answer, answer])]
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert seen == [(["fh", "fh"], [answer + [end_of_turn]] * 2)]  # the ids end with the stop token, as TRL's
     assert slice_["input_ids"].tolist() == [prompt + answer + [end_of_turn]] * 2  # nothing after the end of turn
     assert slice_["completion_mask"].tolist() == [[0] * len(prompt) + [1, 1, 1]] * 2

@@ -348,17 +348,38 @@ def render_completion(
     completion: str | list[dict],
     prompt: str | list[dict] | None = None,
     clip: TextClip | None = None,
+    ended: bool = True,
 ) -> list[int]:
     """A string completion: its tokens then EOS. A conversational one: the template's
     continuation of the conversational ``prompt`` (:func:`completion_text`). The text is clipped
     first when a ``clip`` is given (:mod:`trainers.data.clipping`): the EOS then follows a cut completion
-    that truncation cuts before it anyway."""
+    that truncation cuts before it anyway. A completion that did not end (``ended=False``: sampled
+    up to a length limit) gets no EOS, and a conversational one the continuation only up to the end
+    of its text (:func:`unended_text`): no end of turn."""
     clipped = clip.completion if clip is not None else str
     if isinstance(completion, str):
-        return tokenizer(clipped(completion), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        ids = tokenizer(clipped(completion), add_special_tokens=False).input_ids
+        return ids + [tokenizer.eos_token_id] if ended else ids
     if not isinstance(prompt, list):
         raise TemplateError("a conversational completion needs a conversational prompt")
-    return tokenizer(clipped(completion_text(tokenizer, prompt, completion)), add_special_tokens=False).input_ids
+    text = completion_text(tokenizer, prompt, completion)
+    if not ended:
+        text = unended_text(text, completion[-1]["content"])
+    return tokenizer(clipped(text), add_special_tokens=False).input_ids
+
+
+def unended_text(continuation: str, content: str) -> str:
+    """The template's ``continuation`` of a turn whose text is ``content``, up to the end of that
+    text: what the template puts after it (the end of turn) is left out."""
+    if not content:
+        return ""
+    end = continuation.rfind(content)
+    if end < 0:
+        raise TemplateError(
+            f"the chat template does not render the completion's text as written ({content[-40:]!r} is not in "
+            f"its render {continuation[-80:]!r}): a truncated completion cannot be rendered without its end of turn"
+        )
+    return continuation[: end + len(content)]
 
 
 # --- truncation and tokenization -----------------------------------------------------------------

@@ -2,17 +2,20 @@
 
 The contract is TRL's: a reward function is called with keyword arguments only,
 
-    fn(prompts=…, completions=…, completion_ids=…, trainer_state=…, **columns) -> list[float | None]
+    fn(prompts=…, completions=…, completion_ids=…, truncated=…, trainer_state=…, **columns) -> list[float | None]
 
 one value per completion, ``None`` where the function does not apply to that row. ``prompts`` are
 the rows' prompts as the data has them: strings, or lists of ``{"role", "content"}`` messages.
 ``completions`` are the decoded completions, cut at their first stop token: strings for string
 prompts, ``[{"role": "assistant", "content": text}]`` for conversational ones. ``completion_ids``
-are their token ids (stop token excluded), ``trainer_state`` the Trainer's ``TrainerState``, and
-``columns`` every other column of the rows (e.g. ``answer``). Functions must accept ``**kwargs``;
-a function written for TRL's ``GRPOTrainer`` runs unchanged. With ``reward_inputs: rendered``,
-``prompts`` are the prompts as the chat template rendered them (special tokens included) and
-``completions`` plain strings, whatever the data's format.
+are the sampled token ids, up to and including the stop token of a completion that has one (as
+TRL's include the EOS; a truncated completion has none), ``truncated`` whether each completion was
+cut at the length limit without a stop token (alignflow's addition: a reward model scores such a
+completion as cut), ``trainer_state`` the Trainer's ``TrainerState``, and ``columns`` every other
+column of the rows (e.g. ``answer``). Functions must accept ``**kwargs``; a function written for
+TRL's ``GRPOTrainer`` runs unchanged. With ``reward_inputs: rendered``, ``prompts`` are the
+prompts as the chat template rendered them (special tokens included) and ``completions`` plain
+strings, whatever the data's format.
 
 A reward model is named ``model:<stage>`` (a reward stage of the same experiment, e.g.
 ``model:reward``) or ``model:<path or hub id>``: its one logit scores each prompt and completion
@@ -41,7 +44,7 @@ from trainers.scoring.metrics import exact_match
 
 RewardInputs = Literal["data", "rendered"]
 # keyword arguments every call passes; a data column of one of these names is not passed
-RESERVED = ("prompts", "completions", "completion_ids", "trainer_state")
+RESERVED = ("prompts", "completions", "completion_ids", "truncated", "trainer_state")
 
 
 class RewardFunction(Protocol):
@@ -72,7 +75,7 @@ def is_allowed(module: str) -> bool:
 
 def check_signature(name: str, fn: RewardFunction) -> RewardFunction:
     """``fn`` must take keyword arguments: it is called with ``prompts``, ``completions``,
-    ``completion_ids``, ``trainer_state`` and every data column, as TRL calls it."""
+    ``completion_ids``, ``trainer_state`` and every data column, as TRL calls it, and ``truncated``."""
     if not callable(fn):
         raise ValueError(f"reward function {name!r} is not callable")
     try:
@@ -82,8 +85,8 @@ def check_signature(name: str, fn: RewardFunction) -> RewardFunction:
     if not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
         raise ValueError(
             f"reward function {name!r} has the signature {signature}; it must accept **kwargs: it is called with "
-            "the keyword arguments prompts, completions, completion_ids, trainer_state and every data column "
-            "(TRL's contract, docs/algorithms/grpo.md)"
+            "the keyword arguments prompts, completions, completion_ids, truncated, trainer_state and every data "
+            "column (TRL's contract, docs/algorithms/grpo.md)"
         )
     return fn
 
@@ -178,7 +181,8 @@ def integer_format(completions, **kwargs) -> list[float | None]:
 
 @register_reward("length_penalty")
 def length_penalty(completion_ids, **kwargs) -> list[float | None]:
-    """−(number of completion tokens, EOS excluded); scale it with its reward weight (e.g. 0.01)."""
+    """−(number of sampled completion tokens, the stop token included, as a length penalty written
+    for TRL counts them); scale it with its reward weight (e.g. 0.01)."""
     return [-float(len(ids)) for ids in completion_ids]
 
 
@@ -213,11 +217,13 @@ def reward_kwargs(
     rendered_prompts: list[str],
     texts: list[str],
     completion_ids: list[list[int]],
+    truncated: list[bool],
     inputs: RewardInputs = "data",
 ) -> dict[str, list]:
     """The keyword arguments of a reward call over ``rows`` (prepared rows) and their decoded
-    completions ``texts``, see the module. Rows without their source row (tokenized by hand) give
-    the rendered prompts, as ``inputs="rendered"`` does, and their own columns."""
+    completions ``texts`` (sampled as ``completion_ids``, ``truncated`` or not), see the module.
+    Rows without their source row (tokenized by hand) give the rendered prompts, as
+    ``inputs="rendered"`` does, and their own columns."""
     if SOURCE_ROW in rows[0]:
         sources = [json.loads(row[SOURCE_ROW]) for row in rows]
         prompts = [source["prompt"] for source in sources]
@@ -233,7 +239,8 @@ def reward_kwargs(
         ]
     keys = dict.fromkeys(key for source in sources for key in source if key != "prompt" and key not in RESERVED)
     columns = {key: [source.get(key) for source in sources] for key in keys}
-    return {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **columns}
+    called = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, "truncated": truncated}
+    return called | columns
 
 
 def score_completions(

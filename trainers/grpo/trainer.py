@@ -313,10 +313,11 @@ class GRPOTrainer(Trainer):
         if rollouts.engine_logps is not None:
             batch["engine_logps"] = token_position_values(prompts, completions, rollouts.engine_logps)
 
-        bare = [c[:-1] if not cut else c for c, cut in zip(completions, truncated)]  # without the stop token
+        # the texts without the stop token (an end of turn may be plain text); the ids with it, as TRL's
+        bare = [c[:-1] if not cut else c for c, cut in zip(completions, truncated)]
         texts = tokenizer.batch_decode(bare, skip_special_tokens=True)
         prompt_texts = tokenizer.batch_decode(prompts, skip_special_tokens=False)
-        inputs = reward_kwargs(rows, prompt_texts, texts, bare, args.reward_inputs)
+        inputs = reward_kwargs(rows, prompt_texts, texts, completions, truncated, args.reward_inputs)
         per_function = torch.tensor(score_completions(self.reward_functions, inputs, self.state), dtype=torch.float32)
         per_function = self.gather(per_function.T.contiguous()).T  # [F, N over all processes]
         rewards = weighted_rewards(per_function, self.reward_weights)

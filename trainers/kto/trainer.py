@@ -30,10 +30,13 @@ from trainers.sections import section_fields
 
 def kl_reference_point(kl_logratios: torch.Tensor) -> torch.Tensor:
     """KTO's reference point (Ethayarajh et al., 2024, arXiv:2402.01306, eq. 7), estimated from
-    mismatched pairs ``(x_i, y_{i+1})`` of the batch, without gradient:
+    mismatched pairs ``(x_i, y_{i+1})``, without gradient:
 
         z₀ = max(0, mean_i [log π(y_{i+1} | x_i) − log ref(y_{i+1} | x_i)])
-    """
+
+    ``kl_logratios`` are the KL rows of every process's batch, gathered: the mean is over all of
+    them and the clamp comes after it, so that several processes give what one process gives
+    (clamping each process's mean first would raise z₀ whenever one of them is negative)."""
     return kl_logratios.detach().mean().clamp(min=0)
 
 
@@ -110,8 +113,9 @@ class KTOTrainer(MetricWindow, Trainer):
         ids, mask, completion = inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"]
         policy = completion_logps(model, ids, mask, completion)
         logratios = policy.logps - self.reference_logps(model, inputs)
-        # z₀ over every process's KL rows: the same reference point everywhere
-        kl = self.accelerator.gather(kl_reference_point(logratios[rows:])[None]).mean()
+        # z₀ over every process's KL rows (the prepared loaders give each process as many): the
+        # same reference point everywhere
+        kl = kl_reference_point(self.accelerator.gather(logratios[rows:].detach()))
         args, desirable = self.args, inputs["desirable"]
         losses = kto_losses(logratios[:rows], desirable, kl, args.beta, args.desirable_weight, args.undesirable_weight)
         loss = losses.mean()

@@ -13,7 +13,8 @@ the score is:
   score head must learn in its next-token distributions.
 
 The sequences are the prompt and the completion as the data preparation tokenizes them (the
-completion's EOS included), so training and scoring read the same tokens. A saved reward model's
+completion's EOS included), so training and scoring read the same tokens; a completion sampled up
+to a length limit is scored as cut, without EOS or end of turn. A saved reward model's
 head is read off its architecture (``…ForSequenceClassification`` or ``…ForCausalLM``).
 """
 
@@ -232,10 +233,11 @@ class RewardModelScorer:
         return self
 
     @torch.no_grad()
-    def __call__(self, *, prompts: list, completions: list, **kwargs) -> list[float]:
+    def __call__(self, *, prompts: list, completions: list, truncated: Sequence[bool], **kwargs) -> list[float]:
+        """A truncated completion is scored as cut: without EOS or end of turn (:func:`render_completion`)."""
         rendered = [
-            (render_prompt(self.tokenizer, p), render_completion(self.tokenizer, c, p))
-            for p, c in zip(prompts, completions)
+            (render_prompt(self.tokenizer, p), render_completion(self.tokenizer, c, p, ended=not cut))
+            for p, c, cut in zip(prompts, completions, truncated, strict=True)
         ]
         return self.score_ids(rendered)
 

@@ -1,0 +1,53 @@
+"""KTO's loss in every process of an ``accelerate launch --multi_gpu`` (gloo): the worker of
+``tests/test_kto.py``. Each process takes its contiguous share of the spec's ``rows`` (unpaired
+rows with their KL completions and cached reference log-probs) as one batch and scores it with
+``KTOTrainer.compute_loss`` (``reference='cached'``, eval mode); rank 0 writes every process's loss
+and logged ``kl`` (z₀) to ``result.json`` in the spec's ``output_dir``. One process takes all rows.
+
+    PYTHONPATH=.:tests python -m accelerate.commands.launch --multi_gpu --num_processes 2 -m kto_cpu SPEC.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main(spec: dict) -> None:
+    from accelerate import PartialState
+    from accelerate.utils import gather_object
+
+    from trainers.kto.trainer import KTOConfig, KTOTrainer, UnpairedCollator
+    from trainers.models.loading import load_causal_lm
+    from trainers.runtime.launched_process import end_process_group
+
+    state = PartialState(cpu=True)
+    rank, world = state.process_index, state.num_processes
+    model, tokenizer = load_causal_lm(spec["model"])
+    args = KTOConfig(
+        output_dir=str(Path(spec["output_dir"]) / "trainer"),
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+        reference="cached",
+        **spec["kto"],
+    )
+    trainer = KTOTrainer(model=model.eval(), args=args)
+    share = len(spec["rows"]) // world
+    batch = UnpairedCollator(tokenizer.pad_token_id)(spec["rows"][rank * share : (rank + 1) * share])
+    with torch.no_grad():
+        loss = trainer.compute_loss(model, batch)
+    result = {"rank": rank, "world_size": world, "loss": loss.item(), "kl": trainer.window_metrics["eval"]["kl"]}
+    results = gather_object([result])
+    if rank == 0:
+        (Path(spec["output_dir"]) / "result.json").write_text(json.dumps(results))
+    end_process_group()
+
+
+if __name__ == "__main__":
+    from trainers.runtime.launched_process import run_as_launched_process
+
+    run_as_launched_process(lambda: main(json.loads(Path(sys.argv[1]).read_text())))
