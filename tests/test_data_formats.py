@@ -27,7 +27,7 @@ from trainers.data.rows import (
     validate_rows,
 )
 from trainers.models.loading import load_tokenizer
-from trainers.scoring.reward_model import PairSequenceCollator
+from trainers.reward.trainer import PairSequenceCollator
 
 pytestmark = pytest.mark.unit
 

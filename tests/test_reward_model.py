@@ -21,17 +21,10 @@ from pydantic import ValidationError
 from infra.core.config import load_config
 from trainers.data.rows import TemplateError, Truncation, render_completion, render_rows, truncate_rows
 from trainers.grpo.rewards import resolve_rewards
+from trainers.reward.losses import bradley_terry_losses
 from trainers.reward.section import RewardHeadName
-from trainers.scoring.reward_model import (
-    REWARD_HEADS,
-    PairSequenceCollator,
-    RewardConfig,
-    RewardModelScorer,
-    RewardTrainer,
-    bradley_terry_losses,
-    load_reward_model,
-    saved_head,
-)
+from trainers.reward.trainer import PairSequenceCollator, RewardConfig, RewardTrainer
+from trainers.scoring.reward_model import REWARD_HEADS, RewardModelScorer, load_reward_model, saved_head
 
 
 def log_sigmoid(x: float) -> float:

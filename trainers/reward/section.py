@@ -1,5 +1,5 @@
 """The reward-model stage's config section: its fields and defaults. No torch here: the experiment
-config and :class:`trainers.scoring.reward_model.RewardConfig` both take their fields from this section."""
+config and :class:`trainers.reward.trainer.RewardConfig` both take their fields from this section."""
 
 from __future__ import annotations
 

@@ -10,13 +10,8 @@ from trainers.stages.spec import StageInputs, StageSpec, register_stage
 
 def build_reward(section: RewardStageConfig, inputs: StageInputs):
     from trainers.models.lora import add_adapters
-    from trainers.scoring.reward_model import (
-        REWARD_HEADS,
-        PairSequenceCollator,
-        RewardConfig,
-        RewardTrainer,
-        load_reward_model,
-    )
+    from trainers.reward.trainer import PairSequenceCollator, RewardConfig, RewardTrainer
+    from trainers.scoring.reward_model import REWARD_HEADS, load_reward_model
 
     policy = inputs.policy
     model, tokenizer, _ = load_reward_model(

@@ -1,7 +1,7 @@
-"""A reward model: a scorer of prompt + completion sequences, trained on preference pairs with the
-Bradley–Terry loss (:class:`RewardTrainer`), then used to score completions
-(:class:`RewardModelScorer`, a GRPO reward function). Its *head* (:data:`REWARD_HEADS`) says what
-the score is:
+"""A reward model: a scorer of prompt + completion sequences, trained on preference pairs by the
+reward stage (:class:`trainers.reward.trainer.RewardTrainer`), then used to score completions
+(:class:`RewardModelScorer`: a GRPO reward function, and the evaluation's reward model). Its
+*head* (:data:`REWARD_HEADS`) says what the score is:
 
 * ``classifier``: ``AutoModelForSequenceClassification`` with ``num_labels=1`` loaded from the
   causal LM the stage starts from (its score head fresh, the rest of its weights shared).
@@ -24,15 +24,12 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     PreTrainedModel,
     PreTrainedTokenizerBase,
-    Trainer,
-    TrainingArguments,
 )
 
 from trainers.data.collators import prompt_completion_batch
@@ -40,33 +37,7 @@ from trainers.data.rows import render_completion, render_prompt
 from trainers.models.devices import torch_dtype
 from trainers.models.loading import LOAD_OPTIONS, load_tokenizer, load_with_new_head
 from trainers.registry import Registry
-from trainers.reward.section import RewardStageConfig
-from trainers.runtime.metric_window import MetricWindow
 from trainers.scoring.logprobs import completion_logps
-from trainers.sections import section_fields
-
-
-def bradley_terry_losses(
-    chosen: torch.Tensor,
-    rejected: torch.Tensor,
-    margin: torch.Tensor | None = None,
-    center_rewards_coefficient: float | None = None,
-) -> torch.Tensor:
-    """The Bradley–Terry reward-model loss per pair (Ouyang et al. 2022, arXiv:2203.02155, eq. 1;
-    the margin of Touvron et al. 2023, arXiv:2307.09288, eq. 2; the centring term of Eisenstein et
-    al. 2023, arXiv:2312.09244), for rewards ``r_c``, ``r_r`` of the chosen and rejected sequences:
-
-        L = −log σ(r_c − r_r − m) + c (r_c + r_r)²
-
-    ``m`` is the pair's margin (0 without one), ``c`` the centring coefficient (none: 0). The
-    centring term's batch mean is TRL's ``center_rewards_coefficient · mean((r_c + r_r)²)``."""
-    difference = chosen - rejected
-    if margin is not None:
-        difference = difference - margin
-    losses = -F.logsigmoid(difference)
-    if center_rewards_coefficient:
-        losses = losses + center_rewards_coefficient * (chosen + rejected) ** 2
-    return losses
 
 
 @dataclass(frozen=True)
@@ -153,63 +124,6 @@ def load_reward_model(
         model = load_with_new_head(spec.auto_class, path, revision, dtype, **dict(spec.load_options))
     model.config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer, head
-
-
-@dataclass
-class PairSequenceCollator:
-    """``2B`` sequences, the ``B`` prompt + chosen then the ``B`` prompt + rejected, padded right;
-    ``margin`` when the pairs have one."""
-
-    pad_token_id: int
-
-    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        prompts = [f["prompt_ids"] for f in features]
-        completions = [f["chosen_ids"] for f in features] + [f["rejected_ids"] for f in features]
-        batch = prompt_completion_batch(prompts + prompts, completions, self.pad_token_id)
-        if "margin" in features[0]:
-            batch["margin"] = torch.tensor([float(f["margin"]) for f in features])
-        return batch
-
-
-@dataclass
-@section_fields(RewardStageConfig)
-class RewardConfig(TrainingArguments):
-    """``TrainingArguments`` plus the reward section's fields, with its defaults."""
-
-    remove_unused_columns: bool = False  # the collator reads prompt_ids / chosen_ids / rejected_ids
-
-
-class RewardTrainer(MetricWindow, Trainer):
-    """Trains a reward model (``args.head``) on preference pairs with :func:`bradley_terry_losses`;
-    logs the pairs' ``accuracy`` (r_c > r_r), mean ``margin`` and rewards, ``eval_``-prefixed on the
-    held-out pairs."""
-
-    loss_is_scaled_for_ga = False  # compute_loss returns a per-micro-batch mean
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.head = REWARD_HEADS.lookup(self.args.head)
-        model_class = type(self.model).__name__
-        if not self.head.matches([model_class]):
-            raise ValueError(
-                f"head {self.args.head!r} scores with a …{self.head.architecture_suffix} model, not a {model_class}: "
-                "load it with load_reward_model(path, head=…)"
-            )
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        rewards = self.head.score(model, inputs)
-        chosen, rejected = rewards.to(torch.promote_types(rewards.dtype, torch.float32)).chunk(2)
-        losses = bradley_terry_losses(chosen, rejected, inputs.get("margin"), self.args.center_rewards_coefficient)
-        loss = losses.mean()
-        difference = (chosen - rejected).detach()
-        metrics = {
-            "accuracy": (difference > 0).float().mean(),
-            "margin": difference.mean(),
-            "rewards/chosen": chosen.detach().mean(),
-            "rewards/rejected": rejected.detach().mean(),
-        }
-        self.record_metrics(metrics, "train" if model.training else "eval")
-        return (loss, {"rewards": rewards}) if return_outputs else loss
 
 
 class RewardModelScorer:
