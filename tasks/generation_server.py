@@ -1,4 +1,4 @@
-"""The vLLM server a GRPO stage in server mode generates with when its config names none: started
+"""The generation server a stage asks for (GRPO in vLLM server mode with no server's address): started
 for the stage by the train task, its output in the task's logs, its address in the stage's MLflow
 run (``alignflow.vllm_server``), stopped when the stage ends, fails or is cancelled
 (:mod:`infra.core.generation_server`)."""
@@ -14,16 +14,17 @@ from prefect import get_run_logger
 from infra.core.generation_server import managed_generation_server
 from infra.core.stage_io import StageFolder
 from tasks.mlflow_runs import client
-from trainers.generation.transfers import FOLDER_TRANSFERS
-from trainers.grpo.section import GRPOStageConfig
+from trainers.catalog import STAGES
 from trainers.sections import TrainingConfig
 
 
 @contextmanager
 def served_section(stage: str, section: TrainingConfig, folder: StageFolder, run_id: str) -> Iterator[TrainingConfig]:
-    """``section`` as its trainer gets it: where it starts its vLLM server, with the address of one
-    started for the block (and, for the storage transfer, its folder in the stage's folder)."""
-    if not (isinstance(section, GRPOStageConfig) and section.starts_generation_server):
+    """``section`` as its trainer gets it: with the address of the generation server the stage asks
+    for (:attr:`trainers.stages.spec.StageSpec.generation_server`), started for the block (and, when
+    its weights travel through a folder, with that folder in the stage's folder)."""
+    server = STAGES[stage].generation_server(section)
+    if server is None:
         yield section
         return
     logger = get_run_logger()
@@ -32,8 +33,5 @@ def served_section(stage: str, section: TrainingConfig, folder: StageFolder, run
     with managed_generation_server(transfer, lambda line: logger.info("%s: vLLM server: %s", stage, line)) as url:
         logger.info("%s: vLLM server up at %s after %.1f s", stage, url, time.perf_counter() - started)
         client().set_tag(run_id, "alignflow.vllm_server", url)
-        update = {"vllm_server_url": url}
-        if section.vllm_weight_transfer in FOLDER_TRANSFERS:  # the stage's folder
-            update["vllm_transfer_folder"] = str(transfer)
-        yield section.model_copy(update=update)
+        yield server.served(url, str(transfer) if server.uses_folder else None)
     logger.info("%s: vLLM server at %s stopped", stage, url)

@@ -84,7 +84,8 @@ def tracked_trainer(
     if run_id is not None:
         from tasks.trainer_callback import MlflowTrainerCallback
 
-        trainer.add_callback(MlflowTrainerCallback(run_id, log_checkpoints=log_checkpoints == "all"))
+        table = STAGES[stage].completions_table
+        trainer.add_callback(MlflowTrainerCallback(run_id, log_checkpoints=log_checkpoints == "all", table=table))
     trainer.remove_callback(PrinterCallback)  # a dict per log; the progress line replaces it
     trainer.add_callback(ProgressLineCallback(stage))
     trainer.add_callback(EpochEndEvaluation(trainer))  # last: it logs, once the others have begun

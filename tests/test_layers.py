@@ -251,11 +251,34 @@ def test_another_machines_part_imports_no_prefect():
     assert {module for module in part if forbidden_imports(modules[module], {"prefect"})} == set()
 
 
-@pytest.mark.unit
-def test_the_experiment_flow_names_no_stage():
-    tree = ast.parse((PROJECT / "flows" / "pipeline.py").read_text())
+ALGORITHM_PACKAGES = {f"trainers.{name}" for name in ("sft", "dpo", "kto", "reward", "distill", "grpo")}
+
+
+def names_a_stage(path: Path) -> set[str]:
+    """The stage names among ``path``'s string constants, and the algorithm packages it imports."""
+    tree = parsed(path)
     strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
-    assert not strings & set(STAGES)
+    return (strings & set(STAGES)) | within(imported_modules(tree), ALGORITHM_PACKAGES)
+
+
+@pytest.mark.unit
+def test_no_task_or_flow_names_a_stage():
+    """Tasks and flows read a stage's spec (``trainers.catalog.STAGES``): none names a stage or
+    imports an algorithm's package, so a new stage needs no change to either."""
+    modules = project_modules()
+    named = {
+        m: sorted(found)
+        for m, path in modules.items()
+        if m.startswith(("tasks", "flows")) and (found := names_a_stage(path))
+    }
+    assert named == {}
+
+
+@pytest.mark.unit
+def test_a_module_that_names_a_stage_is_found(tmp_path):
+    named = tmp_path / "named.py"
+    named.write_text('from trainers.grpo.section import GRPOStageConfig\nSTAGE = "dpo"\n')
+    assert names_a_stage(named) == {"dpo", "trainers.grpo.section", "trainers.grpo.section.GRPOStageConfig"}
 
 
 def called_name(call: ast.Call) -> str:

@@ -3,9 +3,10 @@ and reward models (``model:<reward stage or path>``)."""
 
 from __future__ import annotations
 
+from trainers.generation.transfers import FOLDER_TRANSFERS
 from trainers.grpo.rewards import reward_model_target
-from trainers.grpo.section import GRPOStageConfig, check_grpo_compute, grpo_generation
-from trainers.stages.spec import StageInputs, StageSpec, register_stage
+from trainers.grpo.section import COMPLETIONS_LOG_KEY, GRPOStageConfig, check_grpo_compute, grpo_generation
+from trainers.stages.spec import GenerationServer, StageInputs, StageSpec, register_stage
 
 
 def reward_functions(section: GRPOStageConfig, inputs: StageInputs, policy_device) -> list:
@@ -44,6 +45,19 @@ def build_grpo(section: GRPOStageConfig, inputs: StageInputs):
     )
 
 
+def generation_server(section: GRPOStageConfig) -> GenerationServer | None:
+    """The vLLM server the train task starts for ``vllm_mode: server`` without a server's address."""
+    if not section.starts_generation_server:
+        return None
+
+    def served(url: str, folder: str | None) -> GRPOStageConfig:
+        return section.model_copy(
+            update={"vllm_server_url": url, **({"vllm_transfer_folder": folder} if folder else {})}
+        )
+
+    return GenerationServer(uses_folder=section.vllm_weight_transfer in FOLDER_TRANSFERS, served=served)
+
+
 GRPO = register_stage(
     StageSpec(
         name="grpo",
@@ -52,6 +66,8 @@ GRPO = register_stage(
         build=build_grpo,
         check=check_grpo_compute,
         generation=grpo_generation,
+        generation_server=generation_server,
+        completions_table=COMPLETIONS_LOG_KEY,
         reward_models=lambda section: tuple(t for f in section.reward_funcs if (t := reward_model_target(f))),
         description="Group-relative policy optimisation on the `grpo_prompts` split, rewarded by `reward_funcs` "
         "(registered functions, import paths, reward models).",

@@ -118,6 +118,17 @@ class StageInputs:
         )
 
 
+@dataclass(frozen=True)
+class GenerationServer:
+    """A generation server that a stage's section asks the train task to start for the stage (GRPO's
+    ``vllm_mode: server`` without a server's address): whether its weights travel through a folder
+    of the stage's, and the section as its trainer then gets it, from the server's address and that
+    folder (None when it uses none)."""
+
+    uses_folder: bool
+    served: Callable[[str, str | None], TrainingConfig]
+
+
 def never(section: TrainingConfig) -> bool:
     return False
 
@@ -157,6 +168,11 @@ class StageSpec:
     # The completions it samples while it trains (GRPO's rollouts, on-policy distillation's): checked
     # against the model's context once the data is prepared, before any stage of the run trains.
     generation: Callable[[Any], Generation | None] = lambda section: None
+    # The generation server it asks the train task to start for it, so configured (None: none).
+    generation_server: Callable[[Any], GenerationServer | None] = lambda section: None
+    # The key of its trainer's log that holds a table of sample completions (column -> values), which
+    # the tracker logs as a table rather than as metrics (None: it logs none).
+    completions_table: str | None = None
     # The training metrics that show how it learns, as its trainer logs them: what `alignflow compare`
     # plots of it unless told which (a GRPO loss near 0 says little; its mean reward says much).
     curves: tuple[str, ...] = ("loss", "grad_norm")
