@@ -13,6 +13,7 @@ from pathlib import Path
 
 import mlflow
 from prefect import task
+from pydantic import BaseModel, ConfigDict
 
 from infra.core.config import ModelConfig
 from infra.core.fingerprints import atomic_directory, code_fingerprint, hash_paths, hash_value
@@ -34,7 +35,7 @@ WEIGHT_PATTERNS = (
 )
 # Beside a trained adapter: where its base model can be fetched on any machine (an MLflow URI, a
 # built-in name or a hub id), for when adapter_config.json's absolute base folder is not there.
-BASE_SOURCE = "alignflow_base.json"
+BASE_SOURCE = "alignflow_base.json"  # an :class:`AdapterBase`, beside a trained adapter
 TOKENIZER_FILES = [
     "tokenizer.json",
     "tokenizer_config.json",
@@ -242,11 +243,31 @@ def hub_tokenizer_fingerprint(repo: str, revision: str | None) -> str | None:
     return tokenizer_fingerprint(folder) if (folder / TOKENIZER_JSON).is_file() else None
 
 
+class AdapterBase(BaseModel):
+    """Where a trained adapter's base (the model its stage started from) can be fetched on any
+    machine (:data:`BASE_SOURCE`): its ``source`` (an MLflow or hub URI), None where it has none
+    (a local folder; a stage that logged no model to MLflow)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    source: str | None
+    revision: str | None = None
+
+    @classmethod
+    def read(cls, adapter: Path) -> AdapterBase:
+        """The adapter's recorded base; no source where it records none (an adapter saved before it was recorded)."""
+        file = adapter / BASE_SOURCE
+        if not file.is_file():
+            return cls(source=None)
+        try:
+            return cls.model_validate_json(file.read_text())
+        except ValueError as error:
+            raise ValueError(f"{file}: not an adapter's recorded base: {error}") from None
+
+
 def record_adapter_base(adapter: Path, base: ModelHandle) -> None:
-    """Write beside a trained adapter where its base (the model its stage started from) can be
-    fetched on any machine: its ``source``, None where it has none (a local folder; a stage that
-    logged no model to MLflow)."""
-    (adapter / BASE_SOURCE).write_text(json.dumps({"source": base.source, "revision": base.revision}))
+    """Write :class:`AdapterBase` beside a trained adapter."""
+    (adapter / BASE_SOURCE).write_text(AdapterBase(source=base.source, revision=base.revision).model_dump_json())
 
 
 def rebased_adapter(path: Path) -> Path:
@@ -260,14 +281,14 @@ def rebased_adapter(path: Path) -> Path:
     base = config.get("base_model_name_or_path")
     if not base or not Path(base).is_absolute() or Path(base).is_dir():
         return path  # a folder that is there, a hub id, or nothing (check_adapter_folder names it)
-    recorded = json.loads((path / BASE_SOURCE).read_text()) if (path / BASE_SOURCE).is_file() else {}
-    if not recorded.get("source"):
+    recorded = AdapterBase.read(path)
+    if not recorded.source:
         raise ValueError(
             f"adapter folder {path}: its base model folder {base} does not exist, and the adapter records no "
             f"other source of it ({BASE_SOURCE}: the stage before it logged no model to MLflow, or started from a "
             "local folder); load the stage's merged model (the run's model/ artifact) instead, or restore the base"
         )
-    source = model_handle(ModelConfig(source=recorded["source"], revision=recorded.get("revision")))
+    source = model_handle(ModelConfig(source=recorded.source, revision=recorded.revision))
     target = get_settings().model_cache / f"adapter-{hash_value([hash_paths(path), source.fingerprint])}"
     if not target.exists():
         with atomic_directory(target) as staging:

@@ -10,6 +10,7 @@ import torch
 from prefect.logging import disable_run_logger
 
 from infra.core.config import AdditionTaskConfig, DataConfig, DatasetSource, PeftConfig, load_config
+from infra.core.handles import ModelHandle
 from infra.core.stage_io import StageFolder, TrainInputs
 from tasks.data import prepare_dataset
 from tasks.models import check_model_folder, checkpoint_handle, rebased_adapter
@@ -403,3 +404,24 @@ def test_every_stage_trains_its_adapters_with_gradient_checkpointing_and_bf16(st
     lora_b = [p for n, p in trainer.model.named_parameters() if "lora_B" in n]
     assert len(lora_b) == 3 * 7 and all(p.abs().max() > 0 for p in lora_b)
     assert all(torch.equal(p, frozen[n]) for n, p in trainer.model.named_parameters() if n in frozen)
+
+
+@pytest.mark.unit
+def test_an_adapters_recorded_base_is_typed_and_a_tampered_one_is_refused_naming_the_file(tmp_path):
+    from tasks.models import AdapterBase, record_adapter_base
+
+    base = ModelHandle(
+        path=str(tmp_path),
+        fingerprint="f",
+        tokenizer_fingerprint="t",
+        stage="dpo",
+        source="runs:/abc/model",
+        revision="r1",
+    )
+    record_adapter_base(tmp_path, base)
+    assert AdapterBase.read(tmp_path) == AdapterBase(source="runs:/abc/model", revision="r1")
+    assert AdapterBase.read(tmp_path / "elsewhere") == AdapterBase(source=None)
+    (tmp_path / "alignflow_base.json").write_text('{"source": "runs:/abc/model", "path": "/etc"}')
+    refused = r"alignflow_base.json: not an adapter's recorded base: (?s:.*)path\n  Extra inputs"
+    with pytest.raises(ValueError, match=refused):
+        AdapterBase.read(tmp_path)
