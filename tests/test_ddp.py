@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -58,6 +59,16 @@ if os.environ.get("RANK") == "1":
 
 def constant(prompts, completions, **columns):
     return [0.0 for _ in completions]
+"""
+
+# A reference view a plugin registers: the pairs with chosen and rejected swapped. The ranks of a
+# launched pass know it only from the plugin.
+VIEW_PLUGIN = """
+import dataclasses
+
+from trainers.reference_views import PAIRS_VIEW, register_view
+
+register_view(dataclasses.replace(PAIRS_VIEW, name="swapped_pairs", completions=("rejected_ids", "chosen_ids")))
 """
 
 
@@ -547,6 +558,54 @@ def test_the_reference_task_over_two_processes_writes_the_cache_entry_one_proces
     )
     assert entries[2].digest == entries[1].digest  # the same Parquet bytes: bit-identical log-probs
     assert list(get_settings().launches.glob("reference-*")) == []  # the launch folder goes with the launch
+
+
+@pytest.mark.slow
+def test_a_plugins_reference_view_over_two_processes_is_scored_as_one_process_scores_it(
+    handles, tmp_path, launch_log, monkeypatch
+):
+    """The pass launched with the plugins of its handle (the config's): its ranks know the view."""
+    from tasks.reference import ensure_entry, reference_key
+    from trainers.plugins import import_plugins
+    from trainers.reference_views import REFERENCE_VIEWS
+
+    policy, data, _ = handles
+    (tmp_path / "ddp_views.py").write_text(textwrap.dedent(VIEW_PLUGIN))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    import_plugins(["ddp_views"])
+    entries = {}
+    try:
+        for view, processes in (("pairs", 1), ("swapped_pairs", 1), ("swapped_pairs", 2)):
+            ref = ReferenceLogps(
+                key=reference_key(data, policy, view=view),
+                root=str(tmp_path / f"cache-{view}-{processes}"),
+                data=data,
+                reference=policy,
+                batch_size=5,
+                compute=cpu(processes),
+                view=view,
+                plugins=("ddp_views",),
+            )
+            with one_torch_thread():
+                entries[view, processes], computed = ensure_entry(ref)
+            assert computed
+    finally:
+        REFERENCE_VIEWS.pop("swapped_pairs")
+        sys.modules.pop("ddp_views")
+    assert "reference log-probs on 2 processes: " in launch_log.text  # launched, not run in this process
+    pairs, one, two = entries["pairs", 1], entries["swapped_pairs", 1], entries["swapped_pairs", 2]
+    assert two.digest == one.digest  # the same Parquet bytes: bit-identical log-probs
+    assert (
+        two.rows
+        == pairs.rows
+        == {"preference": data.rows["preference"], "preference_eval": data.rows["preference_eval"]}
+    )
+    for split, table in two.tables.items():  # the plugin's view: each pair's two log-probs swapped
+        for column, swapped in (("ref_chosen_logps", "ref_rejected_logps"), ("ref_rejected_logps", "ref_chosen_logps")):
+            expected = pairs.tables[split].column(swapped).to_pylist()
+            assert table.column(column).to_pylist() == pytest.approx(expected, abs=1e-6), (split, column)
+    assert two.tables["preference"].column("row_id").to_pylist() == list(range(data.rows["preference"]))
 
 
 @pytest.mark.slow
