@@ -29,7 +29,7 @@ from helpers import dask_cluster, gone_within, processes_naming
 from safetensors.torch import load_file
 
 from infra.core.config import ComputeConfig, EvaluationConfig
-from infra.core.handles import PreparedData, ReferenceLogps
+from infra.core.handles import ModelHandle, PreparedData, ReferenceLogps
 from infra.core.ports import free_port
 from infra.core.settings import get_settings
 from infra.core.stage_io import TrainInputs
@@ -351,7 +351,7 @@ def test_a_part_that_fails_on_its_dask_worker_before_joining_fails_the_wait_at_o
         local_directory=scratch,
         scheduler_kwargs={"local_directory": scratch},
     ) as cluster:
-        placement = OnDask(cluster.scheduler_address, "dpo", lines.append, unreadable_spec)
+        placement = OnDask(cluster.scheduler_address, "dpo", lines.append, unreadable_spec, [1])
         placement.place(job, 1)
         gang = Gang(job.launch_dir, 2, 0, join_timeout=60)
         started = time.monotonic()
@@ -364,6 +364,43 @@ def test_a_part_that_fails_on_its_dask_worker_before_joining_fails_the_wait_at_o
         "(the shared storage is not mounted here)"
     )
     assert lines[-1].startswith("dpo: machine 1's part failed on its Dask worker before it joined: FileNotFoundError")
+
+
+@pytest.mark.slow
+def test_a_machine_whose_resource_no_dask_worker_offers_fails_the_launch_at_once_naming_its_worker_command(tmp_path):
+    """The scheduler's only worker offers another machine's resource: machine 1's part would wait for
+    a worker until the join timeout (300 s). The launch fails before it writes or submits anything."""
+    from distributed import LocalCluster
+
+    policy = ModelHandle(path=str(tmp_path / "sft"), fingerprint="f", tokenizer_fingerprint="t", stage="sft")
+    data = PreparedData(
+        path=str(tmp_path / "data"), fingerprint="d", rows={}, dropped={}, token_fingerprints={}, truncation={}
+    )
+    scratch = str(tmp_path)  # the worker's and the scheduler's dask-scratch-space, not /tmp's
+    with LocalCluster(
+        n_workers=1,
+        processes=False,
+        resources={machine_resource(2): 1},
+        dashboard_address=":0",
+        local_directory=scratch,
+        scheduler_kwargs={"local_directory": scratch},
+    ) as cluster:
+        address = cluster.scheduler_address
+        compute = two_machines(join_timeout=300).model_copy(update={"machine_scheduler": address})
+        job = untracked_train_job("sft", {"max_steps": 1}, TrainInputs(policy, data, compute=compute), tmp_path / "s")
+        lines: list[str] = []
+        started = time.monotonic()
+        with pytest.raises(LaunchFailed) as failed:
+            launch(job, "sft", lines.append)
+        assert time.monotonic() - started < 10
+        assert not cluster.scheduler.tasks  # nothing submitted
+    dask = Path(sys.executable).parent / "dask"
+    worker = f"{dask} worker {address} --nthreads 1 --resources alignflow-machine-1=1"
+    assert str(failed.value) == (
+        f"sft: no worker of the Dask scheduler {address} (compute.machine_scheduler) offers alignflow-machine-1, "
+        f"which machine 1's part needs: on machine 1 run `cd {REPO} && ALIGNFLOW_HOME={get_settings().root} {worker}`"
+    )
+    assert lines == [] and not job.launch_dir.exists()  # no spec written, no part placed, no rank started
 
 
 @pytest.mark.slow
