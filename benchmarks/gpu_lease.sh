@@ -7,8 +7,8 @@
 #   device run, carry [".whl"], command:  bash benchmarks/gpu_lease.sh run
 #     MAIN_S (300), STEPS (20), SHARDINGS ("fsdp zero3"; "" for none), SHARD_S (240): its knobs
 #
-# The logs land in $OUT (main.log, fsdp.log, zero3.log, env.txt). benchmarks/README.md, "gpu_check.py
-# on a lent H100", has the figures of the last lease and what each part took.
+# The logs land in $OUT (main.log, fsdp.log, zero3.log, env.txt). benchmarks/README.md, "`gpu_check.py`:
+# the whole pipeline's code on one GPU", has the figures of the last lease and what each part took.
 set -o pipefail
 
 # Imported by gpu_check and its sharded checks and not in the image (or there in another version):

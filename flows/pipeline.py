@@ -58,7 +58,7 @@ def experiment(
             reference_logps = None
             if spec.needs_reference_logps(section):
                 reference_logps = cache_ref_logps(
-                    data, policy, config.reference, parent_run_id, config.compute, spec.reference_view
+                    data, policy, config.reference, parent_run_id, config.compute, spec.reference_view, config.plugins
                 )
                 if (pairs := held_out_pairs(reference_logps, config, data, policy, parent_run_id)) is not None:
                     held_out_rewards = HeldOutRewards(reference_logps=pairs, beta=section.beta)
@@ -93,7 +93,7 @@ def held_out_pairs(
     if "preference_eval" not in data.rows:
         return None
     view = HELD_OUT_PAIRS_VIEW.name
-    return cache_ref_logps(data, policy, config.reference, parent_run_id, config.compute, view)
+    return cache_ref_logps(data, policy, config.reference, parent_run_id, config.compute, view, config.plugins)
 
 
 def evaluate_and_gate(
@@ -121,6 +121,7 @@ def evaluate_and_gate(
         final,
         config.compute,
         reward_model,
+        config.plugins,
     )
     print(report.summary())
     if config.promotion.registered_model:

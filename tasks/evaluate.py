@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import datasets
 from prefect import get_run_logger, task
@@ -93,8 +93,9 @@ class Scoring:
     """What the models of one evaluation are scored on and with: the held-out prompts and the pairs
     (with their reference log-probs), the evaluation settings, the implicit reward's β, where it runs,
     the reward model that scores the samples, the reference (its fingerprint), which is scored
-    without the pairs: its implicit reward is 0 by definition, and the chat template the data was
-    prepared with when it overrides the tokenizers' (:attr:`PreparedData.chat_template`)."""
+    without the pairs: its implicit reward is 0 by definition, the chat template the data was
+    prepared with when it overrides the tokenizers' (:attr:`PreparedData.chat_template`), and the
+    config's plugins, which a launched evaluation imports first (a reward head may be theirs)."""
 
     prompts: list[dict]
     pairs: list[dict] | None
@@ -104,6 +105,7 @@ class Scoring:
     reward_model: ModelHandle | None = None
     reference: str | None = None
     chat_template: str | None = None
+    plugins: tuple[str, ...] = ()
 
     def pairs_of(self, handle: ModelHandle) -> list[dict] | None:
         return None if handle.fingerprint == self.reference else self.pairs
@@ -156,20 +158,7 @@ def launched_scores(handles: list[ModelHandle], scoring: Scoring) -> Iterator[Mo
         )
         remaining = handles
         while remaining:
-            job = EvaluateJob(
-                plugins=(),
-                launch_dir=folder / "launch",
-                models=[
-                    EvaluatedModel(model=h.path, revision=h.revision, pairs=scoring.pairs_of(h) is not None)
-                    for h in remaining
-                ],
-                splits=folder / "rows",
-                compute=scoring.compute,
-                evaluation=scoring.config,
-                beta=scoring.beta,
-                reward_model=scoring.reward_model,
-                chat_template=scoring.chat_template,
-            )
+            job = evaluate_job(remaining, scoring, folder)
             scores = launch(job, f"evaluation of {', '.join(h.stage for h in remaining)}").scores
             if not scores:  # the first model of a launch builds its engine: never the case
                 raise RuntimeError(f"a launched evaluation scored none of {[h.stage for h in remaining]}")
@@ -177,6 +166,23 @@ def launched_scores(handles: list[ModelHandle], scoring: Scoring) -> Iterator[Mo
             remaining = remaining[len(scores) :]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def evaluate_job(handles: list[ModelHandle], scoring: Scoring, folder: Path) -> EvaluateJob:
+    """The launched evaluation of ``handles`` on the rows written to ``folder`` (:func:`launched_scores`)."""
+    return EvaluateJob(
+        plugins=scoring.plugins,
+        launch_dir=folder / "launch",
+        models=[
+            EvaluatedModel(model=h.path, revision=h.revision, pairs=scoring.pairs_of(h) is not None) for h in handles
+        ],
+        splits=folder / "rows",
+        compute=scoring.compute,
+        evaluation=scoring.config,
+        beta=scoring.beta,
+        reward_model=scoring.reward_model,
+        chat_template=scoring.chat_template,
+    )
 
 
 SCORES_FILE = "scores.json"
@@ -278,10 +284,12 @@ def evaluate(
     final_label: str | None = None,
     compute: ComputeConfig = ComputeConfig(),  # noqa: B008 (frozen)
     reward_model: ModelHandle | None = None,
+    plugins: Sequence[str] = (),
 ) -> EvalReport:
     """Score every model; implicit-reward metrics skip the reference itself (its margin is 0 by
     definition); ``reward_model`` (``evaluation.reward_model``, resolved) scores every model's
-    samples. ``final_label``'s metrics are also logged on the parent run as ``final/<metric>``."""
+    samples. ``final_label``'s metrics are also logged on the parent run as ``final/<metric>``.
+    A launched evaluation imports ``plugins`` (the config's) first."""
     prepared = datasets.load_from_disk(data.path)
     prompts = prepared["eval_prompts"].to_list()[: config.num_prompts] if "eval_prompts" in prepared else []
     pairs, reference_fingerprint, beta = None, None, None
@@ -296,7 +304,9 @@ def evaluate(
     run_id = stage_run_id(
         parent_run_id, "evaluate", StageFolder.of(config_name, "evaluate", str(flow_run.get_id() or "local"))
     )
-    scoring = Scoring(prompts, pairs, config, beta, compute, reward_model, reference_fingerprint, data.chat_template)
+    scoring = Scoring(
+        prompts, pairs, config, beta, compute, reward_model, reference_fingerprint, data.chat_template, tuple(plugins)
+    )
     keys = [
         scores_key(
             model,

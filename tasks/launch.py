@@ -46,20 +46,21 @@ def launch(spec: LaunchSpec, name: str, log: Callable[[str], None] = run_log) ->
     line to ``log``; rank 0's result, or the failed rank's error raised. With several machines this is
     machine 0's part: the others run :func:`tasks.machine.machine_command`, and the machines start and stop as one
     (:mod:`infra.core.gang`)."""
-    shutil.rmtree(spec.launch_dir, ignore_errors=True)
-    spec.launch_dir.mkdir(parents=True)
-    spec.spec_file.write_text(spec.model_dump_json(indent=2))
     compute = spec.compute
+    others = range(1, compute.num_machines)
     placement = None
-    if compute.num_machines > 1:
+    if others:  # before anything is written: a part that no Dask worker can take fails the launch here
         placement = (
-            OnDask(compute.machine_scheduler, name, log, machine_part_task)
+            OnDask(compute.machine_scheduler, name, log, machine_part_task, others)
             if compute.machine_scheduler
             else ByHand(name, log, machine_command)
         )
-        for machine in range(1, compute.num_machines):
-            placement.place(spec, machine)
     try:
+        shutil.rmtree(spec.launch_dir, ignore_errors=True)
+        spec.launch_dir.mkdir(parents=True)
+        spec.spec_file.write_text(spec.model_dump_json(indent=2))
+        for machine in others:
+            placement.place(spec, machine)
         finished = run_machine(spec, 0, name, log, placement.lost if placement is not None else lambda: None)
     finally:
         if placement is not None:

@@ -64,10 +64,15 @@ def failure(
     return LaunchFailed(f"{name}: the launch exited with code {finished.returncode}; {detail}")
 
 
+def checkout_command(argv: list[str]) -> str:
+    """``argv`` as another machine runs it: from the same checkout, with the shared state folder."""
+    home = f"ALIGNFLOW_HOME={shlex.quote(str(get_settings().root))}"
+    return f"cd {shlex.quote(str(PROJECT_ROOT))} && {home} {shlex.join(argv)}"
+
+
 def machine_command(spec: LaunchSpec, machine: int) -> str:
     """What machine ``machine`` runs for its part of ``spec``'s launch, from the same checkout."""
-    home = f"ALIGNFLOW_HOME={shlex.quote(str(get_settings().root))}"
-    return f"cd {shlex.quote(str(PROJECT_ROOT))} && {home} {shlex.join(machine_runner(spec.spec_file, machine))}"
+    return checkout_command(machine_runner(spec.spec_file, machine))
 
 
 def machine_runner(spec_file: Path, machine: int) -> list[str]:

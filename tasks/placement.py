@@ -12,8 +12,10 @@ of that flow run, with its own logs.
 
 from __future__ import annotations
 
+import sys
 import uuid
-from typing import Callable, Protocol
+from pathlib import Path
+from typing import Callable, Iterable, Protocol
 from urllib.parse import urlsplit
 
 from prefect import Task
@@ -22,6 +24,7 @@ from prefect.settings import PREFECT_API_URL
 
 from infra.core.launching import Finished
 from infra.core.stage_io import LaunchSpec
+from tasks.machine import LaunchFailed, checkout_command
 
 Log = Callable[[str], None]
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -30,6 +33,14 @@ LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 def machine_resource(machine: int) -> str:
     """The Dask worker resource of machine ``machine``."""
     return f"alignflow-machine-{machine}"
+
+
+def worker_command(scheduler: str, machine: int) -> str:
+    """The Dask worker machine ``machine`` runs, from the same checkout, to take its parts of every launch."""
+    dask = str(Path(sys.executable).parent / "dask")
+    return checkout_command(
+        [dask, "worker", scheduler, "--nthreads", "1", "--resources", f"{machine_resource(machine)}=1"]
+    )
 
 
 def reaches_api(api_url: str | None, workers: list[str]) -> bool:
@@ -78,18 +89,42 @@ class OnDask:
 
     TAIL_LINES = 10  # of a machine's output, logged on machine 0 when its part ended
 
-    def __init__(self, address: str, name: str, log: Log, part: Task[[str, int, str], Finished]):
+    def __init__(
+        self, address: str, name: str, log: Log, part: Task[[str, int, str], Finished], machines: Iterable[int]
+    ):
+        """A placement of ``machines``' parts on the scheduler at ``address``: a :class:`LaunchFailed`
+        at once when no worker offers one of their resources (its part would wait for a worker until
+        the join timeout), naming the machine, its resource and the worker command to run there."""
         from prefect_dask import PrefectDaskClient
 
         self.client = PrefectDaskClient(address, timeout=30, set_as_default=False)
-        self.name, self.log, self.part = name, log, part
+        self.address, self.name, self.log, self.part = address, name, log, part
         self.futures: dict[int, object] = {}
+        try:
+            self.check_workers(machines)
+        except BaseException:
+            self.client.close()
+            raise
+
+    def offering(self, resource: str) -> list[str]:
+        """The addresses of the scheduler's workers that offer ``resource``."""
+        workers = self.client.scheduler_info(n_workers=-1)["workers"]
+        return [address for address, info in workers.items() if info["resources"].get(resource, 0) >= 1]
+
+    def check_workers(self, machines: Iterable[int]) -> None:
+        missing = [machine for machine in machines if not self.offering(machine_resource(machine))]
+        if missing:
+            needs = "; nor ".join(
+                f"{machine_resource(m)}, which machine {m}'s part needs: on machine {m} run "
+                f"`{worker_command(self.address, m)}`"
+                for m in missing
+            )
+            scheduler = f"the Dask scheduler {self.address} (compute.machine_scheduler)"
+            raise LaunchFailed(f"{self.name}: no worker of {scheduler} offers {needs}")
 
     def workers_reach_prefect_api(self, resource: str) -> bool:
         """Whether the workers offering ``resource`` can report a task run to this process's Prefect API."""
-        workers = self.client.scheduler_info()["workers"]
-        offering = [address for address, info in workers.items() if resource in info["resources"]]
-        return reaches_api(PREFECT_API_URL.value(), offering)
+        return reaches_api(PREFECT_API_URL.value(), self.offering(resource))
 
     def place(self, spec: LaunchSpec, machine: int) -> None:
         resource = machine_resource(machine)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
+from typing import Sequence
 
 import datasets
 from prefect import get_run_logger, task
@@ -66,10 +67,14 @@ def reference_dtype(reference: ModelHandle, compute: ComputeConfig) -> str:
 
 
 def reference_cache_key(context, parameters) -> str:
-    """``parameters`` holds every argument of the call, defaults applied (Prefect binds them so)."""
+    """``parameters`` holds every argument of the call, defaults applied (Prefect binds them so). The
+    handle it caches carries the plugins a launched pass imports: other plugins, another handle (the
+    same cache entry)."""
     data, reference = parameters["data"], parameters["reference"]
     dtype = reference_dtype(reference, parameters["compute"])
-    return "reference-" + reference_key(data, reference, dtype, parameters["view"])
+    key = reference_key(data, reference, dtype, parameters["view"])
+    plugins = tuple(parameters["plugins"])
+    return "reference-" + (hash_value([key, plugins]) if plugins else key)  # without plugins: as it was
 
 
 class PrefectProgress:
@@ -111,11 +116,10 @@ def compute_columns(ref: ReferenceLogps) -> dict[str, Columns]:
     return score_view(model, tokenizer.pad_token_id, view, prepared, ref.batch_size, on_batch=progress)
 
 
-def launched_columns(ref: ReferenceLogps) -> dict[str, Columns]:
-    """:func:`compute_columns` by a :class:`ReferenceJob` over ``ref.compute``'s processes, each
-    scoring its share of the batches: the same values as one process (``trainers.runtime.work_split``)."""
-    job = ReferenceJob(
-        plugins=(),
+def reference_job(ref: ReferenceLogps) -> ReferenceJob:
+    """The launched pass of ``ref``: its model, splits, view and processes, and its plugins."""
+    return ReferenceJob(
+        plugins=ref.plugins,
         launch_dir=get_settings().launches / f"reference-{ref.key}",  # one launch per key: under its lock
         model=ref.reference.path,
         revision=ref.reference.revision,
@@ -124,6 +128,12 @@ def launched_columns(ref: ReferenceLogps) -> dict[str, Columns]:
         view=ref.view,
         batch_size=ref.batch_size,
     )
+
+
+def launched_columns(ref: ReferenceLogps) -> dict[str, Columns]:
+    """:func:`compute_columns` by a :class:`ReferenceJob` over ``ref.compute``'s processes, each
+    scoring its share of the batches: the same values as one process (``trainers.runtime.work_split``)."""
+    job = reference_job(ref)
     try:
         return launch(job, "reference log-probs").columns
     finally:
@@ -173,10 +183,12 @@ def cache_ref_logps(
     parent_run_id: str | None = None,
     compute: ComputeConfig = ComputeConfig(),  # noqa: B008 (frozen)
     view: str = "pairs",
+    plugins: Sequence[str] = (),
 ) -> ReferenceLogps:
     """Reference log-probs of every row of ``view`` (the preference pairs by default): read from the
-    cache, or computed into it once (device, dtype and processes from ``compute``). Logs the stage's
-    wall time and rows/s to the parent MLflow run."""
+    cache, or computed into it once (device, dtype and processes from ``compute``; a launched pass
+    imports ``plugins``, the config's, first). Logs the stage's wall time and rows/s to the parent
+    MLflow run."""
     dtype = reference_dtype(reference, compute)
     ref = ReferenceLogps(
         key=reference_key(data, reference, dtype, view),
@@ -187,6 +199,7 @@ def cache_ref_logps(
         dtype=dtype,
         compute=compute,
         view=view,
+        plugins=tuple(plugins),
     )
     started = time.perf_counter()
     entry, computed = ensure_entry(ref, parent_run_id)

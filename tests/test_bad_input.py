@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.core.config import BUILTIN_MODEL_NAMES, load_config
+from infra.core.config import load_config
 from infra.core.processes import listening_pids, pid_alive
 from infra.core.settings import Settings, StateFolderError, configure_environment, prepare_state_folder, redact_url
 from infra.ops import cli
@@ -216,13 +216,6 @@ def test_naming_a_reward_by_import_path_imports_nothing_outside_plugins(files):
     assert "this" not in sys.modules
     config = load_config(MINIMAL, ["plugins=[alignflow_bad_rewards]", "grpo.reward_funcs=[alignflow_bad_rewards:good]"])
     assert config.grpo.reward_funcs == ["alignflow_bad_rewards:good"]
-
-
-@pytest.mark.unit
-def test_builtin_model_names_agree_with_the_builtin_models():
-    from trainers.models.builtin import BUILTIN_MODELS
-
-    assert set(BUILTIN_MODEL_NAMES) == set(BUILTIN_MODELS)
 
 
 @pytest.mark.unit

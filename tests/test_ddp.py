@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -28,7 +29,7 @@ from helpers import dask_cluster, gone_within, processes_naming
 from safetensors.torch import load_file
 
 from infra.core.config import ComputeConfig, EvaluationConfig
-from infra.core.handles import PreparedData, ReferenceLogps
+from infra.core.handles import ModelHandle, PreparedData, ReferenceLogps
 from infra.core.ports import free_port
 from infra.core.settings import get_settings
 from infra.core.stage_io import TrainInputs
@@ -58,6 +59,16 @@ if os.environ.get("RANK") == "1":
 
 def constant(prompts, completions, **columns):
     return [0.0 for _ in completions]
+"""
+
+# A reference view a plugin registers: the pairs with chosen and rejected swapped. The ranks of a
+# launched pass know it only from the plugin.
+VIEW_PLUGIN = """
+import dataclasses
+
+from trainers.scoring.reference_views import PAIRS_VIEW, register_view
+
+register_view(dataclasses.replace(PAIRS_VIEW, name="swapped_pairs", completions=("rejected_ids", "chosen_ids")))
 """
 
 
@@ -340,7 +351,7 @@ def test_a_part_that_fails_on_its_dask_worker_before_joining_fails_the_wait_at_o
         local_directory=scratch,
         scheduler_kwargs={"local_directory": scratch},
     ) as cluster:
-        placement = OnDask(cluster.scheduler_address, "dpo", lines.append, unreadable_spec)
+        placement = OnDask(cluster.scheduler_address, "dpo", lines.append, unreadable_spec, [1])
         placement.place(job, 1)
         gang = Gang(job.launch_dir, 2, 0, join_timeout=60)
         started = time.monotonic()
@@ -353,6 +364,43 @@ def test_a_part_that_fails_on_its_dask_worker_before_joining_fails_the_wait_at_o
         "(the shared storage is not mounted here)"
     )
     assert lines[-1].startswith("dpo: machine 1's part failed on its Dask worker before it joined: FileNotFoundError")
+
+
+@pytest.mark.slow
+def test_a_machine_whose_resource_no_dask_worker_offers_fails_the_launch_at_once_naming_its_worker_command(tmp_path):
+    """The scheduler's only worker offers another machine's resource: machine 1's part would wait for
+    a worker until the join timeout (300 s). The launch fails before it writes or submits anything."""
+    from distributed import LocalCluster
+
+    policy = ModelHandle(path=str(tmp_path / "sft"), fingerprint="f", tokenizer_fingerprint="t", stage="sft")
+    data = PreparedData(
+        path=str(tmp_path / "data"), fingerprint="d", rows={}, dropped={}, token_fingerprints={}, truncation={}
+    )
+    scratch = str(tmp_path)  # the worker's and the scheduler's dask-scratch-space, not /tmp's
+    with LocalCluster(
+        n_workers=1,
+        processes=False,
+        resources={machine_resource(2): 1},
+        dashboard_address=":0",
+        local_directory=scratch,
+        scheduler_kwargs={"local_directory": scratch},
+    ) as cluster:
+        address = cluster.scheduler_address
+        compute = two_machines(join_timeout=300).model_copy(update={"machine_scheduler": address})
+        job = untracked_train_job("sft", {"max_steps": 1}, TrainInputs(policy, data, compute=compute), tmp_path / "s")
+        lines: list[str] = []
+        started = time.monotonic()
+        with pytest.raises(LaunchFailed) as failed:
+            launch(job, "sft", lines.append)
+        assert time.monotonic() - started < 10
+        assert not cluster.scheduler.tasks  # nothing submitted
+    dask = Path(sys.executable).parent / "dask"
+    worker = f"{dask} worker {address} --nthreads 1 --resources alignflow-machine-1=1"
+    assert str(failed.value) == (
+        f"sft: no worker of the Dask scheduler {address} (compute.machine_scheduler) offers alignflow-machine-1, "
+        f"which machine 1's part needs: on machine 1 run `cd {REPO} && ALIGNFLOW_HOME={get_settings().root} {worker}`"
+    )
+    assert lines == [] and not job.launch_dir.exists()  # no spec written, no part placed, no rank started
 
 
 @pytest.mark.slow
@@ -547,6 +595,54 @@ def test_the_reference_task_over_two_processes_writes_the_cache_entry_one_proces
     )
     assert entries[2].digest == entries[1].digest  # the same Parquet bytes: bit-identical log-probs
     assert list(get_settings().launches.glob("reference-*")) == []  # the launch folder goes with the launch
+
+
+@pytest.mark.slow
+def test_a_plugins_reference_view_over_two_processes_is_scored_as_one_process_scores_it(
+    handles, tmp_path, launch_log, monkeypatch
+):
+    """The pass launched with the plugins of its handle (the config's): its ranks know the view."""
+    from tasks.reference import ensure_entry, reference_key
+    from trainers.plugins import import_plugins
+    from trainers.scoring.reference_views import REFERENCE_VIEWS
+
+    policy, data, _ = handles
+    (tmp_path / "ddp_views.py").write_text(textwrap.dedent(VIEW_PLUGIN))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    import_plugins(["ddp_views"])
+    entries = {}
+    try:
+        for view, processes in (("pairs", 1), ("swapped_pairs", 1), ("swapped_pairs", 2)):
+            ref = ReferenceLogps(
+                key=reference_key(data, policy, view=view),
+                root=str(tmp_path / f"cache-{view}-{processes}"),
+                data=data,
+                reference=policy,
+                batch_size=5,
+                compute=cpu(processes),
+                view=view,
+                plugins=("ddp_views",),
+            )
+            with one_torch_thread():
+                entries[view, processes], computed = ensure_entry(ref)
+            assert computed
+    finally:
+        REFERENCE_VIEWS.pop("swapped_pairs")
+        sys.modules.pop("ddp_views")
+    assert "reference log-probs on 2 processes: " in launch_log.text  # launched, not run in this process
+    pairs, one, two = entries["pairs", 1], entries["swapped_pairs", 1], entries["swapped_pairs", 2]
+    assert two.digest == one.digest  # the same Parquet bytes: bit-identical log-probs
+    assert (
+        two.rows
+        == pairs.rows
+        == {"preference": data.rows["preference"], "preference_eval": data.rows["preference_eval"]}
+    )
+    for split, table in two.tables.items():  # the plugin's view: each pair's two log-probs swapped
+        for column, swapped in (("ref_chosen_logps", "ref_rejected_logps"), ("ref_rejected_logps", "ref_chosen_logps")):
+            expected = pairs.tables[split].column(swapped).to_pylist()
+            assert table.column(column).to_pylist() == pytest.approx(expected, abs=1e-6), (split, column)
+    assert two.tables["preference"].column("row_id").to_pylist() == list(range(data.rows["preference"]))
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from tasks.models import check_model_folder, checkpoint_handle, rebased_adapter
 from tasks.stage_trainer import stage_inputs
 from trainers.catalog import STAGES
 from trainers.data.collators import PreferenceCollator, prompt_completion_batch
-from trainers.models.builtin import TINY_LLAMA
+from trainers.models.builtin import LLAMA_0_5B, TINY_LLAMA
 from trainers.models.loading import load_causal_lm
 from trainers.models.lora import LoraSettings, add_adapters, live_reference, save_stage_model, trainable_parameters
 from trainers.scoring.logprobs import completion_logps, next_token_logps
@@ -70,17 +70,24 @@ def lora_count(layers, hidden, intermediate, r, kv_hidden=None):
     return layers * r * (attention + mlp)
 
 
+def shape_lora_count(shape: dict, r: int) -> int:
+    """:func:`lora_count` of a built-in shape (``trainers.models.builtin``): the k/v projections are
+    ``num_key_value_heads`` heads of ``hidden_size / num_attention_heads``."""
+    hidden = shape["hidden_size"]
+    kv_hidden = hidden // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    return lora_count(shape["num_hidden_layers"], hidden, shape["intermediate_size"], r, kv_hidden=kv_hidden)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "target_modules, expected",
     [
-        ("all-linear", lambda r: lora_count(3, 128, 384, r)),
-        (["q_proj", "v_proj"], lambda r: 3 * r * 2 * (128 + 128)),
+        ("all-linear", lambda r: shape_lora_count(TINY_LLAMA, r)),
+        (["q_proj", "v_proj"], lambda r: TINY_LLAMA["num_hidden_layers"] * r * 2 * (2 * TINY_LLAMA["hidden_size"])),
     ],
 )
 def test_the_trainable_parameters_are_exactly_the_lora_matrices(tiny, target_modules, expected):
     model, _ = tiny
-    assert (TINY_LLAMA["num_hidden_layers"], TINY_LLAMA["hidden_size"]) == (3, 128)
     wrapped = add_adapters(load_copy(model), LoraSettings(r=4, target_modules=target_modules))
     assert trainable_parameters(wrapped) == expected(4)
     assert lora_count(3, 128, 384, 4) == 30720  # by hand: 3 · 4 · (4·256 + 3·512)
@@ -280,7 +287,7 @@ def test_the_default_chain_trains_lora_adapters_in_every_stage_and_evaluates_the
     folders = {}
     for stage in ("sft", "dpo", "grpo"):
         run = runs[stage]
-        assert run.data.params["model.trainable_parameters"] == str(lora_count(3, 128, 384, 4))
+        assert run.data.params["model.trainable_parameters"] == str(shape_lora_count(TINY_LLAMA, 4))
         assert run.data.params["peft.r"] == "4"
         assert {a.path for a in client.list_artifacts(run.info.run_id, "adapter")} >= {
             "adapter/adapter_config.json",
@@ -334,8 +341,6 @@ def test_the_0_5b_example_has_qwen_0_5b_s_parameter_count_and_trains_lora_with_t
     LoRA parameters; the config turns on LoRA, checkpointing and bf16 (auto) in every stage."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trainers.models.builtin import LLAMA_0_5B
-
     config = load_config("configs/llama-0.5b-lora.yaml")
     assert config.model.source == "builtin:llama-0.5b"
     for stage in config.stages:
@@ -343,13 +348,16 @@ def test_the_0_5b_example_has_qwen_0_5b_s_parameter_count_and_trains_lora_with_t
         assert config.stage(stage).gradient_checkpointing and config.stage(stage).bf16 == "auto"
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(**LLAMA_0_5B))
-    hidden, kv, mlp, layers, vocab = 896, 128, 4864, 24, 151_936
+    hidden, mlp, layers, vocab = (
+        LLAMA_0_5B[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
+    )
+    kv = hidden // LLAMA_0_5B["num_attention_heads"] * LLAMA_0_5B["num_key_value_heads"]
     per_layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * mlp + 2 * hidden  # + 2 RMSNorms
     count = sum(p.numel() for p in model.parameters())
     # Qwen2.5-0.5B's 494,032,768 less its q/k/v biases (24 · (896 + 128 + 128) = 27,648), which a Llama has not
     assert count == vocab * hidden + layers * per_layer + hidden == 494_032_768 - 27_648
     wrapped = add_adapters(model, config.peft.for_stage("sft"))
-    assert trainable_parameters(wrapped) == lora_count(layers, hidden, mlp, 16, kv_hidden=kv) == 8_798_208
+    assert trainable_parameters(wrapped) == shape_lora_count(LLAMA_0_5B, 16) == 8_798_208
 
 
 @pytest.mark.slow

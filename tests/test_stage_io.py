@@ -6,25 +6,29 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
 
-from infra.core.config import ComputeConfig, EvaluationConfig
+from infra.core.config import ComputeConfig, EvaluationConfig, ExperimentConfig, ReferenceConfig
 from infra.core.fingerprints import atomic_directory
 from infra.core.handles import ModelHandle, PreparedData
 from infra.core.launching import Finished
 from infra.core.stage_io import EvaluatedModel, EvaluateJob, StageFolder, TrainInputs, TrainJob, read_spec
-from tasks.launch import REPEATING_ERRORS
+from tasks.evaluate import Scoring, evaluate_job
+from tasks.launch import REPEATING_ERRORS, untracked_train_job
 from tasks.machine import LaunchFailed, failure
 from tasks.metric_sender import MetricsNotDelivered
+from tasks.reference import cache_ref_logps, reference_cache_key, reference_job, reference_key
 from tasks.train import worth_retrying
 from trainers.dpo.section import DPOStageConfig
 from trainers.runtime.errors import NonFiniteTraining
 from trainers.runtime.launched_process import RankError
 from trainers.scoring.metrics import ModelScores
+from trainers.scoring.reference_views import REFERENCE_VIEWS
 
 pytestmark = pytest.mark.unit
 
@@ -94,6 +98,63 @@ def test_an_evaluate_job_launches_its_models_together_on_either_backend(tmp_path
         assert [m.model for m in job.models] == ["base", "sft"]
     with pytest.raises(ValidationError, match=r"models\n  List should have at least 1 item"):
         EvaluateJob(**(fields | {"models": []}), evaluation=EvaluationConfig())
+
+
+# A plugin that registers a reference view (the pairs, chosen and rejected swapped): a rank that
+# does not import it cannot score that view.
+VIEW_PLUGIN = """
+import dataclasses
+
+from trainers.scoring.reference_views import PAIRS_VIEW, register_view
+
+register_view(dataclasses.replace(PAIRS_VIEW, name="stage_io_swapped", completions=("rejected_ids", "chosen_ids")))
+"""
+
+
+@pytest.fixture
+def view_plugin(tmp_path, monkeypatch):
+    """An importable plugin module registering the view ``stage_io_swapped``; removed afterwards."""
+    (tmp_path / "alignflow_view_plugin.py").write_text(VIEW_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "alignflow_view_plugin"
+    REFERENCE_VIEWS.pop("stage_io_swapped", None)
+    sys.modules.pop("alignflow_view_plugin", None)
+
+
+def forget(plugin: str) -> None:
+    """As in a fresh rank's process: the plugin not imported, its view not registered."""
+    sys.modules.pop(plugin)
+    REFERENCE_VIEWS.pop("stage_io_swapped")
+
+
+def test_every_launch_spec_carries_the_configs_plugins_which_its_ranks_import(handles, view_plugin, tmp_path):
+    from prefect.logging import disable_run_logger
+
+    config = ExperimentConfig.model_validate({"plugins": [view_plugin]})
+    plugins = (view_plugin,)
+    policy, data, _ = handles
+    two = ComputeConfig(cpu=True, num_processes=2)
+    with disable_run_logger():  # the session's cache entry of the pairs: read, not computed
+        ref = cache_ref_logps.fn(data, policy, ReferenceConfig(batch_size=16), None, two, "pairs", config.plugins)
+    assert ref.plugins == plugins
+    scoring = Scoring([{"prompt": "1+1="}], None, EvaluationConfig(), None, two, plugins=tuple(config.plugins))
+    inputs = TrainInputs(policy, data, compute=two)
+    jobs = [
+        reference_job(ref),
+        evaluate_job([policy], scoring, tmp_path / "evaluate"),
+        untracked_train_job("sft", {"max_steps": 1}, inputs, tmp_path / "sft", tuple(config.plugins)),
+    ]
+    for job in jobs:
+        assert job.plugins == plugins, job.job
+        job.launch_dir.mkdir(parents=True, exist_ok=True)
+        job.spec_file.write_text(job.model_dump_json())
+        forget(view_plugin)
+        assert read_spec(job.spec_file) == job  # as a rank reads it: the plugin imported first
+        assert REFERENCE_VIEWS.lookup("stage_io_swapped").completions == ("rejected_ids", "chosen_ids")
+    # the task's cached handle carries the plugins: other plugins, another Prefect cache key (same entry)
+    parameters = {"data": data, "reference": policy, "compute": two, "view": "pairs", "plugins": ()}
+    assert reference_cache_key(None, parameters) == "reference-" + reference_key(data, policy, "float32", "pairs")
+    assert reference_cache_key(None, parameters | {"plugins": config.plugins}) != reference_cache_key(None, parameters)
 
 
 def test_the_stage_folder_layout(tmp_path, monkeypatch):

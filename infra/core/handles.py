@@ -83,6 +83,7 @@ class ReferenceLogps(Handle):
     # where it is computed: the CPU or the GPU, and over how many processes (``compute.num_processes``)
     compute: ComputeConfig = ComputeConfig()  # noqa: RUF009 (frozen)
     view: str = "pairs"  # what is scored: ``trainers.scoring.reference_views`` (part of the key)
+    plugins: tuple[str, ...] = ()  # the config's, which a launched pass imports first (its view may be theirs)
 
     @property
     def path(self) -> str:

@@ -20,13 +20,13 @@ from infra.core.config.compute import ComputeConfig
 from infra.core.config.tree import get_path, set_path
 from infra.core.settings import get_settings
 from trainers.catalog import STAGES, StageName
+from trainers.models.builtin import BUILTIN_MODELS
 from trainers.models.lora import LoraSettings
 from trainers.plugins import import_plugins
 from trainers.scoring.metrics import evaluation_metric_names, per_prompt_metric_names
 from trainers.sections import Section, Seed, TrainingConfig
 
-# Kept in step with trainers.models.builtin.BUILTIN_MODELS (which imports torch; tests check both agree).
-BUILTIN_MODEL_NAMES = ("tiny-llama", "llama-20m", "llama-0.5b")
+BUILTIN_MODEL_NAMES = tuple(BUILTIN_MODELS)
 # Suffixes that trainers.data.rows reads as local files (anything else is a `datasets.load_dataset` name).
 LOCAL_DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".arrow")
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
