@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.core.config.reference import COMMAND, DOCS_PATH, reference_markdown
+from infra.core.config.docs_page import COMMAND, DOCS_PATH, reference_markdown
 
 pytestmark = pytest.mark.unit
 

@@ -5,7 +5,7 @@
 per config section: every field's key path, type, default, constraints (bounds, choices, the
 entries of a registry) and description; nested sections are walked recursively. Run
 
-    python -m infra.core.config.reference
+    python -m infra.core.config.docs_page
 
 to write ``docs/configuration.md`` (``tests/test_docs.py`` checks the committed page equals this).
 No torch: the config modules stay light.
@@ -29,7 +29,7 @@ from pydantic_core import PydanticUndefined
 from infra.core.config import EvaluationRequest, ExperimentConfig
 from trainers.registry import RegisteredName
 
-COMMAND = "python -m infra.core.config.reference"
+COMMAND = "python -m infra.core.config.docs_page"
 DOCS_PATH = Path(__file__).resolve().parents[3] / "docs" / "configuration.md"
 
 _BOUNDS = (
