@@ -307,7 +307,7 @@ def run_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:
         data = prepare_dataset.fn(DataConfig(builtin=AdditionTaskConfig(num_eval_problems=options.eval_prompts)), base)
     import torch
 
-    from trainers.models.loading import load_causal_lm
+    from trainers.models.pretrained import load_causal_lm
 
     parameters = sum(p.numel() for p in load_causal_lm(base.path)[0].parameters())
     weight_bytes = parameters * 2  # in bfloat16

@@ -31,7 +31,7 @@ from trainers.data.rows import Truncation, tokenize_split
 from trainers.data.synthetic import AdditionTask, generate_addition
 from trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 from trainers.models.builtin import build_builtin_model
-from trainers.models.loading import load_causal_lm
+from trainers.models.pretrained import load_causal_lm
 
 
 def parse_args() -> argparse.Namespace:

@@ -153,7 +153,7 @@ def main(spec: dict) -> None:
     from trainers.catalog import ModelSource, StageInputs
     from trainers.data.rows import Truncation, tokenize_split
     from trainers.data.synthetic import AdditionTask, generate_addition
-    from trainers.models.loading import load_tokenizer
+    from trainers.models.pretrained import load_tokenizer
 
     tokenizer = load_tokenizer(spec["model"])
     rows = generate_addition(AdditionTask(max_operand=9, num_eval_problems=20))

@@ -224,7 +224,7 @@ def check_cut_share(manifest: dict, config: DataConfig) -> None:
 
 def tokenize_splits(config: DataConfig, handle: ModelHandle) -> tuple[dict[str, list[dict]], dict]:
     """The prepared rows of every split and the manifest that describes them."""
-    from trainers.models.loading import load_tokenizer  # transformers: only when preparing
+    from trainers.models.pretrained import load_tokenizer  # transformers: only when preparing
 
     tokenizer = load_tokenizer(handle.path, handle.revision)
     template = resolve_chat_template(config.chat_template)

@@ -128,7 +128,7 @@ def score_models(
         yield from launched_scores(handles, scoring)
         return
     from trainers.evaluation.evaluate import RewardModelSource, evaluate_models
-    from trainers.models.loading import load_causal_lm
+    from trainers.models.pretrained import load_causal_lm
 
     compute, rm, device = scoring.compute, scoring.reward_model, compute_device(scoring.compute.cpu)
 

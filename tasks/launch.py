@@ -21,7 +21,7 @@ from infra.core.stage_io import LaunchSpec, StageFolder, TrainInputs, TrainJob, 
 from tasks.machine import failure, gang_of, machine_command, run_machine, run_part
 from tasks.metric_sender import MetricsNotDelivered
 from tasks.placement import ByHand, OnDask
-from trainers.runtime.errors import NonFiniteTraining
+from trainers.runtime.non_finite import NonFiniteTraining
 
 # Errors a retry would only repeat: MLflow refusing the metrics, a diverged stage. A rank's is raised
 # as its own type, so the train task does not retry it either. (A reward function that raised is

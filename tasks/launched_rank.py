@@ -68,7 +68,7 @@ def reference(spec: ReferenceJob) -> BaseModel:
     import datasets
 
     from trainers.catalog import REFERENCE_VIEWS
-    from trainers.models.loading import load_causal_lm
+    from trainers.models.pretrained import load_causal_lm
     from trainers.scoring.reference_pass import score_view
 
     state = launch_state(spec.compute)
@@ -89,7 +89,7 @@ def evaluate(spec: EvaluateJob) -> BaseModel:
 
     from trainers.evaluation.evaluate import RewardModelSource, evaluate_models, evaluation_engine
     from trainers.generation.vllm_engine import EngineShapeChanged
-    from trainers.models.loading import load_causal_lm
+    from trainers.models.pretrained import load_causal_lm
 
     state = launch_state(spec.compute)
     splits = datasets.load_from_disk(str(spec.splits))

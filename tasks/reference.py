@@ -101,7 +101,7 @@ def compute_columns(ref: ReferenceLogps) -> dict[str, Columns]:
     where there is one (unless ``compute.cpu``), or launched over ``compute.num_processes``."""
     if ref.compute.num_processes > 1:
         return launched_columns(ref)
-    from trainers.models.loading import load_causal_lm
+    from trainers.models.pretrained import load_causal_lm
     from trainers.scoring.reference_pass import score_view
 
     view = REFERENCE_VIEWS.lookup(ref.view)

@@ -92,7 +92,7 @@ def check_sharding(name: str, model: str, rank: int, world: int, out: Path) -> d
     from transformers import TrainerState
 
     from trainers.grpo.trainer import GRPOConfig, GRPOTrainer
-    from trainers.models.loading import load_causal_lm
+    from trainers.models.pretrained import load_causal_lm
     from trainers.runtime.callbacks import SyncReferenceCallback, mix_into_reference
     from trainers.runtime.parameter_sharding import SHARDINGS, forward_model
 

@@ -38,7 +38,7 @@ def main(spec: dict) -> None:
     from accelerate.utils import gather_object
 
     from trainers.grpo.trainer import GRPOConfig, GRPOTrainer
-    from trainers.models.loading import load_causal_lm
+    from trainers.models.pretrained import load_causal_lm
     from trainers.runtime.launched_process import end_process_group
     from trainers.runtime.parameter_sharding import SHARDINGS
 

@@ -21,7 +21,7 @@ def main(spec: dict) -> None:
     from accelerate.utils import gather_object
 
     from trainers.kto.trainer import KTOConfig, KTOTrainer, UnpairedCollator
-    from trainers.models.loading import load_causal_lm
+    from trainers.models.pretrained import load_causal_lm
     from trainers.runtime.launched_process import end_process_group
 
     state = PartialState(cpu=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trainers.runtime.callbacks import FiniteGuard, ProgressLineCallback, duration, progress_line
-from trainers.runtime.errors import NonFiniteTraining
+from trainers.runtime.non_finite import NonFiniteTraining
 
 
 @pytest.mark.unit

@@ -22,7 +22,7 @@ from tasks.models import checkpoint_handle
 from tasks.stage_trainer import stage_inputs
 from trainers.catalog import STAGES
 from trainers.grpo.section import GRPOStageConfig
-from trainers.models.loading import load_tokenizer
+from trainers.models.pretrained import load_tokenizer
 
 OVERRIDE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|eot|>\n{% endfor %}"

@@ -29,7 +29,7 @@ from tasks.models import resolve_model
 from tasks.reference import compute_columns, reference_dtype, reference_key, reference_key_inputs
 from trainers.evaluation.evaluate import preference_rewards
 from trainers.models.devices import load_dtype, model_dtype
-from trainers.models.loading import load_causal_lm
+from trainers.models.pretrained import load_causal_lm
 from trainers.scoring.reward_model import REWARD_HEADS, load_reward_model
 
 CPU_ONLY = Hardware(cuda_devices=0, cuda_bf16=False)

@@ -101,7 +101,7 @@ def test_a_tokenizer_with_neither_pad_nor_eos_is_refused_by_name(tmp_path):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from trainers.models.loading import load_tokenizer
+    from trainers.models.pretrained import load_tokenizer
 
     backend = Tokenizer(models.WordLevel(vocab={"a": 0, "<unk>": 1}, unk_token="<unk>"))
     PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>").save_pretrained(tmp_path)

@@ -26,7 +26,7 @@ from trainers.data.rows import (
     tokenize_rows,
     validate_rows,
 )
-from trainers.models.loading import load_tokenizer
+from trainers.models.pretrained import load_tokenizer
 from trainers.reward.trainer import PairSequenceCollator
 
 pytestmark = pytest.mark.unit

@@ -40,7 +40,7 @@ from tasks.models import checkpoint_handle
 from tasks.placement import machine_resource
 from trainers.data.rows import Truncation, tokenize_split
 from trainers.data.synthetic import AdditionTask, generate_addition
-from trainers.models.loading import load_causal_lm
+from trainers.models.pretrained import load_causal_lm
 from trainers.scoring.reference_pass import reference_logps
 
 REPO = Path(__file__).resolve().parents[1]

@@ -23,7 +23,7 @@ from trainers.distill.trainer import (
 )
 from trainers.grpo.stage import reward_functions
 from trainers.models.devices import placed_on
-from trainers.models.loading import check_same_vocabulary
+from trainers.models.pretrained import check_same_vocabulary
 
 
 def written_jsd(student: torch.Tensor, teacher: torch.Tensor, beta: float, tau: float) -> torch.Tensor:

@@ -216,7 +216,7 @@ def test_two_processes_give_one_process_reference_point_and_loss_when_one_estima
     use z₀ = max(0, 0.1) (not (0.8 + max(0, −0.6)) / 2), and their losses average to one
     process's, both against the formula."""
     from trainers.kto.data import REF_KL_LOGPS, REF_LOGPS
-    from trainers.models.loading import load_causal_lm
+    from trainers.models.pretrained import load_causal_lm
     from trainers.scoring.reference_pass import reference_logps
     from trainers.scoring.reference_views import KTO_VIEW
 

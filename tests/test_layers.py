@@ -392,7 +392,7 @@ def test_trainers_packages_import_only_their_own_and_those_before_them():
 @pytest.mark.unit
 def test_an_import_of_a_later_package_or_between_algorithms_is_found():
     graph = {"trainers.data.rows": {"trainers.grpo.rewards"}, "trainers.grpo.stage": {"trainers.reward.stage"}}
-    graph |= {"trainers.grpo.trainer": {"trainers.grpo.losses", "trainers.models.loading"}}
+    graph |= {"trainers.grpo.trainer": {"trainers.grpo.losses", "trainers.models.pretrained"}}
     assert upward_imports(graph) == {
         "trainers.data.rows": ["trainers.grpo.rewards"],
         "trainers.grpo.stage": ["trainers.reward.stage"],

@@ -18,8 +18,8 @@ from tasks.stage_trainer import stage_inputs
 from trainers.catalog import STAGES
 from trainers.data.collators import PreferenceCollator, prompt_completion_batch
 from trainers.models.builtin import LLAMA_0_5B, TINY_LLAMA
-from trainers.models.loading import load_causal_lm
 from trainers.models.lora import LoraSettings, add_adapters, live_reference, save_stage_model, trainable_parameters
+from trainers.models.pretrained import load_causal_lm
 from trainers.scoring.logprobs import completion_logps, next_token_logps
 from trainers.sections import checkpointing_argument
 

@@ -14,7 +14,7 @@ from infra.core.stage_io import StageFolder, TrainInputs
 from tasks.mlflow_runs import client, experiment_id
 from tasks.train import stage_key, train
 from trainers.runtime.checkpoints import checkpoints
-from trainers.runtime.errors import NonFiniteTraining
+from trainers.runtime.non_finite import NonFiniteTraining
 
 pytestmark = pytest.mark.slow  # training: seconds a test
 

@@ -20,7 +20,7 @@ from tasks.data import prepare_dataset
 from tasks.models import checkpoint_handle, resolve_model
 from tasks.reference import cache_ref_logps, reference_key, reference_key_inputs, with_reference_columns
 from tasks.reference_columns import join_columns
-from trainers.models.loading import load_causal_lm
+from trainers.models.pretrained import load_causal_lm
 from trainers.scoring.reference_views import PAIRS_VIEW
 
 pytestmark = pytest.mark.unit

@@ -140,14 +140,14 @@ def test_a_classifier_from_a_causal_lm_says_its_head_is_new_in_one_line_and_othe
 ):
     from transformers import AutoModelForSequenceClassification
 
-    from trainers.models.loading import LOAD_REPORT_LOGGER
+    from trainers.models.pretrained import LOAD_REPORT_LOGGER
 
     with records_of(LOAD_REPORT_LOGGER) as plain:  # transformers' own report of the new head, a warning table
         AutoModelForSequenceClassification.from_pretrained(reward_start, num_labels=1)
     assert [r.levelname for r in plain] == ["WARNING"] and "score.weight" in plain[0].getMessage()
 
     caplog.clear()
-    with records_of(LOAD_REPORT_LOGGER) as report, caplog.at_level(logging.INFO, logger="trainers.models.loading"):
+    with records_of(LOAD_REPORT_LOGGER) as report, caplog.at_level(logging.INFO, logger="trainers.models.pretrained"):
         load_reward_model(reward_start, head="classifier")
     assert report == []
     assert caplog.messages == [
@@ -159,11 +159,11 @@ def test_a_classifier_from_a_causal_lm_says_its_head_is_new_in_one_line_and_othe
     model.save_pretrained(tmp_path, state_dict=weights)
     tokenizer.save_pretrained(tmp_path)
     caplog.clear()
-    with records_of(LOAD_REPORT_LOGGER) as report, caplog.at_level(logging.INFO, logger="trainers.models.loading"):
+    with records_of(LOAD_REPORT_LOGGER) as report, caplog.at_level(logging.INFO, logger="trainers.models.pretrained"):
         load_reward_model(str(tmp_path), head="classifier")
     (table,) = report
     assert {"model.norm.weight", "score.weight"} <= set(re.findall(r"[\w.]+\.weight", table.getMessage()))
-    assert [r for r in caplog.records if r.name == "trainers.models.loading"] == []
+    assert [r for r in caplog.records if r.name == "trainers.models.pretrained"] == []
 
 
 @pytest.mark.unit

@@ -25,8 +25,8 @@ from tasks.metric_sender import MetricsNotDelivered
 from tasks.reference import cache_ref_logps, reference_cache_key, reference_job, reference_key
 from tasks.train import worth_retrying
 from trainers.dpo.section import DPOStageConfig
-from trainers.runtime.errors import NonFiniteTraining
 from trainers.runtime.launched_process import RankError
+from trainers.runtime.non_finite import NonFiniteTraining
 from trainers.scoring.metrics import ModelScores
 from trainers.scoring.reference_views import REFERENCE_VIEWS
 

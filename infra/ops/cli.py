@@ -329,7 +329,7 @@ def run_flow(module: str, name: str, *args, check=None, before_run=None, preload
 
 # What a run that computes imports, in steps of about a second (torch, transformers' models, the
 # trainers), while the temporary server starts (:func:`run_flow`).
-EVALUATION_MODULES = ("torch", "trainers.models.loading", "trainers.evaluation.evaluate")
+EVALUATION_MODULES = ("torch", "trainers.models.pretrained", "trainers.evaluation.evaluate")
 TRAINING_MODULES = (*EVALUATION_MODULES, "tasks.stage_trainer")
 
 

@@ -10,7 +10,7 @@ from trainers.stages.spec import ModelSource, StageInputs, StageSpec, register_s
 
 def build_distill(section: DistillStageConfig, inputs: StageInputs):
     from trainers.distill.trainer import DistillConfig, DistillTrainer, PromptCompletionCollator
-    from trainers.models.loading import check_same_vocabulary, load_causal_lm
+    from trainers.models.pretrained import check_same_vocabulary, load_causal_lm
 
     model, tokenizer = inputs.load_policy()
     if inputs.teacher is None:

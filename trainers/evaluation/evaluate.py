@@ -14,7 +14,7 @@ from trainers.data.lengths import model_context
 from trainers.dpo.losses import reward_metrics
 from trainers.generation.budget import evaluation_generation
 from trainers.generation.vllm_engine import EngineOptions, ReusedEngine, SamplingOptions, require_vllm
-from trainers.models.loading import check_same_vocabulary
+from trainers.models.pretrained import check_same_vocabulary
 from trainers.models.stop_tokens import cut_at_first_stop, stop_token_ids
 from trainers.runtime.work_split import batches_of, gather_shards, local_shard
 from trainers.scoring.logprobs import completion_logps

@@ -22,7 +22,7 @@ def torch_dtype(name: str) -> torch.dtype | str:
 
 
 def load_dtype(path: str, revision: str | None = None, dtype: str = "auto") -> str:
-    """The dtype :func:`trainers.models.loading.load_causal_lm` loads ``path`` in, without loading its
+    """The dtype :func:`trainers.models.pretrained.load_causal_lm` loads ``path`` in, without loading its
     weights (and, for a local folder, without importing transformers): ``dtype``, or for ``auto``
     the one the checkpoint's config declares (``float32`` when it declares none; an adapter folder's
     base model's)."""

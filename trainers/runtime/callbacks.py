@@ -11,7 +11,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.modeling_utils import unwrap_model
 
-from trainers.runtime.errors import NonFiniteTraining
+from trainers.runtime.non_finite import NonFiniteTraining
 from trainers.runtime.parameter_sharding import SHARDINGS, ParameterSharding
 
 

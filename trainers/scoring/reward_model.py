@@ -35,7 +35,7 @@ from transformers import (
 from trainers.data.collators import prompt_completion_batch
 from trainers.data.rows import render_completion, render_prompt
 from trainers.models.devices import torch_dtype
-from trainers.models.loading import LOAD_OPTIONS, load_tokenizer, load_with_new_head
+from trainers.models.pretrained import LOAD_OPTIONS, load_tokenizer, load_with_new_head
 from trainers.registry import Registry
 from trainers.scoring.logprobs import completion_logps
 
@@ -111,7 +111,7 @@ def load_reward_model(
     """The reward model at ``path`` with ``head`` (None: the saved model's own, :func:`saved_head`),
     its tokenizer (whose padding token the model's config gets; with ``chat_template`` over its own)
     and the head's name. A classifier loaded from a causal LM gets a fresh score head
-    (:func:`~trainers.models.loading.load_with_new_head`)."""
+    (:func:`~trainers.models.pretrained.load_with_new_head`)."""
     architectures = saved_architectures(path, revision)
     head = head or head_of(architectures, path)
     spec = REWARD_HEADS.lookup(head)

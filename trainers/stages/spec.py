@@ -53,8 +53,8 @@ class StageInputs:
     def load_policy(self):
         """The policy and its tokenizer (with :attr:`chat_template`); with ``lora``, wrapped with fresh
         trainable adapters."""
-        from trainers.models.loading import load_causal_lm
         from trainers.models.lora import add_adapters
+        from trainers.models.pretrained import load_causal_lm
 
         model, tokenizer = load_causal_lm(
             self.policy.path, self.policy.revision, self.dtype, chat_template=self.chat_template
@@ -64,7 +64,7 @@ class StageInputs:
     def load_reference(self):
         """A frozen reference model in memory, or None with ``lora``: the policy with its adapters
         disabled is the reference then (:func:`trainers.models.lora.live_reference`), with no second copy."""
-        from trainers.models.loading import load_causal_lm
+        from trainers.models.pretrained import load_causal_lm
 
         if self.lora is not None:
             return None
