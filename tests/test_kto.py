@@ -215,10 +215,9 @@ def test_two_processes_give_one_process_reference_point_and_loss_when_one_estima
     the first process's KL log-ratios are (1.0, 0.6) and the second's (−0.4, −0.8), both processes
     use z₀ = max(0, 0.1) (not (0.8 + max(0, −0.6)) / 2), and their losses average to one
     process's, both against the formula."""
-    from trainers.kto.data import REF_KL_LOGPS, REF_LOGPS
+    from trainers.kto.data import KTO_VIEW, REF_KL_LOGPS, REF_LOGPS
     from trainers.models.pretrained import load_causal_lm
     from trainers.scoring.reference_pass import reference_logps
-    from trainers.scoring.reference_views import KTO_VIEW
 
     model, tokenizer = load_causal_lm(tiny_checkpoint.path)
     rows = with_kl_completions(unpaired(pairs[:2]))  # desirable, undesirable, desirable, undesirable

@@ -298,12 +298,12 @@ def test_a_resumed_stages_tracker_does_not_log_a_step_its_run_already_has():
         callback.on_log(None, SimpleNamespace(is_world_process_zero=True, global_step=step), None, logs=logs)
 
     table = {"step": [3], "prompt": ["1+1="], "completion": ["2"]}
-    first = MlflowTrainerCallback(run_id)
+    first = MlflowTrainerCallback(run_id, table=COMPLETIONS_LOG_KEY)
     for step in (1, 2, 3):
         log(first, step, {"loss": float(step), "reward": 10.0 + step})
     log(first, 3, {COMPLETIONS_LOG_KEY: table})
     first.on_train_end(None, None, None)  # the metric sender delivers what it holds
-    resumed = MlflowTrainerCallback(run_id)
+    resumed = MlflowTrainerCallback(run_id, table=COMPLETIONS_LOG_KEY)
     log(resumed, 3, {"loss": 3.0, "reward": 13.0, COMPLETIONS_LOG_KEY: table})
     log(resumed, 4, {"loss": 4.0, "eval_loss": 0.5})
     resumed.on_train_end(None, None, None)
