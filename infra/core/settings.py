@@ -48,6 +48,14 @@ class Settings(BaseSettings):
         return [Path.cwd().resolve(), *listed]
 
     @property
+    def state_folders(self) -> list[Path]:
+        """Folders of state and credentials, which no ``data.chat_template`` file may come from, whatever
+        the template roots: this state folder (the servers' credentials, databases, checkpoints), and
+        Prefect's and the Hugging Face hub's homes where they are set (API keys, tokens)."""
+        homes = [os.environ.get(name) for name in ("PREFECT_HOME", "HF_HOME")]
+        return [self.root, *(Path(home).expanduser().resolve() for home in homes if home)]
+
+    @property
     def outputs(self) -> Path:
         return self.root / "outputs"
 
