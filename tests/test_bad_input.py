@@ -47,6 +47,8 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "latin1.yaml").write_bytes("name: caf\xe9\n".encode("latin-1"))
     (tmp_path / "weights.safetensors").write_bytes(b"\0")
     (tmp_path / "twice.yaml").write_text("name: x\ndpo: {beta: 0.2}\ndpo: {beta: 0.3}\n")
+    (tmp_path / "merge.yaml").write_text("shared: &shared\n  beta: 0.2\ndpo:\n  <<: *shared\n")
+    (tmp_path / "complex-key.yaml").write_text("name: x\n? [1, 2]\n: 3\n")
     bomb = ['a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
     bomb += [f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]" for a, b in zip("abcde", "bcdef")]
     (tmp_path / "bomb.yaml").write_text("\n".join(bomb) + "\n")
@@ -66,6 +68,20 @@ CASES = {
     "yaml-tab": (["run", "{tmp}/tab.yaml"], "{tmp}/tab.yaml: line 2, column 1:"),
     "yaml-not-a-mapping": (["run", "{tmp}/list.yaml"], "{tmp}/list.yaml: the file must hold a mapping"),
     "yaml-key-twice": (["run", "{tmp}/twice.yaml"], "{tmp}/twice.yaml: line 3, column 1: key 'dpo' is given twice"),
+    "yaml-merge-key": (
+        ["run", "{tmp}/merge.yaml"],
+        "alignflow: invalid config: {tmp}/merge.yaml: line 4, column 3: merge keys (<<) are not supported: write "
+        "the keys out\n",
+    ),
+    "yaml-complex-key": (
+        ["run", "{tmp}/complex-key.yaml"],
+        "alignflow: invalid config: {tmp}/complex-key.yaml: line 2, column 3: a key must be a plain value, not a "
+        "list\n",
+    ),
+    "override-complex-key": (
+        ["run", MINIMAL, "dpo={? {a: 1}: 2}"],
+        "override 'dpo={? {a: 1}: 2}': line 1, column 4: a key must be a plain value, not a mapping",
+    ),
     "yaml-alias-bomb": (["run", "{tmp}/bomb.yaml"], "{tmp}/bomb.yaml: more than 100,000 values once its aliases"),
     "yaml-nested-deep": (["run", "{tmp}/deep.yaml"], "{tmp}/deep.yaml: line 1, column 70: nested deeper than 64"),
     "override-nested-deep": (["run", MINIMAL, "name=" + "[" * 100 + "]" * 100], "nested deeper than 64 levels"),
