@@ -14,7 +14,16 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, Field, create_model, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from infra.core.config.compute import ComputeConfig
 from infra.core.config.tree import get_path, set_path
@@ -48,6 +57,9 @@ def safe_name(value: str) -> str:
 
 
 SafeName = Annotated[str, AfterValidator(safe_name)]
+
+
+SEED = TypeAdapter(Seed)
 
 
 def is_template_text(value: str) -> bool:
@@ -424,10 +436,14 @@ class ExperimentBase(Section):
     @classmethod
     def _apply_seed(cls, data: Any) -> Any:
         """``seed: s`` writes ``s`` into every field of :func:`seeded_fields`; one of them set
-        explicitly to another value is an error (one source of truth per run)."""
+        explicitly to another value is an error (one source of truth per run). A seed that is no
+        :data:`Seed` is written nowhere: its own field reports it, once."""
         if not isinstance(data, dict) or data.get("seed") is None:
             return data
-        seed = data["seed"]
+        try:
+            seed = SEED.validate_python(data["seed"])
+        except ValidationError:
+            return data
         tree = {k: v.model_dump(exclude_unset=True) if isinstance(v, BaseModel) else v for k, v in data.items()}
         for key in seeded_fields():
             current = get_path(tree, key)
