@@ -293,6 +293,27 @@ def test_credentials_are_redacted_in_urls():
     assert redact_url("https://token@host/") == "https://***@host/"
     assert redact_url("sqlite:////a/b.db") == "sqlite:////a/b.db"
     assert redact_url("http://mlflow:5000/#/experiments/1@2") == "http://mlflow:5000/#/experiments/1@2"
+    assert redact_url("postgresql://u:p@ss@db:5432/x?sslmode=require") == "postgresql://u:***@db:5432/x?sslmode=require"
+
+
+@pytest.mark.unit
+def test_credentials_in_a_urls_query_and_fragment_are_redacted():
+    """Each parameter whose name holds a credential word (settings.SECRET_PARAMETER_WORDS), any case,
+    in the query or the fragment, in any text; other parameters and the text around stay."""
+    secret_names = ["token", "access_token", "api_key", "apikey", "key", "password", "passwd", "pwd", "secret"]
+    secret_names += ["client_secret", "sig", "signature", "X-Amz-Signature", "X-Amz-Credential"]
+    secret_names += ["X-Amz-Security-Token", "X-Goog-Signature", "auth", "sessionid", "Authorization"]
+    query = "&".join(f"{name}=v{i}" for i, name in enumerate(secret_names))
+    expected = "&".join(f"{name}=***" for name in secret_names)
+    assert redact_url(f"see (https://h/a?page=2&{query}#x=1&access_token=t&state=s), then") == (
+        f"see (https://h/a?page=2&{expected}#x=1&access_token=***&state=s), then"
+    )
+    assert redact_url("'http://u:pw@h:1/?Token=abc.def-_~%2F' and http://h/?q=token") == (
+        "'http://u:***@h:1/?Token=***' and http://h/?q=token"
+    )
+    assert redact_url("http://h/#/experiments/1/runs/a?workflowType=machine_learning") == (
+        "http://h/#/experiments/1/runs/a?workflowType=machine_learning"
+    )
 
 
 @pytest.mark.unit

@@ -19,6 +19,7 @@ from infra.core import reachability
 from infra.core.config import EvaluationRequest, ExperimentConfig, load_config
 from infra.core.launching import group_alive
 from infra.core.processes import pid_alive, process_record
+from infra.core.settings import redact_url
 from infra.ops import servers
 from infra.ops.cli import main
 from infra.ops.deployments import PROJECT_ROOT, config_parameters, schedules, select_deployments, served_deployments
@@ -130,10 +131,7 @@ def test_server_specs_default_to_sqlite_and_take_postgres_urls_with_their_driver
     assert (
         servers.with_driver("postgresql+psycopg://u@db/x", "psycopg2") == "postgresql+psycopg://u@db/x"
     )  # an explicit driver stays
-    assert (
-        servers.redacted("postgresql+asyncpg://u:secret@db:5432/prefect")
-        == "postgresql+asyncpg://u:***@db:5432/prefect"
-    )
+    assert redact_url("postgresql+asyncpg://u:secret@db:5432/prefect") == "postgresql+asyncpg://u:***@db:5432/prefect"
 
 
 @pytest.mark.unit

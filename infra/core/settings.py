@@ -111,13 +111,31 @@ class Settings(BaseSettings):
         return "http://127.0.0.1:5000"
 
 
-def redact_url(url: str) -> str:
-    """``url`` with the password of its ``user:password@`` part (a lone ``token@``) replaced by ``***``: for
-    every URL that is printed, logged, tagged or stored (link artifacts). Other text is unchanged."""
-    return CREDENTIALS.sub(lambda m: f"{m['scheme']}{m['user'] + ':' if m['password'] is not None else ''}***@", url)
+def redact_url(text: str) -> str:
+    """``text`` with every credential of the URLs in it replaced by ``***``: the password of a
+    ``user:password@`` part (a lone ``token@``), and the value of each query or fragment parameter
+    whose name holds one of :data:`SECRET_PARAMETER_WORDS`. For every URL that is printed, logged,
+    tagged or stored (link artifacts). Other text is unchanged."""
+    return URL.sub(lambda url: PARAMETER.sub(redact_parameter, USERINFO.sub(redact_userinfo, url[0])), text)
 
 
-CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:@/\s]*)(?::(?P<password>[^@/\s]*))?@")
+# A URL parameter whose name (any case) holds one of these carries a credential: token, access_token,
+# api_key, apikey, password, passwd, pwd, secret, client_secret, sig (Azure SAS), X-Amz-Signature,
+# X-Amz-Credential, X-Amz-Security-Token, X-Goog-Signature, auth, session ids. Too wide is a value hidden
+# for nothing; too narrow is a leaked credential.
+SECRET_PARAMETER_WORDS = ("token", "key", "secret", "passw", "pwd", "sig", "credential", "auth", "session")
+URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+USERINFO = re.compile(r"^(?P<scheme>[^:]+://)(?P<user>[^:@/?#\s]*)(?::(?P<password>[^/?#\s]*))?@")
+PARAMETER = re.compile(r"(?P<lead>[?&;#])(?P<name>[^=&;#?\s]+)=(?P<value>[^&;#\s'\"<>(){}\[\],]+)")
+
+
+def redact_userinfo(match: re.Match) -> str:
+    return f"{match['scheme']}{match['user'] + ':' if match['password'] is not None else ''}***@"
+
+
+def redact_parameter(match: re.Match) -> str:
+    secret = any(word in match["name"].lower() for word in SECRET_PARAMETER_WORDS)
+    return f"{match['lead']}{match['name']}={'***' if secret else match['value']}"
 
 
 def get_settings() -> Settings:
