@@ -514,6 +514,37 @@ def test_an_unreachable_tracking_server_fails_at_once_naming_it_and_creates_noth
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("variable", ["MLFLOW_TRACKING_URI", "ALIGNFLOW_TRACKING_URI"])
+def test_an_unsupported_tracking_uri_is_refused_before_anything_starts_naming_the_variable(
+    variable, monkeypatch, state_dir, capsys
+):
+    for name in ("ALIGNFLOW_TRACKING_URI", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, "foo://bar?token=secret")
+    before = snapshot(state_dir)
+    started = time.monotonic()
+    assert cli.main(["run", MINIMAL]) == 2
+    assert time.monotonic() - started < 5  # no flow run, no Prefect server, no MLflow
+    assert capsys.readouterr().err == (
+        f"alignflow: {variable}=foo://bar?token=***: MLflow has no tracking store for the scheme 'foo'; use one "
+        "of databricks://, file://, http://, https://, mssql://, mysql://, postgresql://, sqlite:// or a local path\n"
+    )
+    assert snapshot(state_dir) == before
+
+
+@pytest.mark.unit
+def test_the_tracking_uris_mlflow_takes_are_not_refused():
+    from infra.core.reachability import unsupported_tracking_uri
+
+    taken = ["sqlite:////a/b.db", "postgresql+psycopg2://u@db/x", "mysql://db/x", "https://mlflow", "databricks"]
+    taken += ["/a/mlruns", "file:///a/mlruns", "databricks://profile"]
+    assert [unsupported_tracking_uri(Settings(tracking_uri=uri)) for uri in taken] == [None] * len(taken)
+    assert unsupported_tracking_uri(Settings(tracking_uri="s3://bucket/x")).startswith(
+        "ALIGNFLOW_TRACKING_URI=s3://bucket/x: MLflow has no tracking store for the scheme 's3'"
+    )
+
+
+@pytest.mark.unit
 def test_a_full_disk_is_said_with_the_space_left(state_dir, capsys):
     error = RuntimeError("train-sft failed")
     error.__cause__ = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "outputs/minimal/sft-x/model.safetensors")

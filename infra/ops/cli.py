@@ -17,7 +17,7 @@ from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
-from infra.core.reachability import require_tracking_server
+from infra.core.reachability import UnsupportedTrackingUri, require_tracking_server
 from infra.core.settings import StateFolderError, configure_environment, get_settings, redact_url
 from infra.ops import service_cli
 from infra.ops.cache_cli import add_cache_parser, cache_command
@@ -438,6 +438,9 @@ def run_command_line(argv: list[str] | None) -> int:
         return COMMANDS[args.command](args)
     except (SystemExit, KeyboardInterrupt):
         raise
+    except UnsupportedTrackingUri as error:  # bad input, found before anything started
+        print(f"alignflow: {error}", file=sys.stderr)
+        return 2
     except Exception as error:  # one line and a log file, not a traceback on the terminal
         report_error(f"{type(error).__name__}: {error}", error)
         return 1
