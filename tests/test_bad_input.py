@@ -215,6 +215,41 @@ def test_bad_input_fails_at_load_naming_the_place_and_leaves_nothing_behind(case
     assert snapshot(state_dir) == before  # no cache entry, no staging folder, no output, no MLflow store
 
 
+FAILS_BEFORE_WORK = {
+    "run-bad-config": (["run", MINIMAL, "dpo.beta=-1"], 2),
+    "evaluate-bad-request": (["evaluate", "configs/evaluate.yaml", "models={}"], 2),
+    "sweep-bad-file": (["sweep", "configs/sweep.yaml", "max_concurrent=0"], 2),
+    "run-unsupported-tracking-uri": (["run", MINIMAL], 2),
+    "servers-up-refused": (["servers", "up", "--auth"], 2),
+    "deploy-without-a-prefect-server": (["deploy"], 2),
+}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", sorted(FAILS_BEFORE_WORK))
+def test_a_command_that_fails_before_its_work_starts_leaves_no_state_folder(case, tmp_path, monkeypatch, capsys):
+    """No folder, no `origin` marker: the state folder is opened where a command's work starts.
+    (A command that starts work, `servers status` here, opens it.)"""
+    from infra.core import mlflow_compat
+
+    argv, code = FAILS_BEFORE_WORK[case]
+    home = tmp_path / "new-state"
+    monkeypatch.setenv("ALIGNFLOW_HOME", str(home))
+    for name in ("ALIGNFLOW_TRACKING_URI", "MLFLOW_TRACKING_URI", "PREFECT_API_URL"):
+        monkeypatch.delenv(name, raising=False)
+    if case == "run-unsupported-tracking-uri":
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", "foo://bar")
+    monkeypatch.setattr(mlflow_compat, "installed_version", lambda: "3.16.0")  # `servers up --auth` refuses it
+    try:
+        assert cli.main(argv) == code
+    except SystemExit as stop:
+        assert stop.code == code
+    assert capsys.readouterr().err.startswith("alignflow")
+    assert not home.exists()
+    assert cli.main(["servers", "status"]) == 3
+    assert (home / "origin").read_text() == f"{home.as_uri()}\n"
+
+
 @pytest.mark.unit
 def test_each_case_is_another_input_of_a_command_that_loads_a_config():
     """No case repeats another's input (a copy that tests nothing new); every case runs `alignflow

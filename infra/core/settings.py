@@ -210,11 +210,21 @@ def tracking_credentials_apart(settings: Settings) -> Settings:
     return settings.model_copy(update={"tracking_uri": bare if settings.tracking_uri is not None else None})
 
 
-def configure_environment(settings: Settings | None = None) -> Settings:
-    """Set process-wide defaults for Prefect and MLflow. Call before importing prefect."""
+def open_state_folder(settings: Settings | None = None) -> None:
+    """Make the state folder ready for work: created (0700) and writable, and adopted where it was
+    copied or moved (its ``origin``). A command calls it where its work starts, so one that fails
+    before (a bad config) leaves no folder behind."""
+    root = (settings or get_settings()).root
+    prepare_state_folder(root)
+    adopt_moved_state_folder(root)
+
+
+def configure_environment(settings: Settings | None = None, open_folder: bool = True) -> Settings:
+    """Set process-wide defaults for Prefect and MLflow. Call before importing prefect. With
+    ``open_folder`` false the state folder is left alone: the caller opens it (:func:`open_state_folder`)."""
     settings = tracking_credentials_apart(settings or get_settings())
-    prepare_state_folder(settings.root)
-    adopt_moved_state_folder(settings.root)
+    if open_folder:
+        open_state_folder(settings)
     defaults = {
         "PREFECT_HOME": str(settings.root / "prefect"),
         # what libraries would otherwise leave in ~ or /tmp (the state folder holds everything)

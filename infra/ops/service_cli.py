@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from infra.core import mlflow_compat
-from infra.core.settings import get_settings
+from infra.core.settings import get_settings, open_state_folder
 from infra.ops import servers
 
 DEFAULT_POOL = "alignflow-process"
@@ -117,6 +117,7 @@ def add_parsers(commands) -> None:
 
 
 def require_prefect_server() -> str | None:
+    """The Prefect API URL, the state folder opened for the command's work; None (said) when none is set."""
     from prefect.settings import PREFECT_API_URL
 
     url = PREFECT_API_URL.value()
@@ -126,6 +127,8 @@ def require_prefect_server() -> str | None:
             'servers up` prints it, `eval "$(alignflow servers env)"` sets it)',
             file=sys.stderr,
         )
+        return None
+    open_state_folder()
     return url
 
 
@@ -158,17 +161,19 @@ def mlflow_auth_refusal() -> str | None:
     )
 
 
-def servers_up(args: argparse.Namespace, folders: dict[str, Path]) -> int:
+def servers_up_refusal(args: argparse.Namespace, folders: dict[str, Path]) -> str | None:
+    """Why ``servers up`` must not start these servers with these options, if it must not."""
     if args.host in servers.WILDCARD_HOSTS and not (args.auth or args.no_auth):
-        print(
-            f"alignflow servers: --host {args.host} serves every network this machine is on: add --auth "
-            "(clients then need the credentials), or --no-auth to serve without authentication anyway",
-            file=sys.stderr,
+        return (
+            f"--host {args.host} serves every network this machine is on: add --auth "
+            "(clients then need the credentials), or --no-auth to serve without authentication anyway"
         )
-        return 2
-    if args.auth and "mlflow" in folders and (refusal := mlflow_auth_refusal()):
-        print(f"alignflow servers: {refusal}", file=sys.stderr)
-        return 2
+    if args.auth and "mlflow" in folders:
+        return mlflow_auth_refusal()
+    return None
+
+
+def servers_up(args: argparse.Namespace, folders: dict[str, Path]) -> int:
     root = servers.servers_dir(get_settings())
     options = servers.ServerOptions(
         args.host,
@@ -252,7 +257,12 @@ SERVER_ACTIONS = {"up": servers_up, "down": servers_down, "status": servers_stat
 
 
 def servers_command(args: argparse.Namespace) -> int:
-    return SERVER_ACTIONS[args.action](args, server_folders(args.names))
+    folders = server_folders(args.names)
+    if args.action == "up" and (refusal := servers_up_refusal(args, folders)):
+        print(f"alignflow servers: {refusal}", file=sys.stderr)
+        return 2
+    open_state_folder()
+    return SERVER_ACTIONS[args.action](args, folders)
 
 
 def deploy_command(args: argparse.Namespace) -> int:
