@@ -3,10 +3,10 @@
 Each server is one process group started in its own session, with its files under
 ``<run-state>/servers/<name>/``: ``server.log``, ``pid`` and ``server.json`` (URLs, database).
 Both bind 127.0.0.1 by default and keep their data on SQLite in that folder; given a PostgreSQL
-URL they use it instead, creating the database first if it is missing. With ``--auth`` they refuse
-every request without credentials (Prefect's API auth string, MLflow's ``basic-auth`` app), which
-are generated once and kept in ``servers/credentials.json`` (0600): never in ``server.json``, a log
-or a command line.
+URL they use it instead, creating the database first if it is missing. Unless started with
+``--no-auth`` they refuse every request without credentials (Prefect's API auth string, MLflow's
+``basic-auth`` app), which are generated once and kept in ``servers/credentials.json`` (0600):
+never in ``server.json``, a log or a command line.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ CREDENTIALS_FILE = "credentials.json"  # in servers/, mode 0600
 
 @dataclass(frozen=True)
 class Credentials:
-    """The secrets of servers started with ``--auth``: random, made once per state folder."""
+    """The secrets of servers that authenticate (all but ``--no-auth`` ones): random, made once per state folder."""
 
     prefect_auth_string: str
     mlflow_password: str
