@@ -329,6 +329,7 @@ def test_credentials_are_redacted_in_urls():
     assert redact_url("sqlite:////a/b.db") == "sqlite:////a/b.db"
     assert redact_url("http://mlflow:5000/#/experiments/1@2") == "http://mlflow:5000/#/experiments/1@2"
     assert redact_url("postgresql://u:p@ss@db:5432/x?sslmode=require") == "postgresql://u:***@db:5432/x?sslmode=require"
+    assert redact_url("postgresql+asyncpg://postgres@db/x") == "postgresql+asyncpg://postgres@db/x"  # a role, no secret
 
 
 @pytest.mark.unit

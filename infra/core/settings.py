@@ -113,9 +113,9 @@ class Settings(BaseSettings):
 
 def redact_url(text: str) -> str:
     """``text`` with every credential of the URLs in it replaced by ``***``: the password of a
-    ``user:password@`` part (a lone ``token@``), and the value of each query or fragment parameter
-    whose name holds one of :data:`SECRET_PARAMETER_WORDS`. For every URL that is printed, logged,
-    tagged or stored (link artifacts). Other text is unchanged."""
+    ``user:password@`` part (a lone ``token@``, but for a database URL's lone user), and the value
+    of each query or fragment parameter whose name holds one of :data:`SECRET_PARAMETER_WORDS`. For
+    every URL that is printed, logged, tagged or stored (link artifacts). Other text is unchanged."""
     return URL.sub(lambda url: PARAMETER.sub(redact_parameter, USERINFO.sub(redact_userinfo, url[0])), text)
 
 
@@ -129,8 +129,14 @@ USERINFO = re.compile(r"^(?P<scheme>[^:]+://)(?P<user>[^:@/?#\s]*)(?::(?P<passwo
 PARAMETER = re.compile(r"(?P<lead>[?&;#])(?P<name>[^=&;#?\s]+)=(?P<value>[^&;#\s'\"<>(){}\[\],]+)")
 
 
+# SQLAlchemy dialects (any +driver): their URLs' lone user part is a database role, not a token.
+DATABASE_URL = re.compile(r"(postgres|postgresql|mysql|mariadb|mssql|oracle|sqlite)(\+[\w-]+)?://", re.IGNORECASE)
+
+
 def redact_userinfo(match: re.Match) -> str:
-    return f"{match['scheme']}{match['user'] + ':' if match['password'] is not None else ''}***@"
+    if match["password"] is not None:
+        return f"{match['scheme']}{match['user']}:***@"
+    return match[0] if DATABASE_URL.match(match["scheme"]) else f"{match['scheme']}***@"
 
 
 def redact_parameter(match: re.Match) -> str:
