@@ -222,6 +222,7 @@ FAILS_BEFORE_WORK = {
     "run-unsupported-tracking-uri": (["run", MINIMAL], 2),
     "servers-up-refused": (["servers", "up", "--auth"], 2),
     "deploy-without-a-prefect-server": (["deploy"], 2),
+    "run-unreachable-tracking-server": (["run", MINIMAL], 1),  # its traceback goes to the temp folder
 }
 
 
@@ -239,6 +240,8 @@ def test_a_command_that_fails_before_its_work_starts_leaves_no_state_folder(case
         monkeypatch.delenv(name, raising=False)
     if case == "run-unsupported-tracking-uri":
         monkeypatch.setenv("MLFLOW_TRACKING_URI", "foo://bar")
+    if case == "run-unreachable-tracking-server":
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:1")
     monkeypatch.setattr(mlflow_compat, "installed_version", lambda: "3.16.0")  # `servers up --auth` refuses it
     try:
         assert cli.main(argv) == code

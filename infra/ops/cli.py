@@ -109,12 +109,16 @@ EXIT_CODE = 0
 
 def write_traceback(error: BaseException) -> Path | None:
     """The full traceback of ``error`` in a log file under the state folder (the temp folder if that
-    is unusable); None when neither can be written (a full disk)."""
+    is unusable, or not opened yet: a command that failed before its work started makes none);
+    None when neither can be written (a full disk)."""
     text = redact_url("".join(traceback.format_exception(error)))
     name = f"error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     try:
-        folder = get_settings().root / "logs"
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        root = get_settings().root
+        if not root.is_dir():
+            raise FileNotFoundError(root)
+        folder = root / "logs"
+        folder.mkdir(mode=0o700, exist_ok=True)
         (folder / name).write_text(text)
         return folder / name
     except OSError:
