@@ -47,6 +47,8 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "latin1.yaml").write_bytes("name: caf\xe9\n".encode("latin-1"))
     (tmp_path / "weights.safetensors").write_bytes(b"\0")
     (tmp_path / "twice.yaml").write_text("name: x\ndpo: {beta: 0.2}\ndpo: {beta: 0.3}\n")
+    (tmp_path / "merge.yaml").write_text("shared: &shared\n  beta: 0.2\ndpo:\n  <<: *shared\n")
+    (tmp_path / "complex-key.yaml").write_text("name: x\n? [1, 2]\n: 3\n")
     bomb = ['a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
     bomb += [f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]" for a, b in zip("abcde", "bcdef")]
     (tmp_path / "bomb.yaml").write_text("\n".join(bomb) + "\n")
@@ -66,6 +68,20 @@ CASES = {
     "yaml-tab": (["run", "{tmp}/tab.yaml"], "{tmp}/tab.yaml: line 2, column 1:"),
     "yaml-not-a-mapping": (["run", "{tmp}/list.yaml"], "{tmp}/list.yaml: the file must hold a mapping"),
     "yaml-key-twice": (["run", "{tmp}/twice.yaml"], "{tmp}/twice.yaml: line 3, column 1: key 'dpo' is given twice"),
+    "yaml-merge-key": (
+        ["run", "{tmp}/merge.yaml"],
+        "alignflow: invalid config: {tmp}/merge.yaml: line 4, column 3: merge keys (<<) are not supported: write "
+        "the keys out\n",
+    ),
+    "yaml-complex-key": (
+        ["run", "{tmp}/complex-key.yaml"],
+        "alignflow: invalid config: {tmp}/complex-key.yaml: line 2, column 3: a key must be a plain value, not a "
+        "list\n",
+    ),
+    "override-complex-key": (
+        ["run", MINIMAL, "dpo={? {a: 1}: 2}"],
+        "override 'dpo={? {a: 1}: 2}': line 1, column 4: a key must be a plain value, not a mapping",
+    ),
     "yaml-alias-bomb": (["run", "{tmp}/bomb.yaml"], "{tmp}/bomb.yaml: more than 100,000 values once its aliases"),
     "yaml-nested-deep": (["run", "{tmp}/deep.yaml"], "{tmp}/deep.yaml: line 1, column 70: nested deeper than 64"),
     "override-nested-deep": (["run", MINIMAL, "name=" + "[" * 100 + "]" * 100], "nested deeper than 64 levels"),
@@ -199,6 +215,44 @@ def test_bad_input_fails_at_load_naming_the_place_and_leaves_nothing_behind(case
     assert snapshot(state_dir) == before  # no cache entry, no staging folder, no output, no MLflow store
 
 
+FAILS_BEFORE_WORK = {
+    "run-bad-config": (["run", MINIMAL, "dpo.beta=-1"], 2),
+    "evaluate-bad-request": (["evaluate", "configs/evaluate.yaml", "models={}"], 2),
+    "sweep-bad-file": (["sweep", "configs/sweep.yaml", "max_concurrent=0"], 2),
+    "run-unsupported-tracking-uri": (["run", MINIMAL], 2),
+    "servers-up-refused": (["servers", "up", "--auth"], 2),
+    "deploy-without-a-prefect-server": (["deploy"], 2),
+    "run-unreachable-tracking-server": (["run", MINIMAL], 1),  # its traceback goes to the temp folder
+}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("case", sorted(FAILS_BEFORE_WORK))
+def test_a_command_that_fails_before_its_work_starts_leaves_no_state_folder(case, tmp_path, monkeypatch, capsys):
+    """No folder, no `origin` marker: the state folder is opened where a command's work starts.
+    (A command that starts work, `servers status` here, opens it.)"""
+    from infra.core import mlflow_compat
+
+    argv, code = FAILS_BEFORE_WORK[case]
+    home = tmp_path / "new-state"
+    monkeypatch.setenv("ALIGNFLOW_HOME", str(home))
+    for name in ("ALIGNFLOW_TRACKING_URI", "MLFLOW_TRACKING_URI", "PREFECT_API_URL"):
+        monkeypatch.delenv(name, raising=False)
+    if case == "run-unsupported-tracking-uri":
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", "foo://bar")
+    if case == "run-unreachable-tracking-server":
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:1")
+    monkeypatch.setattr(mlflow_compat, "installed_version", lambda: "3.16.0")  # `servers up --auth` refuses it
+    try:
+        assert cli.main(argv) == code
+    except SystemExit as stop:
+        assert stop.code == code
+    assert capsys.readouterr().err.startswith("alignflow")
+    assert not home.exists()
+    assert cli.main(["servers", "status"]) == 3
+    assert (home / "origin").read_text() == f"{home.as_uri()}\n"
+
+
 @pytest.mark.unit
 def test_each_case_is_another_input_of_a_command_that_loads_a_config():
     """No case repeats another's input (a copy that tests nothing new); every case runs `alignflow
@@ -270,6 +324,28 @@ def test_credentials_are_redacted_in_urls():
     assert redact_url("https://token@host/") == "https://***@host/"
     assert redact_url("sqlite:////a/b.db") == "sqlite:////a/b.db"
     assert redact_url("http://mlflow:5000/#/experiments/1@2") == "http://mlflow:5000/#/experiments/1@2"
+    assert redact_url("postgresql://u:p@ss@db:5432/x?sslmode=require") == "postgresql://u:***@db:5432/x?sslmode=require"
+    assert redact_url("postgresql+asyncpg://postgres@db/x") == "postgresql+asyncpg://postgres@db/x"  # a role, no secret
+
+
+@pytest.mark.unit
+def test_credentials_in_a_urls_query_and_fragment_are_redacted():
+    """Each parameter whose name holds a credential word (settings.SECRET_PARAMETER_WORDS), any case,
+    in the query or the fragment, in any text; other parameters and the text around stay."""
+    secret_names = ["token", "access_token", "api_key", "apikey", "key", "password", "passwd", "pwd", "secret"]
+    secret_names += ["client_secret", "sig", "signature", "X-Amz-Signature", "X-Amz-Credential"]
+    secret_names += ["X-Amz-Security-Token", "X-Goog-Signature", "auth", "sessionid", "Authorization"]
+    query = "&".join(f"{name}=v{i}" for i, name in enumerate(secret_names))
+    expected = "&".join(f"{name}=***" for name in secret_names)
+    assert redact_url(f"see (https://h/a?page=2&{query}#x=1&access_token=t&state=s), then") == (
+        f"see (https://h/a?page=2&{expected}#x=1&access_token=***&state=s), then"
+    )
+    assert redact_url("'http://u:pw@h:1/?Token=abc.def-_~%2F' and http://h/?q=token") == (
+        "'http://u:***@h:1/?Token=***' and http://h/?q=token"
+    )
+    assert redact_url("http://h/#/experiments/1/runs/a?workflowType=machine_learning") == (
+        "http://h/#/experiments/1/runs/a?workflowType=machine_learning"
+    )
 
 
 @pytest.mark.unit
@@ -396,18 +472,15 @@ def test_servers_up_refuses_a_port_another_process_listens_on(tmp_path, monkeypa
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
-def test_servers_up_refuses_a_wildcard_bind_without_auth_unless_told(host, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("ALIGNFLOW_HOME", str(tmp_path))
-    assert cli.main(["servers", "up", "--host", host]) == 2
-    assert capsys.readouterr().err == (
-        f"alignflow servers: --host {host} serves every network this machine is on: add --auth (clients then "
-        "need the credentials), or --no-auth to serve without authentication anyway\n"
-    )
-    assert not (tmp_path / "servers").exists()  # nothing started, no credentials made
+def test_servers_authenticate_unless_told_not_to_and_not_both():
+    parser = cli.build_parser()
+    assert [parser.parse_args(["servers", "up", *flags]).auth for flags in ([], ["--auth"], ["--no-auth"])] == [
+        True,
+        True,
+        False,
+    ]
     with pytest.raises(SystemExit):
-        cli.main(["servers", "up", "--auth", "--no-auth"])
-    assert "not allowed with argument" in capsys.readouterr().err
+        parser.parse_args(["servers", "up", "--auth", "--no-auth"])
 
 
 @pytest.mark.slow
@@ -467,6 +540,37 @@ def test_an_unreachable_tracking_server_fails_at_once_naming_it_and_creates_noth
     assert "http://127.0.0.1:1 does not answer (" in first  # its credentials went to MLflow's own variables
     assert "refused" in first and "s3cret" not in first
     assert [path for path in snapshot(state_dir) if not path.startswith("logs")] == before  # no run, no store
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("variable", ["MLFLOW_TRACKING_URI", "ALIGNFLOW_TRACKING_URI"])
+def test_an_unsupported_tracking_uri_is_refused_before_anything_starts_naming_the_variable(
+    variable, monkeypatch, state_dir, capsys
+):
+    for name in ("ALIGNFLOW_TRACKING_URI", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, "foo://bar?token=secret")
+    before = snapshot(state_dir)
+    started = time.monotonic()
+    assert cli.main(["run", MINIMAL]) == 2
+    assert time.monotonic() - started < 5  # no flow run, no Prefect server, no MLflow
+    assert capsys.readouterr().err == (
+        f"alignflow: {variable}=foo://bar?token=***: MLflow has no tracking store for the scheme 'foo'; use one "
+        "of databricks://, file://, http://, https://, mssql://, mysql://, postgresql://, sqlite:// or a local path\n"
+    )
+    assert snapshot(state_dir) == before
+
+
+@pytest.mark.unit
+def test_the_tracking_uris_mlflow_takes_are_not_refused():
+    from infra.core.reachability import unsupported_tracking_uri
+
+    taken = ["sqlite:////a/b.db", "postgresql+psycopg2://u@db/x", "mysql://db/x", "https://mlflow", "databricks"]
+    taken += ["/a/mlruns", "file:///a/mlruns", "databricks://profile"]
+    assert [unsupported_tracking_uri(Settings(tracking_uri=uri)) for uri in taken] == [None] * len(taken)
+    assert unsupported_tracking_uri(Settings(tracking_uri="s3://bucket/x")).startswith(
+        "ALIGNFLOW_TRACKING_URI=s3://bucket/x: MLflow has no tracking store for the scheme 's3'"
+    )
 
 
 @pytest.mark.unit

@@ -210,6 +210,22 @@ def test_the_dataset_context_tag_is_mlflows():
     assert mlflow_compat.DATASET_CONTEXT_TAG == MLFLOW_DATASET_CONTEXT
 
 
+@pytest.mark.unit
+def test_the_tracking_schemes_are_those_mlflows_stores_register_and_are_read_as_mlflow_reads_them():
+    from mlflow.store.db.db_types import DATABASE_ENGINES
+    from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+    from mlflow.utils.uri import get_uri_scheme
+
+    refused_as_tracking = {"databricks-uc", "uc"}  # registered; their builder refuses them
+    assert set(mlflow_compat.tracking_schemes()) | refused_as_tracking == set(_tracking_store_registry._registry)
+    assert set(mlflow_compat.DATABASE_SCHEMES) == set(DATABASE_ENGINES)
+    uris = ["sqlite:////a.db", "postgresql+psycopg2://u@h/d", "mssql+pyodbc://h/d", "/a/mlruns", "file:///a"]
+    uris += ["https://h:1/p", "C:\\mlruns", "databricks", "databricks://profile", "foo://bar", "S3://b"]
+    # as mlflow.tracking.registry.StoreRegistry.get_store_builder picks the store
+    mlflows = [uri if uri in {"databricks", *refused_as_tracking} else get_uri_scheme(uri) for uri in uris]
+    assert [mlflow_compat.tracking_uri_scheme(uri) for uri in uris] == mlflows
+
+
 def auth_config_read_by_mlflow(monkeypatch, settings: Path | None):
     """MLflow's basic-auth settings as its app reads them, with the admin in the environment as
     ``servers up --auth`` gives it, from ``settings`` (None: the file MLflow ships)."""

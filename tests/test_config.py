@@ -403,3 +403,54 @@ def test_a_chat_template_file_must_lie_in_the_project_or_an_allowed_folder(tmp_p
         ]
     monkeypatch.setenv("ALIGNFLOW_TEMPLATE_DIRS", str(shared))
     assert load_config(None, ["data.chat_template=templates/link.jinja"]).data.chat_template == "templates/link.jinja"
+
+
+def test_a_chat_template_file_never_comes_from_the_state_folder_or_a_hidden_folder(tmp_path, monkeypatch):
+    """The state folder holds the servers' credentials (default `.alignflow/` in the project): none of
+    its files, nor any below a hidden file or folder of the project (`.git`, `.env`), is a template,
+    even with the state folder listed in ALIGNFLOW_TEMPLATE_DIRS."""
+    project = tmp_path / "project"
+    (project / ".alignflow" / "servers").mkdir(parents=True)
+    (project / ".alignflow" / "servers" / "credentials.json").write_text('{"prefect_auth_string": "secret"}')
+    (project / "state").mkdir()
+    (project / "state" / "chat.jinja").write_text("{{ messages[0]['content'] }}")
+    (project / ".git").mkdir()
+    (project / ".git" / "config").write_text("[remote]")
+    (project / ".env").write_text("TOKEN=secret")
+    monkeypatch.chdir(project)
+    for name in ("ALIGNFLOW_HOME", "ALIGNFLOW_TEMPLATE_DIRS", "HF_HOME"):
+        monkeypatch.delenv(name, raising=False)
+
+    def error_of(path: str) -> list[tuple[str, str]]:
+        with pytest.raises(ValidationError) as error:
+            load_config(None, [f"data.chat_template={path}"])
+        return config_errors(error.value)
+
+    state = project / ".alignflow"
+    assert error_of(".alignflow/servers/credentials.json") == [
+        (
+            "data.chat_template",
+            f"'.alignflow/servers/credentials.json' lies in {state}, a folder of state and credentials: a template "
+            "file may not come from it",
+        )
+    ]
+    monkeypatch.setenv("ALIGNFLOW_TEMPLATE_DIRS", str(state))
+    listed = str(state / "servers" / "credentials.json")
+    assert error_of(listed)[0][1].startswith(f"{listed!r} lies in {state}, a folder of state")
+    monkeypatch.delenv("ALIGNFLOW_TEMPLATE_DIRS")
+    monkeypatch.setenv("ALIGNFLOW_HOME", "state")  # a state folder that is not hidden
+    assert error_of("state/chat.jinja") == [
+        (
+            "data.chat_template",
+            f"'state/chat.jinja' lies in {project / 'state'}, a folder of state and credentials: a template file "
+            "may not come from it",
+        )
+    ]
+    for hidden, part in ((".git/config", ".git"), (".env", ".env")):
+        assert error_of(hidden) == [
+            (
+                "data.chat_template",
+                f"{hidden!r} lies in a hidden file or folder ({part!r}), where tools keep state and credentials: a "
+                "template file may not come from one",
+            )
+        ]

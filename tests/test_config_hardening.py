@@ -90,6 +90,22 @@ def test_values_a_later_step_would_refuse_are_refused_at_load(override, key, mes
     assert message in dict(config_errors(error.value))[key]
 
 
+@pytest.mark.parametrize(
+    "seed, message",
+    [
+        ("-1", "Input should be greater than or equal to 0"),
+        ("4294967296", "Input should be less than or equal to 4294967295"),
+        ("abc", "Input should be a valid integer, unable to parse string as an integer"),
+    ],
+)
+def test_a_bad_top_level_seed_is_reported_once_at_the_field_the_user_wrote(seed, message):
+    """`seed` sets model.seed, each stage's seed and evaluation.seed: a value none of them takes is
+    one error at `seed`, not one per field it would have set."""
+    with pytest.raises(ValidationError) as error:
+        load_config(None, [f"seed={seed}"])
+    assert config_errors(error.value) == [("seed", message)]
+
+
 @pytest.mark.parametrize("entry", [".relative", "", "my module", 3])
 def test_a_plugin_entry_that_is_not_a_module_name_is_refused_naming_it(entry):
     with pytest.raises(ValidationError) as error:

@@ -19,6 +19,7 @@ from infra.core import reachability
 from infra.core.config import EvaluationRequest, ExperimentConfig, load_config
 from infra.core.launching import group_alive
 from infra.core.processes import pid_alive, process_record
+from infra.core.settings import redact_url
 from infra.ops import servers
 from infra.ops.cli import main
 from infra.ops.deployments import PROJECT_ROOT, config_parameters, schedules, select_deployments, served_deployments
@@ -130,10 +131,7 @@ def test_server_specs_default_to_sqlite_and_take_postgres_urls_with_their_driver
     assert (
         servers.with_driver("postgresql+psycopg://u@db/x", "psycopg2") == "postgresql+psycopg://u@db/x"
     )  # an explicit driver stays
-    assert (
-        servers.redacted("postgresql+asyncpg://u:secret@db:5432/prefect")
-        == "postgresql+asyncpg://u:***@db:5432/prefect"
-    )
+    assert redact_url("postgresql+asyncpg://u:secret@db:5432/prefect") == "postgresql+asyncpg://u:***@db:5432/prefect"
 
 
 @pytest.mark.unit
@@ -204,20 +202,22 @@ def test_servers_status_of_nothing_started_is_stopped_with_exit_3(tmp_path, monk
 
 
 @pytest.mark.unit
-def test_servers_up_with_auth_refuses_an_mlflow_that_reads_the_admin_from_its_settings_file_only(
-    tmp_path, monkeypatch, capsys
+@pytest.mark.parametrize("flags", [[], ["--auth"]])
+def test_servers_up_authenticates_by_default_and_refuses_an_mlflow_that_reads_the_admin_from_its_file_only(
+    flags, tmp_path, monkeypatch, capsys
 ):
     """MLflow 3.9-3.16 would not start on alignflow's settings file (no admin password in it), and on
-    their own they create MLflow's default admin: nothing is started or written."""
+    their own they create MLflow's default admin: nothing is started or written. `servers up` asks
+    for it without --auth: authentication is the default."""
     from infra.core import mlflow_compat
 
-    monkeypatch.setenv("ALIGNFLOW_HOME", str(tmp_path))
+    monkeypatch.setenv("ALIGNFLOW_HOME", str(tmp_path / "state"))
     monkeypatch.setattr(mlflow_compat, "installed_version", lambda: "3.16.0")
-    assert main(["servers", "up", "--auth", "--prefect-port", "1", "--mlflow-port", "1"]) == 2
+    assert main(["servers", "up", *flags, "--prefect-port", "1", "--mlflow-port", "1"]) == 2
     error = capsys.readouterr().err
-    assert "--auth needs MLflow 3.17 or later, this is MLflow 3.16.0" in error
-    assert "pip install 'mlflow[auth]>=3.17,<3.18'" in error
-    assert not (tmp_path / "servers").exists()  # no credentials, no server folder
+    assert "authentication (the default) needs MLflow 3.17 or later, this is MLflow 3.16.0" in error
+    assert "pip install 'mlflow[auth]>=3.17,<3.18'), or serve without authentication (--no-auth)\n" in error
+    assert not (tmp_path / "state").exists()  # no credentials, no server folder, no state folder
 
 
 @pytest.mark.slow

@@ -1,11 +1,14 @@
-"""`alignflow servers up --auth`: a Prefect and an MLflow server (SQLite, free loopback ports) that
-refuse requests without the credentials, and a pipeline run that uses them and stores them nowhere:
-not in its output, the logs, the Prefect database, MLflow's params and tags, or any command line."""
+"""`alignflow servers up` (authentication is the default): a Prefect and an MLflow server (SQLite, free
+loopback ports) that refuse requests without the credentials, another local user's too, and a
+pipeline run that uses them and stores them nowhere: not in its output, the logs, the Prefect
+database, MLflow's params and tags, or any command line. `--no-auth` opts out."""
 
 from __future__ import annotations
 
 import base64
+import os
 import shlex
+import shutil
 import stat
 import subprocess
 import time
@@ -51,6 +54,23 @@ def status_of(url: str, headers: dict[str, str] | None = None, data: bytes | Non
         return error.code
 
 
+ANOTHER_USER = "nobody"
+
+
+def status_as_another_user(url: str, data: str | None = None) -> int:
+    """The status of a request from a process of another local user (`nobody`, through `runuser` and
+    `curl`: this interpreter may lie in a folder only its owner reads), which holds none of this
+    user's files or environment."""
+    runuser, curl = shutil.which("runuser"), shutil.which("curl")
+    if os.geteuid() != 0 or runuser is None or curl is None:
+        pytest.skip("acting as another local user needs root, runuser and curl")
+    command = [runuser, "-u", ANOTHER_USER, "--", curl, "-s", "-o", "/dev/null", "-w", "%{http_code}"]
+    command += ["-H", "Content-Type: application/json", *(["--data", data] if data is not None else []), url]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd="/", env={"PATH": os.defpath})
+    assert result.returncode == 0, result.stderr
+    return int(result.stdout)
+
+
 def basic(user_and_password: str) -> dict[str, str]:
     return {"Authorization": f"Basic {base64.b64encode(user_and_password.encode()).decode()}"}
 
@@ -60,7 +80,7 @@ def authed(tmp_path_factory):
     home = tmp_path_factory.mktemp("authed")
     ports = {"prefect": free_port(), "mlflow": free_port()}
     base = environment_without_services("ALIGNFLOW_") | {"ALIGNFLOW_HOME": str(home), "OMP_NUM_THREADS": "1"}
-    up = alignflow(base, "servers", "up", "--auth", "--prefect-port", str(ports["prefect"]), "--mlflow-port",
+    up = alignflow(base, "servers", "up", "--prefect-port", str(ports["prefect"]), "--mlflow-port",
                    str(ports["mlflow"]))  # fmt: skip
     try:
         assert up.returncode == 0, up.stdout + up.stderr
@@ -115,6 +135,30 @@ def test_servers_refuse_requests_without_the_credentials(authed):
         for name in servers.SERVERS
     ]
     assert [record.auth for record in records] == [True, True]
+
+
+def test_another_local_user_can_neither_list_experiments_nor_create_flows(authed):
+    """By default (no --auth given), not just this user's own requests without the credentials."""
+    assert status_as_another_user(f"{authed.mlflow_url}/api/2.0/mlflow/experiments/search?max_results=1") == 401
+    assert status_as_another_user(f"{authed.prefect_url}/api/flows/", '{"name": "intruder"}') == 401
+    assert status_as_another_user(f"{authed.prefect_url}/api/flow_runs/filter", "{}") == 401
+
+
+def test_no_auth_opts_out_and_says_who_can_use_the_server(tmp_path):
+    port = free_port()
+    base = environment_without_services("ALIGNFLOW_") | {"ALIGNFLOW_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    up = alignflow(base, "servers", "up", "prefect", "--no-auth", "--prefect-port", str(port))
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert up.stderr == "alignflow servers: --no-auth: every local user can use these servers' APIs\n"
+        assert status_as_another_user(f"http://127.0.0.1:{port}/api/flows/", '{"name": "anyone"}') == 201
+        record = servers.ServerRecord.model_validate_json(
+            (tmp_path / "servers" / "prefect" / servers.RECORD_FILE).read_text()
+        )
+        assert not record.auth and not (tmp_path / "servers" / servers.CREDENTIALS_FILE).exists()
+    finally:
+        down = alignflow(base, "servers", "down", timeout=120)
+        assert down.returncode == 0, down.stdout + down.stderr
 
 
 def command_lines() -> list[str]:

@@ -168,6 +168,9 @@ def stack(tmp_path_factory):
         up = stack.alignflow(
             "servers",
             "up",
+            # The browser walk-through below opens both UIs without logging in; test_server_auth.py runs the
+            # authenticated default (servers, a tracked run, another local user refused).
+            "--no-auth",
             "--prefect-port",
             str(ports["prefect"]),
             "--mlflow-port",

@@ -22,6 +22,36 @@ LOG_BATCH_ENDPOINT = "/api/2.0/mlflow/runs/log-batch"
 DATASET_CONTEXT_TAG = "mlflow.data.context"
 
 
+# The URI schemes MLflow's own tracking stores take (mlflow.tracking._tracking_service.utils registers
+# them): a local file store (no scheme, file), Databricks, a tracking server, SQLAlchemy databases.
+# MLflow registers "databricks-uc" and "uc" too, whose builder refuses them as tracking URIs.
+TRACKING_SCHEMES = ("", "file", "databricks", "http", "https", "postgresql", "mysql", "sqlite", "mssql")
+DATABASE_SCHEMES = ("postgresql", "mysql", "sqlite", "mssql")  # mlflow.store.db.db_types.DATABASE_ENGINES
+TRACKING_STORE_PLUGINS = "mlflow.tracking_store"  # the entry-point group of plugins' tracking stores
+
+
+def tracking_uri_scheme(uri: str) -> str:
+    """The scheme MLflow picks a tracking store by (``mlflow.utils.uri.get_uri_scheme``): a database
+    URI's without its ``+driver``, none for a Windows drive letter; a bare ``databricks`` is itself."""
+    import urllib.parse
+
+    if uri == "databricks":
+        return uri
+    scheme = urllib.parse.urlsplit(uri).scheme
+    if scheme.startswith(DATABASE_SCHEMES):
+        return scheme.split("+", 1)[0]
+    return "" if len(scheme) == 1 and scheme.isalpha() else scheme
+
+
+def tracking_schemes() -> list[str]:
+    """Every scheme a tracking URI may have here: MLflow's own and those of installed plugins
+    (read from their entry points, without importing MLflow)."""
+    import importlib.metadata
+
+    plugins = [entry.name for entry in importlib.metadata.entry_points(group=TRACKING_STORE_PLUGINS)]
+    return [*TRACKING_SCHEMES, *plugins]
+
+
 def rest_poster(tracking_uri: str, timeout: float) -> Callable[[str, dict[str, Any]], Response]:
     """``post(endpoint, body)``: POST ``body`` as JSON to the tracking server's REST ``endpoint``, once
     (no urllib3 retries; MLflow's client would retry for minutes), for at most ``timeout`` seconds,

@@ -9,11 +9,30 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-from infra.core.settings import get_settings, redact_url
+from infra.core import mlflow_compat
+from infra.core.settings import Settings, get_settings, redact_url
 
 
 class TrackingServerUnreachable(RuntimeError):
     """The MLflow tracking server does not answer."""
+
+
+class UnsupportedTrackingUri(ValueError):
+    """The tracking URI has a scheme no MLflow tracking store takes."""
+
+
+def unsupported_tracking_uri(settings: Settings) -> str | None:
+    """Why the configured tracking URI cannot be used, naming the variable it came from, or None."""
+    uri = settings.mlflow_tracking_uri
+    scheme = mlflow_compat.tracking_uri_scheme(uri)
+    if scheme in (schemes := mlflow_compat.tracking_schemes()):
+        return None
+    variable = "ALIGNFLOW_TRACKING_URI" if settings.tracking_uri else "MLFLOW_TRACKING_URI"
+    known = ", ".join(f"{name}://" for name in sorted(filter(None, schemes)))
+    return (
+        f"{variable}={redact_url(uri)}: MLflow has no tracking store for the scheme {scheme!r}; "
+        f"use one of {known} or a local path"
+    )
 
 
 def unreachable(uri: str, timeout: float = 5.0) -> str | None:
@@ -35,9 +54,13 @@ def unreachable(uri: str, timeout: float = 5.0) -> str | None:
 
 
 def require_tracking_server() -> None:
-    """Raise :class:`TrackingServerUnreachable`, naming the URI (redacted) and the cause, when the
-    configured tracking server does not answer."""
-    uri = get_settings().mlflow_tracking_uri
+    """Raise :class:`UnsupportedTrackingUri` when no MLflow store takes the configured tracking URI,
+    :class:`TrackingServerUnreachable`, naming the URI (redacted) and the cause, when the configured
+    tracking server does not answer."""
+    settings = get_settings()
+    if (problem := unsupported_tracking_uri(settings)) is not None:
+        raise UnsupportedTrackingUri(problem)
+    uri = settings.mlflow_tracking_uri
     if (problem := unreachable(uri)) is not None:
         raise TrackingServerUnreachable(
             f"the MLflow tracking server {redact_url(uri)} does not answer ({problem}): start it (alignflow servers "

@@ -48,6 +48,14 @@ class Settings(BaseSettings):
         return [Path.cwd().resolve(), *listed]
 
     @property
+    def state_folders(self) -> list[Path]:
+        """Folders of state and credentials, which no ``data.chat_template`` file may come from, whatever
+        the template roots: this state folder (the servers' credentials, databases, checkpoints), and
+        Prefect's and the Hugging Face hub's homes where they are set (API keys, tokens)."""
+        homes = [os.environ.get(name) for name in ("PREFECT_HOME", "HF_HOME")]
+        return [self.root, *(Path(home).expanduser().resolve() for home in homes if home)]
+
+    @property
     def outputs(self) -> Path:
         return self.root / "outputs"
 
@@ -103,13 +111,37 @@ class Settings(BaseSettings):
         return "http://127.0.0.1:5000"
 
 
-def redact_url(url: str) -> str:
-    """``url`` with the password of its ``user:password@`` part (a lone ``token@``) replaced by ``***``: for
+def redact_url(text: str) -> str:
+    """``text`` with every credential of the URLs in it replaced by ``***``: the password of a
+    ``user:password@`` part (a lone ``token@``, but for a database URL's lone user), and the value
+    of each query or fragment parameter whose name holds one of :data:`SECRET_PARAMETER_WORDS`. For
     every URL that is printed, logged, tagged or stored (link artifacts). Other text is unchanged."""
-    return CREDENTIALS.sub(lambda m: f"{m['scheme']}{m['user'] + ':' if m['password'] is not None else ''}***@", url)
+    return URL.sub(lambda url: PARAMETER.sub(redact_parameter, USERINFO.sub(redact_userinfo, url[0])), text)
 
 
-CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^:@/\s]*)(?::(?P<password>[^@/\s]*))?@")
+# A URL parameter whose name (any case) holds one of these carries a credential: token, access_token,
+# api_key, apikey, password, passwd, pwd, secret, client_secret, sig (Azure SAS), X-Amz-Signature,
+# X-Amz-Credential, X-Amz-Security-Token, X-Goog-Signature, auth, session ids. Too wide is a value hidden
+# for nothing; too narrow is a leaked credential.
+SECRET_PARAMETER_WORDS = ("token", "key", "secret", "passw", "pwd", "sig", "credential", "auth", "session")
+URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+USERINFO = re.compile(r"^(?P<scheme>[^:]+://)(?P<user>[^:@/?#\s]*)(?::(?P<password>[^/?#\s]*))?@")
+PARAMETER = re.compile(r"(?P<lead>[?&;#])(?P<name>[^=&;#?\s]+)=(?P<value>[^&;#\s'\"<>(){}\[\],]+)")
+
+
+# SQLAlchemy dialects (any +driver): their URLs' lone user part is a database role, not a token.
+DATABASE_URL = re.compile(r"(postgres|postgresql|mysql|mariadb|mssql|oracle|sqlite)(\+[\w-]+)?://", re.IGNORECASE)
+
+
+def redact_userinfo(match: re.Match) -> str:
+    if match["password"] is not None:
+        return f"{match['scheme']}{match['user']}:***@"
+    return match[0] if DATABASE_URL.match(match["scheme"]) else f"{match['scheme']}***@"
+
+
+def redact_parameter(match: re.Match) -> str:
+    secret = any(word in match["name"].lower() for word in SECRET_PARAMETER_WORDS)
+    return f"{match['lead']}{match['name']}={'***' if secret else match['value']}"
 
 
 def get_settings() -> Settings:
@@ -184,11 +216,21 @@ def tracking_credentials_apart(settings: Settings) -> Settings:
     return settings.model_copy(update={"tracking_uri": bare if settings.tracking_uri is not None else None})
 
 
-def configure_environment(settings: Settings | None = None) -> Settings:
-    """Set process-wide defaults for Prefect and MLflow. Call before importing prefect."""
+def open_state_folder(settings: Settings | None = None) -> None:
+    """Make the state folder ready for work: created (0700) and writable, and adopted where it was
+    copied or moved (its ``origin``). A command calls it where its work starts, so one that fails
+    before (a bad config) leaves no folder behind."""
+    root = (settings or get_settings()).root
+    prepare_state_folder(root)
+    adopt_moved_state_folder(root)
+
+
+def configure_environment(settings: Settings | None = None, open_folder: bool = True) -> Settings:
+    """Set process-wide defaults for Prefect and MLflow. Call before importing prefect. With
+    ``open_folder`` false the state folder is left alone: the caller opens it (:func:`open_state_folder`)."""
     settings = tracking_credentials_apart(settings or get_settings())
-    prepare_state_folder(settings.root)
-    adopt_moved_state_folder(settings.root)
+    if open_folder:
+        open_state_folder(settings)
     defaults = {
         "PREFECT_HOME": str(settings.root / "prefect"),
         # what libraries would otherwise leave in ~ or /tmp (the state folder holds everything)

@@ -17,8 +17,8 @@ from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
-from infra.core.reachability import require_tracking_server
-from infra.core.settings import StateFolderError, configure_environment, get_settings, redact_url
+from infra.core.reachability import UnsupportedTrackingUri, require_tracking_server
+from infra.core.settings import StateFolderError, configure_environment, get_settings, open_state_folder, redact_url
 from infra.ops import service_cli
 from infra.ops.cache_cli import add_cache_parser, cache_command
 from infra.ops.databases import first_time_setup, prepare_databases
@@ -109,12 +109,16 @@ EXIT_CODE = 0
 
 def write_traceback(error: BaseException) -> Path | None:
     """The full traceback of ``error`` in a log file under the state folder (the temp folder if that
-    is unusable); None when neither can be written (a full disk)."""
+    is unusable, or not opened yet: a command that failed before its work started makes none);
+    None when neither can be written (a full disk)."""
     text = redact_url("".join(traceback.format_exception(error)))
     name = f"error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     try:
-        folder = get_settings().root / "logs"
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        root = get_settings().root
+        if not root.is_dir():
+            raise FileNotFoundError(root)
+        folder = root / "logs"
+        folder.mkdir(mode=0o700, exist_ok=True)
         (folder / name).write_text(text)
         return folder / name
     except OSError:
@@ -304,10 +308,12 @@ def run_flow(module: str, name: str, *args, check=None, before_run=None, preload
     if not STANDALONE:
         if check is not None:
             check()
+        open_state_folder()
         prepare_databases()
         flow = getattr(importlib.import_module(module), name)
     else:
         end_at_exit_without_teardown(lambda: EXIT_CODE)  # first registered: runs after every other exit hook
+        open_state_folder()  # the work starts: the temporary server logs and keeps its database in it
         api = configured_prefect_api()
         with first_time_setup(temporary_prefect=api is None) as setup:
             if api is not None:
@@ -377,7 +383,9 @@ def sweep_command(args: argparse.Namespace) -> int:
     from infra.ops.prefect_api import shared_prefect_api
 
     # The trials' Dask workers use this process's Prefect API: the command's own (run_flow), or,
-    # when main() is called in-process, one shared for the block.
+    # when main() is called in-process, one shared for the block (in the state folder).
+    if not STANDALONE:
+        open_state_folder()
     with nullcontext() if STANDALONE else shared_prefect_api():
         return run_flow("flows.sweep", "sweep", spec, outcome=sweep_outcome)
 
@@ -411,6 +419,11 @@ COMMANDS = {
 }
 
 
+# Commands that check their input first and open the state folder once their work starts (run_flow,
+# servers_command, require_prefect_server); the others open it before they run.
+OPENS_STATE_FOLDER_ITSELF = {"run", "evaluate", "compare", "sweep", "servers", "deploy", "serve", "worker"}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done, 1 the run (or command) failed, 2 bad input (config, state folder)."""
     global EXIT_CODE
@@ -429,15 +442,16 @@ def run_command_line(argv: list[str] | None) -> int:
     global DEBUG
     args = build_parser().parse_args(argv)
     DEBUG = args.debug
+    configure_environment(open_folder=False)  # each command opens the state folder where its work starts
     try:
-        configure_environment()
-    except StateFolderError as error:
-        print(f"alignflow: {error}", file=sys.stderr)
-        return 2
-    try:
+        if args.command not in OPENS_STATE_FOLDER_ITSELF:
+            open_state_folder()
         return COMMANDS[args.command](args)
     except (SystemExit, KeyboardInterrupt):
         raise
+    except (StateFolderError, UnsupportedTrackingUri) as error:  # bad input, found before anything started
+        print(f"alignflow: {error}", file=sys.stderr)
+        return 2
     except Exception as error:  # one line and a log file, not a traceback on the terminal
         report_error(f"{type(error).__name__}: {error}", error)
         return 1

@@ -3,10 +3,10 @@
 Each server is one process group started in its own session, with its files under
 ``<run-state>/servers/<name>/``: ``server.log``, ``pid`` and ``server.json`` (URLs, database).
 Both bind 127.0.0.1 by default and keep their data on SQLite in that folder; given a PostgreSQL
-URL they use it instead, creating the database first if it is missing. With ``--auth`` they refuse
-every request without credentials (Prefect's API auth string, MLflow's ``basic-auth`` app), which
-are generated once and kept in ``servers/credentials.json`` (0600): never in ``server.json``, a log
-or a command line.
+URL they use it instead, creating the database first if it is missing. Unless started with
+``--no-auth`` they refuse every request without credentials (Prefect's API auth string, MLflow's
+``basic-auth`` app), which are generated once and kept in ``servers/credentials.json`` (0600):
+never in ``server.json``, a log or a command line.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from infra.core.launching import ProcessGroup
 from infra.core.mlflow_compat import basic_auth_config, default_allowed_hosts
 from infra.core.ports import bind_error
 from infra.core.processes import ProcessRecord, is_alive, listening_pids, pid_alive, process_record
-from infra.core.settings import Settings
+from infra.core.settings import Settings, redact_url
 
 HEALTH_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 20.0
@@ -48,7 +48,7 @@ CREDENTIALS_FILE = "credentials.json"  # in servers/, mode 0600
 
 @dataclass(frozen=True)
 class Credentials:
-    """The secrets of servers started with ``--auth``: random, made once per state folder."""
+    """The secrets of servers that authenticate (all but ``--no-auth`` ones): random, made once per state folder."""
 
     prefect_auth_string: str
     mlflow_password: str
@@ -143,12 +143,6 @@ def with_driver(url: str, driver: str) -> str:
     if parsed.drivername == "postgresql":
         parsed = parsed.set(drivername=f"postgresql+{driver}")
     return parsed.render_as_string(hide_password=False)
-
-
-def redacted(url: str) -> str:
-    from sqlalchemy.engine import make_url
-
-    return make_url(url).render_as_string(hide_password=True) if "://" in url else url
 
 
 def prefect_auth(credentials: Credentials) -> dict[str, str]:
@@ -270,7 +264,7 @@ def ensure_postgres_database(url: str) -> bool:
         raise RuntimeError("PostgreSQL URLs need psycopg2: pip install 'alignflow[postgres]'") from error
     parsed = make_url(url)
     if not parsed.database:
-        raise ValueError(f"{redacted(url)}: the URL names no database")
+        raise ValueError(f"{redact_url(url)}: the URL names no database")
     connection = psycopg2.connect(
         host=parsed.host, port=parsed.port or 5432, user=parsed.username, password=parsed.password, dbname="postgres"
     )
@@ -346,7 +340,7 @@ def start(spec: ServerSpec, folder: Path) -> int:
     """Start the server in a new session (its own process group); returns its pid."""
     folder.mkdir(parents=True, exist_ok=True)
     if spec.postgres_url and ensure_postgres_database(spec.postgres_url):
-        print(f"{spec.name}: created database {redacted(spec.postgres_url)}")
+        print(f"{spec.name}: created database {redact_url(spec.postgres_url)}")
     for name, text in spec.files.items():
         (folder / name).write_text(text)
     with open(folder / "server.log", "ab") as log:
@@ -364,7 +358,7 @@ def start(spec: ServerSpec, folder: Path) -> int:
         url=spec.url,
         health_url=spec.health_url,
         exports=spec.exports,
-        database=redacted(spec.database_url),
+        database=redact_url(spec.database_url),
         auth=spec.auth,
         artifacts=spec.artifacts,
     )

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from infra.core import mlflow_compat
-from infra.core.settings import get_settings
+from infra.core.settings import get_settings, open_state_folder
 from infra.ops import servers
 
 DEFAULT_POOL = "alignflow-process"
@@ -29,7 +29,7 @@ def add_parsers(commands) -> None:
         "action",
         choices=sorted(SERVER_ACTIONS),
         help="up: start and wait until healthy; down: stop; status: check; env: print client exports "
-        "(with the credentials of --auth servers)",
+        "(with the credentials of servers that ask for them)",
     )
     server.add_argument(
         "names", nargs="*", metavar="server", help=f"which servers (default: all of {', '.join(servers.SERVERS)})"
@@ -52,14 +52,20 @@ def add_parsers(commands) -> None:
     auth = server.add_mutually_exclusive_group()
     auth.add_argument(
         "--auth",
-        action="store_true",
+        dest="auth",
+        action="store_const",
+        const=True,
+        default=True,
         help="refuse requests without credentials (made once, kept in $ALIGNFLOW_HOME/servers/credentials.json; "
-        "`servers env` prints them): the team default",
+        "runs of this state folder find them, `servers env` prints them): the default",
     )
     auth.add_argument(
         "--no-auth",
-        action="store_true",
-        help="serve a wildcard --host without authentication anyway (refused otherwise)",
+        dest="auth",
+        action="store_const",
+        const=False,
+        help="serve without authentication: every local user (on a wildcard --host, every machine that reaches "
+        "it) can use both APIs",
     )
     server.add_argument(
         "--timeout",
@@ -117,6 +123,7 @@ def add_parsers(commands) -> None:
 
 
 def require_prefect_server() -> str | None:
+    """The Prefect API URL, the state folder opened for the command's work; None (said) when none is set."""
     from prefect.settings import PREFECT_API_URL
 
     url = PREFECT_API_URL.value()
@@ -126,6 +133,8 @@ def require_prefect_server() -> str | None:
             'servers up` prints it, `eval "$(alignflow servers env)"` sets it)',
             file=sys.stderr,
         )
+        return None
+    open_state_folder()
     return url
 
 
@@ -145,30 +154,28 @@ def print_exports(environment: dict[str, str]) -> None:
 
 
 def mlflow_auth_refusal() -> str | None:
-    """Why ``servers up --auth`` must not start the installed MLflow, if it must not."""
+    """Why ``servers up`` (authenticating) must not start the installed MLflow, if it must not."""
     version = mlflow_compat.installed_version()
     if mlflow_compat.basic_auth_admin_from_environment(version):
         return None
     wanted = ".".join(map(str, mlflow_compat.BASIC_AUTH_ADMIN_FROM_ENVIRONMENT))
     return (
-        f"--auth needs MLflow {wanted} or later, this is MLflow {version}: its basic-auth app takes the "
-        f"admin's password from its settings file only, and alignflow keeps passwords in servers/"
+        f"authentication (the default) needs MLflow {wanted} or later, this is MLflow {version}: its basic-auth "
+        f"app takes the admin's password from its settings file only, and alignflow keeps passwords in servers/"
         f"{servers.CREDENTIALS_FILE} alone. Upgrade it (pip install 'mlflow[auth]>={wanted},"
-        f"<{mlflow_compat.SUPPORTED[1]}'), or serve without --auth on 127.0.0.1"
+        f"<{mlflow_compat.SUPPORTED[1]}'), or serve without authentication (--no-auth)"
     )
 
 
+def servers_up_refusal(args: argparse.Namespace, folders: dict[str, Path]) -> str | None:
+    """Why ``servers up`` must not start these servers with these options, if it must not."""
+    return mlflow_auth_refusal() if args.auth and "mlflow" in folders else None
+
+
 def servers_up(args: argparse.Namespace, folders: dict[str, Path]) -> int:
-    if args.host in servers.WILDCARD_HOSTS and not (args.auth or args.no_auth):
-        print(
-            f"alignflow servers: --host {args.host} serves every network this machine is on: add --auth "
-            "(clients then need the credentials), or --no-auth to serve without authentication anyway",
-            file=sys.stderr,
-        )
-        return 2
-    if args.auth and "mlflow" in folders and (refusal := mlflow_auth_refusal()):
-        print(f"alignflow servers: {refusal}", file=sys.stderr)
-        return 2
+    if not args.auth:
+        reach = "every machine that reaches it" if args.host in servers.WILDCARD_HOSTS else "every local user"
+        print(f"alignflow servers: --no-auth: {reach} can use these servers' APIs", file=sys.stderr)
     root = servers.servers_dir(get_settings())
     options = servers.ServerOptions(
         args.host,
@@ -252,7 +259,12 @@ SERVER_ACTIONS = {"up": servers_up, "down": servers_down, "status": servers_stat
 
 
 def servers_command(args: argparse.Namespace) -> int:
-    return SERVER_ACTIONS[args.action](args, server_folders(args.names))
+    folders = server_folders(args.names)
+    if args.action == "up" and (refusal := servers_up_refusal(args, folders)):
+        print(f"alignflow servers: {refusal}", file=sys.stderr)
+        return 2
+    open_state_folder()
+    return SERVER_ACTIONS[args.action](args, folders)
 
 
 def deploy_command(args: argparse.Namespace) -> int:

@@ -16,9 +16,13 @@ MAX_DEPTH = 64  # nesting a config never needs, far below Python's recursion lim
 MAX_NODES = 100_000  # values, counted with every alias expanded: a "billion laughs" file is refused
 
 
+MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 class ConfigLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` for configs: a key given twice in one mapping is an error (not the last
-    one silently winning), and so is nesting deeper than :data:`MAX_DEPTH`."""
+    one silently winning), and so are nesting deeper than :data:`MAX_DEPTH`, a merge key (``<<:``,
+    whose keys a later key silently overrides) and a key that is a list or a mapping (``? [1, 2]``)."""
 
     depth = 0
 
@@ -36,6 +40,15 @@ class ConfigLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen: dict[Any, Any] = {}
         for key_node, _ in node.value:
+            if key_node.tag == MERGE_TAG:
+                raise yaml.constructor.ConstructorError(
+                    None, None, "merge keys (<<) are not supported: write the keys out", key_node.start_mark
+                )
+            if not isinstance(key_node, yaml.ScalarNode):
+                kind = "list" if isinstance(key_node, yaml.SequenceNode) else "mapping"
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"a key must be a plain value, not a {kind}", key_node.start_mark
+                )
             key = self.construct_object(key_node, deep=True)
             if isinstance(key, (str, int, float, bool)) and key in seen:
                 first = seen[key].line + 1

@@ -14,7 +14,16 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, Field, create_model, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from infra.core.config.compute import ComputeConfig
 from infra.core.config.tree import get_path, set_path
@@ -50,6 +59,9 @@ def safe_name(value: str) -> str:
 SafeName = Annotated[str, AfterValidator(safe_name)]
 
 
+SEED = TypeAdapter(Seed)
+
+
 def is_template_text(value: str) -> bool:
     """``data.chat_template`` is Jinja text when it has a ``{``, else the path of a file holding it."""
     return "{" in value
@@ -57,15 +69,29 @@ def is_template_text(value: str) -> bool:
 
 def template_file(value: str) -> Path:
     """The file a ``data.chat_template`` path names, symlinks and ``..`` resolved; it must lie in the
-    project or a folder of ``ALIGNFLOW_TEMPLATE_DIRS`` (:attr:`Settings.template_roots`)."""
+    project or a folder of ``ALIGNFLOW_TEMPLATE_DIRS`` (:attr:`Settings.template_roots`), below no hidden
+    file or folder of it (``.git``, ``.env``, ``.ssh``: where tools keep state and credentials), and in
+    none of :attr:`Settings.state_folders` (the state folder: the servers' credentials)."""
     path = Path(value).expanduser().resolve()
     if not path.is_file():
         raise ValueError(f"no such file {value!r} (and not a Jinja template: it has no '{{')")
-    roots = get_settings().template_roots
-    if not any(path.is_relative_to(root) for root in roots):
+    settings = get_settings()
+    if (state := next((folder for folder in settings.state_folders if path.is_relative_to(folder)), None)) is not None:
         raise ValueError(
-            f"{value!r} lies outside the folders a template file may come from ({', '.join(map(str, roots))}): "
-            "put it in the project, or list its folder in ALIGNFLOW_TEMPLATE_DIRS"
+            f"{value!r} lies in {state}, a folder of state and credentials: a template file may not come from it"
+        )
+    roots = [root for root in settings.template_roots if path.is_relative_to(root)]
+    if not roots:
+        raise ValueError(
+            f"{value!r} lies outside the folders a template file may come from "
+            f"({', '.join(map(str, settings.template_roots))}): put it in the project, or list its folder in "
+            "ALIGNFLOW_TEMPLATE_DIRS"
+        )
+    hidden = [next((p for p in path.relative_to(root).parts if p.startswith(".")), None) for root in roots]
+    if None not in hidden:
+        raise ValueError(
+            f"{value!r} lies in a hidden file or folder ({hidden[0]!r}), where tools keep state and credentials: "
+            "a template file may not come from one"
         )
     return path
 
@@ -410,10 +436,14 @@ class ExperimentBase(Section):
     @classmethod
     def _apply_seed(cls, data: Any) -> Any:
         """``seed: s`` writes ``s`` into every field of :func:`seeded_fields`; one of them set
-        explicitly to another value is an error (one source of truth per run)."""
+        explicitly to another value is an error (one source of truth per run). A seed that is no
+        :data:`Seed` is written nowhere: its own field reports it, once."""
         if not isinstance(data, dict) or data.get("seed") is None:
             return data
-        seed = data["seed"]
+        try:
+            seed = SEED.validate_python(data["seed"])
+        except ValidationError:
+            return data
         tree = {k: v.model_dump(exclude_unset=True) if isinstance(v, BaseModel) else v for k, v in data.items()}
         for key in seeded_fields():
             current = get_path(tree, key)
