@@ -48,7 +48,7 @@ def child(mode: str, path: Path) -> dict:
     from infra.core.config import DataConfig, DatasetSource, ModelConfig
     from tasks.data import prepare_dataset
     from tasks.models import resolve_model
-    from trainers.data.rows import clipping
+    from trainers.data import clipping
 
     if mode == "whole":
         clipping.TextClip.for_tokenizer = classmethod(lambda cls, tokenizer, most, keep_end: cls(sys.maxsize, keep_end))

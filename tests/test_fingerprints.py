@@ -57,12 +57,12 @@ def test_editing_a_function_misses_exactly_the_caches_built_from_it(tmp_path):
     original = fingerprints_of(tmp_path)
     assert original == {name: code_fingerprint(root) for name, root in ROOTS.items()}  # the copy is the checkout
 
-    edit_function(tmp_path / "trainers" / "logprobs.py", "completion_logps", "input_ids = input_ids.long()")
+    edit_function(tmp_path / "trainers" / "scoring" / "logprobs.py", "completion_logps", "input_ids = input_ids.long()")
     after_logprobs = fingerprints_of(tmp_path)
     assert after_logprobs["reference"] != original["reference"]  # the reference pass runs completion_logps
     assert after_logprobs["data"] == original["data"] and after_logprobs["sft"] == original["sft"]
 
-    edit_function(tmp_path / "trainers" / "collators.py", "prompt_completion_batch", "prompts = list(prompts)")
+    edit_function(tmp_path / "trainers" / "data" / "collators.py", "prompt_completion_batch", "prompts = list(prompts)")
     after_collators = fingerprints_of(tmp_path)
     assert after_collators["reference"] != after_logprobs["reference"]  # both batch with the collators
     assert after_collators["sft"] != after_logprobs["sft"]
