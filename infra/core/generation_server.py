@@ -3,10 +3,15 @@ without a server's address: started on this machine, health-checked, its output 
 line, stopped when the block ends however it ends. It runs as a process group tied to this process
 (:class:`~infra.core.launching.ProcessGroup`): a cancelled flow run stops it as it stops a launch,
 and a SIGKILLed one takes it along (``PR_SET_PDEATHSIG``).
+
+Each start makes a fresh token (:mod:`trainers.vllm_auth`), handed to the server by its environment
+and set in this process's environment for the block, where the trainer, here or in the ranks a
+launch starts from this process, finds it.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -29,12 +34,17 @@ def managed_generation_server(
     weights_root: Path, on_line: Callable[[str], None], startup_timeout: float = STARTUP_TIMEOUT_S
 ) -> Iterator[str]:
     """The address of a vLLM server started on loopback for the block, reading models and weights
-    under ``weights_root``; ``on_line`` gets each line of its output."""
+    under ``weights_root``, answering only requests with a token made for it (in
+    ``ALIGNFLOW_VLLM_TOKEN`` for the block); ``on_line`` gets each line of its output."""
+    from trainers.vllm_auth import TOKEN_VARIABLE, new_token
     from trainers.vllm_server import LISTENING, health
 
     weights_root.mkdir(parents=True, exist_ok=True)
+    token, before = new_token(), os.environ.get(TOKEN_VARIABLE)
     command = [sys.executable, "-m", "trainers.vllm_server", "127.0.0.1", "0", str(weights_root)]
-    group = ProcessGroup.start(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    group = ProcessGroup.start(
+        command, env=os.environ | {TOKEN_VARIABLE: token}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     tail: deque[str] = deque(maxlen=40)
     addresses: list[str] = []
 
@@ -52,8 +62,13 @@ def managed_generation_server(
                 why = f"exited with status {group.poll()}" if group.poll() is not None else "did not start in time"
                 raise ServerFailed("\n".join([f"the vLLM server ({' '.join(command)}) {why}; its output:", *tail]))
             group.pause(0.1)
-        health(addresses[0])  # it answers: the address is right
+        health(addresses[0], token)  # it answers: the address is right
+        os.environ[TOKEN_VARIABLE] = token
         yield addresses[0]
     finally:
+        if before is None:
+            os.environ.pop(TOKEN_VARIABLE, None)
+        else:
+            os.environ[TOKEN_VARIABLE] = before
         group.stop()
         reader.join(timeout=5)
