@@ -54,17 +54,19 @@ from typing import Callable, Protocol
 import torch
 
 from trainers import weight_channel
+from trainers.generation_batcher import Batcher
 from trainers.grpo_section import FOLDER_TRANSFERS
 from trainers.vllm_auth import authorized, bearer, environment_token
 from trainers.vllm_engine import (
     EngineOptions,
     EngineSamples,
+    GenerationRequest,
     SamplingOptions,
     SyncedEngine,
     build_llm,
     reload_weights,
     require_vllm,
-    sample,
+    sample_requests,
     savable,
     served_config,
     write_model_folder,
@@ -80,7 +82,8 @@ class ServerError(RuntimeError):
 
 
 class EngineHost:
-    """The server's engine: none until ``/load``; one request at a time reaches it. Its weight
+    """The server's engine: none until ``/load``; one request at a time reaches it, and the
+    ``/generate`` requests that wait meanwhile reach it together (:class:`Batcher`). Its weight
     channels listen on ``bind_host``, the server's interface."""
 
     def __init__(self, weights_root: Path, bind_host: str = "127.0.0.1"):
@@ -89,6 +92,9 @@ class EngineHost:
         self.llm = None
         self.lock = threading.Lock()
         self.channel: weight_channel.Receiver | None = None
+        self.batcher: Batcher[GenerationRequest, EngineSamples] = Batcher(
+            lambda requests: sample_requests(self.ready(), requests), self.lock
+        )
 
     def inside_root(self, path: str) -> Path:
         resolved = Path(path).resolve()
@@ -137,9 +143,7 @@ class EngineHost:
 
     def generate(self, prompts: list[list[int]], seeds: list[int], sampling: dict) -> dict:
         options = SamplingOptions(**{**sampling, "stop_ids": tuple(sampling["stop_ids"])})
-        with self.lock:
-            samples = sample(self.ready(), prompts, seeds, options)
-        return dataclasses.asdict(samples)
+        return dataclasses.asdict(self.batcher.submit((prompts, seeds, options)))
 
     def ready(self):
         if self.llm is None:
