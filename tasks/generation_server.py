@@ -28,7 +28,11 @@ def served_section(stage: str, section: TrainingConfig, folder: StageFolder, run
     logger = get_run_logger()
     transfer = folder.path / "vllm-transfer"
     started = time.perf_counter()
-    with managed_generation_server(transfer, lambda line: logger.info("%s: vLLM server: %s", stage, line)) as url:
+
+    def log(line: str) -> None:
+        logger.info("%s: vLLM server: %s", stage, line)
+
+    with managed_generation_server(transfer, log, gpus=section.vllm_server_gpus) as url:
         logger.info("%s: vLLM server up at %s after %.1f s", stage, url, time.perf_counter() - started)
         client().set_tag(run_id, "alignflow.vllm_server", url)
         update = {"vllm_server_url": url}

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from infra.core.launching import ProcessGroup, output_reader
 
@@ -29,22 +29,30 @@ class ServerFailed(RuntimeError):
     """The managed server exited or did not answer in time."""
 
 
+def server_devices(gpus: Sequence[int] | None) -> dict[str, str]:
+    """The environment that gives the server ``gpus`` alone (none: the devices it finds)."""
+    return {} if gpus is None else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+
+
 @contextmanager
 def managed_generation_server(
-    weights_root: Path, on_line: Callable[[str], None], startup_timeout: float = STARTUP_TIMEOUT_S
+    weights_root: Path,
+    on_line: Callable[[str], None],
+    startup_timeout: float = STARTUP_TIMEOUT_S,
+    gpus: Sequence[int] | None = None,
 ) -> Iterator[str]:
     """The address of a vLLM server started on loopback for the block, reading models and weights
     under ``weights_root``, answering only requests with a token made for it (in
-    ``ALIGNFLOW_VLLM_TOKEN`` for the block); ``on_line`` gets each line of its output."""
+    ``ALIGNFLOW_VLLM_TOKEN`` for the block), on ``gpus`` alone where given (its
+    ``CUDA_VISIBLE_DEVICES``); ``on_line`` gets each line of its output."""
     from trainers.vllm_auth import TOKEN_VARIABLE, new_token
     from trainers.vllm_server import LISTENING, health
 
     weights_root.mkdir(parents=True, exist_ok=True)
     token, before = new_token(), os.environ.get(TOKEN_VARIABLE)
     command = [sys.executable, "-m", "trainers.vllm_server", "127.0.0.1", "0", str(weights_root)]
-    group = ProcessGroup.start(
-        command, env=os.environ | {TOKEN_VARIABLE: token}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    env = os.environ | {TOKEN_VARIABLE: token} | server_devices(gpus)
+    group = ProcessGroup.start(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tail: deque[str] = deque(maxlen=40)
     addresses: list[str] = []
 
