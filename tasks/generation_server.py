@@ -21,8 +21,8 @@ from trainers.sections import TrainingConfig
 @contextmanager
 def served_section(stage: str, section: TrainingConfig, folder: StageFolder, run_id: str) -> Iterator[TrainingConfig]:
     """``section`` as its trainer gets it: with the address of the generation server the stage asks
-    for (:attr:`trainers.stages.spec.StageSpec.generation_server`), started for the block (and, when
-    its weights travel through a folder, with that folder in the stage's folder)."""
+    for (:attr:`trainers.stages.spec.StageSpec.generation_server`), started for the block on the GPUs
+    it names (and, when its weights travel through a folder, with that folder in the stage's folder)."""
     server = STAGES[stage].generation_server(section)
     if server is None:
         yield section
@@ -30,7 +30,11 @@ def served_section(stage: str, section: TrainingConfig, folder: StageFolder, run
     logger = get_run_logger()
     transfer = folder.path / "vllm-transfer"
     started = time.perf_counter()
-    with managed_generation_server(transfer, lambda line: logger.info("%s: vLLM server: %s", stage, line)) as url:
+
+    def log(line: str) -> None:
+        logger.info("%s: vLLM server: %s", stage, line)
+
+    with managed_generation_server(transfer, log, gpus=server.gpus) as url:
         logger.info("%s: vLLM server up at %s after %.1f s", stage, url, time.perf_counter() - started)
         client().set_tag(run_id, "alignflow.vllm_server", url)
         yield server.served(url, str(transfer) if server.uses_folder else None)

@@ -108,9 +108,13 @@ def add_parsers(commands) -> None:
         "vllm-server",
         help="serve a vLLM engine for GRPO in server mode (vllm_mode: server) on this machine's devices",
         description="A vLLM engine that GRPO trainers elsewhere load their policy into, push its weights to after "
-        "each update, and sample from (docs/algorithms/grpo.md). It holds no model until a trainer loads one.",
-        epilog="example: alignflow vllm-server --host 0.0.0.0 --port 8100 --weights-root /shared/vllm-transfer; "
-        "then grpo.vllm_server_url=http://THIS-HOST:8100 grpo.vllm_transfer_folder=/shared/vllm-transfer",
+        "each update, and sample from (docs/algorithms/grpo.md). It holds no model until a trainer loads one. It "
+        "answers only requests with the token in ALIGNFLOW_VLLM_TOKEN, which its trainers set too.",
+        epilog='example: export ALIGNFLOW_VLLM_TOKEN="$(python -c '
+        "'import secrets; print(secrets.token_urlsafe(32))')\"; "
+        "alignflow vllm-server --host 0.0.0.0 --port 8100 --weights-root /shared/vllm-transfer; "
+        "then, with the same ALIGNFLOW_VLLM_TOKEN, grpo.vllm_server_url=http://THIS-HOST:8100 "
+        "grpo.vllm_transfer_folder=/shared/vllm-transfer",
     )
     generation.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s)")
     generation.add_argument("--port", type=int, default=0, help="default: a free port, printed once listening")
@@ -309,6 +313,13 @@ def worker_command(args: argparse.Namespace) -> int:
 
 
 def vllm_server_command(args: argparse.Namespace) -> int:
+    from trainers.generation.server_auth import environment_token
+
+    try:
+        environment_token()  # the server refuses to start without it: said here, before vLLM imports
+    except ValueError as error:
+        print(f"alignflow vllm-server: {error}", file=sys.stderr)
+        return 2
     command = [
         sys.executable,
         "-m",

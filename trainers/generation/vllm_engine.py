@@ -238,12 +238,20 @@ def reload_weights(llm, pairs: list[tuple[str, torch.Tensor]]) -> None:
 
 def sample(llm, prompts: list[list[int]], seeds: list[int], sampling: SamplingOptions) -> EngineSamples:
     """One completion per prompt, each under its own seed, with its tokens' log-probs."""
+    return sample_requests(llm, [(prompts, seeds, sampling)])[0]
+
+
+GenerationRequest = tuple[list[list[int]], list[int], SamplingOptions]  # prompts, their seeds, sampling
+
+
+def sample_requests(llm, requests: list[GenerationRequest]) -> list[EngineSamples]:
+    """Several requests' completions from one engine call, each prompt under its request's sampling
+    and its own seed; the outputs split back by request, in order."""
     from vllm import SamplingParams
 
-    if not prompts:  # a process whose share of the prompts is empty
-        return EngineSamples([], [])
-
-    requests = [{"prompt_token_ids": prompt} for prompt in prompts]
+    prompts = [{"prompt_token_ids": prompt} for batch, _, _ in requests for prompt in batch]
+    if not prompts:  # every request's share of the prompts is empty
+        return [EngineSamples([], []) for _ in requests]
     params = [
         SamplingParams(
             temperature=sampling.temperature,
@@ -255,15 +263,20 @@ def sample(llm, prompts: list[list[int]], seeds: list[int], sampling: SamplingOp
             logprobs=0,  # the sampled token's own log-prob
             detokenize=False,
         )
+        for _, seeds, sampling in requests
         for seed in seeds
     ]
-    outputs = llm.generate(requests, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     tokens = [list(out.outputs[0].token_ids) for out in outputs]
     logps = [
         [position[token].logprob for token, position in zip(row, out.outputs[0].logprobs)]
         for row, out in zip(tokens, outputs)
     ]
-    return EngineSamples(tokens, logps)
+    split, start = [], 0
+    for batch, _, _ in requests:
+        split.append(EngineSamples(tokens[start : start + len(batch)], logps[start : start + len(batch)]))
+        start += len(batch)
+    return split
 
 
 class SyncedEngine(ABC):

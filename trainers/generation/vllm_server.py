@@ -3,12 +3,14 @@ machines than training, as TRL's ``trl vllm-serve`` and verl's rollout workers d
 
 The server (``python -m trainers.generation.vllm_server``, ``alignflow vllm-server``) holds one engine in its
 process and answers JSON over HTTP; it starts without a model, so it is up before the trainer knows
-what it serves:
+what it serves. It answers only requests that carry its token (:mod:`trainers.generation.server_auth`: 401
+otherwise), and a failed request with a one-line error (the traceback stays in its log):
 
 - ``GET /health``: ``{"model": true|false}``;
 - ``POST /load``: build the engine from a model folder (:func:`~trainers.generation.vllm_engine.write_model_folder`);
 - ``POST /reload``: reload the weights in place from a safetensors file (then forget the prefix cache);
-- ``POST /channel``: open a weight channel (below); ``POST /receive``: reload from it;
+- ``POST /channel``: open a weight channel (below), on the server's interface, with a secret of its
+  own; ``POST /receive``: reload from it;
 - ``POST /generate``: token ids in, sampled token ids and their log-probs out.
 
 It is alignflow's own small server around vLLM's ``LLM`` (the standard library's HTTP server)
@@ -35,11 +37,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 import sys
 import tempfile
 import threading
-import traceback
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -52,16 +54,19 @@ from typing import Callable, Protocol
 import torch
 
 from trainers.generation import weight_channel
+from trainers.generation.batcher import Batcher
+from trainers.generation.server_auth import authorized, bearer, environment_token
 from trainers.generation.transfers import FOLDER_TRANSFERS
 from trainers.generation.vllm_engine import (
     EngineOptions,
     EngineSamples,
+    GenerationRequest,
     SamplingOptions,
     SyncedEngine,
     build_llm,
     reload_weights,
     require_vllm,
-    sample,
+    sample_requests,
     savable,
     served_config,
     write_model_folder,
@@ -69,20 +74,27 @@ from trainers.generation.vllm_engine import (
 
 LISTENING = "alignflow vLLM server listening on "  # the line a starter reads the address from
 REQUEST_TIMEOUT_S = 600.0  # a build or a generation batch on a slow device
+log = logging.getLogger("alignflow.vllm_server")
 
 
 class ServerError(RuntimeError):
-    """The server answered a request with an error (its message carries the server's traceback)."""
+    """The server answered a request with an error (its message is the server's one-line error)."""
 
 
 class EngineHost:
-    """The server's engine: none until ``/load``; one request at a time reaches it."""
+    """The server's engine: none until ``/load``; one request at a time reaches it, and the
+    ``/generate`` requests that wait meanwhile reach it together (:class:`Batcher`). Its weight
+    channels listen on ``bind_host``, the server's interface."""
 
-    def __init__(self, weights_root: Path):
+    def __init__(self, weights_root: Path, bind_host: str = "127.0.0.1"):
         self.weights_root = weights_root.resolve()
+        self.bind_host = bind_host
         self.llm = None
         self.lock = threading.Lock()
         self.channel: weight_channel.Receiver | None = None
+        self.batcher: Batcher[GenerationRequest, EngineSamples] = Batcher(
+            lambda requests: sample_requests(self.ready(), requests), self.lock
+        )
 
     def inside_root(self, path: str) -> Path:
         resolved = Path(path).resolve()
@@ -114,10 +126,10 @@ class EngineHost:
         return {}
 
     def open_channel(self, backend: str) -> dict:
-        """Host a weight channel (:func:`trainers.generation.weight_channel.host`); the answer is its port. A
-        channel opened before is replaced."""
-        port, self.channel = weight_channel.host(backend)
-        return {"port": port}
+        """Host a weight channel (:func:`trainers.generation.weight_channel.host`); the answer is its port and
+        the secret its sender presents. A channel opened before is replaced."""
+        port, secret, self.channel = weight_channel.host(backend, self.bind_host)
+        return {"port": port, "secret": secret}
 
     def receive(self, names: list[str], shapes: list[list[int]], dtypes: list[str]) -> dict:
         """Receive the named tensors by the weight channel and reload them in place."""
@@ -131,9 +143,7 @@ class EngineHost:
 
     def generate(self, prompts: list[list[int]], seeds: list[int], sampling: dict) -> dict:
         options = SamplingOptions(**{**sampling, "stop_ids": tuple(sampling["stop_ids"])})
-        with self.lock:
-            samples = sample(self.ready(), prompts, seeds, options)
-        return dataclasses.asdict(samples)
+        return dataclasses.asdict(self.batcher.submit((prompts, seeds, options)))
 
     def ready(self):
         if self.llm is None:
@@ -141,7 +151,8 @@ class EngineHost:
         return self.llm
 
 
-def handler_for(host: EngineHost) -> type[BaseHTTPRequestHandler]:
+def handler_for(host: EngineHost, token: str) -> type[BaseHTTPRequestHandler]:
+    """The server's request handler: every route answers only a request that carries ``token``."""
     routes = {
         "/load": host.load,
         "/reload": host.reload,
@@ -151,13 +162,23 @@ def handler_for(host: EngineHost) -> type[BaseHTTPRequestHandler]:
     }
 
     class Handler(BaseHTTPRequestHandler):
+        def refused(self) -> bool:
+            if authorized(self.headers["Authorization"], token):
+                return False
+            self.answer(401, {"error": "unauthorized: this server answers only requests with its token"})
+            return True
+
         def do_GET(self) -> None:
+            if self.refused():
+                return
             if self.path == "/health":
                 self.answer(200, {"model": host.llm is not None})
             else:
                 self.answer(404, {"error": f"no route {self.path}"})
 
         def do_POST(self) -> None:
+            if self.refused():
+                return
             route = routes.get(self.path)
             if route is None:
                 self.answer(404, {"error": f"no route {self.path}"})
@@ -165,8 +186,9 @@ def handler_for(host: EngineHost) -> type[BaseHTTPRequestHandler]:
             try:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 self.answer(200, route(**body))
-            except Exception:  # the trainer raises it, with this traceback
-                self.answer(500, {"error": traceback.format_exc()})
+            except Exception as error:  # the trainer raises the one line; the traceback stays here
+                log.exception("POST %s failed", self.path)
+                self.answer(500, {"error": f"{type(error).__name__}: {error}"})
 
         def answer(self, status: int, payload: dict) -> None:
             data = json.dumps(payload).encode()
@@ -182,17 +204,18 @@ def handler_for(host: EngineHost) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def serve(host: str, port: int, weights_root: Path) -> None:
-    """Serve until stopped (SIGTERM, SIGINT); ``port`` 0 picks a free one, announced on stdout."""
+def serve(host: str, port: int, weights_root: Path, token: str) -> None:
+    """Serve requests that carry ``token`` until stopped (SIGTERM, SIGINT); ``port`` 0 picks a free
+    one, announced on stdout."""
     require_vllm()
-    server = ThreadingHTTPServer((host, port), handler_for(EngineHost(weights_root)))
+    server = ThreadingHTTPServer((host, port), handler_for(EngineHost(weights_root, host), token))
     print(f"{LISTENING}http://{host}:{server.server_address[1]}", flush=True)
     server.serve_forever()
 
 
-def post(url: str, route: str, payload: dict) -> dict:
+def post(url: str, route: str, payload: dict, token: str) -> dict:
     request = urllib.request.Request(
-        url.rstrip("/") + route, json.dumps(payload).encode(), {"Content-Type": "application/json"}
+        url.rstrip("/") + route, json.dumps(payload).encode(), {"Content-Type": "application/json", **bearer(token)}
     )
     try:
         with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
@@ -201,9 +224,10 @@ def post(url: str, route: str, payload: dict) -> dict:
         raise ServerError(f"vLLM server {url}{route}: {json.loads(error.read())['error']}") from None
 
 
-def health(url: str, timeout: float = 5.0) -> dict:
+def health(url: str, token: str, timeout: float = 5.0) -> dict:
     """The server's ``/health`` answer; raises ``OSError`` when nothing answers."""
-    with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout) as response:
+    request = urllib.request.Request(url.rstrip("/") + "/health", headers=bearer(token))
+    with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read())
 
 
@@ -227,15 +251,15 @@ class StorageTransfer:
     reloaded by the server, removed). The model's first load goes through ``folder`` too: a model
     folder the server builds its engine from."""
 
-    def __init__(self, url: str, folder: Path):
-        self.url, self.folder = url, folder
+    def __init__(self, url: str, token: str, folder: Path):
+        self.url, self.token, self.folder = url, token, folder
 
     def load(self, model: torch.nn.Module, weights: Weights, named: NamedWeights, settings: dict) -> None:
         staging = self.folder / f"model-{uuid.uuid4().hex}"
         staging.mkdir(parents=True)
         try:
             write_model_folder(model, weights, staging)
-            post(self.url, "/load", settings | {"folder": str(staging)})
+            post(self.url, "/load", settings | {"folder": str(staging)}, self.token)
         finally:
             shutil.rmtree(staging)
 
@@ -248,7 +272,7 @@ class StorageTransfer:
         try:
             save_file(savable(weights), staging)
             staging.rename(path)
-            post(self.url, "/reload", {"path": str(path)})
+            post(self.url, "/reload", {"path": str(path)}, self.token)
         finally:
             staging.unlink(missing_ok=True)
             path.unlink(missing_ok=True)
@@ -261,18 +285,19 @@ class CollectiveTransfer:
     broadcast. It carries the model's first weights too: the server builds its engine from the
     config alone."""
 
-    def __init__(self, url: str):
-        self.url = url
+    def __init__(self, url: str, token: str):
+        self.url, self.token = url, token
         self.group: torch.distributed.ProcessGroup | None = None
         self.requests = ThreadPoolExecutor(max_workers=1, thread_name_prefix="alignflow-weight-channel")
 
     def load(self, model: torch.nn.Module, weights: Weights, named: NamedWeights, settings: dict) -> None:
-        post(self.url, "/load", settings | {"config": json.loads(served_config(model).to_json_string())})
+        post(self.url, "/load", settings | {"config": json.loads(served_config(model).to_json_string())}, self.token)
         self.push(named)
 
     def open(self, backend: str) -> None:
-        port = post(self.url, "/channel", {"backend": backend})["port"]
-        self.group = weight_channel.join(urllib.parse.urlsplit(self.url).hostname, port, backend)
+        channel = post(self.url, "/channel", {"backend": backend}, self.token)
+        hostname = urllib.parse.urlsplit(self.url).hostname
+        self.group = weight_channel.join(hostname, channel["port"], backend, channel["secret"])
 
     def push(self, weights: NamedWeights) -> None:
         tensors = [tensor.contiguous() for _, tensor in weights]
@@ -283,22 +308,23 @@ class CollectiveTransfer:
             "shapes": [list(tensor.shape) for tensor in tensors],
             "dtypes": [str(tensor.dtype).removeprefix("torch.") for tensor in tensors],
         }
-        answer = self.requests.submit(post, self.url, "/receive", manifest)
+        answer = self.requests.submit(post, self.url, "/receive", manifest, self.token)
         weight_channel.send(self.group, tensors, answer)
         answer.result()
 
 
-# each transfer by its config name, made from the server's address (and, for FOLDER_TRANSFERS, the
-# shared folder: weight_transfer)
+# each transfer by its config name, made from the server's address and token (and, for
+# FOLDER_TRANSFERS, the shared folder: weight_transfer)
 WEIGHT_TRANSFERS: dict[str, Callable[..., WeightTransfer]] = {
     "storage": StorageTransfer,
     "collective": CollectiveTransfer,
 }
 
 
-def weight_transfer(name: str, url: str, folder: Path) -> WeightTransfer:
+def weight_transfer(name: str, url: str, token: str, folder: Path) -> WeightTransfer:
     """The transfer ``name`` to the server at ``url``, through ``folder`` where it loads through one."""
-    return WEIGHT_TRANSFERS[name](url, folder) if name in FOLDER_TRANSFERS else WEIGHT_TRANSFERS[name](url)
+    maker = WEIGHT_TRANSFERS[name]
+    return maker(url, token, folder) if name in FOLDER_TRANSFERS else maker(url, token)
 
 
 class ServerEngine(SyncedEngine):
@@ -306,7 +332,8 @@ class ServerEngine(SyncedEngine):
     :func:`~trainers.generation.vllm_engine.serving_weights`, whole) as they are at optimizer step ``step`` into
     the server by ``transfer`` (:meth:`WeightTransfer.load`: a model folder under ``folder``, which the
     server reads too, or the config and then the weights over a channel), then pushes its weights by
-    ``transfer`` after each step that changed them.
+    ``transfer`` after each step that changed them. Its requests carry the server's token, from
+    this process's environment (:func:`~trainers.generation.server_auth.environment_token`).
 
     Training processes share the server: each generates its own prompts' completions, one pushes
     (``pushes``: the main process) and every one waits at ``barrier`` after each load and push, so no
@@ -327,7 +354,8 @@ class ServerEngine(SyncedEngine):
     ):
         super().__init__(model, step)
         self.url, self.pushes, self.barrier = url, pushes, barrier
-        self.transfer = weight_transfer(transfer, url, folder)
+        self.token = environment_token()
+        self.transfer = weight_transfer(transfer, url, self.token, folder)
         if pushes:
             dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
             settings = {"dtype": dtype, "options": dataclasses.asdict(options), "seed": seed}
@@ -341,17 +369,26 @@ class ServerEngine(SyncedEngine):
 
     def generate(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingOptions) -> EngineSamples:
         answer = post(
-            self.url, "/generate", {"prompts": prompts, "seeds": seeds, "sampling": dataclasses.asdict(sampling)}
+            self.url,
+            "/generate",
+            {"prompts": prompts, "seeds": seeds, "sampling": dataclasses.asdict(sampling)},
+            self.token,
         )
         return EngineSamples(answer["tokens"], answer["logps"])
 
 
 def main(argv: list[str]) -> None:
-    """``python -m trainers.generation.vllm_server HOST PORT WEIGHTS_ROOT``: what ``alignflow vllm-server`` and
-    the managed server run."""
+    """``python -m trainers.generation.vllm_server HOST PORT WEIGHTS_ROOT``, its token in the environment: what
+    ``alignflow vllm-server`` and the managed server run."""
     host, port, weights_root = argv
     try:
-        serve(host, int(port), Path(weights_root))
+        token = environment_token()
+    except ValueError as error:
+        print(f"alignflow vllm-server: {error}", file=sys.stderr)
+        sys.exit(2)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        serve(host, int(port), Path(weights_root), token)
     except KeyboardInterrupt:
         sys.exit(0)
 

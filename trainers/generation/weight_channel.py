@@ -4,14 +4,22 @@ server (member 1, which receives), for the ``collective`` weight transfer
 
 The group is built from torch's own process-group classes on a ``TCPStore`` that the receiver
 hosts, not by ``init_process_group``: neither side's default group (a launch's ranks, vLLM's own)
-is touched. The store listens on every interface (torch's does, whatever the host), as gloo's
-pairs do.
+is touched. The store listens on the interface it is given (a socket bound here and handed to it:
+torch's own would listen on every interface), the server's.
+
+The store has no authentication, so the channel carries its own: the receiver makes a random
+secret per channel, which the trainer learns only from the server's authenticated answer; the
+sender's first broadcast is that secret, and the receiver drops a member that presents another
+(docs/security.md says what this does and does not protect).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import hmac
+import secrets
+import socket
 import threading
 import time
 from concurrent.futures import Future
@@ -19,6 +27,7 @@ from concurrent.futures import Future
 import torch
 
 TIMEOUT = datetime.timedelta(minutes=10)  # a member waits this long for the other
+SECRET_BYTES = 32
 
 
 def pair_group(store: torch.distributed.Store, member: int, backend: str) -> torch.distributed.ProcessGroup:
@@ -51,12 +60,22 @@ class Receiver:
     joining: threading.Thread
     device: torch.device
     group: torch.distributed.ProcessGroup | None = None
+    refused: str | None = None  # why the member that joined was dropped
+
+    def admit(self, group: torch.distributed.ProcessGroup, secret: bytes) -> None:
+        """Keep ``group`` if its sender's first broadcast is ``secret``."""
+        presented = torch.zeros(SECRET_BYTES, dtype=torch.uint8, device=self.device)
+        group.broadcast(presented, 0).wait()
+        if hmac.compare_digest(bytes(presented.cpu().tolist()), secret):
+            self.group = group
+        else:
+            self.refused = "the member that joined the weight channel did not present its secret; channel closed"
 
     def receive(self, shapes: list[list[int]], dtypes: list[str]) -> list[torch.Tensor]:
         """Tensors of these shapes and dtypes, in the order the sender broadcasts them."""
         self.joining.join()
         if self.group is None:
-            raise RuntimeError("the weight channel's sender never joined")
+            raise RuntimeError(self.refused or "the weight channel's sender never joined")
         tensors = [
             torch.empty(shape, dtype=getattr(torch, dtype), device=self.device) for shape, dtype in zip(shapes, dtypes)
         ]
@@ -65,25 +84,43 @@ class Receiver:
         return tensors
 
 
-def host(backend: str) -> tuple[int, Receiver]:
-    """Host a channel's store on a free port and join it as member 1 once the sender joins as
-    member 0: the port (for the sender) and the receiver."""
+def listening_socket(bind_host: str) -> socket.socket:
+    """A socket listening on a free port of ``bind_host``'s interface ("0.0.0.0", "::": every one)."""
+    family, kind, proto, _, address = socket.getaddrinfo(bind_host, 0, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    listener.bind(address)
+    listener.listen()
+    return listener
+
+
+def host(backend: str, bind_host: str) -> tuple[int, str, Receiver]:
+    """Host a channel's store on a free port of ``bind_host`` and join it as member 1 once a sender
+    joins as member 0 and presents the channel's secret: the port and the secret (hex, for the
+    sender only) and the receiver."""
     if backend == "nccl" and not torch.cuda.is_available():
         raise RuntimeError("a weight channel over NCCL needs a GPU on the server; this one has none")
-    store = torch.distributed.TCPStore("0.0.0.0", 0, 2, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
+    listener = listening_socket(bind_host)
+    port = listener.getsockname()[1]
+    store = torch.distributed.TCPStore(
+        bind_host, port, 2, is_master=True, timeout=TIMEOUT, wait_for_workers=False, master_listen_fd=listener.detach()
+    )
+    secret = secrets.token_bytes(SECRET_BYTES)
 
     def join() -> None:
-        receiver.group = pair_group(store, 1, backend)
+        receiver.admit(pair_group(store, 1, backend), secret)
 
     receiver = Receiver(threading.Thread(target=join, daemon=True), device_for(backend))
     receiver.joining.start()
-    return store.port, receiver
+    return port, secret.hex(), receiver
 
 
-def join(host_name: str, port: int, backend: str) -> torch.distributed.ProcessGroup:
-    """The sender's member of the channel hosted at ``host_name:port``."""
+def join(host_name: str, port: int, backend: str, secret: str) -> torch.distributed.ProcessGroup:
+    """The sender's member of the channel hosted at ``host_name:port``, admitted by ``secret``."""
     store = torch.distributed.TCPStore(host_name, port, 2, is_master=False, timeout=TIMEOUT)
-    return pair_group(store, 0, backend)
+    group = pair_group(store, 0, backend)
+    presented = torch.tensor(list(bytes.fromhex(secret)), dtype=torch.uint8, device=device_for(backend))
+    group.broadcast(presented, 0).wait()
+    return group
 
 
 def send(group: torch.distributed.ProcessGroup, tensors: list[torch.Tensor], answer: Future) -> None:

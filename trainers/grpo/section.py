@@ -4,7 +4,7 @@ the experiment config and :class:`trainers.grpo.trainer.GRPOConfig` both take th
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Literal, get_args
+from typing import Annotated, Any, Iterator, Literal, get_args
 
 from pydantic import Field, model_validator
 
@@ -161,6 +161,12 @@ class GRPOStageConfig(TrainingConfig):
         description="vllm server mode: the address of a running `alignflow vllm-server`; null: the train task "
         "starts one.",
     )
+    vllm_server_gpus: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None,
+        description="vllm server mode, a managed server: the GPU indices of this machine it runs on (its "
+        "CUDA_VISIBLE_DEVICES), none of the training processes' (cuda:0 to cuda:num_processes-1); null: the "
+        "devices it finds, shared with training.",
+    )
     vllm_weight_transfer: WeightTransferName = Field(
         "storage",
         description="vllm server mode: how the policy's weights reach the server, at the first generation and after "
@@ -279,6 +285,19 @@ def check_grpo_compute(section: GRPOStageConfig, compute: StageCompute) -> None:
             "`alignflow vllm-server` on a machine they all reach and give its address"
         )
     check_placement("reward_model_device", section.reward_model_device, compute)
+    check_server_gpus(section, compute)
+
+
+def check_server_gpus(section: GRPOStageConfig, compute: StageCompute) -> None:
+    """A managed server's GPUs of its own are none of the training processes' (``cuda:0`` to
+    ``cuda:num_processes-1``): an engine and a policy on one GPU do not both fit its memory."""
+    shared = sorted(set(section.vllm_server_gpus or ()) & set(range(compute.num_processes)))
+    if shared:
+        raise ValueError(
+            f"vllm_server_gpus {section.vllm_server_gpus}: GPU {', '.join(map(str, shared))} also trains "
+            f"(compute.num_processes {compute.num_processes} uses GPUs 0 to {compute.num_processes - 1}); give the "
+            f"server GPUs from {compute.num_processes} on"
+        )
 
 
 # The vllm_* options that only some values of a setting read, by setting (checked in this order)
@@ -286,7 +305,7 @@ def check_grpo_compute(section: GRPOStageConfig, compute: StageCompute) -> None:
 READ_ONLY_BY: dict[str, dict[str, tuple[str, ...]]] = {
     "vllm_mode": {
         "colocate": ("vllm_enable_sleep_mode",),  # a server keeps its devices to itself
-        "server": ("vllm_server_url", "vllm_weight_transfer", "vllm_transfer_folder"),
+        "server": ("vllm_server_url", "vllm_weight_transfer", "vllm_transfer_folder", "vllm_server_gpus"),
     },
     # the other transfers carry the model and its weights themselves
     "vllm_weight_transfer": {

@@ -55,7 +55,8 @@ def generation_server(section: GRPOStageConfig) -> GenerationServer | None:
             update={"vllm_server_url": url, **({"vllm_transfer_folder": folder} if folder else {})}
         )
 
-    return GenerationServer(uses_folder=section.vllm_weight_transfer in FOLDER_TRANSFERS, served=served)
+    through_folder = section.vllm_weight_transfer in FOLDER_TRANSFERS
+    return GenerationServer(uses_folder=through_folder, gpus=section.vllm_server_gpus, served=served)
 
 
 GRPO = register_stage(

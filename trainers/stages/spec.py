@@ -11,7 +11,7 @@ read specs; none of them names a stage.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Sequence
 
 from trainers.generation.budget import Generation
 from trainers.models.lora import LoraSettings
@@ -122,10 +122,11 @@ class StageInputs:
 class GenerationServer:
     """A generation server that a stage's section asks the train task to start for the stage (GRPO's
     ``vllm_mode: server`` without a server's address): whether its weights travel through a folder
-    of the stage's, and the section as its trainer then gets it, from the server's address and that
-    folder (None when it uses none)."""
+    of the stage's, the GPUs it runs on (None: those it finds), and the section as its trainer then
+    gets it, from the server's address and that folder (None when it uses none)."""
 
     uses_folder: bool
+    gpus: Sequence[int] | None
     served: Callable[[str, str | None], TrainingConfig]
 
 
