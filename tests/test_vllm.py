@@ -496,24 +496,29 @@ def test_concurrent_generate_requests_share_one_engine_call_and_each_gets_its_ow
     gets when served alone."""
     import threading
 
+    from trainers.generation.server_messages import GenerateRequest, LoadRequest
     from trainers.generation.vllm_engine import write_model_folder
     from trainers.generation.vllm_server import EngineHost
 
     model, tokenizer = random_llama(tie=False)
     host = EngineHost(tmp_path)
     write_model_folder(model, serving_weights(model), tmp_path / "model")
-    host.load("float32", dataclasses.asdict(OPTIONS), 0, folder=str(tmp_path / "model"))
+    host.load(LoadRequest(dtype="float32", options=OPTIONS, seed=0, folder=str(tmp_path / "model")))
     prompts = chat_prompts(tokenizer, 4)
     requests = [
         (prompts[:3], [0, 1, 2], {"max_tokens": NEW_TOKENS}),
         (prompts[3:], [3], {"max_tokens": NEW_TOKENS // 2}),
     ]
-    greedy = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "stop_ids": [tokenizer.eos_token_id]}
-    answers: dict[int, dict] = {}
+    greedy = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "stop_ids": (tokenizer.eos_token_id,)}
+
+    def generate(request):
+        prompts, seeds, sampling = request
+        return host.generate(GenerateRequest(prompts=prompts, seeds=seeds, sampling=greedy | sampling))
+
+    answers = {}
     with host.lock:  # the engine is busy: both requests wait
         threads = [
-            threading.Thread(target=lambda i=i, r=r: answers.update({i: host.generate(r[0], r[1], greedy | r[2])}))
-            for i, r in enumerate(requests)
+            threading.Thread(target=lambda i=i, r=r: answers.update({i: generate(r)})) for i, r in enumerate(requests)
         ]
         for thread in threads:
             thread.start()
@@ -522,8 +527,8 @@ def test_concurrent_generate_requests_share_one_engine_call_and_each_gets_its_ow
     for thread in threads:
         thread.join()
     assert host.batcher.calls == 1
-    alone = [host.generate(r[0], r[1], greedy | r[2]) for r in requests]
+    alone = [generate(r) for r in requests]
     assert host.batcher.calls == 3
     assert [answers[0], answers[1]] == alone
-    assert [len(answers[0]["tokens"]), len(answers[1]["tokens"])] == [3, 1]
-    assert max(len(row) for row in answers[1]["tokens"]) <= NEW_TOKENS // 2
+    assert [len(answers[0].tokens), len(answers[1].tokens)] == [3, 1]
+    assert max(len(row) for row in answers[1].tokens) <= NEW_TOKENS // 2

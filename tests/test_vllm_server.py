@@ -3,6 +3,7 @@ errors, never as a hang (``tests/test_vllm.py`` runs both with vLLM engines)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import urllib.error
 import urllib.request
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from trainers.generation import weight_channel
+from trainers.generation.server_messages import ChannelRequest, ReceiveRequest, ReloadRequest
 from trainers.generation.vllm_server import CollectiveTransfer, EngineHost, ServerError, handler_for, post
 
 pytestmark = pytest.mark.slow
@@ -51,18 +53,31 @@ def test_a_push_to_a_server_without_a_model_fails_with_the_servers_error(server)
 def test_the_servers_refusals_name_what_is_missing(server):
     """Each failure answers one line, the exception's type and message: no traceback reaches a client."""
     with pytest.raises(ServerError) as refused:
-        post(server, "/receive", {"names": [], "shapes": [], "dtypes": []}, TOKEN)
+        post(server, "/receive", ReceiveRequest(names=[], shapes=[], dtypes=[]), TOKEN)
     assert str(refused.value) == f"vLLM server {server}/receive: RuntimeError: no model loaded: POST /load first"
     with pytest.raises(ServerError) as refused:
-        post(server, "/reload", {"path": "/etc/passwd"}, TOKEN)
+        post(server, "/reload", ReloadRequest(path="/etc/passwd"), TOKEN)
     assert "Traceback" not in str(refused.value) and "\n" not in str(refused.value)
     with pytest.raises(ServerError, match="no route /unload"):
-        post(server, "/unload", {}, TOKEN)
+        post(server, "/unload", ReloadRequest(path="x"), TOKEN)
     if not torch.cuda.is_available():
         with pytest.raises(
             ServerError, match="a weight channel over NCCL needs a GPU on the server; this one has none"
         ):
-            post(server, "/channel", {"backend": "nccl"}, TOKEN)
+            post(server, "/channel", ChannelRequest(backend="nccl"), TOKEN)
+
+
+def test_a_request_that_is_not_its_routes_message_is_refused_naming_the_fields(server):
+    """A body that is not the route's message (a field missing, misspelt or of another type) gets a
+    400 that names each field, before anything reaches the engine."""
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    body = b'{"prompts": [[1, 2]], "seed": [0], "sampling": {"temperature": "hot"}}'
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(urllib.request.Request(f"{server}/generate", body, headers), timeout=10)
+    assert refused.value.code == 400
+    error = json.loads(refused.value.read())["error"]
+    assert error.startswith("/generate: seeds: Field required; sampling.temperature: Input should be a valid number")
+    assert "seed: Extra inputs are not permitted" in error and "\n" not in error
 
 
 def status_of(request: urllib.request.Request) -> int:
@@ -82,7 +97,7 @@ def test_a_request_without_the_servers_token_is_refused(server, header):
     for route, body in [("/channel", b'{"backend": "gloo"}'), ("/generate", b"{}"), ("/load", b"{}")]:
         assert status_of(urllib.request.Request(server + route, body, headers)) == 401
     with pytest.raises(ServerError, match="401|unauthorized"):
-        post(server, "/channel", {"backend": "gloo"}, "x" * 43)
+        post(server, "/channel", ChannelRequest(backend="gloo"), "x" * 43)
     assert status_of(urllib.request.Request(f"{server}/health", headers={"Authorization": f"Bearer {TOKEN}"})) == 200
 
 

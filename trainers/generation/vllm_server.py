@@ -13,6 +13,9 @@ otherwise), and a failed request with a one-line error (the traceback stays in i
   own; ``POST /receive``: reload from it;
 - ``POST /generate``: token ids in, sampled token ids and their log-probs out.
 
+Each route takes and answers a typed message (:mod:`trainers.generation.server_messages`): a body
+that is not its route's message is answered 400, naming each field that is wrong.
+
 It is alignflow's own small server around vLLM's ``LLM`` (the standard library's HTTP server)
 rather than ``vllm serve``: the OpenAI server pins a FastAPI that Prefect's does not meet, and its
 weight-transfer routes run on GPU-only engines (NCCL, CUDA IPC). Weights travel by a transport
@@ -49,13 +52,25 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
+from pydantic import ValidationError
 
 from trainers.generation import weight_channel
 from trainers.generation.batcher import Batcher
 from trainers.generation.server_auth import authorized, bearer, environment_token
+from trainers.generation.server_messages import (
+    ChannelAnswer,
+    ChannelRequest,
+    Done,
+    GenerateAnswer,
+    GenerateRequest,
+    LoadRequest,
+    Message,
+    ReceiveRequest,
+    ReloadRequest,
+)
 from trainers.generation.transfers import FOLDER_TRANSFERS
 from trainers.generation.vllm_engine import (
     EngineOptions,
@@ -102,48 +117,47 @@ class EngineHost:
             raise PermissionError(f"{path} is outside the server's weights root {self.weights_root}")
         return resolved
 
-    def load(self, dtype: str, options: dict, seed: int, folder: str | None = None, config: dict | None = None) -> dict:
-        """Build the engine from a model folder under the weights root, or from a model's ``config``
+    def load(self, request: LoadRequest) -> Done:
+        """Build the engine from a model folder under the weights root, or from a model's config
         alone, with random weights that the weight channel replaces next."""
         device_type = "cuda" if torch.cuda.is_available() else "cpu"  # the server's device, not the trainer's
-        settings = (getattr(torch, dtype), device_type, EngineOptions(**options), seed)
+        settings = (getattr(torch, request.dtype), device_type, request.options, request.seed)
         with self.lock:
             self.llm = None  # the engine before gives its memory back first
-            if config is None:
-                self.llm = build_llm(self.inside_root(folder), *settings)
+            if request.folder is not None:
+                self.llm = build_llm(self.inside_root(request.folder), *settings)
             else:
                 with tempfile.TemporaryDirectory(prefix="alignflow-vllm-config-") as staging:
-                    (Path(staging) / "config.json").write_text(json.dumps(config))
+                    (Path(staging) / "config.json").write_text(json.dumps(request.config))
                     self.llm = build_llm(staging, *settings, dummy_weights=True)
-        return {}
+        return Done()
 
-    def reload(self, path: str) -> dict:
+    def reload(self, request: ReloadRequest) -> Done:
         from safetensors.torch import load_file
 
-        weights = load_file(self.inside_root(path))
+        weights = load_file(self.inside_root(request.path))
         with self.lock:
             reload_weights(self.ready(), list(weights.items()))
-        return {}
+        return Done()
 
-    def open_channel(self, backend: str) -> dict:
+    def open_channel(self, request: ChannelRequest) -> ChannelAnswer:
         """Host a weight channel (:func:`trainers.generation.weight_channel.host`); the answer is its port and
         the secret its sender presents. A channel opened before is replaced."""
-        port, secret, self.channel = weight_channel.host(backend, self.bind_host)
-        return {"port": port, "secret": secret}
+        port, secret, self.channel = weight_channel.host(request.backend, self.bind_host)
+        return ChannelAnswer(port=port, secret=secret)
 
-    def receive(self, names: list[str], shapes: list[list[int]], dtypes: list[str]) -> dict:
+    def receive(self, request: ReceiveRequest) -> Done:
         """Receive the named tensors by the weight channel and reload them in place."""
         llm = self.ready()  # its error before anything is received: the trainer's sends stop on it
         if self.channel is None:
             raise RuntimeError("no weight channel: POST /channel first")
-        tensors = self.channel.receive(shapes, dtypes)
+        tensors = self.channel.receive(request.shapes, request.dtypes)
         with self.lock:
-            reload_weights(llm, list(zip(names, tensors)))
-        return {}
+            reload_weights(llm, list(zip(request.names, tensors)))
+        return Done()
 
-    def generate(self, prompts: list[list[int]], seeds: list[int], sampling: dict) -> dict:
-        options = SamplingOptions(**{**sampling, "stop_ids": tuple(sampling["stop_ids"])})
-        return dataclasses.asdict(self.batcher.submit((prompts, seeds, options)))
+    def generate(self, request: GenerateRequest) -> GenerateAnswer:
+        return GenerateAnswer.of(self.batcher.submit((request.prompts, request.seeds, request.sampling)))
 
     def ready(self):
         if self.llm is None:
@@ -153,12 +167,12 @@ class EngineHost:
 
 def handler_for(host: EngineHost, token: str) -> type[BaseHTTPRequestHandler]:
     """The server's request handler: every route answers only a request that carries ``token``."""
-    routes = {
-        "/load": host.load,
-        "/reload": host.reload,
-        "/channel": host.open_channel,
-        "/receive": host.receive,
-        "/generate": host.generate,
+    routes: dict[str, tuple[type[Message], Callable[[Any], Message]]] = {
+        "/load": (LoadRequest, host.load),
+        "/reload": (ReloadRequest, host.reload),
+        "/channel": (ChannelRequest, host.open_channel),
+        "/receive": (ReceiveRequest, host.receive),
+        "/generate": (GenerateRequest, host.generate),
     }
 
     class Handler(BaseHTTPRequestHandler):
@@ -179,13 +193,17 @@ def handler_for(host: EngineHost, token: str) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:
             if self.refused():
                 return
-            route = routes.get(self.path)
-            if route is None:
+            if self.path not in routes:
                 self.answer(404, {"error": f"no route {self.path}"})
                 return
+            message, run = routes[self.path]
             try:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                self.answer(200, route(**body))
+                request = message.model_validate_json(self.rfile.read(int(self.headers["Content-Length"])))
+            except ValidationError as error:
+                self.answer(400, {"error": f"{self.path}: {flat_errors(error)}"})
+                return
+            try:
+                self.answer(200, run(request).model_dump(mode="json"))
             except Exception as error:  # the trainer raises the one line; the traceback stays here
                 log.exception("POST %s failed", self.path)
                 self.answer(500, {"error": f"{type(error).__name__}: {error}"})
@@ -213,9 +231,17 @@ def serve(host: str, port: int, weights_root: Path, token: str) -> None:
     server.serve_forever()
 
 
-def post(url: str, route: str, payload: dict, token: str) -> dict:
+def flat_errors(error: ValidationError) -> str:
+    """A request's validation errors on one line: ``field: message; …``."""
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in error.errors())
+
+
+def post(url: str, route: str, message: Message, token: str) -> dict:
+    """``message`` to the server's ``route``; its answer (a :class:`ServerError` with the server's line on an error)."""
     request = urllib.request.Request(
-        url.rstrip("/") + route, json.dumps(payload).encode(), {"Content-Type": "application/json", **bearer(token)}
+        url.rstrip("/") + route,
+        message.model_dump_json().encode(),
+        {"Content-Type": "application/json", **bearer(token)},
     )
     try:
         with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
@@ -235,13 +261,26 @@ Weights = dict[str, torch.Tensor]  # the policy's parameters by name
 NamedWeights = list[tuple[str, torch.Tensor]]  # as the engine names them: a tied weight under each name
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    """What a ``/load`` builds the server's engine with, besides the model: the weights' dtype, the
+    engine options and the seed."""
+
+    dtype: str
+    options: EngineOptions
+    seed: int
+
+    def fields(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "options": self.options, "seed": self.seed}
+
+
 class WeightTransfer(Protocol):
     """How a :class:`ServerEngine` gets weights to its server: the model's first load (the server
     builds its engine), then a push of the weights after each step that changed them."""
 
-    def load(self, model: torch.nn.Module, weights: Weights, named: NamedWeights, settings: dict) -> None:
+    def load(self, model: torch.nn.Module, weights: Weights, named: NamedWeights, settings: EngineSettings) -> None:
         """Build the server's engine for ``model`` with ``weights`` (``named``: as the engine names
-        them), with the ``/load`` request's ``settings`` (dtype, engine options, seed)."""
+        them), in ``settings``."""
 
     def push(self, weights: NamedWeights) -> None: ...
 
@@ -254,12 +293,12 @@ class StorageTransfer:
     def __init__(self, url: str, token: str, folder: Path):
         self.url, self.token, self.folder = url, token, folder
 
-    def load(self, model: torch.nn.Module, weights: Weights, named: NamedWeights, settings: dict) -> None:
+    def load(self, model: torch.nn.Module, weights: Weights, named: NamedWeights, settings: EngineSettings) -> None:
         staging = self.folder / f"model-{uuid.uuid4().hex}"
         staging.mkdir(parents=True)
         try:
             write_model_folder(model, weights, staging)
-            post(self.url, "/load", settings | {"folder": str(staging)}, self.token)
+            post(self.url, "/load", LoadRequest(**settings.fields(), folder=str(staging)), self.token)
         finally:
             shutil.rmtree(staging)
 
@@ -272,7 +311,7 @@ class StorageTransfer:
         try:
             save_file(savable(weights), staging)
             staging.rename(path)
-            post(self.url, "/reload", {"path": str(path)}, self.token)
+            post(self.url, "/reload", ReloadRequest(path=str(path)), self.token)
         finally:
             staging.unlink(missing_ok=True)
             path.unlink(missing_ok=True)
@@ -290,24 +329,25 @@ class CollectiveTransfer:
         self.group: torch.distributed.ProcessGroup | None = None
         self.requests = ThreadPoolExecutor(max_workers=1, thread_name_prefix="alignflow-weight-channel")
 
-    def load(self, model: torch.nn.Module, weights: Weights, named: NamedWeights, settings: dict) -> None:
-        post(self.url, "/load", settings | {"config": json.loads(served_config(model).to_json_string())}, self.token)
+    def load(self, model: torch.nn.Module, weights: Weights, named: NamedWeights, settings: EngineSettings) -> None:
+        config = json.loads(served_config(model).to_json_string())
+        post(self.url, "/load", LoadRequest(**settings.fields(), config=config), self.token)
         self.push(named)
 
     def open(self, backend: str) -> None:
-        channel = post(self.url, "/channel", {"backend": backend}, self.token)
+        channel = ChannelAnswer.model_validate(post(self.url, "/channel", ChannelRequest(backend=backend), self.token))
         hostname = urllib.parse.urlsplit(self.url).hostname
-        self.group = weight_channel.join(hostname, channel["port"], backend, channel["secret"])
+        self.group = weight_channel.join(hostname, channel.port, backend, channel.secret)
 
     def push(self, weights: NamedWeights) -> None:
         tensors = [tensor.contiguous() for _, tensor in weights]
         if self.group is None:
             self.open(weight_channel.backend_for(tensors[0].device))
-        manifest = {
-            "names": [name for name, _ in weights],
-            "shapes": [list(tensor.shape) for tensor in tensors],
-            "dtypes": [str(tensor.dtype).removeprefix("torch.") for tensor in tensors],
-        }
+        manifest = ReceiveRequest(
+            names=[name for name, _ in weights],
+            shapes=[list(tensor.shape) for tensor in tensors],
+            dtypes=[str(tensor.dtype).removeprefix("torch.") for tensor in tensors],
+        )
         answer = self.requests.submit(post, self.url, "/receive", manifest, self.token)
         weight_channel.send(self.group, tensors, answer)
         answer.result()
@@ -358,7 +398,7 @@ class ServerEngine(SyncedEngine):
         self.transfer = weight_transfer(transfer, url, self.token, folder)
         if pushes:
             dtype = str(next(iter(weights.values())).dtype).removeprefix("torch.")
-            settings = {"dtype": dtype, "options": dataclasses.asdict(options), "seed": seed}
+            settings = EngineSettings(dtype, options, seed)
             self.transfer.load(model, weights, self.named_for_engine(weights), settings)
         barrier()
 
@@ -368,13 +408,8 @@ class ServerEngine(SyncedEngine):
         self.barrier()
 
     def generate(self, prompts: list[list[int]], seeds: list[int], sampling: SamplingOptions) -> EngineSamples:
-        answer = post(
-            self.url,
-            "/generate",
-            {"prompts": prompts, "seeds": seeds, "sampling": dataclasses.asdict(sampling)},
-            self.token,
-        )
-        return EngineSamples(answer["tokens"], answer["logps"])
+        request = GenerateRequest(prompts=prompts, seeds=seeds, sampling=sampling)
+        return GenerateAnswer.model_validate(post(self.url, "/generate", request, self.token)).samples()
 
 
 def main(argv: list[str]) -> None:
