@@ -221,7 +221,6 @@ FAILS_BEFORE_WORK = {
     "sweep-bad-file": (["sweep", "configs/sweep.yaml", "max_concurrent=0"], 2),
     "run-unsupported-tracking-uri": (["run", MINIMAL], 2),
     "servers-up-refused": (["servers", "up", "--auth"], 2),
-    "deploy-without-a-prefect-server": (["deploy"], 2),
     "run-unreachable-tracking-server": (["run", MINIMAL], 1),  # its traceback goes to the temp folder
 }
 
