@@ -18,11 +18,10 @@ it over a process group of one.
 from __future__ import annotations
 
 import copy
-import json
-import sys
 from pathlib import Path
 
 import torch
+from worker_results import run_worker, write_results
 
 
 def largest_difference(first: torch.nn.Module, second: torch.nn.Module) -> float:
@@ -69,9 +68,6 @@ def local_size(model: torch.nn.Module) -> int:
 
 def main(spec: dict) -> None:
     from accelerate import PartialState
-    from accelerate.utils import gather_object
-
-    from trainers.runtime.launched_process import end_process_group
 
     state = PartialState(cpu=True)
     if not torch.distributed.is_initialized():  # one process: FSDP still needs a process group
@@ -81,10 +77,7 @@ def main(spec: dict) -> None:
     result = {"rank": rank, "world_size": world}
     for name in spec["shardings"]:
         result[name] = check_sharding(name, spec["model"], rank, world, out / name)
-    results = gather_object([result])
-    if rank == 0:
-        (out / "result.json").write_text(json.dumps(results))
-    end_process_group()
+    write_results(spec, result)
 
 
 def check_sharding(name: str, model: str, rank: int, world: int, out: Path) -> dict:
@@ -161,6 +154,4 @@ def check_sharding(name: str, model: str, rank: int, world: int, out: Path) -> d
 
 
 if __name__ == "__main__":
-    from trainers.runtime.launched_process import run_as_launched_process
-
-    run_as_launched_process(lambda: main(json.loads(Path(sys.argv[1]).read_text())))
+    run_worker(main)

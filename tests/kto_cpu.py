@@ -9,20 +9,17 @@ and logged ``kl`` (z₀) to ``result.json`` in the spec's ``output_dir``. One pr
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import torch
+from worker_results import run_worker, write_results
 
 
 def main(spec: dict) -> None:
     from accelerate import PartialState
-    from accelerate.utils import gather_object
 
     from trainers.kto.trainer import KTOConfig, KTOTrainer, UnpairedCollator
     from trainers.models.pretrained import load_causal_lm
-    from trainers.runtime.launched_process import end_process_group
 
     state = PartialState(cpu=True)
     rank, world = state.process_index, state.num_processes
@@ -41,13 +38,8 @@ def main(spec: dict) -> None:
     with torch.no_grad():
         loss = trainer.compute_loss(model, batch)
     result = {"rank": rank, "world_size": world, "loss": loss.item(), "kl": trainer.window_metrics["eval"]["kl"]}
-    results = gather_object([result])
-    if rank == 0:
-        (Path(spec["output_dir"]) / "result.json").write_text(json.dumps(results))
-    end_process_group()
+    write_results(spec, result)
 
 
 if __name__ == "__main__":
-    from trainers.runtime.launched_process import run_as_launched_process
-
-    run_as_launched_process(lambda: main(json.loads(Path(sys.argv[1]).read_text())))
+    run_worker(main)

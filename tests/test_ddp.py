@@ -562,30 +562,38 @@ def launch_log(monkeypatch, caplog):
         yield caplog
 
 
+def computed_entry(data, policy, root: Path, processes: int, view: str, plugins: tuple[str, ...] = ()):
+    """The reference-cache entry of ``view`` in batches of 5, computed (not found) over ``processes``."""
+    from tasks.reference import ensure_entry, reference_key
+
+    ref = ReferenceLogps(
+        key=reference_key(data, policy, view=view),
+        root=str(root),
+        data=data,
+        reference=policy,
+        batch_size=5,
+        compute=cpu(processes),
+        view=view,
+        plugins=plugins,
+    )
+    with one_torch_thread():
+        entry, computed = ensure_entry(ref)
+    assert computed
+    return entry
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("view", ["pairs", "kto"])
 def test_the_reference_task_over_two_processes_writes_the_cache_entry_one_process_writes(
     view, handles, tmp_path, launch_log
 ):
-    from tasks.reference import ensure_entry, reference_key
     from trainers.scoring.reference_views import REFERENCE_VIEWS
 
     policy, data, _ = handles
     assert data.rows["preference"] > 2 * 5 and data.rows["preference"] % 5  # batches on both ranks, the last short
     entries = {}
     for processes in (1, 2):
-        ref = ReferenceLogps(
-            key=reference_key(data, policy, view=view),
-            root=str(tmp_path / f"cache-{processes}"),
-            data=data,
-            reference=policy,
-            batch_size=5,
-            compute=cpu(processes),
-            view=view,
-        )
-        with one_torch_thread():
-            entries[processes], computed = ensure_entry(ref)
-        assert computed
+        entries[processes] = computed_entry(data, policy, tmp_path / f"cache-{processes}", processes, view)
     assert "reference log-probs on 2 processes: " in launch_log.text  # launched, not run in this process
     assert entries[2].rows == entries[1].rows == REFERENCE_VIEWS[view].rows(data.rows)
     assert entries[1].rows == (
@@ -602,7 +610,6 @@ def test_a_plugins_reference_view_over_two_processes_is_scored_as_one_process_sc
     handles, tmp_path, launch_log, monkeypatch
 ):
     """The pass launched with the plugins of its handle (the config's): its ranks know the view."""
-    from tasks.reference import ensure_entry, reference_key
     from trainers.plugins import import_plugins
     from trainers.scoring.reference_views import REFERENCE_VIEWS
 
@@ -614,19 +621,8 @@ def test_a_plugins_reference_view_over_two_processes_is_scored_as_one_process_sc
     entries = {}
     try:
         for view, processes in (("pairs", 1), ("swapped_pairs", 1), ("swapped_pairs", 2)):
-            ref = ReferenceLogps(
-                key=reference_key(data, policy, view=view),
-                root=str(tmp_path / f"cache-{view}-{processes}"),
-                data=data,
-                reference=policy,
-                batch_size=5,
-                compute=cpu(processes),
-                view=view,
-                plugins=("ddp_views",),
-            )
-            with one_torch_thread():
-                entries[view, processes], computed = ensure_entry(ref)
-            assert computed
+            root = tmp_path / f"cache-{view}-{processes}"
+            entries[view, processes] = computed_entry(data, policy, root, processes, view, ("ddp_views",))
     finally:
         REFERENCE_VIEWS.pop("swapped_pairs")
         sys.modules.pop("ddp_views")
