@@ -305,7 +305,15 @@ def evaluate(
         parent_run_id, "evaluate", StageFolder.of(config_name, "evaluate", str(flow_run.get_id() or "local"))
     )
     scoring = Scoring(
-        prompts, pairs, config, beta, compute, reward_model, reference_fingerprint, data.chat_template, tuple(plugins)
+        prompts,
+        pairs,
+        config,
+        beta,
+        compute,
+        reward_model,
+        reference=reference_fingerprint,
+        chat_template=data.chat_template,
+        plugins=tuple(plugins),
     )
     keys = [
         scores_key(

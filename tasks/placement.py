@@ -106,13 +106,15 @@ class OnDask:
             self.client.close()
             raise
 
-    def offering(self, resource: str) -> list[str]:
-        """The addresses of the scheduler's workers that offer ``resource``."""
-        workers = self.client.scheduler_info(n_workers=-1)["workers"]
+    def offering(self, resource: str, workers: dict | None = None) -> list[str]:
+        """The addresses of the scheduler's workers (``workers``: its info of them, asked for when
+        None) that offer ``resource``."""
+        workers = self.client.scheduler_info(n_workers=-1)["workers"] if workers is None else workers
         return [address for address, info in workers.items() if info["resources"].get(resource, 0) >= 1]
 
     def check_workers(self, machines: Iterable[int]) -> None:
-        missing = [machine for machine in machines if not self.offering(machine_resource(machine))]
+        workers = self.client.scheduler_info(n_workers=-1)["workers"]  # asked once for every machine
+        missing = [machine for machine in machines if not self.offering(machine_resource(machine), workers)]
         if missing:
             needs = "; nor ".join(
                 f"{machine_resource(m)}, which machine {m}'s part needs: on machine {m} run "

@@ -8,6 +8,16 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 ARCHITECTURES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
 
 
+def bigram_logits(vocab: int, script: dict[int, int], filler: int) -> torch.Tensor:
+    """``[vocab, vocab]`` logits: row ``a`` puts all its mass on ``script[a]``, a row off the script on ``filler``."""
+    table = torch.full((vocab, vocab), -1e4)
+    table[:, filler] = 0.0
+    for current, following in script.items():
+        table[current] = -1e4
+        table[current, following] = 0.0
+    return table
+
+
 class Scripted:
     """A fixture policy (mixed into a causal LM class): whatever the context, the token after ``a``
     is ``script[a]`` (a bigram table as logits, so greedy decoding and sampling both follow it); a
@@ -15,11 +25,7 @@ class Scripted:
 
     def __init__(self, config, script: dict[int, int], filler: int):
         super().__init__(config)
-        self.table = torch.full((config.vocab_size, config.vocab_size), -1e4)
-        self.table[:, filler] = 0.0
-        for current, following in script.items():
-            self.table[current] = -1e4
-            self.table[current, following] = 0.0
+        self.table = bigram_logits(config.vocab_size, script, filler)
 
     def forward(self, input_ids=None, **kwargs):
         output = super().forward(input_ids=input_ids, **kwargs)
@@ -132,11 +138,7 @@ def scripted_checkpoint(tokenizer, after_prompt: list[str], folder):
         eos_token_id=tokenizer.eos_token_id,
     )
     chain = tokenizer.convert_tokens_to_ids(["\n", *after_prompt])
-    table = torch.full((vocab, vocab), -1e4)
-    table[:, tokenizer.convert_tokens_to_ids("x")] = 0.0
-    for current, following in zip(chain, chain[1:]):
-        table[current] = -1e4
-        table[current, following] = 0.0
+    table = bigram_logits(vocab, dict(zip(chain, chain[1:])), tokenizer.convert_tokens_to_ids("x"))
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         for parameter in model.parameters():

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import Trainer, TrainingArguments
 
-from trainers.data.collators import prompt_completion_batch
+from trainers.data.collators import two_completion_batch
 from trainers.reward.losses import bradley_terry_losses
 from trainers.reward.section import RewardStageConfig
 from trainers.runtime.metric_window import MetricWindow
@@ -24,9 +24,7 @@ class PairSequenceCollator:
     pad_token_id: int
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
-        prompts = [f["prompt_ids"] for f in features]
-        completions = [f["chosen_ids"] for f in features] + [f["rejected_ids"] for f in features]
-        batch = prompt_completion_batch(prompts + prompts, completions, self.pad_token_id)
+        batch = two_completion_batch(features, ("chosen_ids", "rejected_ids"), self.pad_token_id)
         if "margin" in features[0]:
             batch["margin"] = torch.tensor([float(f["margin"]) for f in features])
         return batch
