@@ -410,7 +410,7 @@ class TrackingConfig(Section):
 
 
 class ExperimentBase(Section):
-    """The fields of an experiment besides its sections (see :data:`ExperimentConfig`)."""
+    """An experiment's fields and sections but the stages' (:data:`ExperimentConfig` adds those)."""
 
     name: SafeName = Field(
         "default",
@@ -431,6 +431,15 @@ class ExperimentBase(Section):
         description="One seed for all randomness of a run: sets model.seed (built-in model init), each stage's "
         "seed (data order, dropout, GRPO sampling) and evaluation.seed (sampling, bootstrap); null leaves them.",
     )
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    peft: PeftConfig = Field(default_factory=PeftConfig, title="PEFT (LoRA)")
+    data: DataConfig = Field(default_factory=DataConfig)
+    reference: ReferenceConfig = Field(default_factory=ReferenceConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    compute: ComputeConfig = Field(default_factory=ComputeConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    promotion: PromotionConfig = Field(default_factory=PromotionConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -584,25 +593,16 @@ class ExperimentBase(Section):
         return self.tracking.run_name or self.name
 
 
-def section(model: type[Section], **field_options: Any) -> tuple[type[Section], Any]:
-    return model, Field(default_factory=model, **field_options)
-
-
-# One section per registered stage, between the data and the reference sections (the form's order).
+# One section per registered stage, after the experiment's own (the form's order).
 ExperimentConfig = create_model(
     "ExperimentConfig",
     __base__=ExperimentBase,
     __module__=__name__,
-    __doc__="An experiment: its name, stages and plugins, then one section per concern and per stage.",
-    model=section(ModelConfig),
-    peft=section(PeftConfig, title="PEFT (LoRA)"),
-    data=section(DataConfig),
-    **{spec.name: section(spec.section, title=spec.title, description=spec.description) for spec in STAGES.values()},
-    reference=section(ReferenceConfig),
-    evaluation=section(EvaluationConfig),
-    compute=section(ComputeConfig),
-    tracking=section(TrackingConfig),
-    promotion=section(PromotionConfig),
+    __doc__="An experiment: its name, stages and plugins, one section per concern, then one per stage.",
+    **{
+        spec.name: (spec.section, Field(default_factory=spec.section, title=spec.title, description=spec.description))
+        for spec in STAGES.values()
+    },
 )
 
 
