@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 if TYPE_CHECKING:
     from transformers import TrainingArguments
+
+Arguments = TypeVar("Arguments", bound="TrainingArguments")
 
 
 def form_hints(schema: dict[str, Any], model: type[BaseModel]) -> None:
@@ -139,8 +141,8 @@ class TrainingConfig(Section):
         return report_to
 
     def training_arguments(
-        self, arguments_class: type[TrainingArguments], evaluates: bool = False, **runtime: Any
-    ) -> TrainingArguments:
+        self, arguments_class: type[Arguments], evaluates: bool = False, **runtime: Any
+    ) -> Arguments:
         """The one mapping from a section to its trainer's arguments: every field by name (the
         class has them: ``TrainingArguments``' own, or added by :func:`section_fields`), except
         ``warmup_ratio`` (``warmup_steps`` below 1 is a fraction of the steps), ``save_steps`` (0
@@ -184,12 +186,12 @@ def accelerator_available() -> bool:
     return torch.cuda.is_available() or torch.backends.mps.is_available()
 
 
-def section_fields(section: type[TrainingConfig]):
+def section_fields(section: type[TrainingConfig]) -> Callable[[type[Arguments]], type[Arguments]]:
     """Class decorator, applied before ``@dataclass``: give a ``TrainingArguments`` subclass the
     section's own fields (those ``TrainingConfig`` does not have), with the section's defaults, so
     a script that builds the arguments directly gets the same defaults as the pipeline."""
 
-    def decorator(cls: type) -> type:
+    def decorator(cls: type[Arguments]) -> type[Arguments]:
         inherited = {field.name for field in dataclasses.fields(cls)}
         annotations = cls.__dict__.get("__annotations__", {})
         for name, info in section.model_fields.items():
@@ -201,7 +203,6 @@ def section_fields(section: type[TrainingConfig]):
             default = {"default_factory": info.default_factory} if info.default_factory else {"default": info.default}
             setattr(cls, name, dataclasses.field(**default, metadata={"help": info.description}))
         cls.__annotations__ = annotations
-        cls.section = section
         return cls
 
     return decorator

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel, Trainer, TrainingArguments
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainingArguments
 
 from trainers.data.collators import pad_left, prompt_completion_batch
 from trainers.data.lengths import model_context, prompt_lengths
@@ -30,6 +31,9 @@ from trainers.models.stop_tokens import cut_at_first_stop, stop_token_ids
 from trainers.runtime.metric_window import MetricWindow
 from trainers.runtime.parameter_sharding import prepare_reference, sampling_model, sharding_of
 from trainers.sections import section_fields
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin
 
 
 def generalized_jsd(
@@ -95,13 +99,17 @@ class DistillConfig(TrainingArguments):
 
 
 class DistillTrainer(MetricWindow, Trainer):
+    args: DistillConfig
+    model: PreTrainedModel  # or a PeftModel around one, which forwards its attributes
+    processing_class: PreTrainedTokenizerBase  # checked in __init__
+
     loss_is_scaled_for_ga = False  # compute_loss returns a per-micro-batch mean
 
-    def __init__(self, *args, teacher_model: PreTrainedModel, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *trainer_args, teacher_model: PreTrainedModel, **kwargs):
+        super().__init__(*trainer_args, **kwargs)
         if self.processing_class is None:
             raise ValueError("DistillTrainer needs processing_class: the tokenizer the student samples with")
-        args: DistillConfig = self.args
+        args = self.args
         tokenizer = self.processing_class
         if (generation := distill_generation(args)) is not None:  # sampled completions fit the student's context
             generation.check(prompt_lengths(self.train_dataset), model_context(self.model))
@@ -158,7 +166,7 @@ class DistillTrainer(MetricWindow, Trainer):
         device, on = self.accelerator.device, on or self.accelerator.device
         with torch.random.fork_rng(devices=[on] if on.type == "cuda" else []):
             torch.manual_seed(derived_seed(seed, self.accelerator.process_index))
-            output = generator.generate(
+            output = cast("GenerationMixin", generator).generate(  # a causal LM (or a PeftModel around one)
                 input_ids=inputs["prompt_ids"].to(on),
                 attention_mask=inputs["prompt_mask"].to(on),
                 generation_config=self.generation_config,

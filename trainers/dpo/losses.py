@@ -14,7 +14,9 @@ function receives all take it from there.
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Literal, Sequence
 
@@ -90,8 +92,9 @@ def capped_exp(x: torch.Tensor) -> torch.Tensor:
     return torch.exp(x.clamp(max=math.log(torch.finfo(x.dtype).max) - 1))
 
 
+FDivergence = Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"]
 # f-DPO's margin before β for each f, from the log-ratios ℓ_c, ℓ_r and α (see ``f_divergence_loss``).
-F_DIVERGENCE_MARGINS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
+F_DIVERGENCE_MARGINS: dict[FDivergence, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {
     "reverse_kl": lambda chosen, rejected, alpha: chosen - rejected,
     "forward_kl": lambda chosen, rejected, alpha: capped_exp(-rejected) - capped_exp(-chosen),
     "js_divergence": lambda chosen, rejected, alpha: (chosen - F.softplus(chosen)) - (rejected - F.softplus(rejected)),
@@ -99,7 +102,6 @@ F_DIVERGENCE_MARGINS: dict[str, Callable[[torch.Tensor, torch.Tensor, float], to
         (capped_exp(-alpha * rejected) - capped_exp(-alpha * chosen)) / alpha
     ),
 }
-FDivergence = Literal[tuple(F_DIVERGENCE_MARGINS)]
 
 
 class PreferenceHyperparameters(BaseModel):
@@ -465,7 +467,9 @@ class LossMix:
     def __call__(self, pairs: PairLogps, params: LossParams) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-pair total loss, and each component's per-pair loss (unweighted) by name."""
         components = {loss.name: loss(pairs, params) for loss in self.losses}
-        total = sum(weight * loss for weight, loss in zip(self.weights, components.values()))
+        total = functools.reduce(
+            operator.add, (weight * loss for weight, loss in zip(self.weights, components.values()))
+        )
         return total, components
 
 

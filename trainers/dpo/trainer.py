@@ -20,7 +20,14 @@ import torch
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 
 from trainers.data.rows import REF_COLUMNS
-from trainers.dpo.losses import LossParams, PairLogps, PreferenceHyperparameters, resolve_losses, reward_metrics
+from trainers.dpo.losses import (
+    LossMix,
+    LossParams,
+    PairLogps,
+    PreferenceHyperparameters,
+    resolve_losses,
+    reward_metrics,
+)
 from trainers.dpo.section import DPOStageConfig, reference_source
 from trainers.models.lora import has_adapters, live_reference
 from trainers.runtime.callbacks import SyncReferenceCallback
@@ -91,6 +98,9 @@ def wpo_pair_weights(chosen_logweights: torch.Tensor, rejected_logweights: torch
 
 
 class DPOTrainer(MetricWindow, Trainer):
+    args: DPOConfig
+    objective: LossMix
+    model: PreTrainedModel  # or a PeftModel around one, which forwards its attributes
     loss_is_scaled_for_ga = False  # compute_loss returns a per-micro-batch mean
 
     def __init__(self, *args, ref_model: PreTrainedModel | None = None, **kwargs):
@@ -110,7 +120,7 @@ class DPOTrainer(MetricWindow, Trainer):
         if self.args.sync_ref_model and ref_model is None:
             raise ValueError("sync_ref_model needs a separate ref_model to mix the policy into (not with LoRA)")
         self.ref_model = None if ref_model is None else prepare_reference(ref_model, self.accelerator)
-        if self.args.sync_ref_model:
+        if self.args.sync_ref_model and self.ref_model is not None:
             sync = SyncReferenceCallback(
                 self.ref_model,
                 self.args.ref_model_mixup_alpha,

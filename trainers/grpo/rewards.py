@@ -48,7 +48,9 @@ RESERVED = ("prompts", "completions", "completion_ids", "truncated", "trainer_st
 
 
 class RewardFunction(Protocol):
-    def __call__(self, *, prompts: list, completions: list, **kwargs) -> list[float | None]: ...
+    def __call__(
+        self, *, prompts: list, completions: list, completion_ids: list[list[int]], **kwargs
+    ) -> list[float | None]: ...
 
 
 class RewardError(RuntimeError):
@@ -152,8 +154,14 @@ def resolve_rewards(
     for f in functions:
         if isinstance(f, str) and reward_model_target(f) is not None:
             raise ValueError(f"reward {f!r} names a reward model: pass it loaded (trainers.scoring.reward_model)")
-        named.append((f, get_reward(f)) if isinstance(f, str) else (f.__name__, check_signature(f.__name__, f)))
+        named.append(
+            (f, get_reward(f)) if isinstance(f, str) else (callable_name(f), check_signature(callable_name(f), f))
+        )
     return named, reward_weights(weights, len(named))
+
+
+def callable_name(fn: RewardFunction) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
 
 
 def text_of(completion: str | list[dict]) -> str:
@@ -230,6 +238,7 @@ def reward_kwargs(
     else:
         sources = [{key: value for key, value in row.items() if not key.endswith("_ids")} for row in rows]
         prompts, inputs = rendered_prompts, "rendered"
+    completions: list[str] | list[str | list[dict[str, str]]]
     if inputs == "rendered":
         prompts, completions = rendered_prompts, texts
     else:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, cast
 
 import torch
 
@@ -33,6 +33,8 @@ from trainers.models.lora import has_adapters
 from trainers.runtime.parameter_sharding import sampling_model
 
 if TYPE_CHECKING:
+    from transformers import GenerationMixin
+
     from trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 
 
@@ -69,12 +71,11 @@ class GenerationBackend(ABC):
     def close(self) -> None:  # noqa: B027 (a hook: nothing to close by default)
         """Give back what :meth:`start` took, at the end of training."""
 
-    def seeds(self, count: int) -> list[int]:
-        """With ``generation_seed``: :func:`completion_seed` of each of this process's ``count`` rows, by
+    def seeds(self, generation_seed: int, count: int) -> list[int]:
+        """:func:`completion_seed` (of ``generation_seed``) of each of this process's ``count`` rows, by
         its place in the generation batch over all processes (``count`` rows on each)."""
-        seed, calls = self.trainer.args.generation_seed, self.trainer.generation_calls
-        first = self.trainer.accelerator.process_index * count
-        return [completion_seed(seed, calls, first + row) for row in range(count)]
+        calls, first = self.trainer.generation_calls, self.trainer.accelerator.process_index * count
+        return [completion_seed(generation_seed, calls, first + row) for row in range(count)]
 
 
 class PolicyBackend(GenerationBackend):
@@ -98,7 +99,7 @@ class PolicyBackend(GenerationBackend):
                 completions = self.sample_seeded(unwrapped, prompts)
             else:
                 input_ids, attention_mask = pad_left(prompts, trainer.processing_class.pad_token_id)
-                output = unwrapped.generate(
+                output = cast("GenerationMixin", unwrapped).generate(  # a causal LM (or a PeftModel around one)
                     input_ids=input_ids.to(trainer.accelerator.device),
                     attention_mask=attention_mask.to(trainer.accelerator.device),
                     generation_config=self.config,
@@ -114,10 +115,11 @@ class PolicyBackend(GenerationBackend):
         neighbours. Shorter rows are padded with a stop token (cut at the first one later); the global
         RNG state is left as it was."""
         trainer = self.trainer
+        assert trainer.args.generation_seed is not None  # sample() calls this only with one
         device = trainer.accelerator.device
         rows = []
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for prompt, seed in zip(prompts, self.seeds(len(prompts))):
+            for prompt, seed in zip(prompts, self.seeds(trainer.args.generation_seed, len(prompts))):
                 torch.manual_seed(seed)
                 input_ids = torch.tensor([prompt], device=device)
                 output = model.generate(
@@ -142,6 +144,9 @@ def colocated_engine(trainer: GRPOTrainer, policy: torch.nn.Module, weights: dic
 def server_engine(trainer: GRPOTrainer, policy: torch.nn.Module, weights: dict[str, torch.Tensor]) -> SyncedEngine:
     """The server at ``vllm_server_url``, rank 0 pushing the weights (``vllm_weight_transfer``)."""
     args = trainer.args
+    if args.vllm_server_url is None:
+        raise ValueError("vllm_mode: server needs vllm_server_url")
+    assert args.output_dir is not None  # TrainingArguments sets it
     return ServerEngine(
         policy,
         weights,
@@ -202,23 +207,30 @@ class EngineBackend(GenerationBackend):
     def start(self, model) -> None:
         """Build the engine from the policy as it is now, unless it is built; its start-up is logged
         once as ``time/engine_start``."""
+        self.built(model)
+
+    def built(self, model) -> SyncedEngine:
         if self.engine is not None:
-            return
+            return self.engine
         started = time.perf_counter()
         with self.policy_weights(model) as weights:  # whole, on every process, where they are sharded
             self.engine = self.mode.build(self.trainer, self.trainer.accelerator.unwrap_model(model), weights)
         self.trainer.window["time/engine_start"].append(time.perf_counter() - started)
+        return self.engine
 
     def sample(self, model, prompts: list[list[int]]) -> Rollouts:
         """Completions and their engine log-probs, the engine's weights synced to the policy's first if
         an optimizer step changed them."""
-        self.start(model)
+        engine = self.built(model)
         step = self.trainer.state.global_step
         # gathered only for a sync: the first round samples the weights the engine was just built from
-        with nullcontext({}) if self.engine.holds(step) else self.policy_weights(model) as weights:
-            self.engine.wake(weights, step)
-        samples = self.engine.generate(prompts, self.completion_seeds(len(prompts)), self.options)
-        self.engine.rest()
+        if engine.holds(step):
+            engine.wake({}, step)
+        else:
+            with self.policy_weights(model) as weights:
+                engine.wake(weights, step)
+        samples = engine.generate(prompts, self.completion_seeds(len(prompts)), self.options)
+        engine.rest()
         return Rollouts(*samples.padded(self.trainer.stop_ids[0]))
 
     @contextmanager
@@ -235,9 +247,10 @@ class EngineBackend(GenerationBackend):
     def completion_seeds(self, count: int) -> list[int]:
         """One seed per completion: with ``generation_seed``, :func:`completion_seed` of its place in the
         generation batch over all processes; otherwise drawn from this process's torch generator."""
-        if self.trainer.args.generation_seed is None:
+        seed = self.trainer.args.generation_seed
+        if seed is None:
             return torch.randint(0, 2**62, (count,)).tolist()
-        return self.seeds(count)
+        return self.seeds(seed, count)
 
     def close(self) -> None:
         if self.engine is not None:

@@ -7,7 +7,7 @@ receives the same prompts and the trainer generates for them once and serves its
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sized
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -86,6 +86,8 @@ def generation_dataloader(
     """One batch = one process's part of a generation batch (per-device batch × steps per
     generation rows), repeated for every step and iteration that consumes it. Shard it with
     ``accelerator.prepare``."""
+    if not isinstance(dataset, Sized):
+        raise TypeError(f"GRPO samples prompts by index: it needs a map-style dataset, not a {type(dataset).__name__}")
     sampler = RepeatSampler(
         len(dataset),
         num_generations=layout.num_generations,

@@ -19,11 +19,11 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence, cast
 
 import torch
 from torch.utils.data import DataLoader
-from transformers import PreTrainedModel, Trainer, TrainingArguments
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainingArguments
 
 from trainers.data.collators import prompt_completion_batch
 from trainers.data.lengths import model_context, prompt_lengths
@@ -32,6 +32,7 @@ from trainers.grpo.layout import GenerationLayout
 from trainers.grpo.losses import (
     IMPORTANCE_LEVELS,
     ObjectiveParams,
+    PolicyObjective,
     bias_corrected_k3_kl,
     get_grpo_loss,
     get_policy_objective,
@@ -191,23 +192,29 @@ class GenerationBuffer:
 
 
 class GRPOTrainer(Trainer):
+    args: GRPOConfig
+    model: PreTrainedModel  # or a PeftModel around one, which forwards its attributes
+    processing_class: PreTrainedTokenizerBase  # checked in __init__
+    stop_ids: tuple[int, ...]
+    objective: PolicyObjective
+
     def __init__(
         self,
-        *args,
+        *trainer_args,
         ref_model: PreTrainedModel | None = None,
         reward_funcs: Sequence[str | RewardFunction] | None = None,
         **kwargs,
     ):
         """``ref_model`` (used only when ``beta > 0``) defaults to a frozen copy of the initial
         policy; ``reward_funcs`` (names, import paths or callables) default to ``args.reward_funcs``."""
-        super().__init__(*args, **kwargs)
+        super().__init__(*trainer_args, **kwargs)
         if self.processing_class is None:
             raise ValueError("GRPOTrainer needs processing_class: the tokenizer that decodes completions")
         if self.eval_dataset is not None:
             raise ValueError(
                 "GRPOTrainer does not evaluate during training; score checkpoints with trainers.evaluation.evaluate"
             )
-        args: GRPOConfig = self.args
+        args = self.args
         grpo_generation(args).check(prompt_lengths(self.train_dataset), model_context(self.model))
         self.loss_fn = get_grpo_loss(args.loss_type)
         self.objective = get_policy_objective(args.policy_loss)
@@ -257,7 +264,7 @@ class GRPOTrainer(Trainer):
         iteration that consumes it), sharded over processes by ``accelerator.prepare``."""
         if self.train_dataset is None:
             raise ValueError("GRPOTrainer: training requires a train_dataset of prompts")
-        args: GRPOConfig = self.args
+        args = self.args
         loader = generation_dataloader(
             self.train_dataset,
             args.layout,
@@ -299,7 +306,7 @@ class GRPOTrainer(Trainer):
             self.backend.close()
 
     def generate_and_score(self, model, rows: list[dict]) -> list[dict[str, torch.Tensor]]:
-        args: GRPOConfig = self.args
+        args = self.args
         tokenizer = self.processing_class
         limit = args.max_prompt_length
         prompts = [r["prompt_ids"][-limit:] if limit else r["prompt_ids"] for r in rows]
@@ -404,7 +411,7 @@ class GRPOTrainer(Trainer):
         non-zero), times the high-entropy mask (when ``top_entropy_quantile`` < 1), plus β·KL; then
         the ``loss_type`` aggregation. Only completion positions are projected and scored; the
         entropy comes from the same pass and is backpropagated only for the bonus."""
-        args: GRPOConfig = self.args
+        args = self.args
         # One chunked pass over the completion positions gives the log-probs and the entropy (for the
         # metric, and for the options): no second full-vocabulary tensor, no prompt positions.
         logps, entropy = next_token_logps(
@@ -507,7 +514,7 @@ class GRPOTrainer(Trainer):
         """Add the window's GRPO metrics, seconds per optimizer step (generating and the rest)
         and, every ``log_completions_steps``, a table of sample completions."""
         steps = self.state.global_step - self.window_start_step
-        if self.window and steps > 0:
+        if self.window and steps > 0 and self.window_started is not None:
             generation_seconds = sum(self.window.pop("time/generation", []))
             logs.update(
                 {name: max(v) if is_max_metric(name) else sum(v) / len(v) for name, v in self.window.items() if v}
@@ -519,7 +526,8 @@ class GRPOTrainer(Trainer):
             self.window_started, self.window_start_step = time.perf_counter(), self.state.global_step
         steps_due = self.args.log_completions_steps
         if steps_due and self.latest_samples and self.state.global_step >= self.next_table_step:
-            logs[COMPLETIONS_LOG_KEY] = {
+            # a table among the floats Trainer.log declares: the pipeline's callback takes it out
+            cast(dict[str, Any], logs)[COMPLETIONS_LOG_KEY] = {
                 "step": [self.state.global_step] * len(self.latest_samples["prompt"]),
                 **self.latest_samples,
             }

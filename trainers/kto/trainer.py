@@ -86,6 +86,8 @@ class KTOConfig(TrainingArguments):
 
 
 class KTOTrainer(MetricWindow, Trainer):
+    args: KTOConfig
+    model: PreTrainedModel  # or a PeftModel around one, which forwards its attributes
     loss_is_scaled_for_ga = False  # compute_loss returns a per-micro-batch mean
 
     def __init__(self, *args, ref_model: PreTrainedModel | None = None, **kwargs):

@@ -43,6 +43,7 @@ class RewardTrainer(MetricWindow, Trainer):
     logs the pairs' ``accuracy`` (r_c > r_r), mean ``margin`` and rewards, ``eval_``-prefixed on the
     held-out pairs."""
 
+    args: RewardConfig
     loss_is_scaled_for_ga = False  # compute_loss returns a per-micro-batch mean
 
     def __init__(self, *args, **kwargs):

@@ -106,8 +106,10 @@ def is_complete(checkpoint: Path) -> bool:
 
 def checkpoints(output_dir: Path) -> list[Path]:
     """``checkpoint-<step>`` folders below ``output_dir``, newest step first."""
-    found = [p for p in output_dir.glob("checkpoint-*") if p.is_dir() and CHECKPOINT_NAME.match(p.name)]
-    return sorted(found, key=lambda p: int(CHECKPOINT_NAME.match(p.name).group(1)), reverse=True)
+    steps = {
+        p: match for p in output_dir.glob("checkpoint-*") if p.is_dir() and (match := CHECKPOINT_NAME.match(p.name))
+    }
+    return sorted(steps, key=lambda p: int(steps[p].group(1)), reverse=True)
 
 
 def latest_complete_checkpoint(output_dir: Path) -> Path | None:

@@ -5,14 +5,22 @@ is that loss."""
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import Trainer
+
+    TrainerBase = Trainer
+else:
+    TrainerBase = object  # a mixin: the Trainer comes after it in the subclass's bases
 
 # Metrics summed over the logging window and the processes; every other metric is averaged.
 SUMMED_METRICS = {"num_tokens"}
 
 
-class MetricWindow:
+class MetricWindow(TrainerBase):
     """Mixin for a ``transformers.Trainer`` subclass (listed before ``Trainer``): ``record_metrics``
     in ``compute_loss``; each logged line then carries the window's metrics, ``eval_``-prefixed after
     an evaluation. The windows open when the trainer is built; :meth:`checkpoint_state` /

@@ -27,12 +27,17 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, TypeVar
 
 import torch
 from transformers.modeling_utils import unwrap_model
 
 from trainers.registry import Registry
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 
 
 @dataclass(frozen=True)
@@ -132,7 +137,7 @@ def sharding_of(state: Any) -> ParameterSharding:
 
 
 @contextmanager
-def forward_model(model: torch.nn.Module, accelerator: Any, sharding: ParameterSharding) -> Iterator[torch.nn.Module]:
+def forward_model(model: torch.nn.Module, accelerator: Any, sharding: ParameterSharding) -> Iterator[PreTrainedModel]:
     """The unwrapped ``model``, ready to run forwards (generation, log-probs) outside the training
     step; under a ``lockstep`` sharding every process must run the same ones."""
     with sharding.forward_ready(model):
@@ -140,7 +145,7 @@ def forward_model(model: torch.nn.Module, accelerator: Any, sharding: ParameterS
 
 
 @contextmanager
-def sampling_model(model: torch.nn.Module, accelerator: Any, sharding: ParameterSharding) -> Iterator[torch.nn.Module]:
+def sampling_model(model: torch.nn.Module, accelerator: Any, sharding: ParameterSharding) -> Iterator[PreTrainedModel]:
     """:func:`forward_model` in eval mode (no dropout while it samples), its training mode restored after."""
     with forward_model(model, accelerator, sharding) as unwrapped:
         was_training = unwrapped.training
@@ -164,7 +169,7 @@ def check_whole(model: torch.nn.Module) -> None:
             )
 
 
-def prepare_reference(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
+def prepare_reference(model: ModuleT, accelerator: Any) -> ModuleT:
     """A frozen reference, whole on this process's device: mixed precision applied, never
     sharded (accelerate leaves it unwrapped for evaluation, and in place under FSDP)."""
     check_whole(model)
