@@ -81,6 +81,7 @@ run: $(INSTALLED)
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # Every tier (tests/conftest.py describes them), one torch thread per process, in two lanes:
 # - the main tiers in one pytest run on two workers. Whole modules go to a worker (--dist loadscope),

@@ -1,0 +1,62 @@
+"""The type checker sees what the code does: a section field read from a trainer's arguments has
+the section's type (``tests/mypy_section_fields.py``), and a wrong field or argument on a typed
+spec is an error. mypy runs in process on the project's cache (``make lint`` fills it)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from mypy import api
+
+PROJECT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.unit
+
+
+def check(tmp_path: Path, code: str) -> list[str]:
+    """mypy's messages on ``code`` (a module importing the project), with the project's settings."""
+    module = tmp_path / "typed_use.py"
+    module.write_text(code)
+    config = str(PROJECT / "pyproject.toml")
+    cache = str(PROJECT / ".mypy_cache")
+    stdout, stderr, _ = api.run(["--config-file", config, "--cache-dir", cache, str(module)])
+    assert not stderr, stderr
+    return [re.sub(r"^.*?typed_use\.py:\d+: ", "", line) for line in stdout.splitlines() if "typed_use.py" in line]
+
+
+def test_a_trainers_arguments_have_their_sections_fields_with_the_sections_types(tmp_path: Path):
+    messages = check(
+        tmp_path,
+        "from trainers.grpo.trainer import GRPOConfig, GRPOTrainer\n"
+        "def read(args: GRPOConfig, trainer: GRPOTrainer) -> None:\n"
+        "    reveal_type(args.epsilon)\n"
+        "    reveal_type(args.generation_seed)\n"
+        "    reveal_type(trainer.args.num_generations)\n"
+        "    reveal_type(args.learning_rate)\n"
+        "    args.epsilon_high_typo\n",
+    )
+    assert messages == [
+        'note: Revealed type is "float"',
+        'note: Revealed type is "int | None"',
+        'note: Revealed type is "int"',
+        'note: Revealed type is "float"',  # TrainingArguments' own, as the section's TrainingConfig has it
+        'error: "GRPOConfig" has no attribute "epsilon_high_typo"  [attr-defined]',
+    ]
+
+
+def test_a_wrong_field_or_argument_on_a_typed_spec_is_an_error(tmp_path: Path):
+    messages = check(
+        tmp_path,
+        "from pathlib import Path\n"
+        "from infra.core.config.schema import ExperimentConfig\n"
+        "from trainers.stages.spec import StageInputs\n"
+        "def use(config: ExperimentConfig) -> None:\n"
+        "    config.evaluation.num_sample\n"
+        "    config.compute.num_processes + 'one'\n",
+    )
+    assert messages == [
+        'error: "EvaluationConfig" has no attribute "num_sample"; maybe "num_samples"?  [attr-defined]',
+        'error: Unsupported operand types for + ("int" and "str")  [operator]',
+    ]
