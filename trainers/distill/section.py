@@ -3,12 +3,15 @@ config and :class:`trainers.distill.trainer.DistillConfig` both take their field
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Union
 
 from pydantic import Field
 
 from trainers.generation.budget import Generation
 from trainers.sections import Placement, SchedulerName, StageCompute, TrainingConfig, check_placement
+
+if TYPE_CHECKING:
+    from trainers.distill.trainer import DistillConfig
 
 
 class DistillStageConfig(TrainingConfig):
@@ -61,7 +64,7 @@ class DistillStageConfig(TrainingConfig):
     )
 
 
-def distill_generation(options: Any) -> Generation | None:
+def distill_generation(options: Union[DistillStageConfig, "DistillConfig"]) -> Generation | None:
     """The completions a section or a ``DistillConfig`` samples: ``max_new_tokens`` after each
     prompt where any step is on-policy (``lmbda`` > 0) or the teacher samples (``seq_kd``); none
     otherwise (supervised KD on the data's completions)."""

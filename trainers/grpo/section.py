@@ -4,7 +4,7 @@ the experiment config and :class:`trainers.grpo.trainer.GRPOConfig` both take th
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Iterator, Literal, get_args
+from typing import TYPE_CHECKING, Annotated, Iterator, Literal, Union, get_args
 
 from pydantic import Field, model_validator
 
@@ -22,6 +22,9 @@ from trainers.grpo.losses import (
 )
 from trainers.grpo.rewards import RewardInputs, check_reward_names, reward_model_target
 from trainers.sections import EvalStrategy, Placement, Seed, StageCompute, TrainingConfig, check_placement
+
+if TYPE_CHECKING:
+    from trainers.grpo.trainer import GRPOConfig
 
 COMPLETIONS_LOG_KEY = "completions"  # a table (column -> values) in the trainer's logs; trackers render it
 GenerationBackendName = Literal["hf", "vllm"]
@@ -242,7 +245,11 @@ class GRPOStageConfig(TrainingConfig):
         return self
 
 
-def generation_layout(options: Any, num_processes: int) -> GenerationLayout:
+# What the checks and derivations below read: the section, or the trainer's arguments built from it.
+GRPOOptions = Union[GRPOStageConfig, "GRPOConfig"]
+
+
+def generation_layout(options: GRPOOptions, num_processes: int) -> GenerationLayout:
     """The generation layout of a section or a ``GRPOConfig`` over ``num_processes`` processes in
     all (:func:`~trainers.grpo.layout.resolve_layout`: raises when the batch arithmetic does not divide)."""
     return resolve_layout(
@@ -255,7 +262,7 @@ def generation_layout(options: Any, num_processes: int) -> GenerationLayout:
     )
 
 
-def grpo_generation(options: Any) -> Generation:
+def grpo_generation(options: GRPOOptions) -> Generation:
     """The completions a section or a ``GRPOConfig`` samples: ``max_completion_length`` tokens after
     prompts cut to ``max_prompt_length``, within ``vllm_max_model_len`` where vLLM generates and it
     is set."""
@@ -314,7 +321,7 @@ READ_ONLY_BY: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 
-def unread_engine_options(options: Any) -> Iterator[tuple[str, str]]:
+def unread_engine_options(options: GRPOOptions) -> Iterator[tuple[str, str]]:
     """The ``vllm_*`` options that ``options`` leaves unread, each with the setting that says so."""
     if options.generation_backend != "vllm":
         because = f"generation_backend {options.generation_backend!r}"
@@ -327,7 +334,7 @@ def unread_engine_options(options: Any) -> Iterator[tuple[str, str]]:
                 yield from ((field, f"{setting} {value!r}") for field in fields if field not in readers[value])
 
 
-def check_engine_options(options: Any) -> None:
+def check_engine_options(options: GRPOOptions) -> None:
     """A ``vllm_*`` option away from its default has no effect unless vLLM generates, nor one that
     only another value of a setting reads (:data:`READ_ONLY_BY`)."""
     for field, because in unread_engine_options(options):
@@ -342,7 +349,7 @@ def objective_fields() -> set[str]:
     return fields.union(*(level.clip_range for level in IMPORTANCE_LEVELS.values()))
 
 
-def check_policy_options(options: Any) -> None:
+def check_policy_options(options: GRPOOptions) -> None:
     """Cross-field checks of the objective options, for the section and for a ``GRPOConfig`` built
     directly: a hyperparameter the chosen objective (at the chosen importance level) does not
     read may not be set away from its default, one it requires may not be missing, δ must lie
