@@ -34,6 +34,7 @@ def test_a_trainers_arguments_have_their_sections_fields_with_the_sections_types
         "    reveal_type(args.epsilon)\n"
         "    reveal_type(args.generation_seed)\n"
         "    reveal_type(trainer.args.num_generations)\n"
+        "    reveal_type(args.loss_type)\n"
         "    reveal_type(args.learning_rate)\n"
         "    args.epsilon_high_typo\n",
     )
@@ -41,6 +42,7 @@ def test_a_trainers_arguments_have_their_sections_fields_with_the_sections_types
         'note: Revealed type is "float"',
         'note: Revealed type is "int | None"',
         'note: Revealed type is "int"',
+        'note: Revealed type is "str"',  # a registry's name
         'note: Revealed type is "float"',  # TrainingArguments' own, as the section's TrainingConfig has it
         'error: "GRPOConfig" has no attribute "epsilon_high_typo"  [attr-defined]',
     ]

@@ -1,14 +1,14 @@
 """Name → implementation registries filled by a decorator (preference losses, GRPO losses, reward
 scales, rewards, stages).
 
-A registry also gives the config schema its choice type (:meth:`Registry.name_type`): a string
-checked against the entries registered *when the config is validated*, so entries that a plugin
-module registers are accepted, and listed in the Prefect UI form when the schema is generated.
+A registry also gives the config schema its choice type, ``Annotated[str, RegisteredName(registry)]``:
+a string checked against the entries registered *when the config is validated*, so entries that a
+plugin module registers are accepted, and listed in the Prefect UI form when the schema is generated.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler
 from pydantic_core import core_schema
@@ -44,10 +44,6 @@ class Registry(dict[str, T], Generic[T]):
     def check(self, name: str) -> str:
         self.lookup(name)
         return name
-
-    def name_type(self) -> Any:
-        """``Annotated[str, …]`` for a config field that names an entry of this registry."""
-        return Annotated[str, RegisteredName(self)]
 
 
 class RegisteredName:

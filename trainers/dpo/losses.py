@@ -18,12 +18,12 @@ import functools
 import math
 import operator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Annotated, Callable, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from trainers.lazy import LazyModule
-from trainers.registry import Registry
+from trainers.registry import RegisteredName, Registry
 
 if TYPE_CHECKING:
     import torch
@@ -167,7 +167,7 @@ class PreferenceLoss:
 
 PREFERENCE_LOSSES: Registry[PreferenceLoss] = Registry("preference loss", "loss_type")
 get_loss = PREFERENCE_LOSSES.lookup
-LossName = PREFERENCE_LOSSES.name_type()
+LossName = Annotated[str, RegisteredName(PREFERENCE_LOSSES)]
 
 
 def register_loss(

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, NamedTuple, Protocol, Sequence
+from typing import TYPE_CHECKING, Annotated, Callable, NamedTuple, Protocol, Sequence
 
 from trainers.lazy import LazyModule
-from trainers.registry import Registry
+from trainers.registry import RegisteredName, Registry
 
 if TYPE_CHECKING:
     import torch
@@ -275,7 +275,7 @@ IMPORTANCE_LEVELS.add("token", ImportanceLevel("token", token_log_ratio, ("epsil
 IMPORTANCE_LEVELS.add(
     "sequence", ImportanceLevel("sequence", sequence_log_ratio, ("sequence_epsilon", "sequence_epsilon_high"))
 )
-ImportanceLevelName = IMPORTANCE_LEVELS.name_type()
+ImportanceLevelName = Annotated[str, RegisteredName(IMPORTANCE_LEVELS)]
 
 
 # ---- per-token objectives: policy_loss -------------------------------------------------------
@@ -320,7 +320,7 @@ class PolicyObjective:
 
 POLICY_OBJECTIVES: Registry[PolicyObjective] = Registry("policy objective", "policy_loss")
 get_policy_objective = POLICY_OBJECTIVES.lookup
-PolicyObjectiveName = POLICY_OBJECTIVES.name_type()
+PolicyObjectiveName = Annotated[str, RegisteredName(POLICY_OBJECTIVES)]
 
 
 def register_policy_objective(
@@ -410,9 +410,9 @@ class LossAggregation(Protocol):
 GRPO_LOSSES: Registry[LossAggregation] = Registry("GRPO loss", "loss_type")
 register_grpo_loss = GRPO_LOSSES.register
 get_grpo_loss = GRPO_LOSSES.lookup
-GRPOLossName = GRPO_LOSSES.name_type()
-RewardScaleName = REWARD_SCALES.name_type()
-AdvantageEstimatorName = ADVANTAGE_ESTIMATORS.name_type()
+GRPOLossName = Annotated[str, RegisteredName(GRPO_LOSSES)]
+RewardScaleName = Annotated[str, RegisteredName(REWARD_SCALES)]
+AdvantageEstimatorName = Annotated[str, RegisteredName(ADVANTAGE_ESTIMATORS)]
 
 
 @register_grpo_loss("grpo")

@@ -11,11 +11,11 @@ read specs; none of them names a stage.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal, Mapping, Sequence
 
 from trainers.generation.budget import Generation
 from trainers.models.lora import LoraSettings
-from trainers.registry import Registry
+from trainers.registry import RegisteredName, Registry
 from trainers.sections import StageCompute, TrainingConfig
 
 if TYPE_CHECKING:
@@ -184,7 +184,7 @@ class StageSpec:
 
 
 STAGES: Registry[StageSpec] = Registry("stage", "stages")
-StageName = STAGES.name_type()
+StageName = Annotated[str, RegisteredName(STAGES)]
 
 
 def stage_curves(stage: str) -> tuple[str, ...]:
