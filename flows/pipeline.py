@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.context import FlowRunContext
@@ -19,6 +21,14 @@ from tasks.tracking import link_stage, start_parent_run, tracked_run
 from tasks.train import train
 from trainers.catalog import STAGES
 from trainers.scoring.reference_views import HELD_OUT_PAIRS_VIEW, PAIRS_VIEW
+
+
+@runtime_checkable
+class ImplicitRewardScale(Protocol):
+    """A section trained on cached reference log-probs (``StageSpec.needs_reference_logps``): its
+    ``beta`` scales its implicit rewards."""
+
+    beta: float
 
 
 def deployment_default_config() -> dict | None:
@@ -61,6 +71,8 @@ def experiment(
                     data, policy, config.reference, parent_run_id, config.compute, spec.reference_view, config.plugins
                 )
                 if (pairs := held_out_pairs(reference_logps, config, data, policy, parent_run_id)) is not None:
+                    if not isinstance(section, ImplicitRewardScale):
+                        raise TypeError(f"{stage} trains on reference log-probs, but its section has no beta")
                     held_out_rewards = HeldOutRewards(reference_logps=pairs, beta=section.beta)
             scorers = {name: reward_models[name] for name in spec.reward_models(section) if name in reward_models}
             teacher = resolve_teacher(spec.teacher(section))

@@ -4,12 +4,13 @@ MLflow sweep run with each trial's experiment run nested under it, compared at t
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 from prefect import State, flow, get_run_logger, task
+from prefect.client.schemas.objects import FlowRun
 from prefect.concurrency.sync import concurrency
 from prefect.deployments import run_deployment
-from prefect.futures import as_completed
+from prefect.futures import PrefectFuture, as_completed
 from prefect.runtime import flow_run
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 from prefect_dask import DaskTaskRunner
@@ -55,7 +56,11 @@ def launch_experiment(config: ExperimentConfig, sweep_run_id: str, deployment: s
     if deployment is None:
         return experiment(config, nest_under=sweep_run_id, return_state=True)
     parameters = {"config": config.model_dump(mode="json"), "nest_under": sweep_run_id}
-    return run_deployment(deployment, parameters=parameters, timeout=None).state
+    # called from sync code: the flow run itself (async_dispatch's return type covers async callers too)
+    run = cast(FlowRun, run_deployment(deployment, parameters=parameters, timeout=None))
+    if run.state is None:  # with no timeout it returns once the run's state is final
+        raise RuntimeError(f"flow run {run.id} of {deployment} has no state")
+    return run.state
 
 
 def failure(state: State) -> str:
@@ -89,12 +94,14 @@ def trial(
     )
     if not state.is_completed():
         return result.model_copy(update={"error": failure(state)})
+    if run_id is None:
+        raise RuntimeError(f"trial {number}: its completed flow run {flow_run_id} has no MLflow run under the sweep's")
     return result.model_copy(update={"status": "completed", "metrics": final_metrics(run_id)})
 
 
 # Made from the plain function rather than with @task: Dask pickles the task, and a function that
 # is a module attribute pickles by reference (a decorated one would be pickled by value, globals and all).
-run_trial = task(trial, name="trial", task_run_name="trial-{number}")
+run_trial = task(name="trial", task_run_name="trial-{number}")(trial)
 
 
 def task_runner(spec: SweepConfig) -> TaskRunner:
@@ -128,7 +135,9 @@ def run_trials(spec: SweepConfig, search: Search, planned: list[PlannedTrial], s
     search submits every trial at once (the concurrency limit and the workers pace them); an
     adaptive one keeps ``max_concurrent`` in flight and asks for the next when one finishes."""
     logger = get_run_logger()
-    queue, results, in_flight = list(planned), [], {}
+    queue = list(planned)
+    results: list[TrialResult] = []
+    in_flight: dict[PrefectFuture[Any], PlannedTrial] = {}
     window = spec.trial_count if planned else spec.max_concurrent
 
     def next_trial() -> PlannedTrial | None:
@@ -170,7 +179,9 @@ def promote_best(spec: SweepConfig, best: TrialResult, sweep_run_id: str) -> Eva
     final = config.stages[-1]
     policy = trial_model(config, final, best)
     scorer_name = config.evaluation.reward_model
-    trained = {scorer_name: trial_model(config, scorer_name, best)} if scorer_name in config.stages else {}
+    trained = {}
+    if scorer_name is not None and scorer_name in config.stages:
+        trained[scorer_name] = trial_model(config, scorer_name, best)
     scorer = resolve_scorer(scorer_name, trained)
     return evaluate_and_gate(config, {final: policy}, policy, data, None, sweep_run_id, scorer)
 
@@ -178,6 +189,8 @@ def promote_best(spec: SweepConfig, best: TrialResult, sweep_run_id: str) -> Eva
 def trial_model(config: ExperimentConfig, stage: str, trial: TrialResult) -> ModelHandle:
     """The model ``stage`` of ``trial``'s experiment run ended with: the stage folder of the MLflow
     run that trained it (a cached stage's is an earlier run's)."""
+    if trial.mlflow_run_id is None:
+        raise ValueError(f"trial {trial.number} has no MLflow run to take its {stage} model from")
     trained_by = client().get_run(trial.mlflow_run_id).data.tags[f"alignflow.{stage}_run_id"]
     model = StageFolder.of_run(config.name, stage, trained_by).model_dir
     return checkpoint_handle(model, stage, mlflow_run_id=trained_by)
@@ -199,7 +212,7 @@ def sweep(spec: SweepConfig) -> SweepReport:
     with tracked_run(start_parent_run(spec, kind="sweep")) as sweep_run_id:
         trials = run_trials(spec, search, planned, sweep_run_id)
         table, seed_table, best = log_sweep(spec, trials, sweep_run_id)
-        completed = tuple(t.mlflow_run_id for t in trials if t.status == "completed")
+        completed = tuple(t.mlflow_run_id for t in trials if t.status == "completed" and t.mlflow_run_id is not None)
         comparison = None
         if completed:
             selection = RunSelection(runs=completed)

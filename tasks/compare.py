@@ -55,7 +55,7 @@ def experiment_runs(experiment: str, selection: RunSelection = RunSelection()) -
     query = "tags.`alignflow.kind` = 'experiment' and attributes.status = 'FINISHED'"
     if selection.filter:
         query += f" and {selection.filter}"
-    runs = client().search_runs([experiment_id(experiment)], query, order_by=["attributes.start_time ASC"])
+    runs: list[Run] = client().search_runs([experiment_id(experiment)], query, order_by=["attributes.start_time ASC"])
     if selection.runs:
         runs = [run for run in runs if {run.info.run_id, run.info.run_name} & set(selection.runs)]
     return runs[-selection.last :] if selection.last else runs

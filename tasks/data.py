@@ -103,10 +103,10 @@ RenderedSource = tuple[str, list[RenderedRow], DatasetSource | None]
 def render_splits(config: DataConfig, tokenizer, context: int | None) -> dict[str, list[RenderedSource]]:
     """Every source of every split normalized, validated and rendered to token ids, uncut, each text
     clipped first to what the lengths (or the model's ``context``) could keep (:mod:`trainers.data.clipping`)."""
-    most = config.max_length if config.max_length != AUTO else context
+    most = config.max_length if isinstance(config.max_length, int) else context  # auto: the context
     keep_end = config.truncation_mode == "keep_end"
     clip = TextClip.for_tokenizer(tokenizer, most, keep_end) if most else None
-    rendered = {}
+    rendered: dict[str, list[RenderedSource]] = {}
     for split, parts in raw_splits(config).items():
         rendered[split] = []
         for name, raw, source in parts:
@@ -124,7 +124,8 @@ def prepare_split(
     dropped, cut (counted on the rows read) and per source counts."""
     rows = []
     report = {"rows_read": 0, "dropped": 0, "cut": 0, "truncated_prompts": 0, "truncated_completions": 0}
-    report |= {"unterminated": 0, "identical": 0, "sources": []}
+    report |= {"unterminated": 0, "identical": 0}
+    sources: list[dict[str, str | int]] = []
     for index, (name, rendered, source) in enumerate(parts):
         result = truncate_rows(rendered, truncation)
         if not result.rows:
@@ -143,7 +144,7 @@ def prepare_split(
         report["truncated_completions"] += result.truncated_completions
         report["unterminated"] += result.unterminated
         report["identical"] += result.identical
-        report["sources"].append(
+        sources.append(
             {
                 "source": name,
                 "rows_read": len(rendered),
@@ -161,14 +162,14 @@ def prepare_split(
             f"split {split!r} ({names}): {with_margin} of {len(rows)} pairs have a '{MARGIN}': give every pair one, "
             "or none"
         )
-    return rows, report
+    return rows, report | {"sources": sources}
 
 
 def check_context(config: DataConfig, context: int | None, model: ModelHandle) -> None:
     """Refuse a fixed ``data.max_length`` beyond the model's context: rows that long would reach
     positions the model was never built for (learned position embeddings fail with an index error,
     rotary ones degrade silently). ``auto`` is capped by the context instead."""
-    if context is None or config.max_length == AUTO or config.max_length <= context:
+    if context is None or not isinstance(config.max_length, int) or config.max_length <= context:
         return
     raise DataValidationError(
         f"data.max_length={config.max_length} is longer than the model's context: {model.path} takes at most "
@@ -236,7 +237,7 @@ def tokenize_splits(config: DataConfig, handle: ModelHandle) -> tuple[dict[str, 
     flat = {split: [row for _, rows, _ in parts for row in rows] for split, parts in rendered.items()}
     mode = config.truncation_mode
     truncation = resolve_truncation(flat, config.max_length, config.max_prompt_length, mode, context)
-    fitted = resolve_truncation(flat, AUTO, AUTO, mode, context)
+    fitted = resolve_truncation(flat, "auto", "auto", mode, context)
     tokenized, reports = {}, {}
     for split, parts in rendered.items():
         tokenized[split], reports[split] = prepare_split(parts, split, truncation, config.seed)

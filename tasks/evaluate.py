@@ -222,8 +222,8 @@ def cached_scores(
     models' order) under the evaluation cache: a model evaluated again, e.g. the champion or an
     unchanged stage, is neither loaded nor run; the others are scored together, each entry written
     as its model's scores arrive."""
-    found = {key: cached_entry(key) for key in keys}
-    missing = {key: handle for handle, key in zip(handles, keys) if found[key] is None}  # a key once
+    found = {key: entry for key in keys if (entry := cached_entry(key)) is not None}
+    missing = {key: handle for handle, key in zip(handles, keys) if key not in found}  # a key once
     if missing:
         for key, scores in zip(missing, score_models(list(missing.values()), scoring, engines), strict=True):
             with atomic_directory(get_settings().eval_cache / key) as staging:
@@ -292,11 +292,13 @@ def evaluate(
     A launched evaluation imports ``plugins`` (the config's) first."""
     prepared = datasets.load_from_disk(data.path)
     prompts = prepared["eval_prompts"].to_list()[: config.num_prompts] if "eval_prompts" in prepared else []
-    pairs, reference_fingerprint, beta = None, None, None
+    pairs, reference_logps, reference_fingerprint, beta = None, None, None, None
     if held_out_rewards is not None:
-        with_reference = with_reference_columns(held_out_rewards.reference_logps)
-        pairs = with_reference["preference_eval"].to_list() if "preference_eval" in with_reference else None
-        reference_fingerprint, beta = held_out_rewards.reference_logps.reference_fingerprint, held_out_rewards.beta
+        reference_logps = held_out_rewards.reference_logps
+        with_reference = with_reference_columns(reference_logps)
+        held_out = with_reference.get("preference_eval")
+        pairs = None if held_out is None else held_out if isinstance(held_out, list) else held_out.to_list()
+        reference_fingerprint, beta = reference_logps.reference_fingerprint, held_out_rewards.beta
 
     if not prompts and not pairs:
         get_run_logger().warning(NOTHING_EVALUATED)
@@ -319,7 +321,7 @@ def evaluate(
         scores_key(
             model,
             data,
-            held_out_rewards.reference_logps if scoring.pairs_of(model) else None,
+            reference_logps if scoring.pairs_of(model) else None,
             config,
             beta,
             load_dtype(model.path, model.revision, compute.dtype),

@@ -9,7 +9,7 @@ import logging
 import shutil
 import socket
 from pathlib import Path
-from typing import Callable
+from typing import Callable, overload
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -17,7 +17,18 @@ from prefect.exceptions import MissingContextError
 from pydantic import BaseModel
 
 from infra.core.launching import Finished
-from infra.core.stage_io import LaunchSpec, StageFolder, TrainInputs, TrainJob, read_spec
+from infra.core.stage_io import (
+    EvaluateJob,
+    EvaluateResult,
+    LaunchSpec,
+    ReferenceJob,
+    ReferenceResult,
+    StageFolder,
+    TrainInputs,
+    TrainJob,
+    TrainResult,
+    read_spec,
+)
 from tasks.machine import failure, gang_of, machine_command, run_machine, run_part
 from tasks.metric_sender import MetricsNotDelivered
 from tasks.placement import ByHand, OnDask
@@ -41,6 +52,14 @@ def run_log(line: str) -> None:
     logger.info(line)
 
 
+@overload
+def launch(spec: TrainJob, name: str, log: Callable[[str], None] = ...) -> TrainResult: ...
+@overload
+def launch(spec: ReferenceJob, name: str, log: Callable[[str], None] = ...) -> ReferenceResult: ...
+@overload
+def launch(spec: EvaluateJob, name: str, log: Callable[[str], None] = ...) -> EvaluateResult: ...
+
+
 def launch(spec: LaunchSpec, name: str, log: Callable[[str], None] = run_log) -> BaseModel:
     """Run ``spec`` over its ``compute``'s processes from its launch folder (emptied first), each output
     line to ``log``; rank 0's result, or the failed rank's error raised. With several machines this is
@@ -48,7 +67,7 @@ def launch(spec: LaunchSpec, name: str, log: Callable[[str], None] = run_log) ->
     (:mod:`infra.core.gang`)."""
     compute = spec.compute
     others = range(1, compute.num_machines)
-    placement = None
+    placement: OnDask | ByHand | None = None
     if others:  # before anything is written: a part that no Dask worker can take fails the launch here
         placement = (
             OnDask(compute.machine_scheduler, name, log, machine_part_task, others)
@@ -59,8 +78,9 @@ def launch(spec: LaunchSpec, name: str, log: Callable[[str], None] = run_log) ->
         shutil.rmtree(spec.launch_dir, ignore_errors=True)
         spec.launch_dir.mkdir(parents=True)
         spec.spec_file.write_text(spec.model_dump_json(indent=2))
-        for machine in others:
-            placement.place(spec, machine)
+        if placement is not None:
+            for machine in others:
+                placement.place(spec, machine)
         finished = run_machine(spec, 0, name, log, placement.lost if placement is not None else lambda: None)
     finally:
         if placement is not None:
@@ -77,18 +97,20 @@ def untracked_train_job(
     """A stage trained from its start in ``folder`` (``model/``, ``launch/``), tracked nowhere: for a
     script or a benchmark that launches a stage outside the pipeline."""
     stage_folder = StageFolder(path=folder)
-    return TrainJob(
-        plugins=plugins,
-        launch_dir=stage_folder.launch_dir,
-        stage=stage,
-        section=section,
-        inputs=inputs,
-        folder=stage_folder,
-        model_dir=stage_folder.model_dir,
-        run_id=None,
-        log_checkpoints="none",
-        checkpoint=None,
-        final=False,
+    return TrainJob.model_validate(  # validates `section` as the stage's
+        dict(
+            plugins=plugins,
+            launch_dir=stage_folder.launch_dir,
+            stage=stage,
+            section=section,
+            inputs=inputs,
+            folder=stage_folder,
+            model_dir=stage_folder.model_dir,
+            run_id=None,
+            log_checkpoints="none",
+            checkpoint=None,
+            final=False,
+        )
     )
 
 
@@ -109,4 +131,4 @@ def machine_part(spec_file: str, machine: int, name: str) -> Finished:
 # The same part as a task run of the flow run whose stage placed it, with its own logs (a placement
 # submits it from inside the flow run; outside one, the plain function). Its result is the
 # placement's, handed back in memory: nothing to persist or cache.
-machine_part_task = task(machine_part, name="machine-part", persist_result=False, cache_policy=NO_CACHE, retries=0)
+machine_part_task = task(name="machine-part", persist_result=False, cache_policy=NO_CACHE, retries=0)(machine_part)

@@ -105,7 +105,8 @@ class MetricSender:
         self.run_id, self.send, self.max_backoff, self.where = run_id, send, max_backoff, where
         self.buffer: deque[Metric] = deque()
         self.rejected: list[Metric] = []
-        self.failures, self.last_error = 0, None
+        self.failures = 0
+        self.last_error: Exception | None = None
         self.closing = self.abandoned = self.hurry = False
         self.changed = threading.Condition()
         self.thread = threading.Thread(target=self.deliver, name=f"mlflow-metrics-{run_id[:8]}", daemon=True)

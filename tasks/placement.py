@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 import uuid
 from pathlib import Path
-from typing import Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 from urllib.parse import urlsplit
 
 from prefect import Task
@@ -25,6 +25,9 @@ from prefect.settings import PREFECT_API_URL
 from infra.core.launching import Finished
 from infra.core.stage_io import LaunchSpec
 from tasks.machine import LaunchFailed, checkout_command
+
+if TYPE_CHECKING:
+    from distributed import Future
 
 Log = Callable[[str], None]
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
@@ -99,7 +102,7 @@ class OnDask:
 
         self.client = PrefectDaskClient(address, timeout=30, set_as_default=False)
         self.address, self.name, self.log, self.part = address, name, log, part
-        self.futures: dict[int, object] = {}
+        self.futures: dict[int, Future[Finished]] = {}
         try:
             self.check_workers(machines)
         except BaseException:

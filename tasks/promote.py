@@ -60,8 +60,9 @@ def comparability(
 def find_champion(config: PromotionConfig, candidate: ModelHandle, data: PreparedData) -> Champion | None:
     """The version behind ``promotion.alias``, or None when the registry has none. Only a missing
     registered model or alias means "no champion": any other registry error fails the task."""
+    name = config.model_name
     try:
-        registered = client().get_registered_model(config.registered_model)
+        registered = client().get_registered_model(name)
     except MlflowException as error:
         if error.error_code == ErrorCode.Name(RESOURCE_DOES_NOT_EXIST):
             return None
@@ -69,8 +70,8 @@ def find_champion(config: PromotionConfig, candidate: ModelHandle, data: Prepare
     if config.alias not in registered.aliases:
         return None
     version = str(registered.aliases[config.alias])
-    tags = client().get_model_version(config.registered_model, version).tags
-    model = checkpoint_handle(download_mlflow_model(f"models:/{config.registered_model}/{version}"), CHAMPION_LABEL)
+    tags = client().get_model_version(name, version).tags
+    model = checkpoint_handle(download_mlflow_model(f"models:/{name}/{version}"), CHAMPION_LABEL)
     return Champion(version=version, model=model, incomparable=comparability(tags, model, candidate, data))
 
 
@@ -101,10 +102,12 @@ def gate(
         f"gain {gain:+.4f}, needed > 0 and >= {config.min_improvement}"
     )
     if config.confidence is not None:
-        scores = [report.per_prompt.get(label, {}).get(config.metric) for label in (candidate_label, CHAMPION_LABEL)]
-        if None in scores:
+        ours, theirs = (
+            report.per_prompt.get(label, {}).get(config.metric) for label in (candidate_label, CHAMPION_LABEL)
+        )
+        if ours is None or theirs is None:
             return False, f"{reason}; no per-prompt values of {config.metric} for a paired test (set confidence: null)"
-        low = significant_gain(*scores, config.confidence)
+        low = significant_gain(ours, theirs, config.confidence)
         verdict = verdict and low > 0
         reason += f"; {config.confidence:.0%} lower bound of the gain {low:+.4f}, needed > 0"
     return verdict, reason
@@ -125,12 +128,15 @@ def promote(
     if not promoted:
         client().set_tag(parent_run_id, "alignflow.promotion", f"rejected: {reason}")
         return PromotionDecision(promoted=False, reason=reason)
-    name = config.registered_model
+    name = config.model_name
     try:
         client().get_registered_model(name)
     except MlflowException:
         client().create_registered_model(name, description="Models promoted by the alignflow promotion gate.")
-    source = f"{client().get_run(candidate.mlflow_run_id).info.artifact_uri}/model"
+    run_id = candidate.mlflow_run_id
+    if run_id is None:
+        raise ValueError(f"{candidate_label}: its model has no MLflow run to register it from")
+    source = f"{client().get_run(run_id).info.artifact_uri}/model"
     figures = {f"eval.{metric}": f"{value:.6g}" for metric, value in report.rows[candidate_label].items()}
     comparable_with = {TOKENIZER_TAG: candidate.tokenizer_fingerprint}
     if "eval_prompts" in data.token_fingerprints:
@@ -138,7 +144,7 @@ def promote(
     version = client().create_model_version(
         name,
         source=source,
-        run_id=candidate.mlflow_run_id,
+        run_id=run_id,
         tags=figures | comparable_with | {"alignflow.promotion": reason},
     )
     client().set_registered_model_alias(name, config.alias, version.version)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence, cast
+from uuid import UUID
 
 import datasets
 from prefect import get_run_logger, task
@@ -83,8 +84,11 @@ class PrefectProgress:
     def __init__(self, total: int):
         self.total, self.done, self.shown = total, 0, 0.0
         in_task = TaskRunContext.get() is not None
+        # in a sync function the artifact's id, not a coroutine (async_dispatch's return type covers both)
         self.artifact_id = (
-            create_progress_artifact(0.0, description=f"reference log-probs of {total} rows") if in_task else None
+            cast(UUID, create_progress_artifact(0.0, description=f"reference log-probs of {total} rows"))
+            if in_task
+            else None
         )
 
     def __call__(self, rows: int) -> None:
@@ -95,7 +99,7 @@ class PrefectProgress:
             self.shown = percent
 
 
-def compute_columns(ref: ReferenceLogps) -> dict[str, Columns]:
+def compute_columns(ref: ReferenceLogps) -> Mapping[str, Columns]:
     """Reference log-probs of every split of ``ref.view`` in row order (row id = position in the split),
     in ``ref.dtype`` (the dtype of its key, which must be the loaded model's), on this machine's GPU
     where there is one (unless ``compute.cpu``), or launched over ``compute.num_processes``."""
@@ -130,7 +134,7 @@ def reference_job(ref: ReferenceLogps) -> ReferenceJob:
     )
 
 
-def launched_columns(ref: ReferenceLogps) -> dict[str, Columns]:
+def launched_columns(ref: ReferenceLogps) -> Mapping[str, Columns]:
     """:func:`compute_columns` by a :class:`ReferenceJob` over ``ref.compute``'s processes, each
     scoring its share of the batches: the same values as one process (``trainers.runtime.work_split``)."""
     job = reference_job(ref)

@@ -7,6 +7,7 @@ import statistics
 import textwrap
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Mapping, Sequence
 
 import matplotlib
 
@@ -64,7 +65,7 @@ def comparison_rows(
     return rows
 
 
-def markdown_table(rows: list[dict[str, object]]) -> str:
+def markdown_table(rows: Sequence[Mapping[str, object]]) -> str:
     columns = list(rows[0])
 
     def cell(value: object) -> str:

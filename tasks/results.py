@@ -17,7 +17,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypedDict
 
 from infra.core.fingerprints import hash_paths
 from infra.core.handles import Handle, ModelHandle, PreparedData, ReferenceLogps
@@ -32,8 +32,20 @@ RESULTS = get_settings().prefect_results
 HANDLE_TYPES: dict[str, type[Handle]] = {
     f"{cls.__module__}.{cls.__qualname__}": cls for cls in (ModelHandle, PreparedData, ReferenceLogps)
 }
+
+
+class ResultOptions(TypedDict):
+    persist_result: bool
+    result_serializer: str
+    result_storage: Path
+
+
 # The result options of every cached task: ``@task(cache_key_fn=checked_cache_key(key_fn), **CACHED_RESULT)``.
-CACHED_RESULT = {"persist_result": True, "result_serializer": RESULT_SERIALIZER, "result_storage": RESULTS}
+CACHED_RESULT: ResultOptions = {
+    "persist_result": True,
+    "result_serializer": RESULT_SERIALIZER,
+    "result_storage": RESULTS,
+}
 
 
 class RejectedResult(ValueError):

@@ -22,7 +22,7 @@ class SamplerSpec:
 
 SAMPLERS: dict[str, SamplerSpec] = {
     "grid": SamplerSpec(
-        lambda spec: optuna.samplers.GridSampler(dict(spec.space), seed=spec.sampler_seed), adaptive=False
+        lambda spec: optuna.samplers.GridSampler(spec.grid_axes, seed=spec.sampler_seed), adaptive=False
     ),
     "random": SamplerSpec(lambda spec: optuna.samplers.RandomSampler(seed=spec.sampler_seed), adaptive=False),
     "tpe": SamplerSpec(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 from contextlib import contextmanager
-from typing import Any, Iterator, Literal
+from typing import Any, Iterator, Literal, Mapping
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
@@ -99,11 +99,11 @@ def final_metrics(run_id: str) -> dict[str, float]:
 
 def best_trial(trials: list[TrialResult], metric: str, direction: str) -> TrialResult | None:
     """The completed trial with the best ``metric`` (the lowest number among equals)."""
-    scored = [t for t in trials if t.objective(metric) is not None]
+    scored = [(value, t) for t in trials if (value := t.objective(metric)) is not None]
     if not scored:
         return None
     sign = 1 if direction == "maximize" else -1
-    return max(scored, key=lambda t: (sign * t.objective(metric), -t.number))
+    return max(scored, key=lambda pair: (sign * pair[0], -pair[1].number))[1]
 
 
 def separation(trials: list[TrialResult], best: TrialResult, metric: str, direction: str) -> str | None:
@@ -115,6 +115,7 @@ def separation(trials: list[TrialResult], best: TrialResult, metric: str, direct
         return None
     sign = 1 if direction == "maximize" else -1
     value, other = best.objective(metric), runner.objective(metric)
+    assert value is not None and other is not None, "best_trial picks among the scored trials"
     if value == other:
         return f"trial {best.number} ties with trial {runner.number} ({metric} = {value:.3f})"
     bound = best.metrics.get(f"{metric}_ci_low" if direction == "maximize" else f"{metric}_ci_high")
@@ -127,11 +128,11 @@ def separation(trials: list[TrialResult], best: TrialResult, metric: str, direct
     return None
 
 
-def trial_rows(trials: list[TrialResult], metric: str) -> list[dict[str, object]]:
+def trial_rows(trials: list[TrialResult], metric: str) -> list[Mapping[str, object]]:
     return [
         {"trial": t.number, "status": t.status, "lost attempts": t.lost_attempts}
         | {key: str(value) for key, value in t.params.items()}
-        | {metric: t.objective(metric) if t.objective(metric) is not None else math.nan}
+        | {metric: value if (value := t.objective(metric)) is not None else math.nan}
         | {"MLflow run": t.mlflow_run_id or "", "error": (t.error or "").splitlines()[0][:200] if t.error else ""}
         for t in sorted(trials, key=lambda t: t.number)
     ]
@@ -158,18 +159,18 @@ def log_sweep(spec: SweepConfig, trials: list[TrialResult], sweep_run_id: str) -
     tags = {"alignflow.sweep.trials": str(len(trials)), "alignflow.sweep.failed": ",".join(map(str, failed))}
     best = best_trial(trials, metric, spec.objective.direction)
     best_line = "none"
-    if best is not None:
+    if best is not None and (best_value := best.objective(metric)) is not None:  # best_trial's are scored
         tags |= {"alignflow.best_trial": str(best.number), "alignflow.best_run_id": best.mlflow_run_id or ""}
-        log_metrics(sweep_run_id, {f"best/{metric}": best.objective(metric)})
-        best_line = f"trial {best.number} ({metric} = {best.objective(metric):.3f})"
+        log_metrics(sweep_run_id, {f"best/{metric}": best_value})
+        best_line = f"trial {best.number} ({metric} = {best_value:.3f})"
         if unseparated := separation(trials, best, metric, spec.objective.direction):
             tags["alignflow.best_separated"] = f"no: {unseparated}"
             best_line += f", not separated from the others: {unseparated}"
             get_run_logger().warning("the sweep could not separate its best trial: %s", unseparated)
         else:
             tags["alignflow.best_separated"] = "yes"
-    for key, value in tags.items():
-        client().set_tag(sweep_run_id, key, value)
+    for key, tag in tags.items():
+        client().set_tag(sweep_run_id, key, tag)
     run = client().get_run(sweep_run_id)
     create_markdown_artifact(
         key="sweep",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import subprocess
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator, Protocol
 from uuid import UUID
 
 import yaml
@@ -21,12 +21,12 @@ from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_UI_URL
 
+from infra.core.config import TrackingConfig
 from infra.core.processes import process_record
 from infra.core.reachability import require_tracking_server
 from infra.core.settings import redact_url
 from infra.core.stage_io import StageFolder
 from tasks.mlflow_runs import client, experiment_id, log_params, mlflow_run_url
-from trainers.sections import Section
 
 
 def git_commit() -> str:
@@ -45,8 +45,25 @@ def flow_run_url() -> str | None:
     return redact_url(f"{ui.rstrip('/')}/flow-runs/flow-run/{run_id}") if ui and run_id else None
 
 
-def start_parent_run(config: Section, kind: str = "experiment", parent_run_id: str | None = None) -> str:
-    """A parent run for a flow run of ``config`` (which has ``name``, ``run_name`` and ``tracking``),
+class TrackedConfig(Protocol):
+    """What :func:`start_parent_run` reads of a config section (an experiment's, a sweep's, an
+    evaluation request's)."""
+
+    @property
+    def run_name(self) -> str: ...
+
+    @property
+    def tracking(self) -> TrackingConfig: ...
+
+    def content_hash(self) -> str: ...
+
+    def flat(self) -> dict[str, Any]: ...
+
+    def model_dump(self, *, mode: str = ...) -> dict[str, Any]: ...
+
+
+def start_parent_run(config: TrackedConfig, kind: str = "experiment", parent_run_id: str | None = None) -> str:
+    """A parent run for a flow run of ``config`` (which has ``run_name`` and ``tracking``),
     nested under ``parent_run_id`` when given (a sweep's trial under the sweep's run). An unreachable
     tracking server fails it in seconds, before anything is created (:mod:`infra.core.reachability`)."""
     require_tracking_server()
@@ -93,7 +110,7 @@ def record_process(run_id: str) -> None:
         return
     try:
         with get_client(sync_client=True) as prefect:
-            prefect.update_flow_run_labels(UUID(flow_run_id), tags)
+            prefect.update_flow_run_labels(UUID(flow_run_id), {**tags})  # as a dict of label values
         LABELLED_FLOW_RUNS.add(flow_run_id)
     except Exception as error:  # httpx / Prefect API errors: the server is down or refuses
         get_run_logger().warning("could not label flow run %s with its process: %s", flow_run_id, error)

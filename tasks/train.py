@@ -21,7 +21,7 @@ import socket
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Literal, Sequence
 
 from prefect import get_run_logger, task
 
@@ -244,7 +244,7 @@ class StageRun:
     inputs: TrainInputs
     folder: StageFolder
     run_id: str
-    log_checkpoints: str
+    log_checkpoints: Literal["all", "final", "none"]
     start: ResumePoint
 
     def here(self) -> Trained:

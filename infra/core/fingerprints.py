@@ -79,7 +79,7 @@ def module_source(name: str) -> Path | None:
 def imported_modules(tree: ast.AST) -> set[str]:
     """Every module an ``import`` / ``from … import`` names anywhere in ``tree`` (function bodies
     included); ``from package import name`` yields ``package.name`` as well, for submodules."""
-    names = set()
+    names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)

@@ -61,7 +61,7 @@ def managed_generation_server(
             addresses.append(line.removeprefix(LISTENING))
         on_line(line)
 
-    reader = output_reader(group.process.stdout, handle, tail, "vllm-server")
+    reader = output_reader(group.output(), handle, tail, "vllm-server")
     try:
         deadline = time.monotonic() + startup_timeout
         while not addresses:

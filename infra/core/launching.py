@@ -87,9 +87,24 @@ class ProcessGroup:
             stderr=stderr,
             start_new_session=True,
             preexec_fn=stop_with_parent if tied_to_parent else None,
-            **({"text": True, "errors": "replace", "bufsize": 1} if text else {}),
+            text=text,
+            errors="replace" if text else None,
+            bufsize=1 if text else -1,  # text: line-buffered; else Popen's default
         )
         return cls(process.pid, process)
+
+    @property
+    def leader(self) -> subprocess.Popen:
+        """The leader process, of a group started here (:meth:`start`)."""
+        if self.process is None:
+            raise ValueError(f"process group {self.pgid} was not started by this process")
+        return self.process
+
+    def output(self) -> IO[str]:
+        """The leader's output, of a group started here with ``stdout=subprocess.PIPE`` and ``text``."""
+        if self.leader.stdout is None:
+            raise ValueError(f"process group {self.pgid}: its output is not piped to this process")
+        return self.leader.stdout
 
     def poll(self) -> int | None:
         """The leader's exit status once it has exited (reaping it), else None; None for a group not started here."""
@@ -200,14 +215,14 @@ def run_process_group(
     stopped however this returns or raises. ``watch`` is asked every ``WATCH_S`` seconds while it
     runs: a reason it returns stops the group, and is the result's ``stopped_because``."""
     group = ProcessGroup.start(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    process = group.process
+    process, output = group.leader, group.output()
     tail: deque[str] = deque(maxlen=tail_lines)
     reason = None
     try:
         if watch is None:
-            read_lines(process.stdout, on_line, tail)
+            read_lines(output, on_line, tail)
         else:
-            reader = output_reader(process.stdout, on_line, tail, "launch-output")
+            reader = output_reader(output, on_line, tail, "launch-output")
             while reader.is_alive() and reason is None:
                 reader.join(WATCH_S)
                 reason = watch() if reader.is_alive() else None
@@ -217,5 +232,5 @@ def run_process_group(
         process.wait()
     finally:
         group.stop()  # a cancelled wait, or members left behind by a launcher that exited
-        process.stdout.close()
+        output.close()
     return Finished(process.returncode, list(tail), reason)

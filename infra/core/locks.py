@@ -59,6 +59,8 @@ class LocalFileLock:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.fd is None:
+            raise RuntimeError(f"{self.path}: released but not held")
         os.ftruncate(self.fd, 0)
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
@@ -118,6 +120,8 @@ class LeaseLock:
             self.fs.pipe_file(self.path, self.record())
 
     def __exit__(self, *exc) -> None:
+        if self.heartbeat is None:
+            raise RuntimeError(f"{self.path}: released but not held")
         self.stop.set()
         self.heartbeat.join()
         holder = self.read_holder()

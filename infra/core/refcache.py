@@ -26,7 +26,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence, TypedDict
 
 import fsspec
 import pyarrow as pa
@@ -45,7 +45,15 @@ LOCKS = ".locks"
 SCHEMA = pa.schema([("row_id", pa.int64()), ("ref_chosen_logps", pa.float32()), ("ref_rejected_logps", pa.float32())])
 
 Columns = tuple[Sequence[float], Sequence[float]]  # a row's two log-probs (chosen, rejected); row id = position
-Compute = Callable[[], dict[str, Columns]]
+Compute = Callable[[], Mapping[str, Columns]]
+
+
+class SplitFile(TypedDict):
+    """A split's entry in the manifest's ``splits``."""
+
+    file: str
+    rows: int
+    sha256: str
 
 
 class CacheIntegrityError(ValueError):
@@ -79,7 +87,7 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def entry_digest(splits: dict[str, dict]) -> str:
+def entry_digest(splits: Mapping[str, SplitFile]) -> str:
     """One digest of an entry's content: the checksums of its files."""
     return hash_value({split: info["sha256"] for split, info in splits.items()})
 
@@ -159,7 +167,7 @@ class ReferenceCache:
             )
         return entry
 
-    def read_split(self, key: str, info: dict) -> pa.Table:
+    def read_split(self, key: str, info: SplitFile) -> pa.Table:
         where = f"{self.uri(key)}/{info['file']}"
         try:
             data = self.fs.cat_file(f"{self.path(key)}/{info['file']}")
@@ -216,7 +224,7 @@ class ReferenceCache:
         staging = f"{self.base}/{STAGING}/{key}.{int(created.timestamp())}.{uuid.uuid4().hex[:8]}"
         self.fs.makedirs(staging, exist_ok=True)
         try:
-            splits = {}
+            splits: dict[str, SplitFile] = {}
             for split, (chosen, rejected) in columns.items():
                 data = parquet_bytes(chosen, rejected)
                 self.fs.pipe_file(f"{staging}/{split}.parquet", data)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Iterator, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Iterator, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, TypeAdapter, model_validator
 
@@ -128,6 +128,11 @@ class LaunchedJob(BaseModel):
     RESULT: ClassVar[str] = "result.json"
     result: ClassVar[type[BaseModel]]
 
+    if TYPE_CHECKING:
+        # Each job kind has its compute section: a field, or its inputs'.
+        @property
+        def compute(self) -> ComputeConfig: ...
+
     @model_validator(mode="before")
     @classmethod
     def _import_plugins(cls, data: Any) -> Any:
@@ -138,7 +143,7 @@ class LaunchedJob(BaseModel):
 
     @property
     def world_size(self) -> int:
-        return self.compute.num_processes  # each job kind has its compute section (a field, or its inputs')
+        return self.compute.num_processes
 
     @property
     def spec_file(self) -> Path:

@@ -80,6 +80,8 @@ def stage_folders(outputs: Path, describe_run: Callable[[str], RunFacts]) -> lis
     found = []
     for stage_folder in StageFolder.under(outputs):
         folder, run_id = stage_folder.path, stage_folder.recorded_run_id()
+        if run_id is None:  # its run-id file was removed since it was listed
+            continue
         facts = describe_run(run_id)
         newest = max((f.stat().st_mtime for f in folder.rglob("*")), default=folder.stat().st_mtime)
         found.append(

@@ -9,7 +9,7 @@ like any other config. No torch and no Optuna here: a bad sweep file fails at on
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -25,7 +25,8 @@ from trainers.scoring.metrics import evaluation_metric_names
 from trainers.sections import Section, Seed
 
 # Kept in step with tasks.search.SAMPLERS (which imports Optuna; a test checks both agree).
-STRATEGIES = ("grid", "random", "tpe")
+Strategy = Literal["grid", "random", "tpe"]
+STRATEGIES: tuple[Strategy, ...] = get_args(Strategy)
 Scalar = str | int | float | bool | None
 
 
@@ -70,7 +71,7 @@ class SweepConfig(Section):
     space: dict[str, list[Scalar] | Range] = Field(
         min_length=1, description="Config field (dotted key, e.g. `dpo.beta`) → values, or a Range (random, tpe)."
     )
-    strategy: Literal[STRATEGIES] = Field(
+    strategy: Strategy = Field(
         "grid", description="`grid` (every combination), `random`, or `tpe` (Optuna's model-based sampler)."
     )
     num_trials: int | None = Field(
@@ -122,6 +123,16 @@ class SweepConfig(Section):
         return size
 
     @property
+    def grid_axes(self) -> dict[str, list[Scalar]]:
+        """The space of a grid, whose every axis is a list of values (checked when it is loaded)."""
+        axes = {}
+        for key, values in self.space.items():
+            if isinstance(values, Range):
+                raise ValueError(f"space.{key}: a grid needs a list of values, not a range")
+            axes[key] = values
+        return axes
+
+    @property
     def trial_count(self) -> int:
         return self.num_trials or self.grid_size
 
@@ -146,7 +157,7 @@ class SweepConfig(Section):
             set_path(tree, "promotion.registered_model", None)
         return tree
 
-    def trial_config(self, params: dict[str, Any], number: int, gate: bool = False) -> Section:
+    def trial_config(self, params: dict[str, Any], number: int, gate: bool = False) -> ExperimentConfig:
         return ExperimentConfig.model_validate(self.trial_tree(params, number, gate))
 
 

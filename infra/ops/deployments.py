@@ -22,7 +22,7 @@ import subprocess
 import sys
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 from pydantic import TypeAdapter
@@ -74,7 +74,7 @@ def schedules(entry: dict[str, Any]) -> list:
     """prefect.yaml schedule entries (``cron``, ``interval`` in seconds or ISO 8601, ``rrule``) as Prefect schedules."""
     from prefect.schedules import Schedule
 
-    converters = {
+    converters: dict[str, Callable[[Any], Any]] = {  # on YAML values
         "interval": TypeAdapter(timedelta).validate_python,
         "anchor_date": TypeAdapter(datetime).validate_python,
     }
@@ -86,13 +86,13 @@ def schedules(entry: dict[str, Any]) -> list:
 
 def served_deployments(names: list[str] | None = None, path: Path = PREFECT_FILE) -> list:
     """``RunnerDeployment``s of prefect.yaml's deployments, for ``prefect.serve`` (run from the project root)."""
-    from prefect.flows import load_flow_from_entrypoint
+    from prefect.flows import Flow, load_flow_from_entrypoint
     from prefect.types.entrypoint import EntrypointType
 
     project = load_prefect_file(path)
     deployments = []
     for entry in select_deployments(project, names, path):
-        flow = load_flow_from_entrypoint(entry["entrypoint"])
+        flow: Flow[..., Any] = load_flow_from_entrypoint(entry["entrypoint"])
         deployments.append(
             flow.to_deployment(
                 name=entry["name"],

@@ -32,7 +32,7 @@ def add_gc_parser(commands) -> None:
     gc.add_argument("--dry-run", action="store_true", help="only print what would be removed")
 
 
-def human_size(size: int) -> str:
+def human_size(size: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if size < 1024 or unit == "GiB":
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"

@@ -74,6 +74,13 @@ class TemporaryServer:
                 temporary_server_command(self.port), env=env, stdout=log, stderr=subprocess.STDOUT
             )
 
+    @property
+    def launched(self) -> ProcessGroup:
+        """Its process group, once :meth:`launch` started it."""
+        if self.group is None:
+            raise RuntimeError("the temporary Prefect API server was not launched")
+        return self.group
+
     def wait_ready(self, timeout: float | None = None, meanwhile: Iterable[Callable[[], object]] = ()) -> None:
         """Block until the API answers; a port taken meanwhile is retried on another one. The steps
         ``meanwhile`` run one by one while it does not answer yet (those left then are skipped)."""
@@ -84,13 +91,13 @@ class TemporaryServer:
         while time.monotonic() < deadline:
             if is_healthy(f"{self.api_url}/health"):
                 return
-            if self.group.poll() == PORT_IN_USE_EXIT:
+            if self.launched.poll() == PORT_IN_USE_EXIT:
                 pointed_here = os.environ.get("PREFECT_API_URL") == self.api_url
                 self.port = free_port()
                 if pointed_here:  # start_temporary_server's clients follow it to the new port
                     os.environ["PREFECT_API_URL"] = self.api_url
                 self.launch()
-            elif self.group.poll() is not None:
+            elif self.launched.poll() is not None:
                 break
             elif (step := next(steps, None)) is not None:
                 step()
@@ -98,7 +105,7 @@ class TemporaryServer:
             time.sleep(0.05)
         tail = self.log.read_text(errors="replace").splitlines()[-15:] if self.log.exists() else []
         raise RuntimeError(
-            f"the temporary Prefect API server did not start (exit code {self.group.poll()}); "
+            f"the temporary Prefect API server did not start (exit code {self.launched.poll()}); "
             f"its log, {self.log}:\n" + "\n".join(tail)
         )
 

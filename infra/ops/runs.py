@@ -50,6 +50,12 @@ class Finding:
     def describe(self) -> str:
         return f"{self.kind} {self.name} ({self.id})"
 
+    def failure_reason(self) -> str:
+        """:func:`gone_reason` of its record (a run judged ``gone`` has one)."""
+        if self.record is None:
+            raise ValueError(f"{self.describe()} has no process record: its process is not known to be gone")
+        return gone_reason(self.record)
+
 
 def running_mlflow_runs(client) -> Iterator:
     from mlflow.entities import ViewType
@@ -77,7 +83,7 @@ def mlflow_findings(client) -> list[Finding]:
 
 
 def fail_mlflow_run(client, finding: Finding) -> None:
-    client.set_tag(finding.id, REASON_TAG, gone_reason(finding.record))
+    client.set_tag(finding.id, REASON_TAG, finding.failure_reason())
     client.set_terminated(finding.id, "FAILED")
 
 
@@ -121,7 +127,7 @@ def crash_flow_run(prefect, finding: Finding) -> int:
     )
     from prefect.states import Crashed
 
-    reason = gone_reason(finding.record)
+    reason = finding.failure_reason()
     task_runs = prefect.read_task_runs(
         flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[UUID(finding.id)])),
         task_run_filter=running_filter(TaskRunFilter, TaskRunFilterState, TaskRunFilterStateType),

@@ -299,17 +299,25 @@ def read_pid(folder: Path) -> int | None:
     return record.pid if record is not None and is_alive(record) else None
 
 
+def host_and_port(url: str) -> tuple[str, int]:
+    """The host and port a server's URL names (a health URL names both)."""
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.hostname is None or parsed.port is None:
+        raise ValueError(f"{url}: names no host and port")
+    return parsed.hostname, parsed.port
+
+
 def port_in_use(url: str) -> str | None:
     """Why the host and port of ``url`` cannot be bound (another process listens there), or None."""
-    parsed = urllib.parse.urlsplit(url)
-    error = bind_error(parsed.hostname, parsed.port)
-    return None if error is None else f"port {parsed.port} on {parsed.hostname} is not free ({error.strerror})"
+    host, port = host_and_port(url)
+    error = bind_error(host, port)
+    return None if error is None else f"port {port} on {host} is not free ({error.strerror})"
 
 
 def answered_by_group(health_url: str, pgid: int) -> bool:
     """False when the process listening on the health URL's port is known and outside process group
     ``pgid`` (another program answers there); True when it is ours or cannot be told."""
-    pids = listening_pids(urllib.parse.urlsplit(health_url).port)
+    pids = listening_pids(host_and_port(health_url)[1])
     if not pids:
         return True
     groups = set()
@@ -390,14 +398,14 @@ def run_in_group(command: list[str], grace: float) -> int:
 
     previous = {sig: signal.signal(sig, pass_on) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        while group.poll() is None or (deadline and group.alive()):
+        while (status := group.poll()) is None or (deadline and group.alive()):
             if deadline and time.monotonic() > deadline[0]:
                 group.signal(signal.SIGKILL)
             time.sleep(0.2)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return 0 if deadline else group.poll()
+    return 0 if deadline else status
 
 
 def wait_healthy(specs: dict[str, ServerSpec], folders: dict[str, Path], timeout: float) -> list[str]:

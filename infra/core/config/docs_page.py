@@ -18,13 +18,12 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import AbstractSet, Any, Literal, Union, get_args, get_origin
 
 import annotated_types
 import yaml
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
-from pydantic_core import PydanticUndefined
 
 from infra.core.config import EvaluationRequest, ExperimentConfig
 from trainers.registry import RegisteredName
@@ -176,12 +175,9 @@ def _yaml(value: Any) -> str:
 
 
 def _default(field: FieldInfo) -> str:
-    if field.default_factory is not None:
-        value = field.default_factory()
-    elif field.default is PydanticUndefined:
+    if field.is_required():
         return "required"
-    else:
-        value = field.default
+    value = field.get_default(call_default_factory=True)
     return f"`{value}`" if isinstance(value, str) else f"`{_yaml(value)}`"
 
 
@@ -200,7 +196,7 @@ class _Page:
         self.shared: list[tuple[str, type[BaseModel]]] = []
         self.used_by: dict[type[BaseModel], list[str]] = {}
 
-    def table(self, model: type[BaseModel], prefix: str, skip: set[str] = frozenset()) -> None:
+    def table(self, model: type[BaseModel], prefix: str, skip: AbstractSet[str] = frozenset()) -> None:
         """One row per scalar field of ``model``; nested sections follow as their own tables."""
         nested: list[tuple[str, FieldInfo, type[BaseModel]]] = []
         rows: list[str] = []

@@ -30,9 +30,10 @@ def section_at(schema: type[BaseModel], path: tuple) -> type[BaseModel] | None:
         if field is None:
             return None
         candidates = [field.annotation, *get_args(field.annotation)]
-        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
-        if model is None:
+        found = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if found is None:
             return None
+        model = found
     return model
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence, TypeVar
 
 import yaml
 
@@ -17,6 +17,7 @@ MAX_NODES = 100_000  # values, counted with every alias expanded: a "billion lau
 
 
 MERGE_TAG = "tag:yaml.org,2002:merge"
+SectionT = TypeVar("SectionT", bound=Section)
 
 
 class ConfigLoader(yaml.SafeLoader):
@@ -121,7 +122,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 def load_config(
     path: str | Path | None = None,
-    overrides: list[str] = (),
+    overrides: Sequence[str] = (),
     schema: type[Section] | None = None,
     reader: Callable[[str | Path], dict[str, Any]] = read_yaml,
 ) -> Section:
@@ -135,7 +136,7 @@ def load_config(
     return (schema or ExperimentConfig).model_validate(tree)
 
 
-def merge_onto(config: Section, defaults: dict[str, Any]) -> Section:
+def merge_onto(config: SectionT, defaults: dict[str, Any]) -> SectionT:
     """The fields set explicitly in ``config`` (at any depth) over ``defaults``, a whole config as a
     dict, validated again. A deployment's run given ``{"dpo": {"beta": 0.2}}`` keeps every other
     default of the deployment, not the schema's (Prefect merges parameters at the top level only)."""

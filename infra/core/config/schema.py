@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -273,7 +273,8 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _prompt_fits(self) -> DataConfig:
-        if "auto" not in (self.max_length, self.max_prompt_length) and self.max_prompt_length >= self.max_length:
+        prompt, total = self.max_prompt_length, self.max_length
+        if isinstance(prompt, int) and isinstance(total, int) and prompt >= total:
             raise ValueError(
                 f"max_prompt_length ({self.max_prompt_length}) must be less than max_length ({self.max_length}): "
                 "no token would be left for the completion"
@@ -391,6 +392,13 @@ class PromotionConfig(Section):
         description="The gain must be significant: the one-sided lower bound of a paired bootstrap over the "
         "held-out prompts, at this confidence, above 0. null compares the means only.",
     )
+
+    @property
+    def model_name(self) -> str:
+        """:attr:`registered_model`, which the gate (on only with one) promotes into."""
+        if self.registered_model is None:
+            raise ValueError("promotion.registered_model is null: the promotion gate is off")
+        return self.registered_model
 
 
 class TrackingConfig(Section):
@@ -593,17 +601,25 @@ class ExperimentBase(Section):
         return self.tracking.run_name or self.name
 
 
-# One section per registered stage, after the experiment's own (the form's order).
-ExperimentConfig = create_model(
-    "ExperimentConfig",
-    __base__=ExperimentBase,
-    __module__=__name__,
-    __doc__="An experiment: its name, stages and plugins, one section per concern, then one per stage.",
-    **{
-        spec.name: (spec.section, Field(default_factory=spec.section, title=spec.title, description=spec.description))
-        for spec in STAGES.values()
-    },
-)
+if TYPE_CHECKING:
+    # The stages' sections are added at import time, so a type checker sees the base; they are read
+    # through `ExperimentBase.stage(name)`.
+    ExperimentConfig = ExperimentBase
+else:
+    # One section per registered stage, after the experiment's own (the form's order).
+    ExperimentConfig = create_model(
+        "ExperimentConfig",
+        __base__=ExperimentBase,
+        __module__=__name__,
+        __doc__="An experiment: its name, stages and plugins, one section per concern, then one per stage.",
+        **{
+            spec.name: (
+                spec.section,
+                Field(default_factory=spec.section, title=spec.title, description=spec.description),
+            )
+            for spec in STAGES.values()
+        },
+    )
 
 
 class EvaluationRequest(Section):
