@@ -14,14 +14,14 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Final, Literal
 
 import datasets
 import pyarrow.compute
 
 from trainers.data.rows import RenderedRow, Truncation
 
-AUTO = "auto"
+AUTO: Final = "auto"
 FIT_SHARE = 0.995
 ROUND_TO = 8
 
@@ -50,12 +50,12 @@ def resolve_truncation(
     least the prompt length + 1, so every completion keeps a token."""
     rows = {split: list(rendered) for split, rendered in splits.items()}
     ceiling = max_length if max_length != AUTO else context
-    prompt = max_prompt_length
-    if prompt == AUTO:
+    if max_prompt_length == AUTO:
         prompt = max((fitting_length([len(r.prompt_ids) for r in split]) for split in rows.values()), default=1)
         prompt = max(min(prompt, ceiling - 1) if ceiling else prompt, 1)
-    total = max_length
-    if total == AUTO:
+    else:
+        prompt = max_prompt_length
+    if max_length == AUTO:
         total = max(
             (
                 fitting_length([min(len(r.prompt_ids), prompt) + r.longest for r in split if r.completions])
@@ -64,6 +64,8 @@ def resolve_truncation(
             default=0,
         )
         total = max(min(total, context) if context else total, prompt + 1)
+    else:
+        total = max_length
     return Truncation(total, prompt, mode)
 
 

@@ -23,9 +23,9 @@ import random
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Literal
+from typing import TYPE_CHECKING, Any, Iterable, Literal, TypeGuard
 
-from trainers.models.stop_tokens import stop_token_ids
+from trainers.models.stop_tokens import rendered_text, stop_token_ids
 
 # The splits whose rows reach reward functions keep each row as read, JSON (its prompt as written,
 # strings or messages, and every other column), in this column of the prepared data.
@@ -174,10 +174,10 @@ def read_json_rows(path: Path) -> list[dict]:
             ) from None
     else:
         rows = []
-        for number, line in enumerate(text.splitlines()):
-            if line.strip():
+        for number, json_line in enumerate(text.splitlines()):
+            if json_line.strip():
                 try:
-                    rows.append(json.loads(line))
+                    rows.append(json.loads(json_line))
                 except json.JSONDecodeError as error:
                     raise DataValidationError(f"{path}: line {number + 1}: invalid JSON ({error.msg})") from None
     if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
@@ -204,7 +204,7 @@ def rename_columns(rows: list[dict], columns: dict[str, str], source: str) -> li
 # --- normalizing and validating ------------------------------------------------------------------
 
 
-def _is_conversation(value: Any) -> bool:
+def _is_conversation(value: object) -> TypeGuard[list[dict]]:
     return (
         isinstance(value, list)
         and len(value) > 0
@@ -318,7 +318,7 @@ def render_prompt(
     clipped = clip.prompt if clip is not None else str
     if isinstance(prompt, str):
         return tokenizer(clipped(prompt)).input_ids
-    text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    text = rendered_text(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False))
     return tokenizer(clipped(text), add_special_tokens=False).input_ids
 
 
@@ -327,8 +327,8 @@ def completion_text(tokenizer: PreTrainedTokenizerBase, prompt: list[dict], comp
     generation prompt, which must be its prefix. Whitespace the template puts after a final
     special token (ChatML's newline after ``<|im_end|>``) is not part of it: generation stops at
     the end-of-turn token, so the end-of-turn token is the completion's last token."""
-    prompt_text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-    full_text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+    prompt_text = rendered_text(tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False))
+    full_text = rendered_text(tokenizer.apply_chat_template(prompt + completion, tokenize=False))
     if not full_text.startswith(prompt_text):
         raise TemplateError(
             "the chat template is not prefix-stable: the conversation's render does not start with the "
@@ -501,10 +501,11 @@ def truncate_rows(rendered: list[RenderedRow], truncation: Truncation) -> Tokeni
             continue
         prompt_ids = truncate_prompt(row.prompt_ids, truncation)
         budget = max(truncation.max_length - len(prompt_ids), 0)
-        out = {"prompt_ids": prompt_ids, **{f"{field}_ids": ids[:budget] for field, ids in row.completions.items()}}
-        if any(len(out[f"{field}_ids"]) == 0 for field in row.completions):
+        completions = {f"{field}_ids": ids[:budget] for field, ids in row.completions.items()}
+        if any(len(ids) == 0 for ids in completions.values()):
             dropped += 1
             continue
+        out: dict[str, list[int] | str | float | bool] = {"prompt_ids": prompt_ids, **completions}
         prompt_cut, completion_cut = len(prompt_ids) < len(row.prompt_ids), row.longest > budget
         prompts_cut += prompt_cut
         completions_cut += completion_cut
@@ -543,9 +544,12 @@ def tokenize_split(
 def select_rows(rows: list[dict], weight: float | None, num_samples: int | None, rng: random.Random) -> list[dict]:
     """All ``rows`` (neither given), ``num_samples`` of them or ``round(weight * len(rows))``: every
     row as many whole times as fit, then a sample without replacement for the rest (kept in order)."""
-    if weight is None and num_samples is None:
+    if num_samples is not None:
+        target = num_samples
+    elif weight is not None:
+        target = round(weight * len(rows))
+    else:
         return rows
-    target = num_samples if num_samples is not None else round(weight * len(rows))
     whole, rest = divmod(target, len(rows)) if rows else (0, 0)
     picked = list(range(len(rows))) * whole + sorted(rng.sample(range(len(rows)), rest))
     return [rows[i] for i in picked]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Literal, Protocol, TypeVar
 
 import torch
 from tqdm.auto import tqdm
@@ -28,6 +28,10 @@ from trainers.scoring.metrics import (
     pass_at_k,
 )
 from trainers.scoring.reward_model import RewardModelScorer, load_scorer
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig
+    from transformers.generation.utils import GenerateOutput
 
 M = TypeVar("M")
 
@@ -83,9 +87,23 @@ class PromptResult:
         return [exact_match(s.text, self.answer) for s in self.samples]
 
 
+class GenerativeModel(Protocol):
+    """What :func:`generate_completions` reads of a model: a transformers causal LM (``GenerationMixin``'s)."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def generation_config(self) -> GenerationConfig: ...
+
+    def eval(self) -> Any: ...
+
+    def generate(self, *args: Any, **kwargs: Any) -> GenerateOutput | torch.LongTensor: ...
+
+
 @torch.no_grad()
 def generate_completions(
-    model: PreTrainedModel,
+    model: GenerativeModel,
     tokenizer: PreTrainedTokenizerBase,
     prompts: list[list[int]],
     *,
@@ -122,6 +140,8 @@ def generate_completions(
             eos_token_id=list(stop_ids),
             **sampling,
         )
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"generate returned {type(output).__name__}, not token ids (return_dict_in_generate is on)")
         completions += decoded(tokenizer, output[:, input_ids.shape[1] :], stop_ids, num_return_sequences)
     return gather_shards(completions, state)
 
@@ -165,7 +185,8 @@ def engine_completions(
     stop_ids = stop_token_ids(tokenizer, model.generation_config)
     first, mine = local_shard(prompts, state)
     own = engines is None
-    engines = evaluation_engine(spec.seed) if own else engines
+    if engines is None:
+        engines = evaluation_engine(spec.seed)
     engine = engines.serving(model)  # on every process, a share of none included: they build together
     try:
         greedy = engine.generate(
@@ -201,10 +222,11 @@ def score_prompts(
         require_vllm()
         greedy, sampled = engine_completions(model, tokenizer, prompts, spec, engines, state)
     else:
-        options = {"spec": spec, "state": state}
-        greedy = generate_completions(model, tokenizer, prompts, do_sample=False, num_return_sequences=1, **options)
+        greedy = generate_completions(
+            model, tokenizer, prompts, do_sample=False, num_return_sequences=1, spec=spec, state=state
+        )
         sampled = generate_completions(
-            model, tokenizer, prompts, do_sample=True, num_return_sequences=spec.num_samples, **options
+            model, tokenizer, prompts, do_sample=True, num_return_sequences=spec.num_samples, spec=spec, state=state
         )
     return [
         PromptResult(
@@ -236,7 +258,7 @@ def answer_metrics(
 ) -> dict[str, float]:
     """Greedy accuracy, ``sampled_accuracy`` (mean@N) and pass@k, each with a bootstrap 95% CI
     over prompts, plus the mean sampled completion length in tokens."""
-    metrics = {}
+    metrics: dict[str, float] = {}
     for name, values in per_prompt_scores(results, pass_ks).items():
         low, high = bootstrap_ci(values, seed, resamples)
         metrics |= {name: sum(values) / len(values), f"{name}_ci_low": low, f"{name}_ci_high": high}
@@ -353,6 +375,8 @@ def evaluate_model(
             )
             scores.per_prompt[REWARD_MODEL_METRIC] = values
     if pairs:
+        if beta is None:
+            raise ValueError("held-out pairs are scored by their implicit rewards, which need a beta")
         scores.metrics.update(preference_rewards(model, tokenizer, pairs, beta, spec.pair_batch_size, state))
     return scores
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from concurrent.futures import Future
 from typing import Callable, Generic, TypeVar
 
 Request = TypeVar("Request")
@@ -16,9 +17,7 @@ Result = TypeVar("Result")
 @dataclasses.dataclass(eq=False)
 class Pending(Generic[Request, Result]):
     request: Request
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    result: Result | None = None
-    error: BaseException | None = None
+    outcome: Future[Result] = dataclasses.field(default_factory=Future)  # its result, or the call's error
 
 
 class Batcher(Generic[Request, Result]):
@@ -36,7 +35,7 @@ class Batcher(Generic[Request, Result]):
             return len(self.pending)
 
     def submit(self, request: Request) -> Result:
-        mine = Pending(request)
+        mine: Pending[Request, Result] = Pending(request)
         with self.queue_lock:
             self.pending.append(mine)
         with self.engine_lock:
@@ -48,13 +47,8 @@ class Batcher(Generic[Request, Result]):
                     results = self.run([pending.request for pending in batch])
                 except BaseException as error:  # every request of the call gets its error
                     for pending in batch:
-                        pending.error = error
+                        pending.outcome.set_exception(error)
                 else:
                     for pending, result in zip(batch, results, strict=True):
-                        pending.result = result
-                for pending in batch:
-                    pending.done.set()
-        mine.done.wait()
-        if mine.error is not None:
-            raise mine.error
-        return mine.result
+                        pending.outcome.set_result(result)
+        return mine.outcome.result()

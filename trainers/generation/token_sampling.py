@@ -31,7 +31,7 @@ class InverseCdfSampling(LogitsProcessor):
     ``min{j : F_j > u · F_V}``: it is ``j`` with probability ``p_j``, and never a token whose score
     is −inf (its ``F`` equals its predecessor's)."""
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         cdf = scores.softmax(-1, dtype=torch.float64).cumsum_(-1)
         uniform = torch.rand((scores.shape[0], 1), dtype=torch.float64, device=scores.device)
         drawn = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).clamp_(max=scores.shape[-1] - 1)
@@ -45,7 +45,7 @@ class VocabularyMask(LogitsProcessor):
     def __init__(self, vocabulary: int):
         self.vocabulary = vocabulary
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         return scores.index_fill(-1, torch.arange(self.vocabulary, scores.shape[-1], device=scores.device), -torch.inf)
 
 

@@ -32,7 +32,7 @@ import tempfile
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -40,6 +40,9 @@ import torch
 from trainers.data.collators import pad_right
 from trainers.data.lengths import config_context
 from trainers.models.lora import has_adapters, merged_weights
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedModel
 
 # The engine core must run in this process for the weight reload to reach its model; set before vllm
 # is imported (vllm reads it at import).
@@ -113,9 +116,14 @@ def serving_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: param.detach() for name, param in model.named_parameters()}
 
 
-def served_model(model: torch.nn.Module) -> torch.nn.Module:
+def served_model(model: torch.nn.Module) -> PreTrainedModel:
     """The model whose architecture an engine serving ``model`` runs: the base model under LoRA adapters."""
-    return model.get_base_model() if has_adapters(model) else model
+    from transformers import PreTrainedModel
+
+    base = model.get_base_model() if has_adapters(model) else model
+    if not isinstance(base, PreTrainedModel):
+        raise TypeError(f"an engine serves transformers models, not {type(base).__name__}")
+    return base
 
 
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
@@ -140,7 +148,7 @@ def architecture(model: torch.nn.Module) -> str:
     return next(cls.__name__ for cls in type(model).__mro__ if cls.__module__.startswith("transformers"))
 
 
-def served_config(model: torch.nn.Module):
+def served_config(model: torch.nn.Module) -> PreTrainedConfig:
     """The config an engine serving ``model`` is built from: the served model's, its class named."""
     base = served_model(model)
     config = copy.deepcopy(base.config)

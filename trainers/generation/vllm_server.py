@@ -326,7 +326,7 @@ class CollectiveTransfer:
 
     def __init__(self, url: str, token: str):
         self.url, self.token = url, token
-        self.group: torch.distributed.ProcessGroup | None = None
+        self.group: weight_channel.Channel | None = None
         self.requests = ThreadPoolExecutor(max_workers=1, thread_name_prefix="alignflow-weight-channel")
 
     def load(self, model: torch.nn.Module, weights: Weights, named: NamedWeights, settings: EngineSettings) -> None:
@@ -334,22 +334,24 @@ class CollectiveTransfer:
         post(self.url, "/load", LoadRequest(**settings.fields(), config=config), self.token)
         self.push(named)
 
-    def open(self, backend: str) -> None:
+    def open(self, backend: str) -> weight_channel.Channel:
         channel = ChannelAnswer.model_validate(post(self.url, "/channel", ChannelRequest(backend=backend), self.token))
         hostname = urllib.parse.urlsplit(self.url).hostname
+        if hostname is None:
+            raise ValueError(f"the vLLM server's url {self.url!r} names no host to open a weight channel to")
         self.group = weight_channel.join(hostname, channel.port, backend, channel.secret)
+        return self.group
 
     def push(self, weights: NamedWeights) -> None:
         tensors = [tensor.contiguous() for _, tensor in weights]
-        if self.group is None:
-            self.open(weight_channel.backend_for(tensors[0].device))
+        group = self.group if self.group is not None else self.open(weight_channel.backend_for(tensors[0].device))
         manifest = ReceiveRequest(
             names=[name for name, _ in weights],
             shapes=[list(tensor.shape) for tensor in tensors],
             dtypes=[str(tensor.dtype).removeprefix("torch.") for tensor in tensors],
         )
         answer = self.requests.submit(post, self.url, "/receive", manifest, self.token)
-        weight_channel.send(self.group, tensors, answer)
+        weight_channel.send(group, tensors, answer)
         answer.result()
 
 

@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 from concurrent.futures import Future
+from typing import Protocol, cast
 
 import torch
 
@@ -30,12 +31,20 @@ TIMEOUT = datetime.timedelta(minutes=10)  # a member waits this long for the oth
 SECRET_BYTES = 32
 
 
-def pair_group(store: torch.distributed.Store, member: int, backend: str) -> torch.distributed.ProcessGroup:
+class Channel(Protocol):
+    """What a member does with its group: broadcast a tensor from member ``root``."""
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> torch.distributed.Work: ...
+
+
+def pair_group(store: torch.distributed.Store, member: int, backend: str) -> Channel:
     """A process group of two on ``store``, this process as ``member``; returns once the other
     member has joined too."""
+    # torch's stubs leave out the broadcast(tensor, root) that each backend class binds
     if backend == "nccl":
-        return torch.distributed.ProcessGroupNCCL(store, member, 2)
-    return torch.distributed.ProcessGroupGloo(store, member, 2, TIMEOUT)
+        options = torch.distributed.ProcessGroupNCCL.Options()  # what the (store, rank, size) form makes
+        return cast(Channel, torch.distributed.ProcessGroupNCCL(store, member, 2, options))
+    return cast(Channel, torch.distributed.ProcessGroupGloo(store, member, 2, TIMEOUT))
 
 
 # each backend by the kind of device whose tensors it moves
@@ -59,10 +68,10 @@ class Receiver:
 
     joining: threading.Thread
     device: torch.device
-    group: torch.distributed.ProcessGroup | None = None
+    group: Channel | None = None
     refused: str | None = None  # why the member that joined was dropped
 
-    def admit(self, group: torch.distributed.ProcessGroup, secret: bytes) -> None:
+    def admit(self, group: Channel, secret: bytes) -> None:
         """Keep ``group`` if its sender's first broadcast is ``secret``."""
         presented = torch.zeros(SECRET_BYTES, dtype=torch.uint8, device=self.device)
         group.broadcast(presented, 0).wait()
@@ -114,7 +123,7 @@ def host(backend: str, bind_host: str) -> tuple[int, str, Receiver]:
     return port, secret.hex(), receiver
 
 
-def join(host_name: str, port: int, backend: str, secret: str) -> torch.distributed.ProcessGroup:
+def join(host_name: str, port: int, backend: str, secret: str) -> Channel:
     """The sender's member of the channel hosted at ``host_name:port``, admitted by ``secret``."""
     store = torch.distributed.TCPStore(host_name, port, 2, is_master=False, timeout=TIMEOUT)
     group = pair_group(store, 0, backend)
@@ -123,7 +132,7 @@ def join(host_name: str, port: int, backend: str, secret: str) -> torch.distribu
     return group
 
 
-def send(group: torch.distributed.ProcessGroup, tensors: list[torch.Tensor], answer: Future) -> None:
+def send(group: Channel, tensors: list[torch.Tensor], answer: Future) -> None:
     """Broadcast ``tensors`` in order, unless the receiver's side answers with an error first
     (``answer``: its reply to the request that announced them), where a send to a member that stopped
     receiving would wait out the channel's timeout. The receiver answers success only once it has

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Literal
+from typing import TYPE_CHECKING, Iterator, Literal, Protocol, cast
 
 from pydantic import Field
 
@@ -22,7 +22,9 @@ from trainers.sections import Section
 
 if TYPE_CHECKING:
     import torch
+    from peft import PeftModel
     from transformers import PreTrainedModel, Trainer
+    from typing_extensions import TypeIs
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -37,7 +39,14 @@ class LoraSettings(Section):
     )
 
 
-def add_adapters(model: PreTrainedModel, settings: LoraSettings, task_type: str = "CAUSAL_LM") -> PreTrainedModel:
+class DeltaWeight(Protocol):
+    """What every kind of LoRA layer (``Linear``, ``Embedding``, convolutions, …) defines, and their
+    common base ``LoraLayer`` does not declare: an adapter's update of the base layer's weight."""
+
+    def get_delta_weight(self, adapter: str) -> torch.Tensor: ...
+
+
+def add_adapters(model: PreTrainedModel, settings: LoraSettings, task_type: str = "CAUSAL_LM") -> PeftModel:
     """``model`` frozen, with fresh LoRA adapters on ``settings.target_modules`` (the only
     trainable parameters, with, for a ``SEQ_CLS`` model, its whole score head: peft saves and
     trains the classifier head of that task type in full)."""
@@ -45,7 +54,7 @@ def add_adapters(model: PreTrainedModel, settings: LoraSettings, task_type: str 
 
     config = LoraConfig(
         r=settings.r,
-        lora_alpha=settings.alpha,
+        lora_alpha=settings.alpha,  # type: ignore[arg-type]  # peft annotates an int; it scales by alpha / r
         lora_dropout=settings.dropout,
         target_modules=settings.target_modules,
         task_type=task_type,
@@ -53,7 +62,7 @@ def add_adapters(model: PreTrainedModel, settings: LoraSettings, task_type: str 
     return get_peft_model(model, config)
 
 
-def has_adapters(model: torch.nn.Module) -> bool:
+def has_adapters(model: torch.nn.Module) -> TypeIs[PeftModel]:
     from peft import PeftModel
 
     return isinstance(model, PeftModel)
@@ -78,11 +87,12 @@ def live_reference(ref_model: torch.nn.Module | None, policy: torch.nn.Module) -
         policy.train(was_training)
 
 
-def merged_weights(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
+def merged_weights(policy: PeftModel) -> dict[str, torch.Tensor]:
     """The LoRA ``policy``'s weights as a plain checkpoint of its base architecture names them: each
     adapted layer's ``W + (α/r)·B·A`` (computed out of place: merging in place and unmerging after
     would leave rounding error in the frozen ``W`` at every call), every other parameter as it is;
     no adapter parameters. What an inference engine that serves the base architecture loads."""
+    import torch
     from peft.tuners.lora import LoraLayer
 
     base = policy.get_base_model()
@@ -91,7 +101,9 @@ def merged_weights(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
     for name, module in base.named_modules():
         if isinstance(module, LoraLayer):
             weight = module.get_base_layer().weight
-            weights[f"{name}.weight"] = weight.detach() + module.get_delta_weight(adapter).detach().to(weight.dtype)
+            assert isinstance(weight, torch.Tensor)
+            delta = cast("DeltaWeight", module).get_delta_weight(adapter)
+            weights[f"{name}.weight"] = weight.detach() + delta.detach().to(weight.dtype)
     for name, param in base.named_parameters():
         plain = name.replace(".base_layer.", ".")
         if "lora_" not in name and plain not in weights:
@@ -117,6 +129,8 @@ def save_stage_model(trainer: Trainer, model_dir: Path, adapter_dir: Path) -> Pa
     merged = model.merge_and_unload()
     if trainer.args.should_save:  # the main process, as for save_model
         merged.save_pretrained(str(model_dir))
+        if trainer.processing_class is None:
+            raise ValueError("a LoRA stage saves its tokenizer with its merged model; the trainer has no tokenizer")
         trainer.processing_class.save_pretrained(str(model_dir))
     return adapter_dir
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any, Protocol
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -18,6 +19,14 @@ LOAD_OPTIONS = {"use_kernels": False}
 # Where ``from_pretrained`` reports the weights a load found missing, unused or mismatched (its "load report").
 LOAD_REPORT_LOGGER = "transformers.modeling_utils"
 LOGGER = logging.getLogger(__name__)
+
+
+class ModelLoader(Protocol):
+    """A transformers auto class (``AutoModelForCausalLM``, ``AutoModelForSequenceClassification``):
+    what loads a checkpoint as a model with some head. What it returns depends on its options (the
+    model; with ``output_loading_info``, the model and its load report)."""
+
+    def from_pretrained(self, pretrained_model_name_or_path: str, *args: Any, **kwargs: Any) -> Any: ...
 
 
 def load_tokenizer(path: str, revision: str | None = None, chat_template: str | None = None) -> PreTrainedTokenizerBase:
@@ -50,7 +59,8 @@ def load_causal_lm(
     tokenizer = load_tokenizer(path, revision, chat_template)
     model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch_dtype(dtype), **LOAD_OPTIONS)
     if device is not None:
-        model.to(device)
+        module: torch.nn.Module = model  # transformers' @wraps(Module.to) leaves its own ``to`` unbound for mypy
+        module.to(device)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
 
@@ -66,7 +76,9 @@ def check_same_vocabulary(
         )
 
 
-def load_with_new_head(auto_class: type, path: str, revision: str | None = None, dtype: str = "auto", **options):
+def load_with_new_head(
+    auto_class: ModelLoader, path: str, revision: str | None = None, dtype: str = "auto", **options: Any
+) -> PreTrainedModel:
     """``auto_class.from_pretrained`` of a checkpoint saved with another head (a sequence classifier
     from a causal LM). The weights outside the shared base model (``base_model_prefix``) are expected
     to be missing (the new head, initialised fresh) or unused (the old head): transformers' load
@@ -84,6 +96,8 @@ def load_with_new_head(auto_class: type, path: str, revision: str | None = None,
 
     report = logging.getLogger(LOAD_REPORT_LOGGER)
     report.addFilter(hold)
+    model: PreTrainedModel
+    loading: dict[str, list[Any]]  # missing, unexpected and mismatched keys
     try:
         model, loading = auto_class.from_pretrained(
             path, revision=revision, dtype=torch_dtype(dtype), output_loading_info=True, **LOAD_OPTIONS, **options

@@ -20,6 +20,14 @@ if TYPE_CHECKING:
 SENTINEL = "alignflowSTOPsentinel"
 
 
+def rendered_text(rendered: object) -> str:
+    """What ``apply_chat_template(conversation, tokenize=False)`` returns for one conversation: its
+    text (transformers annotates the method with what any of its modes returns)."""
+    if not isinstance(rendered, str):
+        raise TypeError(f"the chat template rendered {type(rendered).__name__}, not text")
+    return rendered
+
+
 def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
     """The special token the chat template writes right after an assistant message's content, read
     off a rendered turn; None without a template, where the template fails on a plain user/assistant
@@ -31,7 +39,7 @@ def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
         rendered = tokenizer.apply_chat_template(turn, tokenize=False)
     except Exception:  # a template's own checks (jinja2's TemplateError, a raise_exception call)
         return None
-    after = rendered.partition(SENTINEL)[2]
+    after = rendered_text(rendered).partition(SENTINEL)[2]
     specials = {token.content: i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
     found = [content for content in specials if content and after.startswith(content)]
     return specials[max(found, key=len)] if found else None  # the longest, should one be a prefix of another

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from transformers.modeling_utils import unwrap_model
@@ -222,16 +222,24 @@ def compute_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.promote_types(logits.dtype, torch.float32)
 
 
+@runtime_checkable
+class WrapsBaseModel(Protocol):
+    """A peft wrapper: what it wraps."""
+
+    def get_base_model(self) -> torch.nn.Module: ...
+
+
 def innermost_model(model: torch.nn.Module) -> torch.nn.Module:
     """The model whose ``forward`` finally runs: unwrapped from distributed wrappers, and from a
     peft wrapper (which passes its keyword arguments through to it)."""
     model = unwrap_model(model)
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+    return model.get_base_model() if isinstance(model, WrapsBaseModel) else model
 
 
 @functools.cache
-def accepts_logits_to_keep(model_class: type) -> bool:
-    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+def accepts_logits_to_keep(forward: Callable[..., Any]) -> bool:
+    """Whether a model class's ``forward`` takes ``logits_to_keep``."""
+    return "logits_to_keep" in inspect.signature(forward).parameters
 
 
 def collision_logps(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -268,7 +276,7 @@ def forward_scored_positions(
     has_scored = scored.any(0)
     first = int(has_scored.float().argmax()) if bool(has_scored.any()) else scored.shape[1] - 1
     kept = input_ids.shape[1] - first  # positions first .. last, the last predicting nothing
-    extra = {"logits_to_keep": kept} if accepts_logits_to_keep(type(innermost_model(model))) else {}
+    extra = {"logits_to_keep": kept} if accepts_logits_to_keep(type(innermost_model(model)).forward) else {}
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
     logits = logits[:, -kept:]  # a view; already this shape when logits_to_keep was honoured
     rows, cols = scored[:, first:].nonzero(as_tuple=True)

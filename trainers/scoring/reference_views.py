@@ -12,10 +12,13 @@ shape of data a stage reads reference log-probs of; a stage names its view
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from trainers.data.rows import PAIR_SPLITS, REF_COLUMNS
 from trainers.registry import Registry
+
+if TYPE_CHECKING:
+    import datasets
 
 
 @dataclass(frozen=True)
@@ -23,7 +26,7 @@ class ReferenceView:
     name: str
     sources: tuple[str, ...]  # the prepared splits it reads (their token digests are part of the cache key)
     # the scored splits, by name, from the prepared splits (a DatasetDict or a dict of row lists)
-    splits: Callable[[Mapping[str, Any]], Mapping[str, Sequence[Mapping[str, Any]]]]
+    splits: Callable[[Mapping[str, Any]], Mapping[str, datasets.Dataset | list[dict]]]
     # their row counts from the prepared splits' row counts (checked against a cache entry's, unread)
     rows: Callable[[Mapping[str, int]], dict[str, int]]
     completions: tuple[str, str]  # the two completion columns of a row, scored after its ``prompt_ids``

@@ -35,7 +35,7 @@ from transformers import (
 from trainers.data.collators import prompt_completion_batch
 from trainers.data.rows import render_completion, render_prompt
 from trainers.models.devices import torch_dtype
-from trainers.models.pretrained import LOAD_OPTIONS, load_tokenizer, load_with_new_head
+from trainers.models.pretrained import LOAD_OPTIONS, ModelLoader, load_tokenizer, load_with_new_head
 from trainers.registry import Registry
 from trainers.scoring.logprobs import completion_logps
 
@@ -45,7 +45,7 @@ class RewardHead:
     """What a reward model is: the transformers class that loads it (``num_labels`` for a
     classifier) and how it scores a batch of ``prompt_completion_batch`` rows, one score per row."""
 
-    auto_class: type
+    auto_class: ModelLoader
     architecture_suffix: str  # of a saved model's ``config.architectures``
     score: Callable[[PreTrainedModel, dict[str, torch.Tensor]], torch.Tensor]
     peft_task_type: str  # LoRA adapters for this kind of model (``trainers.models.lora.add_adapters``)
