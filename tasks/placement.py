@@ -152,10 +152,7 @@ class OnDask:
             pure=False,
             retries=0,
         )
-        self.log(
-            f"{self.name}: machine {machine}'s part submitted to the Dask worker with {resource} "
-            f"({self.client.scheduler.address})"
-        )
+        self.log(f"{self.name}: machine {machine}'s part submitted to the Dask worker with {resource} ({self.address})")
 
     @staticmethod
     def worker_error(future) -> str | None:

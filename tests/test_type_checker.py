@@ -62,3 +62,15 @@ def test_a_wrong_field_or_argument_on_a_typed_spec_is_an_error(tmp_path: Path):
         'error: "EvaluationConfig" has no attribute "num_sample"; maybe "num_samples"?  [attr-defined]',
         'error: Unsupported operand types for + ("int" and "str")  [operator]',
     ]
+
+
+def test_an_unannotated_override_is_checked_too(tmp_path: Path):
+    messages = check(
+        tmp_path,
+        "from trainers.dpo.trainer import DPOTrainer\n"
+        "class Mine(DPOTrainer):\n"
+        "    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):\n"
+        "        return inputs['input_ids'] * self.args.betta\n",
+    )
+    assert messages == ['error: "DPOConfig" has no attribute "betta"; maybe "beta"?  [attr-defined]']
+

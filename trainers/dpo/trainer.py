@@ -172,14 +172,17 @@ class DPOTrainer(MetricWindow, Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         batch_size = inputs["input_ids"].shape[0] // 2
-        options = {}
+        token_weights = None
         if self.args.ld_alpha is not None:
             dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)  # that of the log-probs
-            options["token_weights"] = ld_token_weights(inputs["completion_mask"], self.args.ld_alpha, dtype)
-        if self.args.use_weighting:
-            options["wpo_terms"] = True
+            token_weights = ld_token_weights(inputs["completion_mask"], self.args.ld_alpha, dtype)
         policy = completion_logps(
-            model, inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"], **options
+            model,
+            inputs["input_ids"],
+            inputs["attention_mask"],
+            inputs["completion_mask"],
+            token_weights=token_weights,
+            wpo_terms=self.args.use_weighting,
         )
         ref_chosen, ref_rejected = self.reference_logps(inputs, batch_size)
         pairs = PairLogps(
@@ -196,7 +199,7 @@ class DPOTrainer(MetricWindow, Trainer):
             params = params.model_copy(update={"reward_shift": self.reward_shift(pairs, model.training)})
         losses, components = self.objective(pairs, params)
         metrics = self.batch_metrics(pairs, policy, components, inputs["attention_mask"])
-        if self.args.use_weighting:
+        if policy.wpo_logweights is not None:  # use_weighting
             weights = wpo_pair_weights(policy.wpo_logweights[:batch_size], policy.wpo_logweights[batch_size:])
             losses = losses * weights.to(losses.dtype)
             metrics["wpo/weights"] = weights.mean()

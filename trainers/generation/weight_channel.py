@@ -42,8 +42,8 @@ def pair_group(store: torch.distributed.Store, member: int, backend: str) -> Cha
     member has joined too."""
     # torch's stubs leave out the broadcast(tensor, root) that each backend class binds
     if backend == "nccl":
-        options = torch.distributed.ProcessGroupNCCL.Options()  # what the (store, rank, size) form makes
-        return cast(Channel, torch.distributed.ProcessGroupNCCL(store, member, 2, options))
+        # the binding's (store, rank, size) form, which torch's stub leaves out too
+        return cast(Channel, torch.distributed.ProcessGroupNCCL(store, member, 2))  # type: ignore[call-arg]
     return cast(Channel, torch.distributed.ProcessGroupGloo(store, member, 2, TIMEOUT))
 
 

@@ -422,12 +422,13 @@ class GRPOTrainer(Trainer):
             args.temperature,
             entropy=True,
         )
+        assert entropy is not None  # asked for
         mask = inputs["completion_mask"][:, 1:].to(logps.dtype)
         old_logps = inputs["old_logps"] if "old_logps" in inputs else logps.detach()
         advantages = inputs["advantages"]
         log_ratio = self.log_ratio(logps, old_logps, mask)
         per_token = self.objective(log_ratio, logps, advantages, self.objective_params)
-        metrics = {}
+        metrics: dict[str, torch.Tensor] = {}
         if "engine_logps" in inputs:
             # π_old as the trainer computes it (stored, or this pass on an on-policy batch) against the
             # engine's log-probs of the same tokens: how far the engine's sampler is from the policy

@@ -14,11 +14,12 @@ def build_reward(section: RewardStageConfig, inputs: StageInputs):
     from trainers.scoring.reward_model import REWARD_HEADS, load_reward_model
 
     policy = inputs.policy
-    model, tokenizer, _ = load_reward_model(
+    base, tokenizer, _ = load_reward_model(
         policy.path, policy.revision, inputs.dtype, section.head, chat_template=inputs.chat_template
     )
-    if inputs.lora is not None:  # saved merged (trainers.models.lora.save_stage_model), as a full reward model is
-        model = add_adapters(model, inputs.lora, REWARD_HEADS.lookup(section.head).peft_task_type)
+    # with LoRA: saved merged (trainers.models.lora.save_stage_model), as a full reward model is
+    head = REWARD_HEADS.lookup(section.head)
+    model = base if inputs.lora is None else add_adapters(base, inputs.lora, head.peft_task_type)
     return RewardTrainer(
         data_collator=PairSequenceCollator(tokenizer.pad_token_id),
         **inputs.trainer_arguments(section, RewardConfig, model, tokenizer, "preference", "preference_eval"),

@@ -63,6 +63,7 @@ class MetricWindow(TrainerBase):
         """Evaluation is the loss and its metrics (recorded in the ``eval`` window); no predictions."""
         with torch.no_grad():
             loss = self.compute_loss(model, inputs)
+        assert isinstance(loss, torch.Tensor)  # without return_outputs, the loss alone
         return loss.detach(), None, None
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

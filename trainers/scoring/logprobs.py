@@ -161,7 +161,7 @@ class TargetLogProbs(torch.autograd.Function):
             normalisers[part] = block.logsumexp(-1)
             logps[part] = block.gather(-1, span_targets[part, None]).squeeze(-1) - normalisers[part]
             means[part] = block.mean(-1)
-            if entropy:  # −Σ p log p from log p = z − logsumexp(z), as precise as log_softmax
+            if entropies is not None:  # −Σ p log p from log p = z − logsumexp(z), as precise as log_softmax
                 shift = normalisers[part, None]
                 log_probs = block.sub_(shift) if block is not source else block - shift
                 entropies[part] = log_probs.exp().mul_(log_probs).sum(-1).neg_()
@@ -203,10 +203,10 @@ class TargetLogProbs(torch.autograd.Function):
                 work = block.sub_(normalisers[part, None]).exp_()
             else:  # the logits themselves: p_v straight into the gradient
                 work = torch.sub(block, normalisers[part, None], out=out).exp_()
-            if factor is None:
-                work.mul_(-scale[part, None])
-            else:
+            if factor is not None:
                 work.mul_(factor).neg_()
+            elif scale is not None:  # one of the two gradients is there (else backward returned above)
+                work.mul_(-scale[part, None])
             if scale is not None:
                 work.scatter_add_(-1, span_targets[part, None], scale[part, None])
             if ctx.temperature != 1.0:  # ∂/∂logits = ∂/∂z / temperature
