@@ -73,4 +73,3 @@ def test_an_unannotated_override_is_checked_too(tmp_path: Path):
         "        return inputs['input_ids'] * self.args.betta\n",
     )
     assert messages == ['error: "DPOConfig" has no attribute "betta"; maybe "beta"?  [attr-defined]']
-
