@@ -196,10 +196,12 @@ def scores_key(
     beta,
     dtype: str = "float32",
     reward_model: ModelHandle | None = None,
+    plugins: Sequence[str] = (),
 ) -> str:
     """What a model's scores are a function of: its weights and tokenizer, the dtype it runs in, the
     prepared held-out prompts (and pairs with their reference log-probs), the evaluation settings,
-    the reward model that scores its samples, and the code."""
+    the reward model that scores its samples, and the code (the ``plugins``' among it: a reward
+    head may be theirs)."""
     return hash_value(
         {
             "dtype": dtype,
@@ -208,7 +210,7 @@ def scores_key(
             "data": data.fingerprint,
             "pairs": None if pairs_from is None else {"reference_logps": pairs_from.key, "beta": beta},
             "evaluation": config.model_dump(mode="json"),
-            "code": code_fingerprint(__name__),
+            "code": code_fingerprint(__name__, *plugins),
             # absent without one, so other keys stay as they were
             **({"reward_model": reward_model.weights_fingerprint or reward_model.fingerprint} if reward_model else {}),
         }
@@ -326,6 +328,7 @@ def evaluate(
             beta,
             load_dtype(model.path, model.revision, compute.dtype),
             reward_model,
+            plugins,
         )
         for model in models.values()
     ]

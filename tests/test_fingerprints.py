@@ -85,7 +85,11 @@ def test_the_key_of_every_cache_changes_with_the_fingerprint_of_its_code(monkeyp
     data = PreparedData(path="d", fingerprint="x", rows={}, dropped={}, token_fingerprints={}, truncation={})
     inputs = tasks.train.TrainInputs(policy=handle, data=data)
     keys = {  # cache: (the module whose code_fingerprint it calls, its key, the roots of its code)
-        "reference": (tasks.reference, lambda: tasks.reference.reference_key(data, handle), ("tasks.reference",)),
+        "reference": (
+            tasks.reference,
+            lambda: tasks.reference.reference_key(data, handle, plugins=("alignflow_plugin",)),
+            ("tasks.reference", "alignflow_plugin"),
+        ),
         "data": (
             tasks.data,
             # fixed lengths: automatic ones read the model's context, and "m" is no model
@@ -101,8 +105,10 @@ def test_the_key_of_every_cache_changes_with_the_fingerprint_of_its_code(monkeyp
         ),
         "scores": (
             tasks.evaluate,
-            lambda: tasks.evaluate.scores_key(handle, data, None, EvaluationConfig(), None),
-            ("tasks.evaluate",),
+            lambda: tasks.evaluate.scores_key(
+                handle, data, None, EvaluationConfig(), None, plugins=("alignflow_plugin",)
+            ),
+            ("tasks.evaluate", "alignflow_plugin"),
         ),
         "builtin model": (
             tasks.models,
