@@ -27,7 +27,9 @@ def evaluation(request: EvaluationRequest) -> EvalReport:
         held_out_rewards = None
         if request.reference_model is not None:
             reference = resolve_model(ModelConfig(source=request.reference_model), stage="reference")
-            reference_logps = cache_ref_logps(data, reference, request.reference, parent_run_id, request.compute)
+            reference_logps = cache_ref_logps(
+                data, reference, request.reference, parent_run_id, request.compute, plugins=request.plugins
+            )
             held_out_rewards = HeldOutRewards(reference_logps=reference_logps, beta=request.beta)
         report = evaluate(
             models,
@@ -38,6 +40,7 @@ def evaluation(request: EvaluationRequest) -> EvalReport:
             request.name,
             compute=request.compute,
             reward_model=resolve_scorer(request.evaluation.reward_model, {}),
+            plugins=request.plugins,
         )
         print(report.summary())
         return report

@@ -223,6 +223,15 @@ def test_a_plugin_module_registers_losses_and_rewards_that_the_config_then_accep
     assert "plugin_margin" in loss_choices["anyOf"][0]["enum"]  # the UI form lists it from now on
 
 
+def test_a_standalone_evaluation_imports_its_plugins_before_it_validates(plugin):
+    from infra.core.config import EvaluationRequest
+
+    request = EvaluationRequest.model_validate({"models": {"base": "builtin:tiny-llama"}, "plugins": [plugin]})
+    assert request.plugins == [plugin] and plugin in sys.modules
+    with pytest.raises(ValidationError, match="plugins: 'my plugin' is not a module name"):
+        EvaluationRequest.model_validate({"models": {"base": "builtin:tiny-llama"}, "plugins": ["my plugin"]})
+
+
 def test_unknown_keys_get_the_nearest_known_keys_of_their_section():
     with pytest.raises(ValidationError) as raised:
         load_config(None, ["dpo.bta=0.2", "data.max_lenght=3", "dataa={}", "zzz=1"])

@@ -417,6 +417,20 @@ class TrackingConfig(Section):
     )
 
 
+PLUGINS = (
+    "Modules imported before the rest of the config is validated; they may register losses, rewards, reward "
+    "scales and reward heads (e.g. `my_project.losses`)."
+)
+
+
+def with_plugins_imported(data: Any) -> Any:
+    """A before-validator's part: import the raw config's ``plugins`` first, so that the names they
+    register validate."""
+    if isinstance(data, dict):
+        import_plugins(data.get("plugins") or [])
+    return data
+
+
 class ExperimentBase(Section):
     """An experiment's fields and sections but the stages' (:data:`ExperimentConfig` adds those)."""
 
@@ -429,11 +443,7 @@ class ExperimentBase(Section):
         min_length=1,
         description="Training stages, in order; each starts from the previous stage's model.",
     )
-    plugins: list[str] = Field(
-        default_factory=list,
-        description="Modules imported before the rest of the config is validated; they may register losses, "
-        "rewards and reward scales (e.g. `my_project.losses`).",
-    )
+    plugins: list[str] = Field(default_factory=list, description=PLUGINS)
     seed: Seed | None = Field(
         None,
         description="One seed for all randomness of a run: sets model.seed (built-in model init), each stage's "
@@ -472,9 +482,7 @@ class ExperimentBase(Section):
     @model_validator(mode="before")
     @classmethod
     def _import_plugins(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            import_plugins(data.get("plugins") or [])
-        return data
+        return with_plugins_imported(data)
 
     @model_validator(mode="after")
     def _check_promotion_has_a_model_to_register(self) -> ExperimentBase:
@@ -626,6 +634,7 @@ class EvaluationRequest(Section):
     """What the standalone evaluation flow scores: any models, on one eval spec, same prompts and seeds."""
 
     name: SafeName = Field("evaluation", description="Parent run name and output folder.")
+    plugins: list[str] = Field(default_factory=list, description=PLUGINS)
     models: dict[SafeName, ModelSource] = Field(
         min_length=1,
         description=(
@@ -647,6 +656,11 @@ class EvaluationRequest(Section):
     @property
     def run_name(self) -> str:
         return self.tracking.run_name or self.name
+
+    @model_validator(mode="before")
+    @classmethod
+    def _import_plugins(cls, data: Any) -> Any:
+        return with_plugins_imported(data)
 
     @model_validator(mode="after")
     def _reward_model_is_a_source(self) -> EvaluationRequest:
