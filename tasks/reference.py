@@ -36,41 +36,30 @@ PROGRESS_STEP = 5.0  # percent between updates of the Prefect progress artifact
 
 
 def reference_key_inputs(
-    data: PreparedData,
-    reference: ModelHandle,
-    dtype: str = "float32",
-    view: str = "pairs",
-    plugins: Sequence[str] = (),
+    data: PreparedData, reference: ModelHandle, dtype: str = "float32", view: str = "pairs"
 ) -> dict:
     """Everything that changes the values and nothing else (no run names, no hyper-parameters).
     ``dtype`` is the one the reference forward runs in (:func:`reference_dtype`); the pass checks
-    it against the loaded model's parameters. ``view`` names what is scored (the rows it builds,
-    e.g. KTO's KL pairs, come from code the ``code`` digest covers, the ``plugins``' among it: one
-    may register the view)."""
+    it against the loaded model's parameters. ``view`` names what is scored: the rows it builds
+    (KTO's KL pairs, a plugin's view) come from the modules of its functions, which the ``code``
+    digest covers with this one's."""
+    scored = REFERENCE_VIEWS.lookup(view)
     return {
         "view": view,
         "splits": {
-            split: data.token_fingerprints[split]
-            for split in REFERENCE_VIEWS.lookup(view).sources
-            if split in data.token_fingerprints
+            split: data.token_fingerprints[split] for split in scored.sources if split in data.token_fingerprints
         },
         "truncation": data.truncation,
         "weights": reference.weights_fingerprint or reference.fingerprint,  # hub models: id + revision
         "tokenizer": reference.tokenizer_fingerprint,
-        # this module and the trainers code it runs (log-probs, collators, loading), and the plugins' code
-        "code": code_fingerprint(__name__, *plugins),
+        # this module and the trainers code it runs (log-probs, collators, loading), and the view's
+        "code": code_fingerprint(__name__, *sorted({scored.splits.__module__, scored.rows.__module__})),
         "dtype": dtype,
     }
 
 
-def reference_key(
-    data: PreparedData,
-    reference: ModelHandle,
-    dtype: str = "float32",
-    view: str = "pairs",
-    plugins: Sequence[str] = (),
-) -> str:
-    return hash_value(reference_key_inputs(data, reference, dtype, view, plugins))
+def reference_key(data: PreparedData, reference: ModelHandle, dtype: str = "float32", view: str = "pairs") -> str:
+    return hash_value(reference_key_inputs(data, reference, dtype, view))
 
 
 def reference_dtype(reference: ModelHandle, compute: ComputeConfig) -> str:
@@ -85,8 +74,8 @@ def reference_cache_key(context, parameters) -> str:
     same cache entry)."""
     data, reference = parameters["data"], parameters["reference"]
     dtype = reference_dtype(reference, parameters["compute"])
+    key = reference_key(data, reference, dtype, parameters["view"])
     plugins = tuple(parameters["plugins"])
-    key = reference_key(data, reference, dtype, parameters["view"], plugins)
     return "reference-" + (hash_value([key, plugins]) if plugins else key)  # without plugins: as it was
 
 
@@ -207,7 +196,7 @@ def cache_ref_logps(
     MLflow run."""
     dtype = reference_dtype(reference, compute)
     ref = ReferenceLogps(
-        key=reference_key(data, reference, dtype, view, plugins),
+        key=reference_key(data, reference, dtype, view),
         root=reference_store().root,
         data=data,
         reference=reference,

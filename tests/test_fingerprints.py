@@ -87,8 +87,8 @@ def test_the_key_of_every_cache_changes_with_the_fingerprint_of_its_code(monkeyp
     keys = {  # cache: (the module whose code_fingerprint it calls, its key, the roots of its code)
         "reference": (
             tasks.reference,
-            lambda: tasks.reference.reference_key(data, handle, plugins=("alignflow_plugin",)),
-            ("tasks.reference", "alignflow_plugin"),
+            lambda: tasks.reference.reference_key(data, handle),
+            ("tasks.reference", "trainers.scoring.reference_views"),  # and the view's module
         ),
         "data": (
             tasks.data,
@@ -126,7 +126,12 @@ def test_the_key_of_every_cache_changes_with_the_fingerprint_of_its_code(monkeyp
         monkeypatch.setattr(module, "code_fingerprint", lambda *names, asked=asked: asked.append(names) or "edited")
         assert (key() != before, asked) == (True, [roots]), cache
         monkeypatch.undo()
-    assert reference_key_inputs(data, handle)["code"] == code_fingerprint("tasks.reference")
+    assert reference_key_inputs(data, handle)["code"] == code_fingerprint(
+        "tasks.reference", "trainers.scoring.reference_views"
+    )
+    assert reference_key_inputs(data, handle, view="kto")["code"] == code_fingerprint(
+        "tasks.reference", "trainers.kto.data"
+    )
     config = DataConfig(builtin=AdditionTaskConfig(), max_length=32, max_prompt_length=16)
     assert data_fingerprint(config, handle) != data_fingerprint(config.model_copy(update={"max_length": 31}), handle)
 
