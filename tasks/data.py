@@ -103,7 +103,7 @@ RenderedSource = tuple[str, list[RenderedRow], DatasetSource | None]
 def render_splits(config: DataConfig, tokenizer, context: int | None) -> dict[str, list[RenderedSource]]:
     """Every source of every split normalized, validated and rendered to token ids, uncut, each text
     clipped first to what the lengths (or the model's ``context``) could keep (:mod:`trainers.data.clipping`)."""
-    most = config.max_length if isinstance(config.max_length, int) else context  # auto: the context
+    most = config.max_length if config.max_length != AUTO else context
     keep_end = config.truncation_mode == "keep_end"
     clip = TextClip.for_tokenizer(tokenizer, most, keep_end) if most else None
     rendered: dict[str, list[RenderedSource]] = {}
@@ -169,7 +169,7 @@ def check_context(config: DataConfig, context: int | None, model: ModelHandle) -
     """Refuse a fixed ``data.max_length`` beyond the model's context: rows that long would reach
     positions the model was never built for (learned position embeddings fail with an index error,
     rotary ones degrade silently). ``auto`` is capped by the context instead."""
-    if context is None or not isinstance(config.max_length, int) or config.max_length <= context:
+    if context is None or config.max_length == AUTO or config.max_length <= context:
         return
     raise DataValidationError(
         f"data.max_length={config.max_length} is longer than the model's context: {model.path} takes at most "
@@ -237,7 +237,7 @@ def tokenize_splits(config: DataConfig, handle: ModelHandle) -> tuple[dict[str, 
     flat = {split: [row for _, rows, _ in parts for row in rows] for split, parts in rendered.items()}
     mode = config.truncation_mode
     truncation = resolve_truncation(flat, config.max_length, config.max_prompt_length, mode, context)
-    fitted = resolve_truncation(flat, "auto", "auto", mode, context)
+    fitted = resolve_truncation(flat, AUTO, AUTO, mode, context)
     tokenized, reports = {}, {}
     for split, parts in rendered.items():
         tokenized[split], reports[split] = prepare_split(parts, split, truncation, config.seed)
