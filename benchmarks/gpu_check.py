@@ -325,6 +325,7 @@ def run_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:
             dtype="float32",  # fp32 master weights; bf16 autocast through mixed_precision
             mixed_precision=compute.mixed_precision,
             cpu=compute.cpu,
+            padding_free=compute.padding_free,
             **helpers,
         )
 

@@ -103,6 +103,7 @@ def run_mode(mode: str, options: argparse.Namespace) -> dict:
             dtype=compute.dtype,
             mixed_precision=compute.mixed_precision,
             cpu=compute.cpu,
+            padding_free=compute.padding_free,
             lora=LoraSettings(r=options.rank, alpha=2.0 * options.rank) if mode == "lora" else None,
         )
         trainer = STAGES["dpo"].build(section, inputs)

@@ -167,7 +167,16 @@ def main(spec: dict) -> None:
     def inputs(stage: str) -> StageInputs:
         folder = str(Path(spec["output_dir"]) / stage)
         precision = "no" if spec["cpu"] else "bf16"
-        return StageInputs(source, source, splits, folder, dtype="float32", mixed_precision=precision, cpu=spec["cpu"])
+        return StageInputs(
+            source,
+            source,
+            splits,
+            folder,
+            dtype="float32",
+            mixed_precision=precision,
+            cpu=spec["cpu"],
+            padding_free="auto",
+        )
 
     state = PartialState(cpu=spec["cpu"])
     if state.num_processes != spec["world_size"]:

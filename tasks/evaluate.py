@@ -138,7 +138,7 @@ def score_models(
 
     source = None if rm is None else RewardModelSource(rm.path, rm.revision, compute.dtype)
     yield from evaluate_models(
-        handles, load, scoring.prompts, scoring.config.spec(), scoring.beta, None, source, engines
+        handles, load, scoring.prompts, scoring.config.spec(compute.padding_free), scoring.beta, None, source, engines
     )
 
 

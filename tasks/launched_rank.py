@@ -76,7 +76,16 @@ def reference(spec: ReferenceJob) -> BaseModel:
     report_start("model loaded (spec, process group, model)")
     prepared = datasets.load_from_disk(str(spec.splits))
     view = REFERENCE_VIEWS.lookup(spec.view)
-    columns = score_view(model, tokenizer.pad_token_id, view, prepared, spec.batch_size, progress=False, state=state)
+    columns = score_view(
+        model,
+        tokenizer.pad_token_id,
+        view,
+        prepared,
+        spec.batch_size,
+        progress=False,
+        state=state,
+        padding_free=spec.compute.padding_free,
+    )
     return spec.result(world_size=state.num_processes, columns=columns)
 
 
@@ -110,7 +119,14 @@ def evaluate(spec: EvaluateJob) -> BaseModel:
     scores = []
     try:
         for scored in evaluate_models(
-            spec.models, load, prompts, spec.evaluation.spec(), spec.beta, state, source, engines
+            spec.models,
+            load,
+            prompts,
+            spec.evaluation.spec(spec.compute.padding_free),
+            spec.beta,
+            state,
+            source,
+            engines,
         ):
             scores.append(scored)
     except EngineShapeChanged:

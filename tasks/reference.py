@@ -118,7 +118,15 @@ def compute_columns(ref: ReferenceLogps) -> Mapping[str, Columns]:
         )
     progress = PrefectProgress(sum(view.rows(ref.data.rows).values()))
     prepared = datasets.load_from_disk(ref.data.path)
-    return score_view(model, tokenizer.pad_token_id, view, prepared, ref.batch_size, on_batch=progress)
+    return score_view(
+        model,
+        tokenizer.pad_token_id,
+        view,
+        prepared,
+        ref.batch_size,
+        on_batch=progress,
+        padding_free=ref.compute.padding_free,
+    )
 
 
 def reference_job(ref: ReferenceLogps) -> ReferenceJob:

@@ -43,6 +43,7 @@ def stage_inputs(
         dtype=inputs.compute.dtype,
         mixed_precision=inputs.compute.mixed_precision,
         cpu=inputs.compute.cpu,
+        padding_free=inputs.compute.padding_free,
         reward_models={stage: ModelSource(m.path, m.revision) for stage, m in inputs.reward_models.items()},
         teacher=None if inputs.teacher is None else ModelSource(inputs.teacher.path, inputs.teacher.revision),
         chat_template=inputs.data.chat_template,

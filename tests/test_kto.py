@@ -291,7 +291,9 @@ def test_the_stage_trains_on_the_unpaired_split_when_there_is_one(tiny_checkpoin
     section = load_config(None, ["stages=[kto]", "kto.per_device_train_batch_size=4", "kto.reference=live"]).kto
 
     def build(splits):
-        inputs = StageInputs(source, source, splits, str(tmp_path), dtype="float32", mixed_precision="no", cpu=True)
+        inputs = StageInputs(
+            source, source, splits, str(tmp_path), dtype="float32", mixed_precision="no", cpu=True, padding_free="auto"
+        )
         return STAGES["kto"].build(section, inputs)
 
     trainer = build(splits)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal, Protocol, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -50,6 +50,11 @@ class StageCompute(Protocol):
     @property
     def num_machines(self) -> int: ...
 
+
+# Whether the passes over whole sequences run padding-free (``compute.padding_free``): ``auto`` where
+# the model's attention keeps packed rows apart, ``true`` required there, ``false`` padded batches.
+# ``trainers.models.attention.packing_for`` resolves it for a model.
+PaddingFree = Union[bool, Literal["auto"]]
 
 # Where a frozen helper model of a stage (a reward model, a teacher) runs: on the policy's device, or
 # on one of its own (the CPU, or a GPU that training does not use). ``trainers.models.devices.placed_on``.

@@ -20,16 +20,19 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainingArguments
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer
 
 from trainers.data.collators import pad_left, prompt_completion_batch
 from trainers.data.lengths import model_context, prompt_lengths
 from trainers.distill.section import DistillStageConfig, distill_generation
 from trainers.generation.token_sampling import sampled_generation_config, sampling_processors
+from trainers.models.attention import packing_for
 from trainers.models.devices import placed_on
 from trainers.models.stop_tokens import cut_at_first_stop, stop_token_ids
+from trainers.runtime.arguments import PassArguments
 from trainers.runtime.metric_window import MetricWindow
 from trainers.runtime.parameter_sharding import prepare_reference, sampling_model, sharding_of
+from trainers.scoring.logprobs import forward_scored_positions
 from trainers.sections import section_fields
 
 if TYPE_CHECKING:
@@ -92,8 +95,8 @@ class PromptCompletionCollator:
 
 @dataclass
 @section_fields(DistillStageConfig)
-class DistillConfig(TrainingArguments):
-    """``TrainingArguments`` plus the distillation section's fields (λ, β, temperature, …)."""
+class DistillConfig(PassArguments):
+    """``PassArguments`` plus the distillation section's fields (λ, β, temperature, …)."""
 
     remove_unused_columns: bool = False  # the collator reads prompt_ids / completion_ids
 
@@ -114,6 +117,8 @@ class DistillTrainer(MetricWindow, Trainer):
         if (generation := distill_generation(args)) is not None:  # sampled completions fit the student's context
             generation.check(prompt_lengths(self.train_dataset), model_context(self.model))
         self.teacher_device = placed_on(args.teacher_device, self.accelerator.device, "distill.teacher_device")
+        self.packing = packing_for(self.model, args.padding_free)
+        self.teacher_packing = packing_for(teacher_model, args.padding_free)
         if args.teacher_device == "policy":
             self.teacher = prepare_reference(teacher_model, self.accelerator)
         else:  # a device of its own: frozen there, outside accelerate (no mixed precision, no sharding)
@@ -182,21 +187,25 @@ class DistillTrainer(MetricWindow, Trainer):
         return {name: tensor.to(device) for name, tensor in batch.items()}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        ids, mask = inputs["input_ids"], inputs["attention_mask"]
-        scored = inputs["completion_mask"][:, 1:].bool()  # position t predicts token t + 1
-        student = model(input_ids=ids, attention_mask=mask).logits[:, :-1][scored]
+        ids, mask, completion = inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"]
+        # the logits of the positions that predict a completion token, in the same order for both models
+        scored = forward_scored_positions(model, ids, mask, completion, self.packing)
+        student = scored.scored_logits()
         with torch.no_grad():
             on = self.teacher_device
-            teacher = self.teacher(input_ids=ids.to(on), attention_mask=mask.to(on)).logits[:, :-1][scored.to(on)]
+            teacher = forward_scored_positions(
+                self.teacher, ids.to(on), mask.to(on), completion.to(on), self.teacher_packing
+            ).scored_logits()
             teacher = teacher.to(student.device)
         width = min(student.shape[-1], teacher.shape[-1], len(self.processing_class))
         student, teacher = student[..., :width], teacher[..., :width]  # padded embedding rows name no token
         losses = generalized_jsd(student, teacher, self.args.beta, self.args.temperature)
         loss = losses.mean()
-        targets = ids[:, 1:][scored]
+        targets = scored.targets
         metrics = {
             f"logps/{name}": F.log_softmax(logits.detach().float(), -1).gather(-1, targets[:, None]).mean()
             for name, logits in (("student", student), ("teacher", teacher))
         }
-        self.record_metrics(metrics | {"num_tokens": scored.sum().float()}, "train" if model.training else "eval")
+        metrics["num_tokens"] = scored.scored.sum().float()
+        self.record_metrics(metrics, "train" if model.training else "eval")
         return (loss, {"losses": losses}) if return_outputs else loss

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel, Trainer, TrainingArguments
+from transformers import PreTrainedModel, Trainer
 
 from trainers.data.rows import REF_COLUMNS
 from trainers.dpo.losses import (
@@ -29,7 +29,9 @@ from trainers.dpo.losses import (
     reward_metrics,
 )
 from trainers.dpo.section import DPOStageConfig, reference_source
+from trainers.models.attention import packing_for
 from trainers.models.lora import has_adapters, live_reference
+from trainers.runtime.arguments import PassArguments
 from trainers.runtime.callbacks import SyncReferenceCallback
 from trainers.runtime.metric_window import MetricWindow
 from trainers.runtime.parameter_sharding import prepare_reference, sharding_of
@@ -39,8 +41,8 @@ from trainers.sections import section_fields
 
 @dataclass
 @section_fields(DPOStageConfig)
-class DPOConfig(TrainingArguments):
-    """``TrainingArguments`` plus the DPO section's fields (``beta``, ``loss_type``, ``reference``, …),
+class DPOConfig(PassArguments):
+    """``PassArguments`` plus the DPO section's fields (``beta``, ``loss_type``, ``reference``, …),
     with its defaults. Build it from a section: ``DPOStageConfig(...).training_arguments(DPOConfig, output_dir=…)``,
     which also runs the section's checks."""
 
@@ -120,6 +122,8 @@ class DPOTrainer(MetricWindow, Trainer):
         if self.args.sync_ref_model and ref_model is None:
             raise ValueError("sync_ref_model needs a separate ref_model to mix the policy into (not with LoRA)")
         self.ref_model = None if ref_model is None else prepare_reference(ref_model, self.accelerator)
+        self.packing = packing_for(self.model, self.args.padding_free)
+        self.ref_packing = packing_for(self.model if ref_model is None else ref_model, self.args.padding_free)
         if self.args.sync_ref_model and self.ref_model is not None:
             sync = SyncReferenceCallback(
                 self.ref_model,
@@ -153,7 +157,11 @@ class DPOTrainer(MetricWindow, Trainer):
         if self.reference_mode == "live":
             with torch.no_grad(), live_reference(self.ref_model, self.model) as reference:
                 ref = completion_logps(
-                    reference, inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"]
+                    reference,
+                    inputs["input_ids"],
+                    inputs["attention_mask"],
+                    inputs["completion_mask"],
+                    packing=self.ref_packing,
                 ).logps
             return ref[:batch_size], ref[batch_size:]
         if not all(column in inputs for column in REF_COLUMNS):
@@ -183,6 +191,7 @@ class DPOTrainer(MetricWindow, Trainer):
             inputs["completion_mask"],
             token_weights=token_weights,
             wpo_terms=self.args.use_weighting,
+            packing=self.packing,
         )
         ref_chosen, ref_rejected = self.reference_logps(inputs, batch_size)
         pairs = PairLogps(

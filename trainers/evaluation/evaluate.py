@@ -14,6 +14,7 @@ from trainers.data.lengths import model_context
 from trainers.dpo.losses import reward_metrics
 from trainers.generation.budget import evaluation_generation
 from trainers.generation.vllm_engine import EngineOptions, ReusedEngine, SamplingOptions, require_vllm
+from trainers.models.attention import packing_for
 from trainers.models.pretrained import check_same_vocabulary
 from trainers.models.stop_tokens import cut_at_first_stop, stop_token_ids
 from trainers.runtime.work_split import batches_of, gather_shards, local_shard
@@ -28,6 +29,7 @@ from trainers.scoring.metrics import (
     pass_at_k,
 )
 from trainers.scoring.reward_model import RewardModelScorer, load_scorer
+from trainers.sections import PaddingFree
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig
@@ -61,6 +63,7 @@ class EvaluationSpec:
     bootstrap_resamples: int  # for the 95% CIs, seeded by ``generation.seed``
     num_logged_samples: int  # rows of the samples table
     pair_batch_size: int  # held-out pairs per forward
+    padding_free: PaddingFree = "auto"  # of the held-out pairs' forward (``compute.padding_free``)
 
 
 @dataclass(frozen=True)
@@ -269,19 +272,26 @@ def answer_metrics(
 
 @torch.no_grad()
 def preference_rewards(
-    model, tokenizer, rows: list[dict], beta: float, batch_size: int = 256, state: Any | None = None
+    model,
+    tokenizer,
+    rows: list[dict],
+    beta: float,
+    batch_size: int = 256,
+    state: Any | None = None,
+    padding_free: PaddingFree = "auto",
 ) -> dict[str, float]:
     """Held-out implicit-reward accuracy and margin β·Δ against the cached ``ref_*`` log-probs, and
     the β-free log-ratio margin Δ = (π_c − ref_c) − (π_r − ref_r), comparable across runs of any β.
     Batches go to the model's device; with ``state`` each process scores its share of the batches
     and the per-batch sums are added in batch order, as one process adds them."""
     model.eval()
-    collate = PreferenceCollator(tokenizer.pad_token_id)
+    collate, packing = PreferenceCollator(tokenizer.pad_token_id), packing_for(model, padding_free)
     _, mine = local_shard(batches_of(rows, batch_size), state)
     sums = []  # per batch: metric × pairs
     for part in mine:
         batch = {name: tensor.to(model.device) for name, tensor in collate(part).items()}
-        logps = completion_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"]).logps
+        ids, mask, completion = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+        logps = completion_logps(model, ids, mask, completion, packing=packing).logps
         n = len(batch["ref_chosen_logps"])
         chosen, rejected = logps[:n] - batch["ref_chosen_logps"], logps[n:] - batch["ref_rejected_logps"]
         metrics = reward_metrics(beta * chosen, beta * rejected) | {"logratios/margins": (chosen - rejected).mean()}
@@ -377,7 +387,9 @@ def evaluate_model(
     if pairs:
         if beta is None:
             raise ValueError("held-out pairs are scored by their implicit rewards, which need a beta")
-        scores.metrics.update(preference_rewards(model, tokenizer, pairs, beta, spec.pair_batch_size, state))
+        scores.metrics.update(
+            preference_rewards(model, tokenizer, pairs, beta, spec.pair_batch_size, state, spec.padding_free)
+        )
     return scores
 
 

@@ -23,7 +23,7 @@ from typing import Any, Sequence, cast
 
 import torch
 from torch.utils.data import DataLoader
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainingArguments
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer
 
 from trainers.data.collators import prompt_completion_batch
 from trainers.data.lengths import model_context, prompt_lengths
@@ -57,8 +57,10 @@ from trainers.grpo.section import (
     generation_layout,
     grpo_generation,
 )
+from trainers.models.attention import packing_for
 from trainers.models.lora import has_adapters, live_reference
 from trainers.models.stop_tokens import cut_at_first_stop, stop_token_ids
+from trainers.runtime.arguments import PassArguments
 from trainers.runtime.parameter_sharding import forward_model, prepare_reference, sharding_of
 from trainers.scoring.logprobs import next_token_logps
 from trainers.sections import section_fields
@@ -66,8 +68,8 @@ from trainers.sections import section_fields
 
 @dataclass
 @section_fields(GRPOStageConfig)
-class GRPOConfig(TrainingArguments):
-    """``TrainingArguments`` plus the GRPO section's fields, with its defaults. Build it from a
+class GRPOConfig(PassArguments):
+    """``PassArguments`` plus the GRPO section's fields, with its defaults. Build it from a
     section: ``GRPOStageConfig(...).training_arguments(GRPOConfig, output_dir=…)``, which also
     runs the section's checks. The fields keep their configured values; what follows from them
     and the number of processes is derived below (``layout``, ``upper_epsilon``)."""
@@ -225,6 +227,7 @@ class GRPOTrainer(Trainer):
         )
         self.reward_weights = torch.tensor(weights, dtype=torch.float32)
         self.sharding = sharding_of(self.accelerator.state)  # of the policy's parameters, once prepared
+        self.packing = packing_for(self.model, args.padding_free)
         self.ref_model = None  # with β > 0 and a LoRA policy, the anchor is the policy with its adapters disabled
         if args.beta > 0 and (ref_model is not None or not has_adapters(self.model)):
             reference = ref_model if ref_model is not None else copy.deepcopy(self.model)
@@ -393,6 +396,7 @@ class GRPOTrainer(Trainer):
         was_training = source.training
         source.eval()
         device = self.accelerator.device
+        packing = packing_for(source, self.args.padding_free)  # the policy's, or a reference's
         for part in slices:
             logps = next_token_logps(
                 source,
@@ -400,6 +404,7 @@ class GRPOTrainer(Trainer):
                 part["attention_mask"].to(device),
                 part["completion_mask"].to(device),
                 self.args.temperature,
+                packing=packing,
             ).logps
             part[name] = logps.cpu()
         source.train(was_training)
@@ -421,6 +426,7 @@ class GRPOTrainer(Trainer):
             inputs["completion_mask"],
             args.temperature,
             entropy=True,
+            packing=self.packing,
         )
         assert entropy is not None  # asked for
         mask = inputs["completion_mask"][:, 1:].to(logps.dtype)

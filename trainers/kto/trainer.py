@@ -15,13 +15,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel, Trainer, TrainingArguments
+from transformers import PreTrainedModel, Trainer
 
 from trainers.data.collators import two_completion_batch
 from trainers.data.rows import LABEL
 from trainers.kto.data import KL_COMPLETION, REF_KL_LOGPS, REF_LOGPS
 from trainers.kto.section import KTOStageConfig
+from trainers.models.attention import packing_for
 from trainers.models.lora import has_adapters, live_reference
+from trainers.runtime.arguments import PassArguments
 from trainers.runtime.metric_window import MetricWindow
 from trainers.runtime.parameter_sharding import prepare_reference
 from trainers.scoring.logprobs import completion_logps
@@ -79,8 +81,8 @@ class UnpairedCollator:
 
 @dataclass
 @section_fields(KTOStageConfig)
-class KTOConfig(TrainingArguments):
-    """``TrainingArguments`` plus the KTO section's fields (``beta``, the two weights), with its defaults."""
+class KTOConfig(PassArguments):
+    """``PassArguments`` plus the KTO section's fields (``beta``, the two weights), with its defaults."""
 
     remove_unused_columns: bool = False  # the collator reads prompt_ids / completion_ids / label
 
@@ -97,6 +99,8 @@ class KTOTrainer(MetricWindow, Trainer):
                 "reference='live' needs a ref_model (optional for a LoRA policy: itself with its adapters disabled)"
             )
         self.ref_model = None if ref_model is None else prepare_reference(ref_model, self.accelerator)
+        self.packing = packing_for(self.model, self.args.padding_free)
+        self.ref_packing = packing_for(self.model if ref_model is None else ref_model, self.args.padding_free)
 
     def reference_logps(self, model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """The reference log-probs of the batch's ``2B`` rows: the cached column (``reference='cached'``)
@@ -107,13 +111,17 @@ class KTOTrainer(MetricWindow, Trainer):
             return inputs[REF_LOGPS]
         with torch.no_grad(), live_reference(self.ref_model, model) as reference:
             return completion_logps(
-                reference, inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"]
+                reference,
+                inputs["input_ids"],
+                inputs["attention_mask"],
+                inputs["completion_mask"],
+                packing=self.ref_packing,
             ).logps
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         rows = inputs["desirable"].shape[0]
         ids, mask, completion = inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"]
-        policy = completion_logps(model, ids, mask, completion)
+        policy = completion_logps(model, ids, mask, completion, packing=self.packing)
         logratios = policy.logps - self.reference_logps(model, inputs)
         # z₀ over every process's KL rows (the prepared loaders give each process as many): the
         # same reference point everywhere

@@ -6,11 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import PreTrainedModel, Trainer
 
 from trainers.data.collators import two_completion_batch
+from trainers.models.attention import packing_for
 from trainers.reward.losses import bradley_terry_losses
 from trainers.reward.section import RewardStageConfig
+from trainers.runtime.arguments import PassArguments
 from trainers.runtime.metric_window import MetricWindow
 from trainers.scoring.reward_model import REWARD_HEADS
 from trainers.sections import section_fields
@@ -32,8 +34,8 @@ class PairSequenceCollator:
 
 @dataclass
 @section_fields(RewardStageConfig)
-class RewardConfig(TrainingArguments):
-    """``TrainingArguments`` plus the reward section's fields, with its defaults."""
+class RewardConfig(PassArguments):
+    """``PassArguments`` plus the reward section's fields, with its defaults."""
 
     remove_unused_columns: bool = False  # the collator reads prompt_ids / chosen_ids / rejected_ids
 
@@ -44,11 +46,13 @@ class RewardTrainer(MetricWindow, Trainer):
     held-out pairs."""
 
     args: RewardConfig
+    model: PreTrainedModel  # a sequence classifier or a causal LM (or a PeftModel around one)
     loss_is_scaled_for_ga = False  # compute_loss returns a per-micro-batch mean
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.head = REWARD_HEADS.lookup(self.args.head)
+        self.packing = packing_for(self.model, self.args.padding_free)
         model_class = type(self.model).__name__
         if not self.head.matches([model_class]):
             raise ValueError(
@@ -57,7 +61,7 @@ class RewardTrainer(MetricWindow, Trainer):
             )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        rewards = self.head.score(model, inputs)
+        rewards = self.head.score(model, inputs, self.packing)
         chosen, rejected = rewards.to(torch.promote_types(rewards.dtype, torch.float32)).chunk(2)
         losses = bradley_terry_losses(chosen, rejected, inputs.get("margin"), self.args.center_rewards_coefficient)
         loss = losses.mean()

@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Callable, NamedTuple
 
 import torch
-from transformers.modeling_utils import unwrap_model
+
+from trainers.data.packing import PackedBatch
+from trainers.models.attention import Packing
+from trainers.models.transformers_compat import innermost_model
 
 # Float32 elements of one chunk of (scored positions × vocabulary): 16 MiB.
 CHUNK_ELEMENTS = 1 << 22
@@ -222,20 +225,6 @@ def compute_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.promote_types(logits.dtype, torch.float32)
 
 
-@runtime_checkable
-class WrapsBaseModel(Protocol):
-    """A peft wrapper: what it wraps."""
-
-    def get_base_model(self) -> torch.nn.Module: ...
-
-
-def innermost_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The model whose ``forward`` finally runs: unwrapped from distributed wrappers, and from a
-    peft wrapper (which passes its keyword arguments through to it)."""
-    model = unwrap_model(model)
-    return model.get_base_model() if isinstance(model, WrapsBaseModel) else model
-
-
 @functools.cache
 def accepts_logits_to_keep(forward: Callable[..., Any]) -> bool:
     """Whether a model class's ``forward`` takes ``logits_to_keep``."""
@@ -255,33 +244,83 @@ def collision_logps(logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor
 
 
 class ScoredForward(NamedTuple):
-    """The model's logits from the first position that predicts a completion token, and where the
-    completion tokens are among them."""
+    """The model's logits at the positions that predict a completion token (and, padded, the
+    positions between the first of them and the end), and where each scored position is: ``rows``
+    and ``cols`` in the padded batch (row-major), ``at_rows`` and ``at_cols`` in ``logits``."""
 
     scored: torch.Tensor  # [B, T − 1] bool: position t predicts a completion token
-    logits: torch.Tensor  # [B, T − first, V], a view
-    first: int  # the first position kept
-    rows: torch.Tensor  # the scored positions, row-major, as indices into ``logits``
+    rows: torch.Tensor  # position ``cols`` of row ``rows`` predicts its token ``cols + 1``
     cols: torch.Tensor
     targets: torch.Tensor  # the completion token each scored position predicts
+    logits: torch.Tensor  # [B, T − first, V] (a view), or the packed rows' [packs, kept, V]
+    at_rows: torch.Tensor
+    at_cols: torch.Tensor
+    # Padding-free: the scored positions in the logits' row-major order (:class:`TargetLogProbs`
+    # reads them so); None when ``rows``/``cols`` are in it already.
+    order: torch.Tensor | None
     chunk: int  # positions per chunk of :class:`TargetLogProbs`
+
+    def target_logps(
+        self, entropy: bool = False, temperature: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """:class:`TargetLogProbs` of the scored positions (log-prob, mean logit, entropy), in the order
+        of ``rows``/``cols``."""
+        rows, cols, targets, order = self.at_rows, self.at_cols, self.targets, self.order
+        if order is not None:
+            rows, cols, targets = rows[order], cols[order], targets[order]
+        logps, means, entropies = TargetLogProbs.apply(
+            self.logits, rows, cols, targets, self.chunk, entropy, temperature
+        )
+        if order is None:
+            return logps, means, entropies
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return logps[inverse], means[inverse], None if entropies is None else entropies[inverse]
+
+    def scored_logits(self) -> torch.Tensor:
+        """``[scored positions, V]``: the logits of the scored positions, in the order of ``rows``/``cols`` (a copy)."""
+        return self.logits[self.at_rows, self.at_cols]
 
 
 def forward_scored_positions(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    packing: Packing | None = None,
 ) -> ScoredForward:
-    """One forward, projecting onto the vocabulary only from the first position that predicts a
-    completion token (``logits_to_keep`` when the model takes it; a view of the logits otherwise)."""
-    scored = completion_mask[:, 1:].bool()
-    has_scored = scored.any(0)
-    first = int(has_scored.float().argmax()) if bool(has_scored.any()) else scored.shape[1] - 1
-    kept = input_ids.shape[1] - first  # positions first .. last, the last predicting nothing
-    extra = {"logits_to_keep": kept} if accepts_logits_to_keep(type(innermost_model(model)).forward) else {}
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
-    logits = logits[:, -kept:]  # a view; already this shape when logits_to_keep was honoured
-    rows, cols = scored[:, first:].nonzero(as_tuple=True)
-    targets = input_ids[:, first + 1 :][rows, cols]
-    return ScoredForward(scored, logits, first, rows, cols, targets, max(1, CHUNK_ELEMENTS // logits.shape[-1]))
+    """One forward, projecting onto the vocabulary only where a completion token is predicted.
+
+    Padded (``packing`` None): from the first position that predicts a completion token
+    (``logits_to_keep`` when the model takes it; a view of the logits otherwise). Padding-free: the
+    rows packed without their padding (:class:`~trainers.data.packing.PackedBatch`, ``position_ids``
+    restarting per row and no ``attention_mask``, so the attention implementation keeps them apart),
+    projected at the scored slots of the packs only."""
+    scored = completion_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
+    rows, cols = scored.nonzero(as_tuple=True)
+    targets = input_ids[rows, cols + 1]
+    takes_kept = accepts_logits_to_keep(type(innermost_model(model)).forward)
+    if packing is None:
+        first = int(cols.min()) if cols.numel() else scored.shape[1] - 1
+        kept = input_ids.shape[1] - first  # positions first .. last, the last predicting nothing
+        extra = {"logits_to_keep": kept} if takes_kept else {}
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
+        logits = logits[:, -kept:]  # a view; already this shape when logits_to_keep was honoured
+        at_rows, at_cols, order = rows, cols - first, None
+    else:
+        packed = PackedBatch.of(attention_mask, packing.one_pack)
+        pack_rows, pack_cols = packed.locate(rows, cols)
+        slots = pack_cols.unique()  # sorted: the packs' slots that any pack scores
+        ids = packed.scatter(input_ids, attention_mask)
+        positions = packed.position_ids(input_ids.device)
+        extra = {"logits_to_keep": slots} if takes_kept else {}
+        logits = model(input_ids=ids, position_ids=positions, use_cache=False, **extra).logits
+        if not takes_kept:
+            logits = logits[:, slots]
+        at_rows, at_cols = pack_rows, torch.searchsorted(slots, pack_cols)
+        order = (at_rows * slots.numel() + at_cols).argsort()
+    chunk = max(1, CHUNK_ELEMENTS // logits.shape[-1])
+    return ScoredForward(scored, rows, cols, targets, logits, at_rows, at_cols, order, chunk)
 
 
 def completion_logps(
@@ -292,34 +331,35 @@ def completion_logps(
     *,
     token_weights: torch.Tensor | None = None,
     wpo_terms: bool = False,
+    packing: Packing | None = None,
 ) -> CompletionLogps:
     """Summed log-probs of the completion tokens of each row: ``sum_t m_t log p(x_t | x_<t)``.
 
     Position ``t`` of the logits predicts token ``t + 1``; prompt and padding carry ``m_t = 0``.
-    One forward over all rows (the trainer passes chosen and rejected concatenated).
+    One forward over all rows (the trainer passes chosen and rejected concatenated); padding-free
+    with ``packing`` (:func:`forward_scored_positions`), the same values either way.
 
     Options for the DPO trainer, which cost nothing when off (the reference cache never sets them):
     ``token_weights`` (shaped like ``input_ids``, the weight ``w_t`` of token ``x_t``) makes ``logps``
     ``sum_t m_t w_t log p(x_t | x_<t)`` (LD-DPO); ``wpo_terms`` fills ``wpo_logweights``, one more
     pass over the vocabulary of the scored positions, without gradient (WPO).
     """
-    scored, logits, first, rows, cols, targets, chunk = forward_scored_positions(
-        model, input_ids, attention_mask, completion_mask
-    )
-    token_logps, token_means, _ = TargetLogProbs.apply(logits, rows, cols, targets, chunk)
+    forward = forward_scored_positions(model, input_ids, attention_mask, completion_mask, packing)
+    rows = forward.rows
+    token_logps, token_means, _ = forward.target_logps()
 
     def per_row(values: torch.Tensor) -> torch.Tensor:
         return torch.zeros(input_ids.shape[0], dtype=values.dtype, device=values.device).index_add(0, rows, values)
 
-    num_tokens = scored.sum(-1).float()
+    num_tokens = forward.scored.sum(-1).float()
     wpo_logweights = None
     if wpo_terms:
-        collisions = collision_logps(logits, rows, cols, chunk)
+        collisions = collision_logps(forward.logits, forward.at_rows, forward.at_cols, forward.chunk)
         wpo_logweights = per_row(token_logps.detach() - collisions) / num_tokens.clamp(min=1).to(collisions.dtype)
     unweighted_logps = None
     if token_weights is not None:
         unweighted_logps = per_row(token_logps)
-        token_logps = token_logps * token_weights[:, first + 1 :][rows, cols].to(token_logps.dtype)
+        token_logps = token_logps * token_weights[rows, forward.cols + 1].to(token_logps.dtype)
     return CompletionLogps(
         unweighted_logps=unweighted_logps,
         logps=per_row(token_logps),
@@ -337,20 +377,19 @@ def next_token_logps(
     temperature: float = 1.0,
     *,
     entropy: bool = False,
+    packing: Packing | None = None,
 ) -> TokenLogps:
     """Per-token log-probs ``log p(x_{t+1} | x_≤t)`` of the completion tokens, shape ``[B, T − 1]``
     (0 at positions that predict no completion token), of ``softmax(logits / temperature)``, and
     with ``entropy=True`` that distribution's entropy at the same positions, from the same chunked
     pass (:class:`TargetLogProbs`; its gradient flows only if the caller backpropagates through it).
-    GRPO's per-token counterpart of :func:`completion_logps`: the same ``logits_to_keep`` and chunks,
-    so prompt positions cost no vocabulary projection and no scoring."""
-    scored, logits, first, rows, cols, targets, chunk = forward_scored_positions(
-        model, input_ids, attention_mask, completion_mask
-    )
+    GRPO's per-token counterpart of :func:`completion_logps`: the same forward (padded or with
+    ``packing``) and chunks, so prompt positions cost no vocabulary projection and no scoring."""
+    forward = forward_scored_positions(model, input_ids, attention_mask, completion_mask, packing)
     # softmax(logits / temperature): the chunks are scaled as they are read, no scaled copy of the logits
-    token_logps, _, token_entropy = TargetLogProbs.apply(logits, rows, cols, targets, chunk, entropy, temperature)
+    token_logps, _, token_entropy = forward.target_logps(entropy, temperature)
 
     def per_token(values: torch.Tensor) -> torch.Tensor:
-        return values.new_zeros(scored.shape).index_put((rows, cols + first), values)
+        return values.new_zeros(forward.scored.shape).index_put((forward.rows, forward.cols), values)
 
     return TokenLogps(per_token(token_logps), None if token_entropy is None else per_token(token_entropy))

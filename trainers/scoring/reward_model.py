@@ -33,9 +33,12 @@ from transformers import (
 )
 
 from trainers.data.collators import prompt_completion_batch
+from trainers.data.packing import PackedBatch
 from trainers.data.rows import render_completion, render_prompt
+from trainers.models.attention import Packing
 from trainers.models.devices import torch_dtype
 from trainers.models.pretrained import LOAD_OPTIONS, ModelLoader, load_tokenizer, load_with_new_head
+from trainers.models.transformers_compat import classifier_parts
 from trainers.registry import Registry
 from trainers.scoring.logprobs import completion_logps
 
@@ -47,7 +50,7 @@ class RewardHead:
 
     auto_class: ModelLoader
     architecture_suffix: str  # of a saved model's ``config.architectures``
-    score: Callable[[PreTrainedModel, dict[str, torch.Tensor]], torch.Tensor]
+    score: Callable[[PreTrainedModel, dict[str, torch.Tensor], Packing | None], torch.Tensor]
     peft_task_type: str  # LoRA adapters for this kind of model (``trainers.models.lora.add_adapters``)
     load_options: tuple[tuple[str, int], ...] = ()
 
@@ -57,12 +60,32 @@ class RewardHead:
         return any(architecture.endswith(self.architecture_suffix) for architecture in architectures)
 
 
-def classifier_scores(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+def classifier_scores(
+    model: PreTrainedModel, batch: dict[str, torch.Tensor], packing: Packing | None = None
+) -> torch.Tensor:
+    """The score head's logit at each row's last token; padding-free with ``packing`` (the backbone
+    over the packed rows, the head at each row's last slot)."""
+    if packing is None:
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+    mask = batch["attention_mask"]
+    packed = PackedBatch.of(mask, packing.one_pack)
+    backbone, head = classifier_parts(model)
+    hidden = backbone(
+        input_ids=packed.scatter(batch["input_ids"], mask),
+        position_ids=packed.position_ids(mask.device),
+        use_cache=False,
+    ).last_hidden_state
+    rows = torch.arange(mask.shape[0], device=mask.device)
+    last = packed.starts + mask.sum(1) - 1
+    return head(hidden[packed.locate(rows, last)])[:, 0]
 
 
-def likelihood_scores(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    logps = completion_logps(model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+def likelihood_scores(
+    model: PreTrainedModel, batch: dict[str, torch.Tensor], packing: Packing | None = None
+) -> torch.Tensor:
+    logps = completion_logps(
+        model, batch["input_ids"], batch["attention_mask"], batch["completion_mask"], packing=packing
+    )
     return logps.logps / logps.num_tokens
 
 
@@ -165,7 +188,7 @@ class RewardModelScorer:
             batch = prompt_completion_batch(
                 [list(p) for p, _ in part], [list(c) for _, c in part], self.tokenizer.pad_token_id
             )
-            scores += self.score(self.model, {k: v.to(device) for k, v in batch.items()}).float().tolist()
+            scores += self.score(self.model, {k: v.to(device) for k, v in batch.items()}, None).float().tolist()
         return scores
 
 

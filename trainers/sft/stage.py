@@ -8,18 +8,19 @@ from trainers.stages.spec import StageInputs, StageSpec, register_stage
 
 
 def build_sft(section: SFTConfig, inputs: StageInputs):
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     from trainers.data.collators import CompletionOnlyCollator
+    from trainers.models.attention import packing_for
+    from trainers.runtime.arguments import PassArguments
 
     model, tokenizer = inputs.load_policy()
-    return Trainer(
-        data_collator=CompletionOnlyCollator(tokenizer.pad_token_id),
-        # the collator reads prompt_ids / completion_ids, which the model's forward does not take
-        **inputs.trainer_arguments(
-            section, TrainingArguments, model, tokenizer, "sft", "sft_eval", remove_unused_columns=False
-        ),
+    # the collator reads prompt_ids / completion_ids, which the model's forward does not take
+    arguments = inputs.trainer_arguments(
+        section, PassArguments, model, tokenizer, "sft", "sft_eval", remove_unused_columns=False
     )
+    collator = CompletionOnlyCollator(tokenizer.pad_token_id, packing_for(model, arguments["args"].padding_free))
+    return Trainer(data_collator=collator, **arguments)
 
 
 # The SFT model is the DPO reference: caching it keeps the reference log-prob cache warm.

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Callable, Literal, Mapping, Se
 from trainers.generation.budget import Generation
 from trainers.models.lora import LoraSettings
 from trainers.registry import RegisteredName, Registry
-from trainers.sections import StageCompute, TrainingConfig
+from trainers.sections import PaddingFree, StageCompute, TrainingConfig
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -43,6 +43,7 @@ class StageInputs:
     dtype: str  # ``compute.dtype``: the dtype the models are loaded in
     mixed_precision: str  # ``compute.mixed_precision``: bf16 / fp16 autocast of the stage
     cpu: bool  # ``compute.cpu``: train on the CPU (several processes: gloo) even where there is a GPU
+    padding_free: PaddingFree  # ``compute.padding_free``: the trainer's passes pack their rows without padding
     callbacks: list = field(default_factory=list)
     lora: LoraSettings | None = None  # train LoRA adapters on the frozen policy instead of all its weights
     reward_models: Mapping[str, ModelSource] = field(default_factory=dict)  # earlier reward stages' models, by stage
@@ -100,8 +101,8 @@ class StageInputs:
 
     def runtime_arguments(self, model) -> dict[str, Any]:
         """Trainer arguments that are not configuration: where to write, the pipeline's own logging,
-        ``compute.mixed_precision`` (the Trainer puts the model on its device) and what DDP needs
-        of ``model`` (the one the trainer trains)."""
+        ``compute.mixed_precision`` (the Trainer puts the model on its device), what DDP needs
+        of ``model`` (the one the trainer trains) and ``compute.padding_free`` (``PassArguments``)."""
         import torch
 
         from trainers.models.devices import ddp_arguments, mixed_precision_arguments
@@ -115,6 +116,7 @@ class StageInputs:
             **mixed_precision_arguments(self.mixed_precision),
             **ddp_arguments(model),
             **({"use_cpu": True} if self.cpu else {}),
+            padding_free=self.padding_free,
         )
 
 

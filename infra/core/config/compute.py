@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from trainers.sections import Section, bare_no
+from trainers.sections import PaddingFree, Section, bare_no
 
 if TYPE_CHECKING:
     import torch
@@ -72,6 +72,13 @@ class ComputeConfig(Section):
         description="dtype the models are loaded in (training, reference pass, evaluation); `auto`: the checkpoint's. "
         "`bfloat16` with `mixed_precision: no` trains pure bf16 weights (AdamW's small updates round away); "
         "for mixed precision load float32 and set `mixed_precision: bf16`.",
+    )
+    padding_free: PaddingFree = Field(
+        "auto",
+        description="Padding-free batches for every pass over whole sequences (training, the reference pass, "
+        "evaluation's scoring): rows packed without padding, positions restarting per row, kept apart by the "
+        "attention implementation. `auto`: wherever the model's attention supports it (sdpa, eager, flash "
+        "attention); `true`: an error where it does not; `false`: padded batches. docs/padding-free.md.",
     )
     accelerate_config: str | None = Field(
         None,

@@ -33,7 +33,7 @@ from trainers.models.builtin import BUILTIN_MODELS
 from trainers.models.lora import LoraSettings
 from trainers.plugins import import_plugins
 from trainers.scoring.metrics import evaluation_metric_names, per_prompt_metric_names
-from trainers.sections import Section, Seed, TrainingConfig
+from trainers.sections import PaddingFree, Section, Seed, TrainingConfig
 
 BUILTIN_MODEL_NAMES = tuple(BUILTIN_MODELS)
 # Suffixes that trainers.data.rows reads as local files (anything else is a `datasets.load_dataset` name).
@@ -344,12 +344,18 @@ class EvaluationConfig(Section):
             self.max_new_tokens, self.num_samples, self.temperature, self.batch_size, self.seed, self.generation_backend
         )
 
-    def spec(self):
-        """The whole evaluation of one model as the trainers take it (imports torch)."""
+    def spec(self, padding_free: PaddingFree):
+        """The whole evaluation of one model as the trainers take it (imports torch), its scoring
+        passes padding-free as ``compute.padding_free`` says."""
         from trainers.evaluation.evaluate import EvaluationSpec
 
         return EvaluationSpec(
-            self.generation(), tuple(self.pass_k), self.bootstrap_resamples, self.num_logged_samples, self.batch_size
+            self.generation(),
+            tuple(self.pass_k),
+            self.bootstrap_resamples,
+            self.num_logged_samples,
+            self.batch_size,
+            padding_free,
         )
 
 

@@ -1,0 +1,371 @@
+"""Padding-free batches (``compute.padding_free``): the packing plan, and every pass over whole
+sequences giving the padded batch's per-row log-probs, losses and gradients to 1e-5 in float32,
+on the built-in Llama (rotary embeddings), under both attention implementations that build masks
+(``sdpa``, ``eager``) and in both layouts (packs as wide as the longest row; one pack, as varlen
+kernels take it)."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import datasets
+import pytest
+import torch
+from helpers import QUIET_TRAINING
+
+from trainers.data.collators import CompletionOnlyCollator, PreferenceCollator, prompt_completion_batch
+from trainers.data.packing import PackedBatch, plan_one_pack, plan_packs
+from trainers.models.attention import Packing, PaddingFreeError, packing_for
+from trainers.scoring.logprobs import completion_logps, next_token_logps
+
+pytestmark = pytest.mark.unit
+TOLERANCE = 1e-5
+LAYOUTS = [Packing(one_pack=False), Packing(one_pack=True)]
+
+
+def model_with(tiny, implementation: str):
+    model = copy.deepcopy(tiny[0]).float()
+    model.set_attn_implementation(implementation)
+    with torch.no_grad():  # away from the fresh init: rows' log-probs differ visibly
+        generator = torch.Generator().manual_seed(1)
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    return model
+
+
+def random_rows(count: int, seed: int, vocabulary: int, longest: int = 40) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, completion ids) of long-tailed lengths: most short, a few near ``longest``."""
+    rng = random.Random(seed)
+
+    def length() -> int:
+        return min(longest, max(1, int(rng.paretovariate(1.2) * 3)))
+
+    return [
+        (
+            [rng.randrange(8, vocabulary) for _ in range(length())],
+            [rng.randrange(8, vocabulary) for _ in range(length())],
+        )
+        for _ in range(count)
+    ]
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    out = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return out
+
+
+def assert_close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max().item() <= TOLERANCE
+
+
+def assert_same_grads(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Every parameter's gradient to 1e-5 of its own scale (a gradient of a sum over hundreds of tokens
+    reaches a few units, where float32 keeps about 1e-6 of it)."""
+    assert got.keys() == expected.keys() and got
+    for name in expected:
+        scale = max(1.0, expected[name].abs().max().item())
+        assert (got[name] - expected[name]).abs().max().item() <= TOLERANCE * scale, name
+
+
+def test_first_fit_decreasing_places_every_row_once_within_the_longest_rows_width():
+    plan = plan_packs([40, 7, 23, 31, 12, 3])
+    # sorted 40, 31, 23, 12, 7, 3: 40 fills pack 0; 31 opens 1; 23 opens 2; 12 joins 2; 7 joins 1; 3 joins 2
+    assert (plan.count, plan.width) == (3, 40)
+    assert plan.packs == (0, 1, 2, 1, 2, 2) and plan.offsets == (0, 31, 0, 0, 23, 35)
+    assert plan.positions()[2].tolist() == list(range(23)) + list(range(12)) + list(range(3)) + [0, 1]
+    one = plan_one_pack([4, 2, 3])
+    assert (one.count, one.width, one.offsets) == (1, 9, (0, 4, 6))
+    assert one.positions().tolist() == [[0, 1, 2, 3, 0, 1, 0, 1, 2]]
+    with pytest.raises(ValueError, match="a row of 9 tokens does not fit packs of 8"):
+        plan_packs([9, 2], width=8)
+
+
+def test_a_packed_batch_places_each_rows_tokens_and_refuses_rows_with_holes():
+    mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 0, 0, 0], [0, 0, 1, 1, 1]])  # left and right padding at once
+    ids = torch.arange(15).view(3, 5)
+    packed = PackedBatch.of(mask, one_pack=False)
+    assert packed.scatter(ids, mask, fill=-1).tolist() == [[1, 2, 3], [12, 13, 14], [5, 6, -1]]
+    assert packed.position_ids(torch.device("cpu")).tolist() == [[0, 1, 2], [0, 1, 2], [0, 1, 0]]
+    with pytest.raises(ValueError, match="row 1's tokens are not contiguous"):
+        PackedBatch.of(torch.tensor([[1, 1, 1], [1, 0, 1]]), one_pack=False)
+
+
+def test_auto_packs_where_the_attention_keeps_rows_apart_and_true_is_refused_elsewhere(tiny):
+    model = model_with(tiny, "sdpa")
+    assert packing_for(model, "auto") == packing_for(model, True) == Packing(one_pack=False)
+    assert packing_for(model, False) is None
+    plain = torch.nn.Linear(2, 2)  # no transformers attention at all
+    assert packing_for(plain, "auto") is None
+    with pytest.raises(PaddingFreeError, match="compute.padding_free: true, but its attention implementation 'None'"):
+        packing_for(plain, True)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("packing", LAYOUTS, ids=["longest-row", "one-pack"])
+def test_completion_logps_and_their_gradients_equal_the_padded_ones(tiny, implementation, packing):
+    model = model_with(tiny, implementation)
+    rows = random_rows(12, seed=0, vocabulary=len(tiny[1]))
+    batch = prompt_completion_batch([p for p, _ in rows], [c for _, c in rows], tiny[1].pad_token_id)
+    ids, mask, completion = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+    assert PackedBatch.of(mask, packing.one_pack).plan.count < len(rows)  # rows do share packs
+    weights = torch.rand(ids.shape, generator=torch.Generator().manual_seed(0)) + 0.5
+    outputs = {}
+    for name, layout in (("padded", None), ("packed", packing)):
+        got = completion_logps(model, ids, mask, completion, token_weights=weights, wpo_terms=True, packing=layout)
+        (got.logps.sum() + 0.5 * got.unweighted_logps.sum()).backward()
+        outputs[name] = (got, grads(model))
+    (padded, padded_grads), (packed, packed_grads) = outputs["padded"], outputs["packed"]
+    for field in ("logps", "num_tokens", "logit_sums", "wpo_logweights", "unweighted_logps"):
+        assert_close(getattr(packed, field), getattr(padded, field))
+    assert_same_grads(packed_grads, padded_grads)
+
+
+@pytest.mark.parametrize("packing", LAYOUTS, ids=["longest-row", "one-pack"])
+def test_token_logps_and_entropies_of_left_padded_prompts_equal_the_padded_ones(tiny, packing):
+    """GRPO's layout: prompts padded on the left, completions on the right."""
+    model = model_with(tiny, "sdpa")
+    rows = random_rows(10, seed=1, vocabulary=len(tiny[1]))
+    pad = tiny[1].pad_token_id
+    prompt_width = max(len(p) for p, _ in rows)
+    sequences = [[pad] * (prompt_width - len(p)) + p + c for p, c in rows]
+    width = max(len(s) for s in sequences)
+    ids = torch.tensor([s + [pad] * (width - len(s)) for s in sequences])
+    mask = torch.tensor(
+        [
+            [0] * (prompt_width - len(p)) + [1] * (len(p) + len(c)) + [0] * (width - len(s))
+            for (p, c), s in zip(rows, sequences)
+        ]
+    )
+    completion = torch.tensor(
+        [[0] * prompt_width + [1] * len(c) + [0] * (width - len(s)) for (p, c), s in zip(rows, sequences)]
+    )
+    outputs = {}
+    for name, layout in (("padded", None), ("packed", packing)):
+        got = next_token_logps(model, ids, mask, completion, 0.7, entropy=True, packing=layout)
+        (got.logps.sum() + 0.1 * got.entropy.sum()).backward()
+        outputs[name] = (got, grads(model))
+    (padded, padded_grads), (packed, packed_grads) = outputs["padded"], outputs["packed"]
+    assert_close(packed.logps, padded.logps)
+    assert_close(packed.entropy, padded.entropy)
+    assert_same_grads(packed_grads, padded_grads)
+
+
+def test_rows_packed_without_restarting_positions_would_attend_to_each_other(tiny):
+    """The control: the packed values equal the padded ones because the positions restart, nothing else."""
+    model = model_with(tiny, "sdpa")
+    rows = [([9, 10, 11], [12, 13]), ([14, 15], [16, 17, 18])]
+    batch = prompt_completion_batch([p for p, _ in rows], [c for _, c in rows], tiny[1].pad_token_id)
+    packed = PackedBatch.of(batch["attention_mask"], one_pack=True)
+    ids = packed.scatter(batch["input_ids"], batch["attention_mask"])
+    with torch.no_grad():
+        apart = model(input_ids=ids, position_ids=packed.position_ids(ids.device), use_cache=False).logits
+        together = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None], use_cache=False).logits
+        alone = model(input_ids=torch.tensor([rows[1][0] + rows[1][1]])).logits
+    assert (apart[0, 5:] - alone[0]).abs().max().item() <= TOLERANCE
+    assert (together[0, 5:] - alone[0]).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("packing", LAYOUTS, ids=["longest-row", "one-pack"])
+def test_a_packed_sft_batch_has_the_padded_batchs_loss_and_gradients(tiny, packing):
+    model = model_with(tiny, "sdpa")
+    rows = [{"prompt_ids": p, "completion_ids": c} for p, c in random_rows(12, seed=2, vocabulary=len(tiny[1]))]
+    pad = tiny[1].pad_token_id
+    results = []
+    for collator in (CompletionOnlyCollator(pad), CompletionOnlyCollator(pad, packing)):
+        batch = collator(rows)
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        results.append((loss.detach(), grads(model), batch))
+    (padded, padded_grads, padded_batch), (packed, packed_grads, packed_batch) = results
+    assert set(packed_batch) == {"input_ids", "labels", "position_ids"}
+    assert packed_batch["input_ids"].numel() < padded_batch["input_ids"].numel()
+    # every completion token is a label once, and no row's first token is one
+    assert int((packed_batch["labels"] != -100).sum()) == sum(len(r["completion_ids"]) for r in rows)
+    assert_close(packed, padded)
+    assert_same_grads(packed_grads, padded_grads)
+
+
+@pytest.fixture(scope="module")
+def long_pairs(tiny) -> list[dict]:
+    rng = random.Random(3)
+    rows = random_rows(16, seed=3, vocabulary=len(tiny[1]))
+    return [
+        {"prompt_ids": p, "chosen_ids": c, "rejected_ids": random_rows(1, rng.randrange(10**6), len(tiny[1]))[0][1]}
+        for p, c in rows
+    ]
+
+
+def trainer_loss_and_grads(build, padding_free, batch):
+    trainer = build(padding_free)
+    model = trainer.model
+    loss = trainer.compute_loss(model, batch)
+    loss.backward()
+    return loss.detach(), grads(model)
+
+
+def assert_trainer_is_padding_free_exact(build, batch):
+    padded, padded_grads = trainer_loss_and_grads(build, False, batch)
+    packed, packed_grads = trainer_loss_and_grads(build, True, batch)
+    assert_close(packed, padded)
+    assert_same_grads(packed_grads, padded_grads)
+
+
+def test_dpo_with_a_live_reference_and_its_options(tiny, long_pairs, tmp_path):
+    from trainers.dpo.trainer import DPOConfig, DPOTrainer
+
+    policy, reference = model_with(tiny, "sdpa"), copy.deepcopy(tiny[0]).float()
+
+    def build(padding_free):
+        args = DPOConfig(
+            output_dir=str(tmp_path),
+            **QUIET_TRAINING,
+            beta=0.3,
+            reference="live",
+            padding_free=padding_free,
+            loss_type=["sigmoid", "sft"],
+            loss_weights=[1.0, 0.5],
+            ld_alpha=0.5,
+            use_weighting=True,
+        )
+        data = datasets.Dataset.from_list(long_pairs)
+        return DPOTrainer(
+            model=copy.deepcopy(policy), ref_model=copy.deepcopy(reference), args=args, train_dataset=data
+        )
+
+    assert build("auto").packing == Packing(one_pack=False) and build(False).packing is None
+    assert_trainer_is_padding_free_exact(build, PreferenceCollator(tiny[1].pad_token_id)(long_pairs))
+
+
+def test_kto_with_a_live_reference(tiny, long_pairs, tmp_path):
+    from trainers.kto.data import unpaired, with_kl_completions
+    from trainers.kto.trainer import KTOConfig, KTOTrainer, UnpairedCollator
+
+    policy, reference = model_with(tiny, "sdpa"), copy.deepcopy(tiny[0]).float()
+    rows = with_kl_completions(unpaired(long_pairs))
+
+    def build(padding_free):
+        args = KTOConfig(
+            output_dir=str(tmp_path), **QUIET_TRAINING, beta=0.2, reference="live", padding_free=padding_free
+        )
+        return KTOTrainer(
+            model=copy.deepcopy(policy), ref_model=copy.deepcopy(reference), args=args, train_dataset=rows
+        )
+
+    assert_trainer_is_padding_free_exact(build, UnpairedCollator(tiny[1].pad_token_id)(list(rows)[:12]))
+
+
+@pytest.mark.parametrize("head", ["classifier", "likelihood"])
+def test_the_reward_stage(tiny_checkpoint, long_pairs, tmp_path, head):
+    from trainers.reward.trainer import PairSequenceCollator, RewardConfig, RewardTrainer
+    from trainers.scoring.reward_model import load_reward_model
+
+    model, tokenizer, _ = load_reward_model(tiny_checkpoint.path, head=head)
+    model = model.float()
+    if head == "classifier":
+        torch.manual_seed(0)
+        torch.nn.init.normal_(model.score.weight, std=0.5)
+
+    def build(padding_free):
+        args = RewardConfig(output_dir=str(tmp_path), **QUIET_TRAINING, head=head, padding_free=padding_free)
+        return RewardTrainer(model=copy.deepcopy(model), args=args, train_dataset=long_pairs)
+
+    assert_trainer_is_padding_free_exact(build, PairSequenceCollator(tokenizer.pad_token_id)(long_pairs))
+
+
+def test_distillation_student_and_teacher_passes(tiny, long_pairs, tmp_path):
+    from trainers.distill.trainer import DistillConfig, DistillTrainer, PromptCompletionCollator
+
+    student, teacher = model_with(tiny, "sdpa"), copy.deepcopy(tiny[0]).float()
+    rows = [{"prompt_ids": p["prompt_ids"], "completion_ids": p["chosen_ids"]} for p in long_pairs]
+
+    def build(padding_free):
+        args = DistillConfig(
+            output_dir=str(tmp_path), **QUIET_TRAINING, beta=0.5, temperature=0.8, lmbda=0.0, padding_free=padding_free
+        )
+        return DistillTrainer(
+            model=copy.deepcopy(student), teacher_model=teacher, args=args, train_dataset=rows, processing_class=tiny[1]
+        )
+
+    assert_trainer_is_padding_free_exact(build, PromptCompletionCollator(tiny[1].pad_token_id)(rows))
+
+
+def completion_count(completions, **kwargs) -> list[float]:
+    return [float(len(c)) for c in completions]
+
+
+def test_grpo_log_prob_passes_and_loss(tiny, tmp_path):
+    from policies import SHORT_GRPO, grpo_args
+
+    from trainers.grpo.trainer import GRPOTrainer
+
+    policy = model_with(tiny, "sdpa")
+    rows = random_rows(8, seed=4, vocabulary=len(tiny[1]))
+    pad = tiny[1].pad_token_id
+    prompt_width = max(len(p) for p, _ in rows)
+    completion_width = max(len(c) for _, c in rows)
+    ids, mask, completion = [], [], []
+    for p, c in rows:
+        left, right = prompt_width - len(p), completion_width - len(c)
+        ids.append([pad] * left + p + c + [pad] * right)
+        mask.append([0] * left + [1] * (len(p) + len(c)) + [0] * right)
+        completion.append([0] * prompt_width + [1] * len(c) + [0] * right)
+    part = {
+        "input_ids": torch.tensor(ids),
+        "attention_mask": torch.tensor(mask),
+        "completion_mask": torch.tensor(completion),
+    }
+
+    def build(padding_free):
+        args = grpo_args(tmp_path, **(SHORT_GRPO | dict(beta=0.1, padding_free=padding_free, loss_type="dapo")))
+        prompts = datasets.Dataset.from_list([{"prompt_ids": p} for p, _ in rows])
+        return GRPOTrainer(
+            model=copy.deepcopy(policy),
+            args=args,
+            train_dataset=prompts,
+            processing_class=tiny[1],
+            reward_funcs=[completion_count],
+        )
+
+    def batch_of(trainer):
+        slices = [dict(part)]
+        trainer.add_token_logps(trainer.ref_model, slices, "ref_logps")
+        trainer.add_token_logps(trainer.model, slices, "old_logps")
+        advantages = torch.linspace(-1, 1, len(rows))
+        return slices[0] | {
+            "advantages": advantages,
+            "tokens_per_step": torch.tensor(int(part["completion_mask"].sum())),
+        }
+
+    padded_trainer, packed_trainer = build(False), build(True)
+    padded_batch, packed_batch = batch_of(padded_trainer), batch_of(packed_trainer)
+    for name in ("ref_logps", "old_logps"):
+        assert_close(packed_batch[name], padded_batch[name])
+    with torch.no_grad():  # the loss reads a ratio that differs from 1
+        padded_batch["old_logps"] = packed_batch["old_logps"] = padded_batch["old_logps"] - 0.05
+    losses = []
+    for trainer, batch in ((padded_trainer, padded_batch), (packed_trainer, packed_batch)):
+        loss = trainer.compute_loss(trainer.model, batch)
+        loss.backward()
+        losses.append((loss.detach(), grads(trainer.model)))
+    assert_close(losses[1][0], losses[0][0])
+    assert_same_grads(losses[1][1], losses[0][1])
+
+
+def test_the_reference_pass_and_the_evaluations_pair_scores(tiny, long_pairs):
+    from trainers.evaluation.evaluate import preference_rewards
+    from trainers.scoring.reference_pass import reference_logps
+
+    model, tokenizer = model_with(tiny, "sdpa"), tiny[1]
+    padded = reference_logps(model, tokenizer.pad_token_id, long_pairs, 5, progress=False, padding_free=False)
+    packed = reference_logps(model, tokenizer.pad_token_id, long_pairs, 5, progress=False, padding_free=True)
+    for got, expected in zip(packed, padded):
+        assert_close(torch.tensor(got), torch.tensor(expected))
+    scored = [row | {"ref_chosen_logps": c - 1.0, "ref_rejected_logps": r} for row, c, r in zip(long_pairs, *padded)]
+    on = preference_rewards(model, tokenizer, scored, 0.5, 5, padding_free=True)
+    off = preference_rewards(model, tokenizer, scored, 0.5, 5, padding_free=False)
+    assert on.keys() == off.keys()
+    for name in on:
+        assert abs(on[name] - off[name]) <= TOLERANCE

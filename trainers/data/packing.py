@@ -1,0 +1,120 @@
+"""Padding-free batches: rows placed one after another in a few packed rows, ``position_ids``
+restarting at 0 for each, so that no forward computes a padding token.
+
+The attention implementation keeps the rows apart (:mod:`trainers.models.attention`): a varlen kernel
+(flash attention) reads each row's extent from the positions, and the mask-based ones (``sdpa``,
+``eager``) get a block-diagonal causal mask that transformers builds from the positions. A mask is
+quadratic in its packed row's width, so for those the packs are as wide as the longest row (first-fit
+decreasing: a batch of long-tailed lengths fills few packs), never the whole batch.
+
+The plan is pure bookkeeping over row lengths; :class:`PackedBatch` moves tensors into and out of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class PackPlan:
+    """Where each row goes: row ``i`` fills ``lengths[i]`` slots of pack ``packs[i]`` from slot
+    ``offsets[i]``. Packs are ``width`` slots wide; slots after the last row of a pack are filler."""
+
+    lengths: tuple[int, ...]
+    packs: tuple[int, ...]
+    offsets: tuple[int, ...]
+    count: int
+    width: int
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    def positions(self) -> torch.Tensor:
+        """``position_ids`` of the packs, ``[count, width]``: 0, 1, … within each row, and within
+        each pack's filler (which forms a sequence of its own, attended by no row)."""
+        positions = torch.zeros(self.count, self.width, dtype=torch.long)
+        used = [0] * self.count
+        for length, pack, offset in zip(self.lengths, self.packs, self.offsets):
+            positions[pack, offset : offset + length] = torch.arange(length)
+            used[pack] = max(used[pack], offset + length)
+        for pack, end in enumerate(used):
+            positions[pack, end:] = torch.arange(self.width - end)
+        return positions
+
+
+def plan_packs(lengths: Sequence[int], width: int | None = None) -> PackPlan:
+    """First-fit decreasing of rows of ``lengths`` into packs of ``width`` slots (default: the longest
+    row; rows wider than ``width`` are an error). Deterministic: ties keep the rows' order."""
+    lengths = tuple(int(n) for n in lengths)
+    if not lengths:
+        raise ValueError("plan_packs: no rows")
+    width = max(lengths) if width is None else width
+    if max(lengths) > width:
+        raise ValueError(f"plan_packs: a row of {max(lengths)} tokens does not fit packs of {width}")
+    free: list[int] = []  # slots left in each pack
+    packs, offsets = [0] * len(lengths), [0] * len(lengths)
+    for row in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        length = lengths[row]
+        pack = next((p for p, left in enumerate(free) if left >= length), len(free))
+        if pack == len(free):
+            free.append(width)
+        packs[row], offsets[row] = pack, width - free[pack]
+        free[pack] -= length
+    return PackPlan(lengths, tuple(packs), tuple(offsets), len(free), width)
+
+
+def plan_one_pack(lengths: Sequence[int]) -> PackPlan:
+    """Every row in one pack, in order: what a varlen attention kernel takes."""
+    lengths = tuple(int(n) for n in lengths)
+    offsets = [0]
+    for length in lengths[:-1]:
+        offsets.append(offsets[-1] + length)
+    return PackPlan(lengths, (0,) * len(lengths), tuple(offsets), 1, sum(lengths))
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """A right- or left-padded batch (each row's tokens contiguous: ``attention_mask`` one run of
+    ones) and its packed form. Token ``(row, col)`` of the padded batch is token
+    ``(pack[row], col + shift[row])`` of the packs."""
+
+    plan: PackPlan
+    pack: torch.Tensor  # [B] the pack of each row
+    shift: torch.Tensor  # [B] pack slot − padded column of each row's tokens
+    starts: torch.Tensor  # [B] each row's first real column in the padded batch
+
+    @classmethod
+    def of(cls, attention_mask: torch.Tensor, one_pack: bool) -> PackedBatch:
+        """The packing of ``attention_mask``'s rows: into one pack (``one_pack``, varlen attention), or
+        into packs as wide as the longest row."""
+        mask = attention_mask.bool()
+        lengths = mask.sum(1)
+        starts = mask.int().argmax(1)
+        ends = mask.shape[1] - mask.flip(1).int().argmax(1)
+        empty = lengths == 0
+        if bool(((ends - starts != lengths) & ~empty).any()):
+            row = int(((ends - starts != lengths) & ~empty).nonzero()[0])
+            raise ValueError(f"padding-free batch: row {row}'s tokens are not contiguous in its attention_mask")
+        plan = (plan_one_pack if one_pack else plan_packs)(lengths.tolist())
+        device = attention_mask.device
+        pack = torch.tensor(plan.packs, device=device)
+        shift = torch.tensor(plan.offsets, device=device) - starts
+        return cls(plan, pack, shift, starts)
+
+    def scatter(self, values: torch.Tensor, mask: torch.Tensor, fill: int = 0) -> torch.Tensor:
+        """``values`` ``[B, T]`` at ``mask``'s tokens, placed in the packs ``[count, width]`` (``fill`` elsewhere)."""
+        rows, cols = mask.bool().nonzero(as_tuple=True)
+        out = values.new_full((self.plan.count, self.plan.width), fill)
+        out[self.pack[rows], cols + self.shift[rows]] = values[rows, cols]
+        return out
+
+    def locate(self, rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where padded positions ``(rows, cols)`` are in the packs."""
+        return self.pack[rows], cols + self.shift[rows]
+
+    def position_ids(self, device: torch.device) -> torch.Tensor:
+        return self.plan.positions().to(device)

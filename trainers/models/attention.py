@@ -1,0 +1,60 @@
+"""Whether a model's passes run padding-free (``compute.padding_free``), and how its attention keeps
+packed rows apart.
+
+Packed rows are kept apart by the attention implementation, never by code of ours: transformers'
+masking utilities see rows restart in ``position_ids`` (with no ``attention_mask``) and build a
+block-diagonal causal mask for the mask-based implementations, and the flash-attention kernels take
+the rows' extents from the same positions (varlen). An architecture that does not build its masks
+with those utilities would let packed rows attend to each other: ``auto`` leaves it padded, and
+``true`` is refused for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from trainers.models.transformers_compat import attention_implementation, masks_from_positions
+from trainers.sections import PaddingFree
+
+if TYPE_CHECKING:
+    import torch
+
+# Implementations whose mask transformers builds per packed row (quadratic in a pack's width).
+MASKED = frozenset({"eager", "sdpa", "flex_attention"})
+# Implementations that read each row's extent from the positions and attend within it (varlen).
+VARLEN = frozenset({"flash_attention_2", "flash_attention_3"})
+
+
+@dataclass(frozen=True)
+class Packing:
+    """How a model's padding-free batches are laid out: all rows in one pack for a varlen kernel,
+    else packs as wide as the batch's longest row (``trainers.data.packing``)."""
+
+    one_pack: bool
+
+
+class PaddingFreeError(ValueError):
+    """``padding_free: true`` for a model whose attention cannot keep packed rows apart."""
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s attention cannot run packed rows, or None when it can."""
+    implementation = attention_implementation(model)
+    if implementation not in MASKED | VARLEN:
+        return f"its attention implementation {implementation!r} is none of {sorted(MASKED | VARLEN)}"
+    if not masks_from_positions(model):
+        return f"{type(model).__name__} does not build its attention masks with transformers' masking utilities"
+    return None
+
+
+def packing_for(model: torch.nn.Module, setting: PaddingFree) -> Packing | None:
+    """The packing of ``model``'s passes under ``setting``; None: padded batches."""
+    if setting is False:
+        return None
+    reason = unsupported_reason(model)
+    if reason is not None:
+        if setting is True:
+            raise PaddingFreeError(f"compute.padding_free: true, but {reason}; use auto or false")
+        return None
+    return Packing(one_pack=attention_implementation(model) in VARLEN)

@@ -1,0 +1,53 @@
+"""What alignflow reads of transformers' and peft's internals, in one place (contract:
+``tests/test_compat.py``): the model a wrapper runs, its attention implementation, and whether its
+architecture builds masks that keep packed rows apart."""
+
+from __future__ import annotations
+
+import sys
+from typing import Protocol, runtime_checkable
+
+import torch
+from transformers import masking_utils
+from transformers.modeling_utils import unwrap_model
+
+# The mask builders that detect packed rows from ``position_ids`` (``find_packed_sequence_indices``).
+PACKED_MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask")
+
+
+@runtime_checkable
+class WrapsBaseModel(Protocol):
+    """A peft wrapper: what it wraps."""
+
+    def get_base_model(self) -> torch.nn.Module: ...
+
+
+def innermost_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model whose ``forward`` finally runs: unwrapped from distributed wrappers, and from a
+    peft wrapper (which passes its keyword arguments through to it)."""
+    model = unwrap_model(model)
+    return model.get_base_model() if isinstance(model, WrapsBaseModel) else model
+
+
+def attention_implementation(model: torch.nn.Module) -> str:
+    """The attention implementation the model runs (``sdpa``, ``eager``, ``flash_attention_2``, …):
+    its config's ``_attn_implementation``, which transformers resolves at load time."""
+    config = getattr(innermost_model(model), "config", None)
+    return str(getattr(config, "_attn_implementation", None))
+
+
+def masks_from_positions(model: torch.nn.Module) -> bool:
+    """Whether the model's architecture builds its attention masks with transformers' masking
+    utilities (its modeling module uses their builders), which read packed rows from ``position_ids``."""
+    module = sys.modules.get(type(innermost_model(model)).__module__)
+    return any(getattr(module, name, None) is getattr(masking_utils, name) for name in PACKED_MASK_BUILDERS)
+
+
+def classifier_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A sequence classifier's backbone (its ``base_model``) and score head (``score``, the linear
+    layer of transformers' ``…ForSequenceClassification``; a peft wrapper's copy when it trains one)."""
+    inner = innermost_model(model)
+    head, backbone = getattr(inner, "score", None), getattr(inner, "base_model", None)
+    if not isinstance(head, torch.nn.Module) or not isinstance(backbone, torch.nn.Module):
+        raise TypeError(f"{type(inner).__name__} has no score head: not a transformers sequence classifier")
+    return backbone, head
