@@ -317,3 +317,29 @@ def test_relocating_a_copied_sqlite_store_points_every_artifact_uri_into_the_cop
     moved.log_text(moved.create_run(experiment).info.run_id, "a new run", "y.txt")
     assert not original.exists() and len(list(copy.glob("mlartifacts/e/*/artifacts/*.txt"))) == 2
     assert mlflow_compat.relocate_artifact_uris(copy / "mlflow.db", original.as_uri(), copy.as_uri()) == 0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_the_attention_implementation_and_its_packed_mask_builders_are_read_off_the_model(implementation):
+    """``trainers.models.transformers_compat``: the config's resolved ``_attn_implementation``, through a
+    peft wrapper, and the modeling modules that build masks with the packed-row-aware utilities."""
+    import peft
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+    from trainers.models.transformers_compat import attention_implementation, classifier_parts, masks_from_positions
+
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64)
+    llama = LlamaForCausalLM(LlamaConfig(**shape, attn_implementation=implementation))
+    wrapped = peft.get_peft_model(llama, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    assert attention_implementation(llama) == attention_implementation(wrapped) == implementation
+    assert masks_from_positions(wrapped) and masks_from_positions(
+        GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2))
+    )
+    assert not masks_from_positions(torch.nn.Linear(2, 2))
+    classifier = LlamaForSequenceClassification(LlamaConfig(**shape, num_labels=1))
+    backbone, head = classifier_parts(classifier)
+    assert backbone is classifier.model and head is classifier.score
+    with pytest.raises(TypeError, match="LlamaForCausalLM has no score head"):
+        classifier_parts(llama)
