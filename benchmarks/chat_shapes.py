@@ -8,7 +8,7 @@ from a built-in shape (random weights, float32). Each (stage, framework) runs in
 ``--threads`` threads. Rows are read in order (``train_sampling_strategy: sequential``), so every
 framework trains on the same batches; real tokens are the batches' tokens without padding.
 
-* ``sft``: alignflow (``CompletionOnlyCollator``, padded and packed) against TRL's ``SFTTrainer``
+* ``sft``: alignflow's ``SFTTrainer`` (padded and padding-free) against TRL's ``SFTTrainer``
   (padded, and ``padding_free=True``: every row of a batch in one sequence).
 * ``dpo-cached`` / ``dpo-live``: alignflow's ``DPOTrainer`` against TRL's (``precompute_ref_log_probs``
   for cached; TRL 1.16's ``padding_free`` for DPO is disabled, so TRL pads).
@@ -113,19 +113,18 @@ def quiet(output_dir: str, options: argparse.Namespace) -> dict:
 
 
 def alignflow_trainer(stage: str, padded: bool, options, model, tokenizer, rows, output_dir):
-    from transformers import Trainer
-
     from trainers.data.collators import CompletionOnlyCollator, PreferenceCollator
     from trainers.dpo.trainer import DPOConfig, DPOTrainer
-    from trainers.models.attention import packing_for
-    from trainers.runtime.arguments import PassArguments
     from trainers.scoring.reference_pass import reference_logps
+    from trainers.sft.trainer import SFTArguments, SFTTrainer
 
     padding_free = not padded
     if stage == "sft":
-        collator = CompletionOnlyCollator(tokenizer.pad_token_id, packing_for(model, padding_free))
-        args = PassArguments(**quiet(output_dir, options), padding_free=padding_free, remove_unused_columns=False)
-        return Trainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows), data_collator=collator)
+        args = SFTArguments(**quiet(output_dir, options), padding_free=padding_free)
+        data = datasets.Dataset.from_list(rows)
+        return SFTTrainer(
+            model=model, args=args, train_dataset=data, data_collator=CompletionOnlyCollator(tokenizer.pad_token_id)
+        )
     reference = copy.deepcopy(model)
     if stage == "dpo-cached":  # computed in this process before training, as TRL's precompute is
         chosen, rejected = reference_logps(

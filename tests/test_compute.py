@@ -265,8 +265,8 @@ def test_the_gpu_check_refuses_to_run_without_a_gpu_and_its_cpu_smoke_runs_every
 @pytest.mark.unit
 def test_a_stage_takes_the_compute_sections_dtype_and_mixed_precision(tiny_checkpoint, tmp_path):
     from trainers.catalog import ModelSource, StageInputs
-    from trainers.runtime.arguments import PassArguments
     from trainers.sft.section import SFTConfig
+    from trainers.sft.trainer import SFTArguments
 
     start = ModelSource(tiny_checkpoint.path)
 
@@ -285,14 +285,14 @@ def test_a_stage_takes_the_compute_sections_dtype_and_mixed_precision(tiny_check
     inputs = stage_inputs(ComputeConfig(dtype="bfloat16", mixed_precision="bf16"))
     model, _ = inputs.load_policy()
     assert model_dtype(model) == "bfloat16" and model_dtype(inputs.load_reference()) == "bfloat16"
-    arguments = SFTConfig().training_arguments(PassArguments, **inputs.runtime_arguments(model))
+    arguments = SFTConfig().training_arguments(SFTArguments, **inputs.runtime_arguments(model))
     assert arguments.bf16 and not arguments.fp16
     assert arguments.ddp_find_unused_parameters is False  # a dense model: DDP searches for nothing
     assert arguments.use_cpu == (not torch.cuda.is_available())  # bf16 autocast on the CPU
     default = stage_inputs(ComputeConfig())
     assert "bf16" not in default.runtime_arguments(model) and "use_cpu" not in default.runtime_arguments(model)
     on_cpu = stage_inputs(ComputeConfig(cpu=True))
-    assert SFTConfig().training_arguments(PassArguments, **on_cpu.runtime_arguments(model)).use_cpu
+    assert SFTConfig().training_arguments(SFTArguments, **on_cpu.runtime_arguments(model)).use_cpu
     # The compute section is the only place its defaults are declared: inputs without them are refused.
     with pytest.raises(
         TypeError,

@@ -70,9 +70,9 @@ def assert_same_grads(got: dict[str, torch.Tensor], expected: dict[str, torch.Te
         assert (got[name] - expected[name]).abs().max().item() <= TOLERANCE * scale, name
 
 
-def test_first_fit_decreasing_places_every_row_once_within_the_longest_rows_width():
+def test_best_fit_decreasing_places_every_row_once_within_the_longest_rows_width():
     plan = plan_packs([40, 7, 23, 31, 12, 3])
-    # sorted 40, 31, 23, 12, 7, 3: 40 fills pack 0; 31 opens 1; 23 opens 2; 12 joins 2; 7 joins 1; 3 joins 2
+    # 40 fills pack 0; 31 opens 1 (9 left); 23 opens 2 (17 left); 12 fits 2 best; 7 fits 1 (9); 3 fits 2 (5)
     assert (plan.count, plan.width) == (3, 40)
     assert plan.packs == (0, 1, 2, 1, 2, 2) and plan.offsets == (0, 31, 0, 0, 23, 35)
     assert plan.positions()[2].tolist() == list(range(23)) + list(range(12)) + list(range(3)) + [0, 1]
@@ -168,24 +168,29 @@ def test_rows_packed_without_restarting_positions_would_attend_to_each_other(tin
     assert (together[0, 5:] - alone[0]).abs().max().item() > 1e-2
 
 
-@pytest.mark.parametrize("packing", LAYOUTS, ids=["longest-row", "one-pack"])
-def test_a_packed_sft_batch_has_the_padded_batchs_loss_and_gradients(tiny, packing):
+def test_sfts_loss_is_the_causal_lms_own_padded_or_packed_and_so_are_its_gradients(tiny, tmp_path):
+    """SFT's loss (the shared log-prob pass) against transformers' causal-LM loss from the same labels:
+    the value and the gradients, padded and packed, alone and with an accumulation window's count."""
+    from trainers.sft.trainer import SFTArguments, SFTTrainer
+
     model = model_with(tiny, "sdpa")
     rows = [{"prompt_ids": p, "completion_ids": c} for p, c in random_rows(12, seed=2, vocabulary=len(tiny[1]))]
-    pad = tiny[1].pad_token_id
-    results = []
-    for collator in (CompletionOnlyCollator(pad), CompletionOnlyCollator(pad, packing)):
-        batch = collator(rows)
-        loss = model(**batch, use_cache=False).loss
+    batch = CompletionOnlyCollator(tiny[1].pad_token_id)(rows)
+    window = int(batch["labels"].ne(-100).sum()) * 3  # as if two more micro-batches shared the window
+
+    expected = model(**batch, use_cache=False).loss
+    expected.backward()
+    expected_grads = grads(model)
+    assert abs(model(**batch, use_cache=False, num_items_in_batch=window).loss.item() - expected.item() / 3) < 1e-6
+    for padding_free in (False, True):
+        args = SFTArguments(output_dir=str(tmp_path), **QUIET_TRAINING, padding_free=padding_free)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows))
+        assert (trainer.packing is not None) == padding_free
+        loss = trainer.compute_loss(model, batch)
         loss.backward()
-        results.append((loss.detach(), grads(model), batch))
-    (padded, padded_grads, padded_batch), (packed, packed_grads, packed_batch) = results
-    assert set(packed_batch) == {"input_ids", "labels", "position_ids"}
-    assert packed_batch["input_ids"].numel() < padded_batch["input_ids"].numel()
-    # every completion token is a label once, and no row's first token is one
-    assert int((packed_batch["labels"] != -100).sum()) == sum(len(r["completion_ids"]) for r in rows)
-    assert_close(packed, padded)
-    assert_same_grads(packed_grads, padded_grads)
+        assert_close(loss.detach(), expected.detach())
+        assert_same_grads(grads(model), expected_grads)
+        assert abs(trainer.compute_loss(model, batch, num_items_in_batch=window).item() - expected.item() / 3) < 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -369,3 +374,47 @@ def test_the_reference_pass_and_the_evaluations_pair_scores(tiny, long_pairs):
     assert on.keys() == off.keys()
     for name in on:
         assert abs(on[name] - off[name]) <= TOLERANCE
+
+
+def test_token_budget_batches_hold_every_row_once_within_the_budget_and_reshuffle_per_epoch():
+    from trainers.data.packing import TokenBudgetBatches
+
+    lengths = [40, 7, 23, 31, 12, 3, 25, 25, 1, 39]
+    batches = TokenBudgetBatches(lengths, budget=50, seed=3)
+    first = list(batches)
+    assert sorted(row for batch in first for row in batch) == list(range(len(lengths)))
+    assert all(sum(lengths[row] for row in batch) <= 50 for batch in first)
+    assert len(batches) == len(first) == 5  # 206 tokens: 5 batches of ≤ 50, as best-fit decreasing packs them
+    batches.set_epoch(1)
+    second = list(batches)
+    assert sorted(map(sorted, second)) == sorted(map(sorted, first)) and second != first
+    with pytest.raises(ValueError, match="sft.batch_tokens: row 0 has 40 tokens, more than the budget of 30"):
+        TokenBudgetBatches(lengths, budget=30, seed=0)
+
+
+def test_a_packed_sft_epoch_trains_on_every_row_once(tiny, tmp_path):
+    from trainers.sft.trainer import SFTArguments, SFTTrainer
+
+    model, tokenizer = model_with(tiny, "sdpa"), tiny[1]
+    rows = [{"prompt_ids": p, "completion_ids": c} for p, c in random_rows(24, seed=5, vocabulary=len(tokenizer))]
+    seen: list[tuple[int, ...]] = []
+
+    class Recording(CompletionOnlyCollator):
+        def __call__(self, features):
+            seen.extend(tuple(f["prompt_ids"] + f["completion_ids"]) for f in features)
+            batch = super().__call__(features)
+            assert batch["attention_mask"].sum() <= budget
+            return batch
+
+    budget = 64
+    args = SFTArguments(output_dir=str(tmp_path), **QUIET_TRAINING, num_train_epochs=1, batch_tokens=budget)
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=datasets.Dataset.from_list(rows),
+        data_collator=Recording(tokenizer.pad_token_id),
+    )
+    expected_batches = len(trainer.get_train_dataloader())
+    trainer.train()
+    assert sorted(seen) == sorted(tuple(r["prompt_ids"] + r["completion_ids"]) for r in rows)
+    assert trainer.state.global_step == expected_batches < len(rows)

@@ -6,9 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainers.data.packing import PackedBatch
 from trainers.data.rows import REF_COLUMNS
-from trainers.models.attention import Packing
 
 IGNORE_INDEX = -100
 
@@ -51,14 +49,9 @@ def two_completion_batch(rows: list[dict], completions: tuple[str, str], pad_tok
 
 @dataclass
 class CompletionOnlyCollator:
-    """SFT batches whose ``labels`` hide prompt and padding (loss on completion tokens only).
-
-    With ``packing``, padding-free: the rows packed (``input_ids``, ``labels``, ``position_ids``
-    restarting per row, no ``attention_mask``), each row's first label hidden too, so that no
-    position learns to predict the next row; the loss is the padded batch's."""
+    """SFT batches whose ``labels`` hide prompt and padding (loss on completion tokens only)."""
 
     pad_token_id: int
-    packing: Packing | None = None
 
     def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
         batch = prompt_completion_batch(
@@ -66,16 +59,7 @@ class CompletionOnlyCollator:
         )
         completion_mask = batch.pop("completion_mask")
         batch["labels"] = batch["input_ids"].masked_fill(completion_mask == 0, IGNORE_INDEX)
-        if self.packing is None:
-            return batch
-        mask = batch.pop("attention_mask")
-        packed = PackedBatch.of(mask, self.packing.one_pack)
-        batch["labels"][:, 0] = IGNORE_INDEX  # never a target: position 0 predicts nothing, padded either
-        return {
-            "input_ids": packed.scatter(batch["input_ids"], mask, self.pad_token_id),
-            "labels": packed.scatter(batch["labels"], mask, IGNORE_INDEX),
-            "position_ids": packed.position_ids(mask.device),
-        }
+        return batch
 
 
 @dataclass

@@ -4,7 +4,7 @@ restarting at 0 for each, so that no forward computes a padding token.
 The attention implementation keeps the rows apart (:mod:`trainers.models.attention`): a varlen kernel
 (flash attention) reads each row's extent from the positions, and the mask-based ones (``sdpa``,
 ``eager``) get a block-diagonal causal mask that transformers builds from the positions. A mask is
-quadratic in its packed row's width, so for those the packs are as wide as the longest row (first-fit
+quadratic in its packed row's width, so for those the packs are as wide as the longest row (best-fit
 decreasing: a batch of long-tailed lengths fills few packs), never the whole batch.
 
 The plan is pure bookkeeping over row lengths; :class:`PackedBatch` moves tensors into and out of it.
@@ -12,6 +12,7 @@ The plan is pure bookkeeping over row lengths; :class:`PackedBatch` moves tensor
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -47,24 +48,29 @@ class PackPlan:
 
 
 def plan_packs(lengths: Sequence[int], width: int | None = None) -> PackPlan:
-    """First-fit decreasing of rows of ``lengths`` into packs of ``width`` slots (default: the longest
-    row; rows wider than ``width`` are an error). Deterministic: ties keep the rows' order."""
+    """Best-fit decreasing of rows of ``lengths`` into packs of ``width`` slots (default: the longest
+    row; a row wider than ``width`` is an error): the longest row first, each into the open pack it
+    fills best. Deterministic (ties: the earlier row, the earlier pack); ``O(n log n)``."""
     lengths = tuple(int(n) for n in lengths)
     if not lengths:
         raise ValueError("plan_packs: no rows")
     width = max(lengths) if width is None else width
     if max(lengths) > width:
         raise ValueError(f"plan_packs: a row of {max(lengths)} tokens does not fit packs of {width}")
-    free: list[int] = []  # slots left in each pack
+    free: list[tuple[int, int]] = []  # (slots left, pack), ascending
     packs, offsets = [0] * len(lengths), [0] * len(lengths)
+    count = 0
     for row in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         length = lengths[row]
-        pack = next((p for p, left in enumerate(free) if left >= length), len(free))
-        if pack == len(free):
-            free.append(width)
-        packs[row], offsets[row] = pack, width - free[pack]
-        free[pack] -= length
-    return PackPlan(lengths, tuple(packs), tuple(offsets), len(free), width)
+        at = bisect.bisect_left(free, (length, -1))
+        if at == len(free):
+            left, pack = width, count
+            count += 1
+        else:
+            left, pack = free.pop(at)
+        packs[row], offsets[row] = pack, width - left
+        bisect.insort(free, (left - length, pack))
+    return PackPlan(lengths, tuple(packs), tuple(offsets), count, width)
 
 
 def plan_one_pack(lengths: Sequence[int]) -> PackPlan:
@@ -118,3 +124,34 @@ class PackedBatch:
 
     def position_ids(self, device: torch.device) -> torch.Tensor:
         return self.plan.positions().to(device)
+
+
+class TokenBudgetBatches(torch.utils.data.Sampler[list[int]]):
+    """SFT's packed epochs: batches of row indices whose tokens add up to at most ``budget``, by
+    best-fit decreasing over all the rows (:func:`plan_packs`), so every row is in exactly one
+    batch. The batches are the same each epoch (their count too, which the Trainer's schedule reads);
+    their order is shuffled per epoch (``seed`` and the epoch, :meth:`set_epoch`)."""
+
+    def __init__(self, lengths: Sequence[int], budget: int, seed: int):
+        if lengths and max(lengths) > budget:
+            row = max(range(len(lengths)), key=lambda i: lengths[i])
+            raise ValueError(
+                f"sft.batch_tokens: row {row} has {lengths[row]} tokens, more than the budget of {budget}; "
+                "raise batch_tokens or cut the rows shorter (data.max_length)"
+            )
+        plan = plan_packs(lengths, budget)
+        self.batches: list[list[int]] = [[] for _ in range(plan.count)]
+        for row, pack in enumerate(plan.packs):
+            self.batches[pack].append(row)
+        self.seed, self.epoch = seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        for index in torch.randperm(len(self.batches), generator=generator).tolist():
+            yield self.batches[index]

@@ -1,1 +1,1 @@
-"""SFT: its config section and stage (the trainer is ``transformers.Trainer``)."""
+"""SFT: its config section, its trainer (``transformers.Trainer`` with packed epochs) and stage."""

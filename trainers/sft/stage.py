@@ -1,4 +1,4 @@
-"""SFT: supervised fine-tuning on prompt/completion demonstrations with the plain ``Trainer``,
+"""SFT: supervised fine-tuning on prompt/completion demonstrations (:class:`~trainers.sft.trainer.SFTTrainer`),
 the loss on completion tokens only."""
 
 from __future__ import annotations
@@ -8,19 +8,14 @@ from trainers.stages.spec import StageInputs, StageSpec, register_stage
 
 
 def build_sft(section: SFTConfig, inputs: StageInputs):
-    from transformers import Trainer
-
     from trainers.data.collators import CompletionOnlyCollator
-    from trainers.models.attention import packing_for
-    from trainers.runtime.arguments import PassArguments
+    from trainers.sft.trainer import SFTArguments, SFTTrainer
 
     model, tokenizer = inputs.load_policy()
-    # the collator reads prompt_ids / completion_ids, which the model's forward does not take
-    arguments = inputs.trainer_arguments(
-        section, PassArguments, model, tokenizer, "sft", "sft_eval", remove_unused_columns=False
+    return SFTTrainer(
+        data_collator=CompletionOnlyCollator(tokenizer.pad_token_id),
+        **inputs.trainer_arguments(section, SFTArguments, model, tokenizer, "sft", "sft_eval"),
     )
-    collator = CompletionOnlyCollator(tokenizer.pad_token_id, packing_for(model, arguments["args"].padding_free))
-    return Trainer(data_collator=collator, **arguments)
 
 
 # The SFT model is the DPO reference: caching it keeps the reference log-prob cache warm.
