@@ -42,6 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dpo import StepTimer, peak_rss_kib  # noqa: E402 (benchmarks/dpo.py)
+from gpu_check import peak_flops  # noqa: E402 (benchmarks/gpu_check.py)
 
 from trainers.data.chat_shapes import ChatShape, LengthDistribution, generate_chat_shaped  # noqa: E402
 from trainers.data.rows import Truncation, tokenize_split  # noqa: E402
@@ -51,8 +52,12 @@ FRAMEWORKS = {
     "sft": ("alignflow-padded", "alignflow", "trl", "trl-padding-free"),
     "dpo-cached": ("alignflow-padded", "alignflow", "trl"),
     "dpo-live": ("alignflow-padded", "alignflow", "trl"),
+    "reference": ("alignflow-padded", "alignflow"),
     "grpo": ("alignflow-padded", "alignflow"),
 }
+# Model FLOPs per real token, in units of N (parameters): 6 a trained token (forward and backward), 2 a
+# forward-only one; attention's sequence-quadratic term left out.
+FLOPS_PER_TOKEN = {"sft": 6, "dpo-cached": 6, "dpo-live": 8, "reference": 2, "grpo": 8}
 
 
 def shape_of(options: argparse.Namespace) -> ChatShape:
@@ -99,6 +104,7 @@ def real_tokens(row: dict) -> int:
 
 def quiet(output_dir: str, options: argparse.Namespace) -> dict:
     return dict(
+        bf16=options.bf16,
         output_dir=output_dir,
         max_steps=options.warmup + options.steps,
         per_device_train_batch_size=options.rows_per_step,
@@ -151,7 +157,7 @@ def trl_trainer(stage: str, padding_free: bool, options, model, tokenizer, text_
     import trl
 
     dataset = datasets.Dataset.from_list(text_rows)
-    common = quiet(output_dir, options) | {"max_length": options.max_length, "bf16": False}  # float32, as ours
+    common = quiet(output_dir, options) | {"max_length": options.max_length}
     if stage == "sft":
         if padding_free:  # TRL enforces no max_length then; every row fits it already
             common["max_length"] = None
@@ -176,7 +182,7 @@ def grpo_steps(padded: bool, options, model, tokenizer, rows) -> list[float]:
     with tempfile.TemporaryDirectory() as output_dir:
         args = GRPOConfig(
             **quiet(output_dir, options),
-            num_generations=2,
+            num_generations=options.rows_per_step,  # one group: the layout divides, whatever the rows
             max_completion_length=options.max_length - max(len(r["prompt_ids"]) for r in rows),
             beta=0.04,
             padding_free=not padded,
@@ -186,7 +192,7 @@ def grpo_steps(padded: bool, options, model, tokenizer, rows) -> list[float]:
             model=model, args=args, train_dataset=prompts, processing_class=tokenizer, reward_funcs=[count]
         )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    pad, seconds = tokenizer.pad_token_id, []
+    pad, seconds, device = tokenizer.pad_token_id, [], trainer.accelerator.device
     for step in range(options.warmup + options.steps):
         part_rows = rows[step * options.rows_per_step : (step + 1) * options.rows_per_step]
         left = max(len(r["prompt_ids"]) for r in part_rows)
@@ -202,25 +208,56 @@ def grpo_steps(padded: bool, options, model, tokenizer, rows) -> list[float]:
             "attention_mask": torch.tensor(mask),
             "completion_mask": torch.tensor(completion),
         }
+        synchronize(device)
         started = time.perf_counter()
-        slices = [part]
-        trainer.add_token_logps(trainer.ref_model, slices, "ref_logps")
-        batch = slices[0] | {
-            "advantages": torch.linspace(-1, 1, len(part_rows)),
-            "tokens_per_step": torch.tensor(int(part["completion_mask"].sum())),
-        }
-        model.train()
-        trainer.compute_loss(model, batch).backward()
+        with torch.autocast(device.type, torch.bfloat16, enabled=options.bf16):
+            slices = [part]
+            trainer.add_token_logps(trainer.ref_model, slices, "ref_logps")
+            batch = slices[0] | {
+                "advantages": torch.linspace(-1, 1, len(part_rows)),
+                "tokens_per_step": torch.tensor(int(part["completion_mask"].sum())),
+            }
+            model.train()
+            loss = trainer.compute_loss(model, {name: value.to(device) for name, value in batch.items()})
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        synchronize(device)
         seconds.append(time.perf_counter() - started)
     return seconds
+
+
+def reference_steps(padded: bool, options, model, tokenizer, rows) -> list[float]:
+    """Seconds of the reference pass (forward only, in bf16 with ``--bf16``) over each step's pairs."""
+    from trainers.scoring.reference_pass import reference_logps
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = model.to(device, torch.bfloat16 if options.bf16 else torch.float32)
+    seconds = []
+    for step in range(options.warmup + options.steps):
+        part = rows[step * options.rows_per_step : (step + 1) * options.rows_per_step]
+        synchronize(device)
+        started = time.perf_counter()
+        reference_logps(model, tokenizer.pad_token_id, part, options.rows_per_step, False, padding_free=not padded)
+        synchronize(device)
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_memory_mib() -> float:
+    """The GPU's peak allocated memory where training ran on one, else the process's peak RSS."""
+    return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else peak_rss_kib() / 1024
 
 
 def run_child(stage: str, framework: str, options: argparse.Namespace) -> dict:
     torch.set_num_threads(options.threads)
     model, tokenizer = build(options)
-    split = {"sft": "sft", "grpo": "sft"}.get(stage, "preference")
+    split = "sft" if stage in ("sft", "grpo") else "preference"
     text, rows = rows_of(options, split, tokenizer)
     per_step = [
         sum(real_tokens(r) for r in rows[s * options.rows_per_step : (s + 1) * options.rows_per_step])
@@ -228,6 +265,8 @@ def run_child(stage: str, framework: str, options: argparse.Namespace) -> dict:
     ]
     if stage == "grpo":
         wall = grpo_steps(framework == "alignflow-padded", options, model, tokenizer, rows)
+    elif stage == "reference":
+        wall = reference_steps(framework == "alignflow-padded", options, model, tokenizer, rows)
     else:
         timer = StepTimer()
         with tempfile.TemporaryDirectory() as output_dir:
@@ -243,19 +282,27 @@ def run_child(stage: str, framework: str, options: argparse.Namespace) -> dict:
             trainer.train()
         wall = timer.wall
     timed = wall[options.warmup :]
+    speed = sum(per_step[options.warmup :]) / sum(timed)
+    peak = peak_flops(options, torch.cuda.is_available())
+    parameters = sum(p.numel() for p in model.parameters())
     return {
         "stage": stage,
         "framework": framework,
         "step_seconds": statistics.mean(timed),
-        "real_tokens_per_second": sum(per_step[options.warmup :]) / sum(timed),
-        "peak_rss_mib": peak_rss_kib() / 1024,
-        "parameters": sum(p.numel() for p in model.parameters()),
+        "real_tokens_per_second": speed,
+        "mfu": None if peak is None else speed * FLOPS_PER_TOKEN[stage] * parameters / peak,
+        "peak_memory_mib": peak_memory_mib(),
+        "parameters": parameters,
         "real_tokens_per_step": statistics.mean(per_step[options.warmup :]),
     }
 
 
 def child_process(stage: str, framework: str, options: argparse.Namespace) -> dict:
-    flags = [f"--{name.replace('_', '-')}={value}" for name, value in vars(options).items() if name in FORWARDED]
+    flags = [
+        f"--{name.replace('_', '-')}={value}".removesuffix("=True")
+        for name, value in vars(options).items()
+        if name in FORWARDED and value not in (None, False)
+    ]
     command = [sys.executable, __file__, f"--child={stage}:{framework}", *flags]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}  # freed tensor buffers leave the RSS
     if framework.startswith("trl"):
@@ -266,18 +313,20 @@ def child_process(stage: str, framework: str, options: argparse.Namespace) -> di
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-FORWARDED = ("model", "max_length", "rows_per_step", "steps", "warmup", "threads", "seed")
+FORWARDED = ("model", "max_length", "rows_per_step", "steps", "warmup", "threads", "seed", "bf16", "peak_tflops")
 
 
 def table(results: list[dict], options: argparse.Namespace) -> str:
+    memory = "GPU memory" if options.device_kind == "cuda" else "RSS"
     lines = [
-        f"model `builtin:{options.model}` shape ({results[0]['parameters'] / 1e6:.1f}M parameters, float32), "
+        f"model `builtin:{options.model}` shape ({results[0]['parameters'] / 1e6:.1f}M parameters, "
+        f"{'bf16 autocast' if options.bf16 else 'float32'}), "
         f"{options.rows_per_step} rows per step (DPO: pairs), rows ≤ {options.max_length} tokens, "
         f"{options.steps} timed steps after {options.warmup}, {options.threads} thread(s), "
         f"median of {options.rounds} round(s)",
         "",
-        "| stage | framework | real tokens/step | step (s) | real tokens/s | vs TRL | peak RSS (MiB) |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        f"| stage | framework | real tokens/step | step (s) | real tokens/s | vs TRL | MFU | peak {memory} (MiB) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     by_key: dict[tuple[str, str], list[dict]] = {}
     for result in results:
@@ -289,15 +338,17 @@ def table(results: list[dict], options: argparse.Namespace) -> str:
     for stage, framework in by_key:
         speed = median(stage, framework, "real_tokens_per_second")
         trl = median(stage, "trl", "real_tokens_per_second") if (stage, "trl") in by_key else None
+        mfu = None if by_key[(stage, framework)][0]["mfu"] is None else median(stage, framework, "mfu")
         lines.append(
             f"| {stage} | {framework} | {median(stage, framework, 'real_tokens_per_step'):.0f} | "
             f"{median(stage, framework, 'step_seconds'):.2f} | {speed:.0f} | "
-            f"{'' if trl is None else f'{speed / trl:.2f}×'} | {median(stage, framework, 'peak_rss_mib'):.0f} |"
+            f"{'' if trl is None else f'{speed / trl:.2f}×'} | {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | "
+            f"{median(stage, framework, 'peak_memory_mib'):.0f} |"
         )
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", nargs="+", choices=sorted(FRAMEWORKS), default=list(FRAMEWORKS))
     parser.add_argument("--frameworks", nargs="+", help="only these (default: every one of each stage)")
@@ -309,10 +360,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (training), bf16 weights (reference pass)")
+    parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, for MFU (GPUs: by name)")
     parser.add_argument("--trl", type=Path, default=PROJECT / ".bench" / "trl", help="where TRL is installed")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    options = parser.parse_args()
+    options = parser.parse_args(argv)
+    options.device_kind = "cuda" if torch.cuda.is_available() else "cpu"
     if options.child:
         stage, framework = options.child.split(":")
         print(json.dumps(run_child(stage, framework, options)))

@@ -16,6 +16,7 @@ reference) and KTO (a live reference model) start from the SFT model beside DPO.
     .venv/bin/python benchmarks/gpu_check.py                      # on a CUDA machine (a few minutes)
     .venv/bin/python benchmarks/gpu_check.py --model builtin:tiny-llama --steps 2 --allow-cpu   # logic smoke
     .venv/bin/python benchmarks/gpu_check.py --sharding fsdp --processes 2   # or zero3 (pip install deepspeed)
+    .venv/bin/python benchmarks/gpu_check.py --shape chat        # chat shapes beside TRL (benchmarks/chat_shapes.py)
     .venv-vllm/bin/python benchmarks/gpu_check.py --backend vllm   # GRPO's rollouts and the evaluation on vLLM
     .venv-vllm/bin/python benchmarks/gpu_check.py --backend vllm --vllm-mode server   # GRPO on a managed server
 
@@ -68,6 +69,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak (default: looked up by name)")
     parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU without a GPU (a smoke of the logic)")
     parser.add_argument("--sharding", choices=sorted(SHARDING_CHECKS), help="check sharded parameters instead")
+    parser.add_argument(
+        "--shape",
+        choices=["addition", "chat"],
+        default="addition",
+        help="chat: instead of the pipeline's stages, SFT, DPO, the reference pass and GRPO's training pass at "
+        "chat shapes, alignflow padded, padding-free and TRL side by side (benchmarks/chat_shapes.py)",
+    )
+    parser.add_argument("--max-length", type=int, default=1024, help="--shape chat: the longest row, in tokens")
+    parser.add_argument("--chat-rows", type=int, default=16, help="--shape chat: rows (DPO: pairs) per step")
+    parser.add_argument("--without-trl", action="store_true", help="--shape chat: alignflow's rows only")
     parser.add_argument("--processes", type=int, default=1, help="processes (GPUs) of the --sharding check")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (models, caches; GBs) at the end")
     parser.add_argument(
@@ -102,16 +113,22 @@ class StageReport:
 
 
 class TokenCounter:
-    """Non-padding tokens of the forward passes a model runs in training mode (not generation)."""
+    """Non-padding tokens of the forward passes a model runs in training mode (not generation): its
+    ``attention_mask``'s ones, or, packed (no mask), the ids other than ``pad_token_id`` (a pack's filler
+    slots hold id 0, the built-in tokenizer's padding, which no real row holds)."""
 
-    def __init__(self, model):
-        self.tokens = 0
+    def __init__(self, model, pad_token_id: int):
+        self.tokens, self.pad_token_id = 0, pad_token_id
         self.handle = model.register_forward_pre_hook(self.count, with_kwargs=True)
 
     def count(self, module, args, kwargs):
+        if not module.training:
+            return
         mask = kwargs.get("attention_mask")
-        if module.training and mask is not None:
+        if mask is not None:
             self.tokens += int(mask.sum())
+        elif kwargs.get("position_ids") is not None:
+            self.tokens += int(kwargs["input_ids"].ne(self.pad_token_id).sum())
 
 
 @contextmanager
@@ -170,7 +187,7 @@ def train_stage(
     from trainers.catalog import STAGES
 
     trainer = STAGES[stage].build(section, inputs)
-    counter = TokenCounter(trainer.model)
+    counter = TokenCounter(trainer.model, trainer.processing_class.pad_token_id)
     flops_per_token = (6 if inputs.lora is None else 4) * parameters
     with measured(name or stage, flops_per_token, reports, gpu) as box:
         trainer.train()
@@ -201,12 +218,39 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_environment()
     try:
+        if options.shape == "chat":
+            return run_chat_shapes(options, gpu)
         return run_sharding_check(options, gpu, workdir) if options.sharding else run_check(options, gpu, workdir)
     finally:
         if options.keep:
             print(f"gpu_check: the work folder is kept: {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)  # about 8 GB with the default model
+
+
+def run_chat_shapes(options: argparse.Namespace, gpu: bool) -> int:
+    """``benchmarks/chat_shapes.py`` on this machine's GPU (bf16 autocast; the CPU in float32 with
+    ``--allow-cpu``): every stage it measures, each framework in a process of its own. Without TRL
+    (``import trl`` or ``.bench/trl``), alignflow's rows only, and a note."""
+    import importlib.util
+
+    import chat_shapes
+
+    argv = [
+        *("--model", options.model.removeprefix("builtin:"), "--max-length", str(options.max_length)),
+        *("--rows-per-step", str(options.chat_rows), "--steps", str(options.steps), "--warmup", "1"),
+    ]
+    if gpu:
+        argv.append("--bf16")
+    if options.peak_tflops:
+        argv += ["--peak-tflops", str(options.peak_tflops)]
+    trl = importlib.util.find_spec("trl") is not None or (chat_shapes.PROJECT / ".bench" / "trl").is_dir()
+    if not trl:
+        print("gpu_check: TRL is not installed (benchmarks/chat_shapes.py says how): alignflow's rows only")
+    if options.without_trl or not trl:
+        argv += ["--frameworks", "alignflow-padded", "alignflow"]
+    chat_shapes.main(argv)
+    return 0
 
 
 def run_sharding_check(options: argparse.Namespace, gpu: bool, workdir: Path) -> int:

@@ -5,9 +5,10 @@
 #   bash benchmarks/gpu_lease.sh wheels   # here: .whl/ (git-ignored, ~60 MB) of what gpu_check
 #                                         # imports beyond the image, at .venv's versions, cp312
 #   device run, carry [".whl"], command:  bash benchmarks/gpu_lease.sh run
-#     MAIN_S (300), STEPS (20), SHARDINGS ("fsdp zero3"; "" for none), SHARD_S (240): its knobs
+#     CHAT_S (360: gpu_check --shape chat, alignflow and TRL at chat shapes; 0 skips it), MAIN_S (240),
+#     STEPS (20), SHARDINGS ("" by default; "fsdp zero3" for both), SHARD_S (240): its knobs
 #
-# The logs land in $OUT (main.log, fsdp.log, zero3.log, env.txt). benchmarks/README.md, "`gpu_check.py`:
+# The logs land in $OUT (chat.log, main.log, fsdp.log, zero3.log, env.txt). benchmarks/README.md, "`gpu_check.py`:
 # the whole pipeline's code on one GPU", has the figures of the last lease and what each part took.
 set -o pipefail
 
@@ -33,6 +34,7 @@ wheels() {
   .venv/bin/python -c 'import sys, importlib.metadata as m; print("\n".join(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' \
     $CARRIED > .whl/requirements.txt || exit 1
   echo hjson >> .whl/requirements.txt  # deepspeed's, not in the image
+  echo trl==1.16.0 >> .whl/requirements.txt  # beside alignflow in --shape chat; a benchmark's, never the project's
   python3 -m pip download -q --no-deps --only-binary=:all: "${platforms[@]}" -d .whl -r .whl/requirements.txt || exit 1
   DS_BUILD_OPS=0 .venv/bin/python -m pip wheel -q --no-deps -w .whl "deepspeed==$DEEPSPEED" || exit 1
   du -sh .whl
@@ -49,9 +51,13 @@ run() {
     python3 -c 'import sys, torch, transformers, datasets, accelerate, deepspeed
 print(sys.version.split()[0], torch.__version__, transformers.__version__, datasets.__version__, accelerate.__version__,
       deepspeed.__version__)'; } 2>&1 | tee "$OUT/env.txt"
-  timeout "${MAIN_S:-300}" python3 benchmarks/gpu_check.py --steps "${STEPS:-20}" 2>&1 | tee "$OUT/main.log"
+  if [ "${CHAT_S:-360}" -gt 0 ]; then
+    timeout "${CHAT_S:-360}" python3 benchmarks/gpu_check.py --shape chat --steps 8 2>&1 | tee "$OUT/chat.log"
+    echo "== chat rc=$? at $(($(date +%s) - start)) s"
+  fi
+  timeout "${MAIN_S:-240}" python3 benchmarks/gpu_check.py --steps "${STEPS:-20}" 2>&1 | tee "$OUT/main.log"
   echo "== main rc=$? at $(($(date +%s) - start)) s"
-  for sharding in ${SHARDINGS-fsdp zero3}; do
+  for sharding in ${SHARDINGS-}; do
     timeout "${SHARD_S:-240}" python3 benchmarks/gpu_check.py --sharding "$sharding" --processes 1 --steps 4 2>&1 |
       tee "$OUT/$sharding.log"
     echo "== $sharding rc=$? at $(($(date +%s) - start)) s"

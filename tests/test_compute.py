@@ -262,6 +262,31 @@ def test_the_gpu_check_refuses_to_run_without_a_gpu_and_its_cpu_smoke_runs_every
     assert list(tmp_path.iterdir()) == []  # its work folder (GBs with the default model) is removed
 
 
+@pytest.mark.slow
+def test_the_chat_shape_check_measures_every_stage_padded_and_padding_free_on_the_same_rows(tmp_path):
+    """``gpu_check --shape chat``'s CPU smoke, without TRL (a benchmark's, not the suite's): each stage's two rows
+    train on the same real tokens; MFU needs a GPU's peak."""
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine: run benchmarks/gpu_check.py --shape chat itself")
+    smoke = ["--shape", "chat", "--allow-cpu", "--model", "builtin:tiny-llama", "--steps", "1"]
+    smoke += ["--max-length", "96", "--chat-rows", "3", "--without-trl"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", *smoke], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.strip("|").split("|") for line in done.stdout.splitlines() if line.startswith("| ")][1:]
+    cells = {(row[0].strip(), row[1].strip()): [cell.strip() for cell in row[2:]] for row in rows}
+    stages = ["sft", "dpo-cached", "dpo-live", "reference", "grpo"]
+    assert list(cells) == [(stage, framework) for stage in stages for framework in ("alignflow-padded", "alignflow")]
+    for stage in stages:
+        assert cells[(stage, "alignflow")][0] == cells[(stage, "alignflow-padded")][0] != "0"  # real tokens/step
+        assert cells[(stage, "alignflow")][4] == "n/a"  # MFU
+
+
 @pytest.mark.unit
 def test_a_stage_takes_the_compute_sections_dtype_and_mixed_precision(tiny_checkpoint, tmp_path):
     from trainers.catalog import ModelSource, StageInputs

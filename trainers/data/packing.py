@@ -37,14 +37,16 @@ class PackPlan:
     def positions(self) -> torch.Tensor:
         """``position_ids`` of the packs, ``[count, width]``: 0, 1, … within each row, and within
         each pack's filler (which forms a sequence of its own, attended by no row)."""
-        positions = torch.zeros(self.count, self.width, dtype=torch.long)
-        used = [0] * self.count
-        for length, pack, offset in zip(self.lengths, self.packs, self.offsets):
-            positions[pack, offset : offset + length] = torch.arange(length)
-            used[pack] = max(used[pack], offset + length)
-        for pack, end in enumerate(used):
-            positions[pack, end:] = torch.arange(self.width - end)
-        return positions
+        packs, offsets = torch.tensor(self.packs), torch.tensor(self.offsets)
+        ends = torch.zeros(self.count, dtype=torch.long).scatter_reduce(
+            0, packs, offsets + torch.tensor(self.lengths), "amax"
+        )
+        # each slot's sequence starts at the latest start at or before it: the rows' offsets, the filler's end
+        starts = torch.zeros(self.count, self.width + 1, dtype=torch.long)
+        starts[packs, offsets] = offsets
+        starts[torch.arange(self.count), ends] = ends
+        slots = torch.arange(self.width)
+        return slots - starts[:, : self.width].cummax(1).values
 
 
 def plan_packs(lengths: Sequence[int], width: int | None = None) -> PackPlan:
