@@ -324,11 +324,18 @@ def test_relocating_a_copied_sqlite_store_points_every_artifact_uri_into_the_cop
 def test_the_attention_implementation_and_its_packed_mask_builders_are_read_off_the_model(implementation):
     """``trainers.models.transformers_compat``: the config's resolved ``_attn_implementation``, through a
     peft wrapper, and the modeling modules that build masks with the packed-row-aware utilities."""
+    import copy
+
     import peft
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
-    from trainers.models.transformers_compat import attention_implementation, classifier_parts, masks_from_positions
+    from trainers.models.transformers_compat import (
+        attention_implementation,
+        classifier_parts,
+        masks_from_positions,
+        plain_output_head,
+    )
 
     shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64)
     llama = LlamaForCausalLM(LlamaConfig(**shape, attn_implementation=implementation))
@@ -343,3 +350,8 @@ def test_the_attention_implementation_and_its_packed_mask_builders_are_read_off_
     assert backbone is classifier.model and head is classifier.score
     with pytest.raises(TypeError, match="LlamaForCausalLM has no score head"):
         classifier_parts(llama)
+    # the output projection the log-prob pass may apply itself: a plain Linear of a plain-head architecture
+    assert plain_output_head(wrapped) is llama.lm_head
+    assert plain_output_head(GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2))) is None
+    on_head = peft.get_peft_model(copy.deepcopy(llama), peft.LoraConfig(r=2, target_modules=["lm_head"]))
+    assert plain_output_head(on_head) is None

@@ -418,3 +418,33 @@ def test_a_packed_sft_epoch_trains_on_every_row_once(tiny, tmp_path):
     trainer.train()
     assert sorted(seen) == sorted(tuple(r["prompt_ids"] + r["completion_ids"]) for r in rows)
     assert trainer.state.global_step == expected_batches < len(rows)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_head_applied_in_chunks_gives_the_materialised_logits_values_and_gradients(tiny, monkeypatch, temperature):
+    """Past ``HEAD_IN_CHUNKS_ELEMENTS`` the packed pass stops at the head's input and applies the head
+    chunk by chunk (here forced, with chunks of 7 positions): log-probs, entropies and every gradient
+    (the tied embedding's included) equal those through the materialised logits."""
+    from trainers.scoring import logprobs
+
+    model = model_with(tiny, "sdpa")
+    rows = random_rows(10, seed=6, vocabulary=len(tiny[1]))
+    batch = prompt_completion_batch([p for p, _ in rows], [c for _, c in rows], tiny[1].pad_token_id)
+    ids, mask, completion = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+    results = []
+    for threshold in (1 << 40, 0):
+        monkeypatch.setattr(logprobs, "HEAD_IN_CHUNKS_ELEMENTS", threshold)
+        monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", 7 * model.config.vocab_size)
+        forward = logprobs.forward_scored_positions(model, ids, mask, completion, Packing(one_pack=False))
+        assert (forward.head is not None) == (threshold == 0)
+        if forward.head is not None:
+            assert forward.logits.shape[1] == 0  # the model's own head projected nothing
+        got = next_token_logps(model, ids, mask, completion, temperature, entropy=True, packing=Packing(one_pack=False))
+        (got.logps.sum() + 0.3 * got.entropy.sum()).backward()
+        results.append((got, grads(model)))
+    (materialised, expected_grads), (chunked, chunked_grads) = results
+    assert_close(chunked.logps, materialised.logps)
+    assert_close(chunked.entropy, materialised.entropy)
+    assert_same_grads(chunked_grads, expected_grads)
+    with pytest.raises(ValueError, match="kept no logits"):
+        forward.scored_logits()

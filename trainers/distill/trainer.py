@@ -189,12 +189,12 @@ class DistillTrainer(MetricWindow, Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         ids, mask, completion = inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"]
         # the logits of the positions that predict a completion token, in the same order for both models
-        scored = forward_scored_positions(model, ids, mask, completion, self.packing)
+        scored = forward_scored_positions(model, ids, mask, completion, self.packing, needs_logits=True)
         student = scored.scored_logits()
         with torch.no_grad():
             on = self.teacher_device
             teacher = forward_scored_positions(
-                self.teacher, ids.to(on), mask.to(on), completion.to(on), self.teacher_packing
+                self.teacher, ids.to(on), mask.to(on), completion.to(on), self.teacher_packing, needs_logits=True
             ).scored_logits()
             teacher = teacher.to(student.device)
         width = min(student.shape[-1], teacher.shape[-1], len(self.processing_class))

@@ -51,3 +51,26 @@ def classifier_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.
     if not isinstance(head, torch.nn.Module) or not isinstance(backbone, torch.nn.Module):
         raise TypeError(f"{type(inner).__name__} has no score head: not a transformers sequence classifier")
     return backbone, head
+
+
+# Architectures whose logits are exactly their output embedding applied to the last hidden state (no
+# soft-capping, scaling or bias after it): where the log-prob pass may apply the head itself, in chunks.
+PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi3"})
+
+
+def plain_output_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The model's output projection when the log-prob pass can apply it itself: a plain ``nn.Linear``
+    (not a peft layer) of an architecture in :data:`PLAIN_HEAD_MODEL_TYPES`, whose weight is a whole
+    tensor on this process (not sharded by FSDP2 or ZeRO-3). None otherwise."""
+    inner = innermost_model(model)
+    config = getattr(inner, "config", None)
+    if getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
+        return None
+    get_head = getattr(inner, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if type(head) is not torch.nn.Linear:
+        return None
+    weight = head.weight
+    if type(weight) not in (torch.nn.Parameter, torch.Tensor) or hasattr(weight, "ds_id"):
+        return None
+    return head

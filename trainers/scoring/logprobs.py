@@ -21,18 +21,23 @@ Savings over ``log_softmax(logits).gather(...)``:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
 from trainers.data.packing import PackedBatch
 from trainers.models.attention import Packing
-from trainers.models.transformers_compat import innermost_model
+from trainers.models.transformers_compat import innermost_model, plain_output_head
+from trainers.scoring.chunked_head import HeadTargetLogProbs
 
 # Float32 elements of one chunk of (scored positions × vocabulary): 16 MiB.
 CHUNK_ELEMENTS = 1 << 22
+# Logits beyond this many elements (256 MiB in float32) are not materialised where the head allows it:
+# the head is applied in chunks (:class:`~trainers.scoring.chunked_head.HeadTargetLogProbs`).
+HEAD_IN_CHUNKS_ELEMENTS = 1 << 26
 # Unscored positions between two scored ones are computed through (and their results dropped) when
 # that costs at most this many logits; a longer gap starts a new chunk. A chunk costs a fixed ~15
 # tensor operations, worth about this many elements: a small vocabulary gets one dense pass, a large
@@ -259,12 +264,22 @@ class ScoredForward(NamedTuple):
     # reads them so); None when ``rows``/``cols`` are in it already.
     order: torch.Tensor | None
     chunk: int  # positions per chunk of :class:`TargetLogProbs`
+    # With the head applied in chunks (:func:`forward_scored_positions`): the last hidden states of the
+    # scored positions ``[scored, H]`` in the order of ``rows``/``cols``, and the output projection;
+    # ``logits`` then holds none.
+    hidden: torch.Tensor | None = None
+    head: torch.nn.Linear | None = None
 
     def target_logps(
         self, entropy: bool = False, temperature: float = 1.0
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """:class:`TargetLogProbs` of the scored positions (log-prob, mean logit, entropy), in the order
         of ``rows``/``cols``."""
+        if self.head is not None and self.hidden is not None:
+            head = self.head
+            return HeadTargetLogProbs.apply(
+                self.hidden, head.weight, head.bias, self.targets, self.chunk, entropy, temperature
+            )
         rows, cols, targets, order = self.at_rows, self.at_cols, self.targets, self.order
         if order is not None:
             rows, cols, targets = rows[order], cols[order], targets[order]
@@ -279,6 +294,8 @@ class ScoredForward(NamedTuple):
 
     def scored_logits(self) -> torch.Tensor:
         """``[scored positions, V]``: the logits of the scored positions, in the order of ``rows``/``cols`` (a copy)."""
+        if self.head is not None:
+            raise ValueError("scored_logits: this forward kept no logits (forward_scored_positions(needs_logits=True))")
         return self.logits[self.at_rows, self.at_cols]
 
 
@@ -288,6 +305,7 @@ def forward_scored_positions(
     attention_mask: torch.Tensor,
     completion_mask: torch.Tensor,
     packing: Packing | None = None,
+    needs_logits: bool = False,
 ) -> ScoredForward:
     """One forward, projecting onto the vocabulary only where a completion token is predicted.
 
@@ -295,7 +313,10 @@ def forward_scored_positions(
     (``logits_to_keep`` when the model takes it; a view of the logits otherwise). Padding-free: the
     rows packed without their padding (:class:`~trainers.data.packing.PackedBatch`, ``position_ids``
     restarting per row and no ``attention_mask``, so the attention implementation keeps them apart),
-    projected at the scored slots of the packs only."""
+    projected at the scored slots of the packs only. There, when those logits would exceed
+    ``HEAD_IN_CHUNKS_ELEMENTS`` and the model's head allows it (``plain_output_head``), the model
+    stops at the head's input and :class:`HeadTargetLogProbs` applies the head chunk by chunk,
+    unless the caller ``needs_logits`` (:meth:`ScoredForward.scored_logits`)."""
     scored = completion_mask[:, 1:].bool() & attention_mask[:, :-1].bool()
     rows, cols = scored.nonzero(as_tuple=True)
     targets = input_ids[rows, cols + 1]
@@ -314,13 +335,41 @@ def forward_scored_positions(
         ids = packed.scatter(input_ids, attention_mask)
         positions = packed.position_ids(input_ids.device)
         extra = {"logits_to_keep": slots} if takes_kept else {}
-        logits = model(input_ids=ids, position_ids=positions, use_cache=False, **extra).logits
+        head = None if needs_logits or not takes_kept else plain_output_head(model)
+        if head is not None and ids.shape[0] * slots.numel() * head.out_features <= HEAD_IN_CHUNKS_ELEMENTS:
+            head = None
+        with head_inputs(head) as captured:
+            logits = model(input_ids=ids, position_ids=positions, use_cache=False, **extra).logits
         if not takes_kept:
             logits = logits[:, slots]
         at_rows, at_cols = pack_rows, torch.searchsorted(slots, pack_cols)
+        if head is not None:
+            chunk = max(1, CHUNK_ELEMENTS // head.out_features)
+            hidden = captured[0][at_rows, at_cols]
+            return ScoredForward(scored, rows, cols, targets, logits, at_rows, at_cols, None, chunk, hidden, head)
         order = (at_rows * slots.numel() + at_cols).argsort()
     chunk = max(1, CHUNK_ELEMENTS // logits.shape[-1])
     return ScoredForward(scored, rows, cols, targets, logits, at_rows, at_cols, order, chunk)
+
+
+@contextlib.contextmanager
+def head_inputs(head: torch.nn.Module | None) -> Iterator[list[torch.Tensor]]:
+    """While the block runs, ``head``'s input is kept (the last hidden states at the kept positions) and
+    the head itself applied to none of them: the model's forward returns empty logits."""
+    captured: list[torch.Tensor] = []
+    if head is None:
+        yield captured
+        return
+
+    def keep(module: torch.nn.Module, args: tuple) -> tuple:
+        captured.append(args[0])
+        return (args[0][..., :0, :], *args[1:])
+
+    handle = head.register_forward_pre_hook(keep)
+    try:
+        yield captured
+    finally:
+        handle.remove()
 
 
 def completion_logps(
@@ -344,7 +393,7 @@ def completion_logps(
     ``sum_t m_t w_t log p(x_t | x_<t)`` (LD-DPO); ``wpo_terms`` fills ``wpo_logweights``, one more
     pass over the vocabulary of the scored positions, without gradient (WPO).
     """
-    forward = forward_scored_positions(model, input_ids, attention_mask, completion_mask, packing)
+    forward = forward_scored_positions(model, input_ids, attention_mask, completion_mask, packing, wpo_terms)
     rows = forward.rows
     token_logps, token_means, _ = forward.target_logps()
 
