@@ -21,7 +21,9 @@ from trainers.scoring.logprobs import completion_logps, next_token_logps
 
 pytestmark = pytest.mark.unit
 TOLERANCE = 1e-5
-LAYOUTS = [Packing(one_pack=False), Packing(one_pack=True)]
+# packs as wide as the longest row, the cheapest widths (a pair cost that joins rows), one pack
+LAYOUTS = [Packing(one_pack=False), Packing(one_pack=False, pair_cost=1e-4), Packing(one_pack=True)]
+LAYOUT_IDS = ["longest-row", "cheapest", "one-pack"]
 
 
 def model_with(tiny, implementation: str):
@@ -83,6 +85,25 @@ def test_best_fit_decreasing_places_every_row_once_within_the_longest_rows_width
         plan_packs([9, 2], width=8)
 
 
+def test_the_cheapest_plan_weighs_filler_against_attention_across_rows():
+    from trainers.data.packing import plan_cheapest
+
+    # the 20M shape's pair cost: a long-tailed batch costs least in one pack (2,500 + 2,500²/2,304)
+    # rather than two packs of the longest row (2 · (1,800 + 1,800²/2,304)), filler and all
+    long_tail = plan_cheapest([1800, 400, 200, 100], 1 / 2304)
+    assert (long_tail.count, long_tail.width) == (1, 2500)
+    # where attention is dear, equal rows keep a pack each: 4 · (50 + 0.1 · 50²) beats 2 · (100 + 0.1 · 100²)
+    even = plan_cheapest([50, 50, 50, 50], 0.1)
+    assert (even.count, even.width) == (4, 50)
+    # the built-in shapes' pair costs: 4d over 2h(2d + 2d_kv + 3I)
+    from transformers import LlamaConfig
+
+    from trainers.models.attention import pair_cost
+    from trainers.models.builtin import BUILTIN_MODELS
+
+    assert [round(1 / pair_cost(LlamaConfig(**BUILTIN_MODELS[n]))) for n in ("llama-20m", "llama-0.5b")] == [2304, 8320]
+
+
 def test_a_packed_batch_places_each_rows_tokens_and_refuses_rows_with_holes():
     mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 0, 0, 0], [0, 0, 1, 1, 1]])  # left and right padding at once
     ids = torch.arange(15).view(3, 5)
@@ -95,7 +116,8 @@ def test_a_packed_batch_places_each_rows_tokens_and_refuses_rows_with_holes():
 
 def test_auto_packs_where_the_attention_keeps_rows_apart_and_true_is_refused_elsewhere(tiny):
     model = model_with(tiny, "sdpa")
-    assert packing_for(model, "auto") == packing_for(model, True) == Packing(one_pack=False)
+    # the tiny Llama's pair cost: 4·128 / (2·128·(128 + 2·128 + 128 + 3·384))
+    assert packing_for(model, "auto") == packing_for(model, True) == Packing(one_pack=False, pair_cost=1 / 832)
     assert packing_for(model, False) is None
     plain = torch.nn.Linear(2, 2)  # no transformers attention at all
     assert packing_for(plain, "auto") is None
@@ -104,13 +126,13 @@ def test_auto_packs_where_the_attention_keeps_rows_apart_and_true_is_refused_els
 
 
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
-@pytest.mark.parametrize("packing", LAYOUTS, ids=["longest-row", "one-pack"])
+@pytest.mark.parametrize("packing", LAYOUTS, ids=LAYOUT_IDS)
 def test_completion_logps_and_their_gradients_equal_the_padded_ones(tiny, implementation, packing):
     model = model_with(tiny, implementation)
     rows = random_rows(12, seed=0, vocabulary=len(tiny[1]))
     batch = prompt_completion_batch([p for p, _ in rows], [c for _, c in rows], tiny[1].pad_token_id)
     ids, mask, completion = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
-    assert PackedBatch.of(mask, packing.one_pack).plan.count < len(rows)  # rows do share packs
+    assert PackedBatch.of(mask, packing.one_pack, packing.pair_cost).plan.count < len(rows)  # rows do share packs
     weights = torch.rand(ids.shape, generator=torch.Generator().manual_seed(0)) + 0.5
     outputs = {}
     for name, layout in (("padded", None), ("packed", packing)):
@@ -123,7 +145,7 @@ def test_completion_logps_and_their_gradients_equal_the_padded_ones(tiny, implem
     assert_same_grads(packed_grads, padded_grads)
 
 
-@pytest.mark.parametrize("packing", LAYOUTS, ids=["longest-row", "one-pack"])
+@pytest.mark.parametrize("packing", LAYOUTS, ids=LAYOUT_IDS)
 def test_token_logps_and_entropies_of_left_padded_prompts_equal_the_padded_ones(tiny, packing):
     """GRPO's layout: prompts padded on the left, completions on the right."""
     model = model_with(tiny, "sdpa")
@@ -240,7 +262,7 @@ def test_dpo_with_a_live_reference_and_its_options(tiny, long_pairs, tmp_path):
             model=copy.deepcopy(policy), ref_model=copy.deepcopy(reference), args=args, train_dataset=data
         )
 
-    assert build("auto").packing == Packing(one_pack=False) and build(False).packing is None
+    assert build("auto").packing == Packing(one_pack=False, pair_cost=1 / 832) and build(False).packing is None
     assert_trainer_is_padding_free_exact(build, PreferenceCollator(tiny[1].pad_token_id)(long_pairs))
 
 

@@ -75,6 +75,20 @@ def plan_packs(lengths: Sequence[int], width: int | None = None) -> PackPlan:
     return PackPlan(lengths, tuple(packs), tuple(offsets), count, width)
 
 
+def plan_cheapest(lengths: Sequence[int], pair_cost: float) -> PackPlan:
+    """Of the pack widths ``longest · 2ᵏ`` and the whole batch, the plan that costs least when a pack of
+    width ``W`` costs ``W + pair_cost · W²`` (its positions through the linear layers, and its
+    ``W²`` attention pairs, each ``pair_cost`` of a position): narrow packs waste least attention on
+    pairs across rows, wide ones least filler."""
+    lengths = tuple(int(n) for n in lengths)
+    total, width = sum(lengths), max(lengths)
+    widths = [width]
+    while widths[-1] < total:
+        widths.append(min(total, 2 * widths[-1]))
+    plans = [plan_packs(lengths, w) for w in widths]
+    return min(plans, key=lambda plan: plan.count * (plan.width + pair_cost * plan.width**2))
+
+
 def plan_one_pack(lengths: Sequence[int]) -> PackPlan:
     """Every row in one pack, in order: what a varlen attention kernel takes."""
     lengths = tuple(int(n) for n in lengths)
@@ -96,9 +110,9 @@ class PackedBatch:
     starts: torch.Tensor  # [B] each row's first real column in the padded batch
 
     @classmethod
-    def of(cls, attention_mask: torch.Tensor, one_pack: bool) -> PackedBatch:
-        """The packing of ``attention_mask``'s rows: into one pack (``one_pack``, varlen attention), or
-        into packs as wide as the longest row."""
+    def of(cls, attention_mask: torch.Tensor, one_pack: bool, pair_cost: float | None = None) -> PackedBatch:
+        """The packing of ``attention_mask``'s rows: into one pack (``one_pack``, varlen attention), into
+        packs as wide as the longest row, or with ``pair_cost`` into the cheapest widths (:func:`plan_cheapest`)."""
         mask = attention_mask.bool()
         lengths = mask.sum(1)
         starts = mask.int().argmax(1)
@@ -107,7 +121,12 @@ class PackedBatch:
         if bool(((ends - starts != lengths) & ~empty).any()):
             row = int(((ends - starts != lengths) & ~empty).nonzero()[0])
             raise ValueError(f"padding-free batch: row {row}'s tokens are not contiguous in its attention_mask")
-        plan = (plan_one_pack if one_pack else plan_packs)(lengths.tolist())
+        if one_pack:
+            plan = plan_one_pack(lengths.tolist())
+        elif pair_cost is not None:
+            plan = plan_cheapest(lengths.tolist(), pair_cost)
+        else:
+            plan = plan_packs(lengths.tolist())
         device = attention_mask.device
         pack = torch.tensor(plan.packs, device=device)
         shift = torch.tensor(plan.offsets, device=device) - starts

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from trainers.models.transformers_compat import attention_implementation, masks_from_positions
+from trainers.models.transformers_compat import attention_implementation, innermost_model, masks_from_positions
 from trainers.sections import PaddingFree
 
 if TYPE_CHECKING:
@@ -28,10 +28,30 @@ VARLEN = frozenset({"flash_attention_2", "flash_attention_3"})
 
 @dataclass(frozen=True)
 class Packing:
-    """How a model's padding-free batches are laid out: all rows in one pack for a varlen kernel,
-    else packs as wide as the batch's longest row (``trainers.data.packing``)."""
+    """How a model's padding-free batches are laid out (``trainers.data.packing``): all rows in one pack
+    for a varlen kernel; for a mask-based one, packs of the cheapest width when ``pair_cost`` is known
+    (one attention pair's FLOPs over one position's through the linear layers), else as wide as the
+    batch's longest row."""
 
     one_pack: bool
+    pair_cost: float | None = None
+
+
+def pair_cost(config: object) -> float | None:
+    """A decoder layer's attention FLOPs per (query, key) pair, ``4·d`` (scores and values, ``d`` the
+    query width), over its linear FLOPs per position, ``2·h·(d + 2·d_kv + h_o + 3·I)`` (q, k, v, o and a
+    gated MLP): from the config's ``hidden_size``, heads and ``intermediate_size``; None without them."""
+    hidden, intermediate = getattr(config, "hidden_size", None), getattr(config, "intermediate_size", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if not (isinstance(hidden, int) and isinstance(intermediate, int) and isinstance(heads, int)):
+        return None
+    head_dim = getattr(config, "head_dim", None)
+    head_dim = head_dim if isinstance(head_dim, int) else hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    query = heads * head_dim
+    key_value = (kv_heads if isinstance(kv_heads, int) else heads) * head_dim
+    linear = 2 * hidden * (query + 2 * key_value + query + 3 * intermediate)
+    return 4 * query / linear
 
 
 class PaddingFreeError(ValueError):
@@ -57,4 +77,6 @@ def packing_for(model: torch.nn.Module, setting: PaddingFree) -> Packing | None:
         if setting is True:
             raise PaddingFreeError(f"compute.padding_free: true, but {reason}; use auto or false")
         return None
-    return Packing(one_pack=attention_implementation(model) in VARLEN)
+    if attention_implementation(model) in VARLEN:
+        return Packing(one_pack=True)
+    return Packing(one_pack=False, pair_cost=pair_cost(getattr(innermost_model(model), "config", None)))

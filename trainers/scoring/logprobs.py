@@ -329,7 +329,7 @@ def forward_scored_positions(
         logits = logits[:, -kept:]  # a view; already this shape when logits_to_keep was honoured
         at_rows, at_cols, order = rows, cols - first, None
     else:
-        packed = PackedBatch.of(attention_mask, packing.one_pack)
+        packed = PackedBatch.of(attention_mask, packing.one_pack, packing.pair_cost)
         pack_rows, pack_cols = packed.locate(rows, cols)
         slots = pack_cols.unique()  # sorted: the packs' slots that any pack scores
         ids = packed.scatter(input_ids, attention_mask)

@@ -68,7 +68,7 @@ def classifier_scores(
     if packing is None:
         return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
     mask = batch["attention_mask"]
-    packed = PackedBatch.of(mask, packing.one_pack)
+    packed = PackedBatch.of(mask, packing.one_pack, packing.pair_cost)
     backbone, head = classifier_parts(model)
     hidden = backbone(
         input_ids=packed.scatter(batch["input_ids"], mask),
