@@ -157,7 +157,8 @@ def trl_trainer(stage: str, padding_free: bool, options, model, tokenizer, text_
     import trl
 
     dataset = datasets.Dataset.from_list(text_rows)
-    common = quiet(output_dir, options) | {"max_length": options.max_length}
+    # TRL's fastest: its configs turn gradient checkpointing on by default (less memory, ~20% more compute)
+    common = quiet(output_dir, options) | {"max_length": options.max_length, "gradient_checkpointing": False}
     if stage == "sft":
         if padding_free:  # TRL enforces no max_length then; every row fits it already
             common["max_length"] = None
