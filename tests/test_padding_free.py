@@ -22,7 +22,11 @@ from trainers.scoring.logprobs import completion_logps, next_token_logps
 pytestmark = pytest.mark.unit
 TOLERANCE = 1e-5
 # packs as wide as the longest row, the cheapest widths (a pair cost that joins rows), one pack
-LAYOUTS = [Packing(one_pack=False), Packing(one_pack=False, pair_cost=1e-4), Packing(one_pack=True)]
+LAYOUTS = [
+    Packing(one_pack=False, always=True),
+    Packing(one_pack=False, pair_cost=1e-4, always=True),
+    Packing(one_pack=True, always=True),
+]
 LAYOUT_IDS = ["longest-row", "cheapest", "one-pack"]
 
 
@@ -117,12 +121,27 @@ def test_a_packed_batch_places_each_rows_tokens_and_refuses_rows_with_holes():
 def test_auto_packs_where_the_attention_keeps_rows_apart_and_true_is_refused_elsewhere(tiny):
     model = model_with(tiny, "sdpa")
     # the tiny Llama's pair cost: 4·128 / (2·128·(128 + 2·128 + 128 + 3·384))
-    assert packing_for(model, "auto") == packing_for(model, True) == Packing(one_pack=False, pair_cost=1 / 832)
+    assert packing_for(model, "auto") == Packing(one_pack=False, pair_cost=1 / 832)
+    assert packing_for(model, True) == Packing(one_pack=False, pair_cost=1 / 832, always=True)
     assert packing_for(model, False) is None
     plain = torch.nn.Linear(2, 2)  # no transformers attention at all
     assert packing_for(plain, "auto") is None
     with pytest.raises(PaddingFreeError, match="compute.padding_free: true, but its attention implementation 'None'"):
         packing_for(plain, True)
+
+
+def test_auto_packs_a_long_tailed_batch_and_leaves_a_batch_of_equal_rows_padded(tiny):
+    from trainers.data.packing import packed_batch
+
+    auto, required = Packing(one_pack=False, pair_cost=1 / 832), Packing(one_pack=False, pair_cost=1 / 832, always=True)
+    even = torch.ones(8, 10, dtype=torch.long)
+    even[::2, -1] = 0  # rows of 9 and 10 tokens: no two share a pack of 10, and wider packs cost more
+    assert packed_batch(even, auto) is None and packed_batch(even, required) is not None
+    ragged = torch.zeros(8, 40, dtype=torch.long)
+    for row, length in enumerate([40, 3, 5, 8, 2, 6, 4, 9]):
+        ragged[row, :length] = 1
+    packed = packed_batch(ragged, auto)  # 77 real tokens of 320 padded slots
+    assert packed is not None and packed.plan.count * packed.plan.width < 8 * 40 * 0.9
 
 
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
@@ -262,6 +281,7 @@ def test_dpo_with_a_live_reference_and_its_options(tiny, long_pairs, tmp_path):
             model=copy.deepcopy(policy), ref_model=copy.deepcopy(reference), args=args, train_dataset=data
         )
 
+    assert build(True).packing == Packing(one_pack=False, pair_cost=1 / 832, always=True)
     assert build("auto").packing == Packing(one_pack=False, pair_cost=1 / 832) and build(False).packing is None
     assert_trainer_is_padding_free_exact(build, PreferenceCollator(tiny[1].pad_token_id)(long_pairs))
 
@@ -457,11 +477,13 @@ def test_the_head_applied_in_chunks_gives_the_materialised_logits_values_and_gra
     for threshold in (1 << 40, 0):
         monkeypatch.setattr(logprobs, "HEAD_IN_CHUNKS_ELEMENTS", threshold)
         monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", 7 * model.config.vocab_size)
-        forward = logprobs.forward_scored_positions(model, ids, mask, completion, Packing(one_pack=False))
+        forward = logprobs.forward_scored_positions(model, ids, mask, completion, Packing(one_pack=False, always=True))
         assert (forward.head is not None) == (threshold == 0)
         if forward.head is not None:
             assert forward.logits.shape[1] == 0  # the model's own head projected nothing
-        got = next_token_logps(model, ids, mask, completion, temperature, entropy=True, packing=Packing(one_pack=False))
+        got = next_token_logps(
+            model, ids, mask, completion, temperature, entropy=True, packing=Packing(one_pack=False, always=True)
+        )
         (got.logps.sum() + 0.3 * got.entropy.sum()).backward()
         results.append((got, grads(model)))
     (materialised, expected_grads), (chunked, chunked_grads) = results

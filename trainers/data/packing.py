@@ -18,6 +18,8 @@ from typing import Sequence
 
 import torch
 
+from trainers.models.attention import Packing
+
 
 @dataclass(frozen=True)
 class PackPlan:
@@ -145,6 +147,29 @@ class PackedBatch:
 
     def position_ids(self, device: torch.device) -> torch.Tensor:
         return self.plan.positions().to(device)
+
+
+# Under ``padding_free: auto`` a batch is packed only where its packs cost at most this share of the
+# padded batch: below a tenth saved, the bookkeeping (the plan, the scatter, the mask) costs as much.
+MOST_PACKED_COST = 0.9
+
+
+def packed_batch(attention_mask: torch.Tensor, packing: Packing) -> PackedBatch | None:
+    """``attention_mask``'s rows packed as ``packing`` says, or None (pass the batch padded) when
+    ``packing`` is ``auto``'s, mask-based, and the packs would cost more than ``MOST_PACKED_COST`` of the
+    padded batch, both by :func:`plan_cheapest`'s measure (a batch of rows of nearly equal length)."""
+    if packing.always or packing.one_pack:
+        return PackedBatch.of(attention_mask, packing.one_pack, packing.pair_cost)
+    rows, width = attention_mask.shape
+    # Rows filling MOST_PACKED_COST of the slots: no plan can cost less (its packs hold the same tokens,
+    # each pack as wide as the longest row at least), so none is made.
+    if int(attention_mask.sum()) >= MOST_PACKED_COST * rows * width:
+        return None
+    packed = PackedBatch.of(attention_mask, packing.one_pack, packing.pair_cost)
+    pair = packing.pair_cost or 0.0
+    plan = packed.plan
+    cheaper = plan.count * (plan.width + pair * plan.width**2) <= MOST_PACKED_COST * rows * (width + pair * width**2)
+    return packed if cheaper else None
 
 
 class TokenBudgetBatches(torch.utils.data.Sampler[list[int]]):

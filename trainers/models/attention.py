@@ -35,6 +35,9 @@ class Packing:
 
     one_pack: bool
     pair_cost: float | None = None
+    # ``padding_free: true``: every batch packed; ``auto``: a batch whose packs would save too little of
+    # its padded cost stays padded (``trainers.data.packing.packed_batch``)
+    always: bool = False
 
 
 def pair_cost(config: object) -> float | None:
@@ -78,5 +81,6 @@ def packing_for(model: torch.nn.Module, setting: PaddingFree) -> Packing | None:
             raise PaddingFreeError(f"compute.padding_free: true, but {reason}; use auto or false")
         return None
     if attention_implementation(model) in VARLEN:
-        return Packing(one_pack=True)
-    return Packing(one_pack=False, pair_cost=pair_cost(getattr(innermost_model(model), "config", None)))
+        return Packing(one_pack=True, always=setting is True)
+    cost = pair_cost(getattr(innermost_model(model), "config", None))
+    return Packing(one_pack=False, pair_cost=cost, always=setting is True)

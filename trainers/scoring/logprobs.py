@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
-from trainers.data.packing import PackedBatch
+from trainers.data.packing import packed_batch
 from trainers.models.attention import Packing
 from trainers.models.transformers_compat import innermost_model, plain_output_head
 from trainers.scoring.chunked_head import HeadTargetLogProbs
@@ -321,7 +321,8 @@ def forward_scored_positions(
     rows, cols = scored.nonzero(as_tuple=True)
     targets = input_ids[rows, cols + 1]
     takes_kept = accepts_logits_to_keep(type(innermost_model(model)).forward)
-    if packing is None:
+    packed = None if packing is None else packed_batch(attention_mask, packing)
+    if packed is None:
         first = int(cols.min()) if cols.numel() else scored.shape[1] - 1
         kept = input_ids.shape[1] - first  # positions first .. last, the last predicting nothing
         extra = {"logits_to_keep": kept} if takes_kept else {}
@@ -329,7 +330,6 @@ def forward_scored_positions(
         logits = logits[:, -kept:]  # a view; already this shape when logits_to_keep was honoured
         at_rows, at_cols, order = rows, cols - first, None
     else:
-        packed = PackedBatch.of(attention_mask, packing.one_pack, packing.pair_cost)
         pack_rows, pack_cols = packed.locate(rows, cols)
         slots = pack_cols.unique()  # sorted: the packs' slots that any pack scores
         ids = packed.scatter(input_ids, attention_mask)

@@ -33,7 +33,7 @@ from transformers import (
 )
 
 from trainers.data.collators import prompt_completion_batch
-from trainers.data.packing import PackedBatch
+from trainers.data.packing import packed_batch
 from trainers.data.rows import render_completion, render_prompt
 from trainers.models.attention import Packing
 from trainers.models.devices import torch_dtype
@@ -65,10 +65,10 @@ def classifier_scores(
 ) -> torch.Tensor:
     """The score head's logit at each row's last token; padding-free with ``packing`` (the backbone
     over the packed rows, the head at each row's last slot)."""
-    if packing is None:
-        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
     mask = batch["attention_mask"]
-    packed = PackedBatch.of(mask, packing.one_pack, packing.pair_cost)
+    packed = None if packing is None else packed_batch(mask, packing)
+    if packed is None:
+        return model(input_ids=batch["input_ids"], attention_mask=mask).logits[:, 0]
     backbone, head = classifier_parts(model)
     hidden = backbone(
         input_ids=packed.scatter(batch["input_ids"], mask),
