@@ -3,9 +3,9 @@ restarting at 0 for each, so that no forward computes a padding token.
 
 The attention implementation keeps the rows apart (:mod:`trainers.models.attention`): a varlen kernel
 (flash attention) reads each row's extent from the positions, and the mask-based ones (``sdpa``,
-``eager``) get a block-diagonal causal mask that transformers builds from the positions. A mask is
-quadratic in its packed row's width, so for those the packs are as wide as the longest row (best-fit
-decreasing: a batch of long-tailed lengths fills few packs), never the whole batch.
+``eager``) get a block-diagonal causal mask that transformers builds from the positions. A mask-based
+kernel visits every pair of a pack's positions, so for those the pack width is chosen by cost
+(:func:`plan_cheapest`, best-fit decreasing at each width tried), from the longest row to the whole batch.
 
 The plan is pure bookkeeping over row lengths; :class:`PackedBatch` moves tensors into and out of it.
 """
@@ -32,9 +32,9 @@ class PackPlan:
     count: int
     width: int
 
-    @property
-    def tokens(self) -> int:
-        return sum(self.lengths)
+    def cost(self, pair_cost: float) -> float:
+        """:func:`packs_cost` of these packs."""
+        return packs_cost(self.count, self.width, pair_cost)
 
     def positions(self) -> torch.Tensor:
         """``position_ids`` of the packs, ``[count, width]``: 0, 1, … within each row, and within
@@ -49,6 +49,12 @@ class PackPlan:
         starts[torch.arange(self.count), ends] = ends
         slots = torch.arange(self.width)
         return slots - starts[:, : self.width].cummax(1).values
+
+
+def packs_cost(count: int, width: int, pair_cost: float) -> float:
+    """The cost of ``count`` rows of ``width`` positions (packs, or a padded batch's rows): each position
+    through the linear layers, and each of the ``width²`` attention pairs ``pair_cost`` of a position."""
+    return count * (width + pair_cost * width**2)
 
 
 def plan_packs(lengths: Sequence[int], width: int | None = None) -> PackPlan:
@@ -88,7 +94,7 @@ def plan_cheapest(lengths: Sequence[int], pair_cost: float) -> PackPlan:
     while widths[-1] < total:
         widths.append(min(total, 2 * widths[-1]))
     plans = [plan_packs(lengths, w) for w in widths]
-    return min(plans, key=lambda plan: plan.count * (plan.width + pair_cost * plan.width**2))
+    return min(plans, key=lambda plan: plan.cost(pair_cost))
 
 
 def plan_one_pack(lengths: Sequence[int]) -> PackPlan:
@@ -167,9 +173,7 @@ def packed_batch(attention_mask: torch.Tensor, packing: Packing) -> PackedBatch 
         return None
     packed = PackedBatch.of(attention_mask, packing.one_pack, packing.pair_cost)
     pair = packing.pair_cost or 0.0
-    plan = packed.plan
-    cheaper = plan.count * (plan.width + pair * plan.width**2) <= MOST_PACKED_COST * rows * (width + pair * width**2)
-    return packed if cheaper else None
+    return packed if packed.plan.cost(pair) <= MOST_PACKED_COST * packs_cost(rows, width, pair) else None
 
 
 class TokenBudgetBatches(torch.utils.data.Sampler[list[int]]):
