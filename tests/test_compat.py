@@ -355,3 +355,54 @@ def test_the_attention_implementation_and_its_packed_mask_builders_are_read_off_
     assert plain_output_head(GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2))) is None
     on_head = peft.get_peft_model(copy.deepcopy(llama), peft.LoraConfig(r=2, target_modules=["lm_head"]))
     assert plain_output_head(on_head) is None
+
+
+@pytest.mark.unit
+def test_the_head_is_called_with_the_last_hidden_states_at_the_kept_positions():
+    """``transformers_compat.head_inputs``: a causal LM calls its output head with the hidden states of the
+    ``logits_to_keep`` positions as its first argument; kept, and the head applied to none of them."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainers.models.transformers_compat import head_inputs
+
+    torch.manual_seed(0)
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64)
+    model = LlamaForCausalLM(LlamaConfig(**shape)).eval()
+    ids, keep = torch.randint(0, 64, (2, 7)), torch.tensor([1, 4, 5])
+    with torch.no_grad():
+        expected = model(input_ids=ids, logits_to_keep=keep).logits
+        with head_inputs(model.lm_head) as captured:
+            empty = model(input_ids=ids, logits_to_keep=keep).logits
+        assert empty.shape == (2, 0, 64) and len(captured) == 1
+        torch.testing.assert_close(model.lm_head(captured[0]), expected, rtol=0, atol=0)
+        assert model(input_ids=ids, logits_to_keep=keep).logits.shape == (2, 3, 64)  # the hook is gone
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("processes, averaged", [(4, True), (4, False), (1, True)])
+def test_the_window_loss_scale_is_the_factor_trainer_compute_loss_applies(tmp_path, monkeypatch, processes, averaged):
+    """``transformers_compat.window_loss_scale`` against ``Trainer.compute_loss`` itself: what it multiplies
+    a causal LM's loss over the window's ``num_items_in_batch`` by, with ``processes`` processes."""
+    import accelerate
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    from trainers.models.transformers_compat import window_loss_scale
+
+    torch.manual_seed(0)
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64)
+    model = LlamaForCausalLM(LlamaConfig(**shape))
+    arguments = TrainingArguments(
+        output_dir=str(tmp_path), report_to=[], use_cpu=True, average_tokens_across_devices=averaged
+    )
+    trainer = Trainer(model=model, args=arguments)
+    monkeypatch.setattr(accelerate.Accelerator, "num_processes", property(lambda self: processes))
+    ids = torch.randint(0, 64, (2, 6))
+    inputs = {"input_ids": ids, "labels": ids}
+    items = torch.tensor(23)
+    with torch.no_grad():
+        window_mean = model(**inputs, num_items_in_batch=items).loss
+        trainers_loss = Trainer.compute_loss(trainer, model, inputs, num_items_in_batch=items)
+    assert window_loss_scale(trainer) == (processes if averaged else 1)
+    torch.testing.assert_close(trainers_loss, window_mean * window_loss_scale(trainer), rtol=0, atol=0)

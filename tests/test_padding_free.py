@@ -111,11 +111,11 @@ def test_the_cheapest_plan_weighs_filler_against_attention_across_rows():
 def test_a_packed_batch_places_each_rows_tokens_and_refuses_rows_with_holes():
     mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 0, 0, 0], [0, 0, 1, 1, 1]])  # left and right padding at once
     ids = torch.arange(15).view(3, 5)
-    packed = PackedBatch.of(mask, one_pack=False)
+    packed = PackedBatch.of(mask, Packing(one_pack=False))
     assert packed.scatter(ids, mask, fill=-1).tolist() == [[1, 2, 3], [12, 13, 14], [5, 6, -1]]
     assert packed.position_ids(torch.device("cpu")).tolist() == [[0, 1, 2], [0, 1, 2], [0, 1, 0]]
     with pytest.raises(ValueError, match="row 1's tokens are not contiguous"):
-        PackedBatch.of(torch.tensor([[1, 1, 1], [1, 0, 1]]), one_pack=False)
+        PackedBatch.of(torch.tensor([[1, 1, 1], [1, 0, 1]]), Packing(one_pack=False))
 
 
 def test_auto_packs_where_the_attention_keeps_rows_apart_and_true_is_refused_elsewhere(tiny):
@@ -151,7 +151,7 @@ def test_completion_logps_and_their_gradients_equal_the_padded_ones(tiny, implem
     rows = random_rows(12, seed=0, vocabulary=len(tiny[1]))
     batch = prompt_completion_batch([p for p, _ in rows], [c for _, c in rows], tiny[1].pad_token_id)
     ids, mask, completion = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
-    assert PackedBatch.of(mask, packing.one_pack, packing.pair_cost).plan.count < len(rows)  # rows do share packs
+    assert PackedBatch.of(mask, packing).plan.count < len(rows)  # rows do share packs
     weights = torch.rand(ids.shape, generator=torch.Generator().manual_seed(0)) + 0.5
     outputs = {}
     for name, layout in (("padded", None), ("packed", packing)):
@@ -199,7 +199,7 @@ def test_rows_packed_without_restarting_positions_would_attend_to_each_other(tin
     model = model_with(tiny, "sdpa")
     rows = [([9, 10, 11], [12, 13]), ([14, 15], [16, 17, 18])]
     batch = prompt_completion_batch([p for p, _ in rows], [c for _, c in rows], tiny[1].pad_token_id)
-    packed = PackedBatch.of(batch["attention_mask"], one_pack=True)
+    packed = PackedBatch.of(batch["attention_mask"], Packing(one_pack=True))
     ids = packed.scatter(batch["input_ids"], batch["attention_mask"])
     with torch.no_grad():
         apart = model(input_ids=ids, position_ids=packed.position_ids(ids.device), use_cache=False).logits

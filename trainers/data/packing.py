@@ -118,9 +118,10 @@ class PackedBatch:
     starts: torch.Tensor  # [B] each row's first real column in the padded batch
 
     @classmethod
-    def of(cls, attention_mask: torch.Tensor, one_pack: bool, pair_cost: float | None = None) -> PackedBatch:
-        """The packing of ``attention_mask``'s rows: into one pack (``one_pack``, varlen attention), into
-        packs as wide as the longest row, or with ``pair_cost`` into the cheapest widths (:func:`plan_cheapest`)."""
+    def of(cls, attention_mask: torch.Tensor, packing: Packing) -> PackedBatch:
+        """``attention_mask``'s rows laid out as ``packing`` says: in one pack (varlen attention), in the
+        cheapest widths by its ``pair_cost`` (:func:`plan_cheapest`), or without one in packs as wide as
+        the longest row."""
         mask = attention_mask.bool()
         lengths = mask.sum(1)
         starts = mask.int().argmax(1)
@@ -129,10 +130,10 @@ class PackedBatch:
         if bool(((ends - starts != lengths) & ~empty).any()):
             row = int(((ends - starts != lengths) & ~empty).nonzero()[0])
             raise ValueError(f"padding-free batch: row {row}'s tokens are not contiguous in its attention_mask")
-        if one_pack:
+        if packing.one_pack:
             plan = plan_one_pack(lengths.tolist())
-        elif pair_cost is not None:
-            plan = plan_cheapest(lengths.tolist(), pair_cost)
+        elif packing.pair_cost is not None:
+            plan = plan_cheapest(lengths.tolist(), packing.pair_cost)
         else:
             plan = plan_packs(lengths.tolist())
         device = attention_mask.device
@@ -165,13 +166,13 @@ def packed_batch(attention_mask: torch.Tensor, packing: Packing) -> PackedBatch 
     ``packing`` is ``auto``'s, mask-based, and the packs would cost more than ``MOST_PACKED_COST`` of the
     padded batch, both by :func:`plan_cheapest`'s measure (a batch of rows of nearly equal length)."""
     if packing.always or packing.one_pack:
-        return PackedBatch.of(attention_mask, packing.one_pack, packing.pair_cost)
+        return PackedBatch.of(attention_mask, packing)
     rows, width = attention_mask.shape
     # Rows filling MOST_PACKED_COST of the slots: no plan can cost less (its packs hold the same tokens,
     # each pack as wide as the longest row at least), so none is made.
     if int(attention_mask.sum()) >= MOST_PACKED_COST * rows * width:
         return None
-    packed = PackedBatch.of(attention_mask, packing.one_pack, packing.pair_cost)
+    packed = PackedBatch.of(attention_mask, packing)
     pair = packing.pair_cost or 0.0
     return packed if packed.plan.cost(pair) <= MOST_PACKED_COST * packs_cost(rows, width, pair) else None
 

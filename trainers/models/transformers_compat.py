@@ -1,14 +1,16 @@
 """What alignflow reads of transformers' and peft's internals, in one place (contract:
-``tests/test_compat.py``): the model a wrapper runs, its attention implementation, and whether its
-architecture builds masks that keep packed rows apart."""
+``tests/test_compat.py``): the model a wrapper runs, its attention implementation, whether its
+architecture builds masks that keep packed rows apart, the input its output head is called with, and
+how ``Trainer.compute_loss`` scales a loss normalised over the accumulation window."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from typing import Protocol, runtime_checkable
+from typing import Iterator, Protocol, runtime_checkable
 
 import torch
-from transformers import masking_utils
+from transformers import Trainer, masking_utils
 from transformers.modeling_utils import unwrap_model
 
 # The mask builders that detect packed rows from ``position_ids`` (``find_packed_sequence_indices``).
@@ -74,3 +76,36 @@ def plain_output_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     if type(weight) not in (torch.nn.Parameter, torch.Tensor) or hasattr(weight, "ds_id"):
         return None
     return head
+
+
+@contextlib.contextmanager
+def head_inputs(head: torch.nn.Module | None) -> Iterator[list[torch.Tensor]]:
+    """While the block runs, ``head``'s input is kept (the last hidden states at the kept positions,
+    which transformers' causal LMs pass the head as its first argument) and the head applied to none of
+    them: the model's forward returns empty logits. ``head`` None: nothing is kept."""
+    captured: list[torch.Tensor] = []
+    if head is None:
+        yield captured
+        return
+
+    def keep(module: torch.nn.Module, args: tuple) -> tuple:
+        captured.append(args[0])
+        return (args[0][..., :0, :], *args[1:])
+
+    handle = head.register_forward_pre_hook(keep)
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+def window_loss_scale(trainer: Trainer) -> int:
+    """The factor ``Trainer.compute_loss`` multiplies a loss by when it is a sum over the accumulation
+    window's ``num_items_in_batch``, counted over every process (``average_tokens_across_devices``): the
+    processes that see batches of their own (``num_processes`` over the tensor-parallel size), or
+    ``n_gpu`` under ``DataParallel``; 1 when the count is this process's."""
+    if not trainer.args.average_tokens_across_devices:
+        return 1
+    if trainer.args.n_gpu > 1:
+        return trainer.args.n_gpu
+    return trainer.accelerator.num_processes // trainer.get_tp_size()

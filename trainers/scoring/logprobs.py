@@ -21,16 +21,15 @@ Savings over ``log_softmax(logits).gather(...)``:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 from trainers.data.packing import packed_batch
 from trainers.models.attention import Packing
-from trainers.models.transformers_compat import innermost_model, plain_output_head
+from trainers.models.transformers_compat import head_inputs, innermost_model, plain_output_head
 from trainers.scoring.chunked_head import HeadTargetLogProbs
 
 # Float32 elements of one chunk of (scored positions × vocabulary): 16 MiB.
@@ -350,26 +349,6 @@ def forward_scored_positions(
         order = (at_rows * slots.numel() + at_cols).argsort()
     chunk = max(1, CHUNK_ELEMENTS // logits.shape[-1])
     return ScoredForward(scored, rows, cols, targets, logits, at_rows, at_cols, order, chunk)
-
-
-@contextlib.contextmanager
-def head_inputs(head: torch.nn.Module | None) -> Iterator[list[torch.Tensor]]:
-    """While the block runs, ``head``'s input is kept (the last hidden states at the kept positions) and
-    the head itself applied to none of them: the model's forward returns empty logits."""
-    captured: list[torch.Tensor] = []
-    if head is None:
-        yield captured
-        return
-
-    def keep(module: torch.nn.Module, args: tuple) -> tuple:
-        captured.append(args[0])
-        return (args[0][..., :0, :], *args[1:])
-
-    handle = head.register_forward_pre_hook(keep)
-    try:
-        yield captured
-    finally:
-        handle.remove()
 
 
 def completion_logps(

@@ -13,6 +13,7 @@ from transformers import PreTrainedModel, Trainer
 from trainers.data.collators import IGNORE_INDEX
 from trainers.data.packing import TokenBudgetBatches
 from trainers.models.attention import packing_for
+from trainers.models.transformers_compat import window_loss_scale
 from trainers.runtime.arguments import PassArguments
 from trainers.scoring.logprobs import completion_logps
 from trainers.sections import section_fields
@@ -30,6 +31,9 @@ class SFTArguments(PassArguments):
 class SFTTrainer(Trainer):
     args: SFTArguments
     model: PreTrainedModel  # or a PeftModel around one, which forwards its attributes
+    # compute_loss divides by the accumulation window's num_items_in_batch, whatever the model's forward
+    # accepts; without a count (evaluation) it is the batch's mean
+    loss_is_scaled_for_ga = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -46,10 +50,8 @@ class SFTTrainer(Trainer):
         )
         if num_items_in_batch is None:
             loss = -scored.logps.sum() / scored.num_tokens.sum()
-        else:  # the window's count is over every process: scaled back as Trainer.compute_loss scales it
-            loss = -scored.logps.sum() / num_items_in_batch
-            if self.args.average_tokens_across_devices:
-                loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+        else:
+            loss = -scored.logps.sum() / num_items_in_batch * window_loss_scale(self)
         return (loss, {"logps": scored.logps}) if return_outputs else loss
 
     def get_train_dataloader(self) -> DataLoader:
