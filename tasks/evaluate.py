@@ -136,7 +136,7 @@ def score_models(
         loaded = load_causal_lm(handle.path, handle.revision, compute.dtype, device, scoring.chat_template)
         return (*loaded, scoring.pairs_of(handle))
 
-    source = None if rm is None else RewardModelSource(rm.path, rm.revision, compute.dtype)
+    source = None if rm is None else RewardModelSource(rm.path, rm.revision, compute.dtype, compute.padding_free)
     yield from evaluate_models(
         handles, load, scoring.prompts, scoring.config.spec(compute.padding_free), scoring.beta, None, source, engines
     )

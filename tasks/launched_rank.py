@@ -113,7 +113,9 @@ def evaluate(spec: EvaluateJob) -> BaseModel:
         return model, tokenizer, pairs if scored.pairs else None
 
     rm = spec.reward_model
-    source = None if rm is None else RewardModelSource(rm.path, rm.revision, spec.compute.dtype)
+    source = (
+        None if rm is None else RewardModelSource(rm.path, rm.revision, spec.compute.dtype, spec.compute.padding_free)
+    )
     vllm = spec.evaluation.generation_backend == "vllm"
     engines = evaluation_engine(spec.evaluation.seed, replaceable=False) if vllm else None
     scores = []

@@ -322,6 +322,24 @@ def test_the_reward_stage(tiny_checkpoint, long_pairs, tmp_path, head):
     assert_trainer_is_padding_free_exact(build, PairSequenceCollator(tokenizer.pad_token_id)(long_pairs))
 
 
+@pytest.mark.parametrize("head", ["classifier", "likelihood"])
+def test_a_reward_model_scores_completions_padding_free_as_it_does_padded(tiny_checkpoint, long_pairs, head):
+    """``RewardModelScorer`` (a GRPO reward function, the evaluation's reward model): packed scores equal
+    the padded ones, in batches that mix short and long rows."""
+    from trainers.scoring.reward_model import RewardModelScorer, load_reward_model
+
+    model, tokenizer, _ = load_reward_model(tiny_checkpoint.path, head=head)
+    model = model.float()
+    if head == "classifier":
+        torch.manual_seed(0)
+        torch.nn.init.normal_(model.score.weight, std=0.5)
+    sequences = [(p["prompt_ids"], p["chosen_ids"]) for p in long_pairs]
+    packed = RewardModelScorer(model, tokenizer, head, "model:rm", batch_size=5, padding_free=True)
+    padded = RewardModelScorer(model, tokenizer, head, "model:rm", batch_size=5, padding_free=False)
+    assert packed.packing is not None and padded.packing is None
+    assert_close(torch.tensor(packed.score_ids(sequences)), torch.tensor(padded.score_ids(sequences)))
+
+
 def test_distillation_student_and_teacher_passes(tiny, long_pairs, tmp_path):
     from trainers.distill.trainer import DistillConfig, DistillTrainer, PromptCompletionCollator
 

@@ -319,14 +319,16 @@ def samples_table(results: list[PromptResult], rows: int) -> dict[str, list]:
 
 @dataclass(frozen=True)
 class RewardModelSource:
-    """``evaluation.reward_model`` as an evaluation loads it: a saved reward model at ``revision``, in ``dtype``."""
+    """``evaluation.reward_model`` as an evaluation loads it: a saved reward model at ``revision``, in
+    ``dtype``, scoring padding-free as ``padding_free`` says (``compute.padding_free``)."""
 
     path: str
     revision: str | None
     dtype: str
+    padding_free: PaddingFree = "auto"
 
     def load(self, device) -> RewardModelScorer:
-        return load_scorer(self.path, self.revision, self.dtype, device, "evaluation.reward_model")
+        return load_scorer(self.path, self.revision, self.dtype, device, "evaluation.reward_model", self.padding_free)
 
 
 def check_scorer_reads(tokenizer: PreTrainedTokenizerBase, scorer: RewardModelScorer, path: str) -> None:

@@ -26,7 +26,7 @@ def reward_functions(section: GRPOStageConfig, inputs: StageInputs, policy_devic
             continue
         source = inputs.reward_models.get(target)
         path, revision = (source.path, source.revision) if source is not None else (target, None)
-        functions.append(load_scorer(path, revision, inputs.dtype, device, name))
+        functions.append(load_scorer(path, revision, inputs.dtype, device, name, inputs.padding_free))
     return functions
 
 

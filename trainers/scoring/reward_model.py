@@ -35,12 +35,13 @@ from transformers import (
 from trainers.data.collators import prompt_completion_batch
 from trainers.data.packing import packed_batch
 from trainers.data.rows import render_completion, render_prompt
-from trainers.models.attention import Packing
+from trainers.models.attention import Packing, packing_for
 from trainers.models.devices import torch_dtype
 from trainers.models.pretrained import LOAD_OPTIONS, ModelLoader, load_tokenizer, load_with_new_head
 from trainers.models.transformers_compat import classifier_parts
 from trainers.registry import Registry
 from trainers.scoring.logprobs import completion_logps
+from trainers.sections import PaddingFree
 
 
 @dataclass(frozen=True)
@@ -153,15 +154,23 @@ class RewardModelScorer:
     """A reward model as a GRPO reward function (TRL's contract, :mod:`trainers.grpo.rewards`): each
     prompt and completion, as the data has them, tokenized as the data preparation tokenizes a pair
     (:func:`~trainers.data.rows.render_prompt`, :func:`~trainers.data.rows.render_completion`), scored in
-    batches of ``batch_size`` without gradient. :meth:`to` puts the model on a device (the policy's,
-    or its own: ``grpo.reward_model_device``)."""
+    batches of ``batch_size`` without gradient, padding-free as ``padding_free`` says
+    (``compute.padding_free``). :meth:`to` puts the model on a device (the policy's, or its own:
+    ``grpo.reward_model_device``)."""
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, head: str, name: str, batch_size: int = 64
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        head: str,
+        name: str,
+        batch_size: int = 64,
+        padding_free: PaddingFree = "auto",
     ):
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.score = REWARD_HEADS.lookup(head).score
+        self.packing = packing_for(self.model, padding_free)
         self.__name__ = name
         self.batch_size = batch_size
 
@@ -188,11 +197,13 @@ class RewardModelScorer:
             batch = prompt_completion_batch(
                 [list(p) for p, _ in part], [list(c) for _, c in part], self.tokenizer.pad_token_id
             )
-            scores += self.score(self.model, {k: v.to(device) for k, v in batch.items()}, None).float().tolist()
+            scores += self.score(self.model, {k: v.to(device) for k, v in batch.items()}, self.packing).float().tolist()
         return scores
 
 
-def load_scorer(path: str, revision: str | None, dtype: str, device, name: str) -> RewardModelScorer:
+def load_scorer(
+    path: str, revision: str | None, dtype: str, device, name: str, padding_free: PaddingFree
+) -> RewardModelScorer:
     """The saved reward model at ``path`` as a scorer on ``device``, named ``name`` in logs."""
     model, tokenizer, head = load_reward_model(path, revision, dtype)
-    return RewardModelScorer(model, tokenizer, head, name).to(device)
+    return RewardModelScorer(model, tokenizer, head, name, padding_free=padding_free).to(device)
