@@ -481,10 +481,13 @@ def test_a_packed_sft_epoch_trains_on_every_row_once(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_the_head_applied_in_chunks_gives_the_materialised_logits_values_and_gradients(tiny, monkeypatch, temperature):
-    """Past ``HEAD_IN_CHUNKS_ELEMENTS`` the packed pass stops at the head's input and applies the head
-    chunk by chunk (here forced, with chunks of 7 positions): log-probs, entropies and every gradient
-    (the tied embedding's included) equal those through the materialised logits."""
+@pytest.mark.parametrize("packing", [Packing(one_pack=False, always=True), None], ids=["packed", "padded"])
+def test_the_head_applied_in_chunks_gives_the_materialised_logits_values_and_gradients(
+    tiny, monkeypatch, temperature, packing
+):
+    """Past ``HEAD_IN_CHUNKS_ELEMENTS`` the pass, packed or padded, stops at the head's input and applies
+    the head chunk by chunk (here forced, with chunks of 7 positions): log-probs, entropies and every
+    gradient (the tied embedding's included) equal those through the materialised logits."""
     from trainers.scoring import logprobs
 
     model = model_with(tiny, "sdpa")
@@ -495,13 +498,11 @@ def test_the_head_applied_in_chunks_gives_the_materialised_logits_values_and_gra
     for threshold in (1 << 40, 0):
         monkeypatch.setattr(logprobs, "HEAD_IN_CHUNKS_ELEMENTS", threshold)
         monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", 7 * model.config.vocab_size)
-        forward = logprobs.forward_scored_positions(model, ids, mask, completion, Packing(one_pack=False, always=True))
+        forward = logprobs.forward_scored_positions(model, ids, mask, completion, packing)
         assert (forward.head is not None) == (threshold == 0)
         if forward.head is not None:
             assert forward.logits.shape[1] == 0  # the model's own head projected nothing
-        got = next_token_logps(
-            model, ids, mask, completion, temperature, entropy=True, packing=Packing(one_pack=False, always=True)
-        )
+        got = next_token_logps(model, ids, mask, completion, temperature, entropy=True, packing=packing)
         (got.logps.sum() + 0.3 * got.entropy.sum()).backward()
         results.append((got, grads(model)))
     (materialised, expected_grads), (chunked, chunked_grads) = results

@@ -312,7 +312,7 @@ def forward_scored_positions(
     (``logits_to_keep`` when the model takes it; a view of the logits otherwise). Padding-free: the
     rows packed without their padding (:class:`~trainers.data.packing.PackedBatch`, ``position_ids``
     restarting per row and no ``attention_mask``, so the attention implementation keeps them apart),
-    projected at the scored slots of the packs only. There, when those logits would exceed
+    projected at the scored slots of the packs only. Either way, when those logits would exceed
     ``HEAD_IN_CHUNKS_ELEMENTS`` and the model's head allows it (``plain_output_head``), the model
     stops at the head's input and :class:`HeadTargetLogProbs` applies the head chunk by chunk,
     unless the caller ``needs_logits`` (:meth:`ScoredForward.scored_logits`)."""
@@ -324,28 +324,31 @@ def forward_scored_positions(
     if packed is None:
         first = int(cols.min()) if cols.numel() else scored.shape[1] - 1
         kept = input_ids.shape[1] - first  # positions first .. last, the last predicting nothing
-        extra = {"logits_to_keep": kept} if takes_kept else {}
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra).logits
-        logits = logits[:, -kept:]  # a view; already this shape when logits_to_keep was honoured
-        at_rows, at_cols, order = rows, cols - first, None
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "logits_to_keep": kept}
+        at_rows, at_cols, kept_logits = rows, cols - first, input_ids.shape[0] * kept
     else:
         pack_rows, pack_cols = packed.locate(rows, cols)
         slots = pack_cols.unique()  # sorted: the packs' slots that any pack scores
         ids = packed.scatter(input_ids, attention_mask)
-        positions = packed.position_ids(input_ids.device)
-        extra = {"logits_to_keep": slots} if takes_kept else {}
-        head = None if needs_logits or not takes_kept else plain_output_head(model)
-        if head is not None and ids.shape[0] * slots.numel() * head.out_features <= HEAD_IN_CHUNKS_ELEMENTS:
-            head = None
-        with head_inputs(head) as captured:
-            logits = model(input_ids=ids, position_ids=positions, use_cache=False, **extra).logits
+        inputs = {"input_ids": ids, "position_ids": packed.position_ids(input_ids.device), "logits_to_keep": slots}
+        at_rows, at_cols, kept_logits = pack_rows, torch.searchsorted(slots, pack_cols), ids.shape[0] * slots.numel()
+    if not takes_kept:
+        del inputs["logits_to_keep"]
+    head = None if needs_logits or not takes_kept else plain_output_head(model)
+    if head is not None and kept_logits * head.out_features <= HEAD_IN_CHUNKS_ELEMENTS:
+        head = None
+    with head_inputs(head) as captured:
+        logits = model(**inputs, use_cache=False).logits
+    if head is not None:
+        chunk = max(1, CHUNK_ELEMENTS // head.out_features)
+        hidden = captured[0][at_rows, at_cols]
+        return ScoredForward(scored, rows, cols, targets, logits, at_rows, at_cols, None, chunk, hidden, head)
+    if packed is None:
+        logits = logits[:, -kept:]  # a view; already this shape when logits_to_keep was honoured
+        order = None
+    else:
         if not takes_kept:
             logits = logits[:, slots]
-        at_rows, at_cols = pack_rows, torch.searchsorted(slots, pack_cols)
-        if head is not None:
-            chunk = max(1, CHUNK_ELEMENTS // head.out_features)
-            hidden = captured[0][at_rows, at_cols]
-            return ScoredForward(scored, rows, cols, targets, logits, at_rows, at_cols, None, chunk, hidden, head)
         order = (at_rows * slots.numel() + at_cols).argsort()
     chunk = max(1, CHUNK_ELEMENTS // logits.shape[-1])
     return ScoredForward(scored, rows, cols, targets, logits, at_rows, at_cols, order, chunk)
