@@ -406,3 +406,25 @@ def test_the_window_loss_scale_is_the_factor_trainer_compute_loss_applies(tmp_pa
         trainers_loss = Trainer.compute_loss(trainer, model, inputs, num_items_in_batch=items)
     assert window_loss_scale(trainer) == (processes if averaged else 1)
     torch.testing.assert_close(trainers_loss, window_mean * window_loss_scale(trainer), rtol=0, atol=0)
+
+
+@pytest.mark.unit
+def test_packed_rows_are_kept_apart_only_by_a_forward_without_a_kv_cache():
+    """Why every packed forward passes ``use_cache=False``: transformers detects rows restarting in
+    ``position_ids`` only where the forward builds no KV cache; with one (a causal LM's default) the
+    packed rows attend to each other."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64)
+    model = LlamaForCausalLM(LlamaConfig(**shape, attn_implementation="sdpa")).eval()
+    lengths = [5, 3, 4]
+    ids = torch.randint(0, 64, (1, sum(lengths)))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        rows = torch.cat([model(input_ids=row, use_cache=False).logits for row in ids.split(lengths, dim=1)], 1)
+        apart = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        cached = model(input_ids=ids, position_ids=positions).logits
+    torch.testing.assert_close(apart, rows, rtol=1e-5, atol=1e-5)
+    assert (cached - rows)[:, lengths[0] :].abs().max() > 1e-3  # the later rows see the first
