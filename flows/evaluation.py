@@ -6,7 +6,7 @@ from prefect import flow
 
 from infra.core.config import EvaluationRequest, ModelConfig, check_compute
 from tasks.data import prepare_dataset
-from tasks.evaluate import EvalReport, HeldOutRewards, evaluate
+from tasks.evaluate import EvalReport, HeldOutRewards, check_suites, evaluate
 from tasks.models import resolve_model, resolve_scorer
 from tasks.reference import cache_ref_logps
 from tasks.tracking import start_parent_run, tracked_run
@@ -24,6 +24,7 @@ def evaluation(request: EvaluationRequest) -> EvalReport:
         if len(tokenizers) != 1:
             raise ValueError(f"models {sorted(models)} use different tokenizers; evaluate them in separate requests")
         data = prepare_dataset(request.data, next(iter(models.values())))
+        check_suites(request.evaluation, request.data.builtin)  # before any model is scored
         held_out_rewards = None
         if request.reference_model is not None:
             reference = resolve_model(ModelConfig(source=request.reference_model), stage="reference")
@@ -41,6 +42,7 @@ def evaluation(request: EvaluationRequest) -> EvalReport:
             compute=request.compute,
             reward_model=resolve_scorer(request.evaluation.reward_model, {}),
             plugins=request.plugins,
+            builtin=request.data.builtin,
         )
         print(report.summary())
         return report

@@ -13,7 +13,7 @@ from infra.core.config import ExperimentConfig, check_compute, merge_onto
 from infra.core.handles import ModelHandle, PreparedData, ReferenceLogps
 from infra.core.stage_io import TrainInputs
 from tasks.data import check_generations, prepare_dataset
-from tasks.evaluate import EvalReport, HeldOutRewards, evaluate
+from tasks.evaluate import EvalReport, HeldOutRewards, check_suites, evaluate
 from tasks.models import resolve_model, resolve_scorer, resolve_teacher
 from tasks.promote import find_champion, promote
 from tasks.reference import cache_ref_logps
@@ -59,6 +59,7 @@ def experiment(
         base = resolve_model(config.model)
         data = prepare_dataset(config.data, base)
         check_generations(config, data)  # before any stage trains
+        check_suites(config.evaluation, config.data.builtin)
         models = {"base": base}
         reward_models: dict[str, ModelHandle] = {}
         policy, held_out_rewards = base, None
@@ -134,6 +135,7 @@ def evaluate_and_gate(
         config.compute,
         reward_model,
         config.plugins,
+        config.data.builtin,
     )
     print(report.summary())
     if config.promotion.registered_model:

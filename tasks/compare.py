@@ -24,6 +24,7 @@ from tasks.reporting import (
 )
 from tasks.tracking import tracked_run
 from trainers.catalog import stage_curves
+from trainers.evaluation.harness import is_suite_metric
 
 MAX_VARYING_PARAMS = 8
 DEFAULT_METRICS = ["greedy_accuracy", "sampled_accuracy", "pass_at_4"]
@@ -138,7 +139,8 @@ def compare_runs(
     stage: str | None = None,
     selection: RunSelection = RunSelection(),
 ) -> ComparisonReport:
-    """``metrics`` default to those of :data:`DEFAULT_METRICS` some run measured (metrics named
+    """``metrics`` default to those of :data:`DEFAULT_METRICS` some run measured and every suite
+    metric a run has (``trainers.evaluation.harness.is_suite_metric``; metrics named
     explicitly are shown even where no run has them, marked "not measured"); ``params`` to the
     config fields whose values differ between the runs, and label the runs; ``stage`` (whose
     training curves are plotted) to the first stage whose settings differ; ``curves`` to that
@@ -157,7 +159,9 @@ def compare_runs(
     summaries = label_runs(summaries, shown)
     base = next(s for s in summaries if s.run_id == chosen.info.run_id)
     if metrics is None:
-        metrics = [m for m in DEFAULT_METRICS if any(m in summary.metrics for summary in summaries)] or DEFAULT_METRICS
+        measured = {m for summary in summaries for m in summary.metrics}
+        suites = sorted(m for m in measured if is_suite_metric(m))
+        metrics = [m for m in DEFAULT_METRICS if m in measured] + suites or DEFAULT_METRICS
 
     folder = get_settings().root / "comparisons" / experiment / time.strftime("%Y%m%d-%H%M%S")
     folder.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.runtime import flow_run
 from pydantic import BaseModel
 
-from infra.core.config import ComputeConfig, EvaluationConfig, compute_device
+from infra.core.config import AdditionTaskConfig, ComputeConfig, EvaluationConfig, compute_device
 from infra.core.fingerprints import atomic_directory, code_fingerprint, hash_value
 from infra.core.handles import ModelHandle, PreparedData, ReferenceLogps
 from infra.core.settings import get_settings
@@ -26,6 +26,8 @@ from tasks.launch import launch
 from tasks.mlflow_runs import client, log_metrics
 from tasks.reference import with_reference_columns
 from tasks.tracking import stage_run_id, tracked_run
+from trainers.data.synthetic import AdditionTask, generate_addition
+from trainers.evaluation.harness import HarnessTask, is_suite_metric, resolve_suite
 from trainers.models.devices import load_dtype
 from trainers.scoring.metrics import ModelScores
 
@@ -65,27 +67,73 @@ class EvalReport(BaseModel):
     mlflow_run_id: str
     # model label -> metric -> one value per held-out prompt (same prompts, same order for every model)
     per_prompt: dict[str, dict[str, list[float]]] = {}
+    suite_metrics: list[str] = []  # the suites' metrics (``<task>/<metric>/<filter>``), shown after TABLE_COLUMNS
 
     def summary(self) -> str:
         """What the flows print: the table, or that there was nothing to evaluate."""
-        if not self.num_prompts and not self.num_pairs:
+        if not self.num_prompts and not self.num_pairs and not self.suite_metrics:
             return NOTHING_EVALUATED
         return f"Evaluation ({self.num_prompts} held-out prompts, {self.num_pairs} held-out pairs):\n{self.markdown()}"
 
+    def columns(self) -> dict[str, str]:
+        """Metric → column title of the table: :data:`TABLE_COLUMNS` any model has, then the suites'."""
+        shown = {c: title for c, title in TABLE_COLUMNS.items() if any(c in m for m in self.rows.values())}
+        return shown | {name: name for name in self.suite_metrics}
+
     def markdown(self) -> str:
-        columns = [c for c in TABLE_COLUMNS if any(c in m for m in self.rows.values())]
-        lines = ["| model | " + " | ".join(TABLE_COLUMNS[c] for c in columns) + " |", "|---" * (len(columns) + 1) + "|"]
+        titles = self.columns()
+        columns = list(titles)
+        lines = ["| model | " + " | ".join(titles.values()) + " |", "|---" * (len(columns) + 1) + "|"]
         for label, metrics in self.rows.items():
             lines.append(f"| {label} | " + " | ".join(format_cell(metrics, c) for c in columns) + " |")
         return "\n".join(lines) + "\n"
 
 
 def format_cell(metrics: dict[str, float], name: str) -> str:
+    """A metric with its 95% CI, or a suite metric ± its standard error, where the model has them."""
     if name not in metrics or math.isnan(metrics[name]):
         return "—"
     low, high = metrics.get(f"{name}_ci_low"), metrics.get(f"{name}_ci_high")
     interval = f" [{low:.2f}, {high:.2f}]" if low is not None and high is not None else ""
-    return f"{metrics[name]:.3f}{interval}"
+    stderr = metrics.get(stderr_name(name))
+    spread = f" ± {stderr:.3f}" if stderr is not None and not math.isnan(stderr) else ""
+    return f"{metrics[name]:.3f}{interval}{spread}"
+
+
+def stderr_name(suite_metric: str) -> str:
+    """``<task>/<metric>_stderr/<filter>``: the harness's standard error of a suite metric."""
+    task, _, rest = suite_metric.partition("/")
+    metric, _, filter_name = rest.partition("/")
+    return f"{task}/{metric}_stderr/{filter_name}"
+
+
+def suite_metrics(rows: dict[str, dict[str, float]], suites: Sequence[HarnessTask]) -> list[str]:
+    """The suites' metrics in the rows, standard errors left out (they are shown beside their metric)."""
+    prefixes = tuple(f"{task.name}/" for task in suites)
+    return sorted({name for m in rows.values() for name in m if name.startswith(prefixes) and is_suite_metric(name)})
+
+
+def builtin_held_out(builtin: AdditionTaskConfig | None, num_prompts: int) -> list[dict]:
+    """The built-in task's held-out problems the evaluation scores (``builtin:addition``'s documents)."""
+    if builtin is None:
+        return []
+    return generate_addition(AdditionTask(**builtin.model_dump()))["eval_prompts"][:num_prompts]
+
+
+def resolve_suites(
+    config: EvaluationConfig, builtin: AdditionTaskConfig | None, folder: Path
+) -> tuple[HarnessTask, ...]:
+    """``evaluation.suites`` ready to run, their generated data in ``folder``; raises
+    ``trainers.evaluation.harness.SuiteError`` naming a task whose data would be downloaded."""
+    held_out = builtin_held_out(builtin, config.num_prompts)
+    return tuple(resolve_suite(suite.request(index), folder, held_out) for index, suite in enumerate(config.suites))
+
+
+def check_suites(config: EvaluationConfig, builtin: AdditionTaskConfig | None) -> None:
+    """Refuse, before any stage trains or any model is scored, a suite task that cannot run here."""
+    if config.suites:
+        with tempfile.TemporaryDirectory(prefix="suites-") as folder:
+            resolve_suites(config, builtin, Path(folder))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +154,7 @@ class Scoring:
     reference: str | None = None
     chat_template: str | None = None
     plugins: tuple[str, ...] = ()
+    suites: tuple[HarnessTask, ...] = ()
 
     def pairs_of(self, handle: ModelHandle) -> list[dict] | None:
         return None if handle.fingerprint == self.reference else self.pairs
@@ -138,7 +187,14 @@ def score_models(
 
     source = None if rm is None else RewardModelSource(rm.path, rm.revision, compute.dtype, compute.padding_free)
     yield from evaluate_models(
-        handles, load, scoring.prompts, scoring.config.spec(compute.padding_free), scoring.beta, None, source, engines
+        handles,
+        load,
+        scoring.prompts,
+        scoring.config.spec(compute.padding_free, scoring.suites),
+        scoring.beta,
+        None,
+        source,
+        engines,
     )
 
 
@@ -197,11 +253,12 @@ def scores_key(
     dtype: str = "float32",
     reward_model: ModelHandle | None = None,
     plugins: Sequence[str] = (),
+    suites: Sequence[HarnessTask] = (),
 ) -> str:
     """What a model's scores are a function of: its weights and tokenizer, the dtype it runs in, the
     prepared held-out prompts (and pairs with their reference log-probs), the evaluation settings,
-    the reward model that scores its samples, and the code (the ``plugins``' among it: a reward
-    head may be theirs)."""
+    the reward model that scores its samples, the suite tasks (their configs, data and harness
+    version) and the code (the ``plugins``' among it: a reward head may be theirs)."""
     return hash_value(
         {
             "dtype": dtype,
@@ -213,6 +270,7 @@ def scores_key(
             "code": code_fingerprint(__name__, *plugins),
             # absent without one, so other keys stay as they were
             **({"reward_model": reward_model.weights_fingerprint or reward_model.fingerprint} if reward_model else {}),
+            **({"suites": [task.fingerprint for task in suites]} if suites else {}),
         }
     )
 
@@ -287,10 +345,12 @@ def evaluate(
     compute: ComputeConfig = ComputeConfig(),  # noqa: B008 (frozen)
     reward_model: ModelHandle | None = None,
     plugins: Sequence[str] = (),
+    builtin: AdditionTaskConfig | None = None,
 ) -> EvalReport:
     """Score every model; implicit-reward metrics skip the reference itself (its margin is 0 by
     definition); ``reward_model`` (``evaluation.reward_model``, resolved) scores every model's
-    samples. ``final_label``'s metrics are also logged on the parent run as ``final/<metric>``.
+    samples; the suites score it too (``builtin:addition`` on ``builtin``'s held-out problems,
+    ``data.builtin``). ``final_label``'s metrics are also logged on the parent run as ``final/<metric>``.
     A launched evaluation imports ``plugins`` (the config's) first."""
     prepared = datasets.load_from_disk(data.path)
     prompts = prepared["eval_prompts"].to_list()[: config.num_prompts] if "eval_prompts" in prepared else []
@@ -302,12 +362,14 @@ def evaluate(
         pairs = None if held_out is None else held_out if isinstance(held_out, list) else held_out.to_list()
         reference_fingerprint, beta = reference_logps.reference_fingerprint, held_out_rewards.beta
 
-    if not prompts and not pairs:
+    if not prompts and not pairs and not config.suites:
         get_run_logger().warning(NOTHING_EVALUATED)
     # an evaluation is not resumed: one folder (and MLflow run) per flow run
     run_id = stage_run_id(
         parent_run_id, "evaluate", StageFolder.of(config_name, "evaluate", str(flow_run.get_id() or "local"))
     )
+    suite_folder = tempfile.TemporaryDirectory(prefix="suites-")
+    suites = resolve_suites(config, builtin, Path(suite_folder.name))  # before any model is scored
     scoring = Scoring(
         prompts,
         pairs,
@@ -318,6 +380,7 @@ def evaluate(
         reference=reference_fingerprint,
         chat_template=data.chat_template,
         plugins=tuple(plugins),
+        suites=suites,
     )
     keys = [
         scores_key(
@@ -329,11 +392,12 @@ def evaluate(
             load_dtype(model.path, model.revision, compute.dtype),
             reward_model,
             plugins,
+            suites,
         )
         for model in models.values()
     ]
     rows, per_prompt = {}, {}
-    with tracked_run(run_id), shared_engine(config) as engines:
+    with suite_folder, tracked_run(run_id), shared_engine(config) as engines:
         for label, scores in zip(models, cached_scores(list(models.values()), scoring, keys, engines)):
             rows[label], per_prompt[label] = scores.metrics, scores.per_prompt
             log_metrics(run_id, {f"{label}/{name}": value for name, value in rows[label].items()})
@@ -344,18 +408,24 @@ def evaluate(
             log_metrics(parent_run_id, {f"final/{name}": value for name, value in rows[final_label].items()})
             client().set_tag(parent_run_id, "alignflow.final_stage", final_label)
         report = EvalReport(
-            rows=rows, num_prompts=len(prompts), num_pairs=len(pairs or []), mlflow_run_id=run_id, per_prompt=per_prompt
+            rows=rows,
+            num_prompts=len(prompts),
+            num_pairs=len(pairs or []),
+            mlflow_run_id=run_id,
+            per_prompt=per_prompt,
+            suite_metrics=suite_metrics(rows, suites),
         )
+        columns = [*TABLE_COLUMNS, *report.suite_metrics]
         client().log_table(
             run_id,
-            data={"model": list(rows), **{c: [m.get(c) for m in rows.values()] for c in TABLE_COLUMNS}},
+            data={"model": list(rows), **{c: [m.get(c) for m in rows.values()] for c in columns}},
             artifact_file="eval_table.json",
         )
         for table_run in (run_id, parent_run_id):  # the parent, found first in the UI, carries it too
             client().log_text(table_run, report.markdown(), "eval_table.md")
     create_table_artifact(
         key="evaluation",
-        table=[{"model": label, **{c: round(m[c], 4) for c in TABLE_COLUMNS if c in m}} for label, m in rows.items()],
+        table=[{"model": label, **{c: round(m[c], 4) for c in columns if c in m}} for label, m in rows.items()],
         description=f"{len(prompts)} held-out prompts, {len(pairs or [])} held-out pairs",
     )
     return report

@@ -12,6 +12,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trainers.data.collators import PreferenceCollator, pad_left
 from trainers.data.lengths import model_context
 from trainers.dpo.losses import reward_metrics
+from trainers.evaluation.harness import HarnessTask, harness_scores
 from trainers.generation.budget import evaluation_generation
 from trainers.generation.vllm_engine import EngineOptions, ReusedEngine, SamplingOptions, require_vllm
 from trainers.models.attention import packing_for
@@ -64,6 +65,7 @@ class EvaluationSpec:
     num_logged_samples: int  # rows of the samples table
     pair_batch_size: int  # held-out pairs per forward
     padding_free: PaddingFree = "auto"  # of the held-out pairs' forward (``compute.padding_free``)
+    suites: tuple[HarnessTask, ...] = ()  # scored by lm-evaluation-harness (one process)
 
 
 @dataclass(frozen=True)
@@ -362,10 +364,10 @@ def evaluate_model(
     engines: ReusedEngine | None = None,
 ) -> ModelScores:
     """Every metric of one model: answer metrics of ``prompts`` (with their samples table and
-    per-prompt values), the ``reward_model``'s mean score of its samples, and implicit rewards at
-    ``beta`` of ``pairs`` (rows with ``ref_*`` log-probs). With ``state`` (a launch's
-    ``PartialState``) the work is sharded over its processes and every process returns what one
-    process would; ``engines`` is the vLLM engine the models of an evaluation share."""
+    per-prompt values), the ``reward_model``'s mean score of its samples, implicit rewards at
+    ``beta`` of ``pairs`` (rows with ``ref_*`` log-probs), and the harness's metrics of ``spec.suites``.
+    With ``state`` (a launch's ``PartialState``) the work is sharded over its processes and every
+    process returns what one process would; ``engines`` is the vLLM engine the models of an evaluation share."""
     scores = ModelScores({}, {}, {})
     if prompts:
         results = score_prompts(model, tokenizer, prompts, spec.generation, state, engines)
@@ -392,6 +394,12 @@ def evaluate_model(
         scores.metrics.update(
             preference_rewards(model, tokenizer, pairs, beta, spec.pair_batch_size, state, spec.padding_free)
         )
+    if spec.suites:
+        if state is not None and state.num_processes > 1:
+            raise ValueError("evaluation.suites are scored in one process")
+        suites = harness_scores(model, tokenizer, spec.suites, spec.generation.seed)
+        scores.metrics.update(suites.metrics)
+        scores.per_prompt.update(suites.per_prompt)
     return scores
 
 

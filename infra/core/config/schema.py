@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
+import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -29,6 +30,7 @@ from infra.core.config.compute import ComputeConfig
 from infra.core.config.tree import get_path, set_path
 from infra.core.settings import get_settings
 from trainers.catalog import STAGES, StageName
+from trainers.evaluation.harness import BUILTIN_ADDITION, LOCAL_BUILDERS, SuiteData, SuiteRequest
 from trainers.models.builtin import BUILTIN_MODELS
 from trainers.models.lora import LoraSettings
 from trainers.plugins import import_plugins
@@ -302,6 +304,79 @@ class ReferenceConfig(Section):
     batch_size: int = Field(128, ge=1, description="Pairs per reference forward pass.")
 
 
+class SuiteDataset(Section):
+    path: str = Field(
+        description=f"A `datasets` builder that reads local files ({', '.join(LOCAL_BUILDERS)}) with `data_files`, "
+        "or a local folder (a copy of the hub dataset's repository)."
+    )
+    data_files: dict[str, str] | None = Field(
+        None, description="Split → local file, as the task's splits name them (e.g. `test`, `train` for few-shot)."
+    )
+    name: str | None = Field(None, description="The dataset's configuration (`dataset_name`); null: none.")
+
+
+class SuiteTask(Section):
+    task: str = Field(
+        description=f"An lm-evaluation-harness task: a name of its registry (`gsm8k`, `arc_easy`, …), a task YAML "
+        f"file (a path ending in .yaml), or `{BUILTIN_ADDITION}` (the built-in task's held-out prompts)."
+    )
+    dataset: SuiteDataset | None = Field(
+        None, description="Read the task's documents from here instead of its config's `dataset_path` (offline data)."
+    )
+    num_fewshot: int | None = Field(None, ge=0, description="Few-shot examples; null: the task's own.")
+    limit: int | None = Field(None, ge=1, description="Score the first documents only; null: all.")
+    batch_size: int = Field(16, ge=1, description="Requests per forward / generate() call.")
+    apply_chat_template: bool | None = Field(
+        None,
+        description="Render requests with the model's chat template; null: where the tokenizer has one, but for "
+        f"`{BUILTIN_ADDITION}`, whose prompts the pipeline trains on as plain text.",
+    )
+    download: bool = Field(
+        False,
+        description="Let the harness download a hub dataset (a machine that reaches the hub); false: a task whose "
+        "data is not local fails before any model is scored.",
+    )
+
+    @property
+    def label(self) -> str | None:
+        """The task's name, which prefixes its metrics (``<task>/<metric>/<filter>``); None where a
+        task file gives none that can be read without the harness."""
+        if self.task == BUILTIN_ADDITION:
+            return "addition"
+        if not self.task.endswith((".yaml", ".yml")):
+            return self.task
+        return yaml_task_name(Path(self.task))
+
+    def request(self, index: int) -> SuiteRequest:
+        data = (
+            None if self.dataset is None else SuiteData(self.dataset.path, self.dataset.data_files, self.dataset.name)
+        )
+        return SuiteRequest(
+            self.task,
+            f"evaluation.suites[{index}]",
+            data,
+            self.num_fewshot,
+            self.limit,
+            self.batch_size,
+            self.apply_chat_template,
+            self.download,
+        )
+
+
+def yaml_task_name(path: Path) -> str | None:
+    """The ``task:`` of a task YAML file, read without importing its ``!function`` tags."""
+
+    class Tolerant(yaml.SafeLoader):
+        pass
+
+    Tolerant.add_multi_constructor("!", lambda loader, suffix, node: None)
+    try:
+        loaded = yaml.load(path.read_text(), Loader=Tolerant)  # noqa: S506 (a SafeLoader)
+    except (OSError, yaml.YAMLError):
+        return None
+    return str(loaded["task"]) if isinstance(loaded, dict) and "task" in loaded else None
+
+
 class EvaluationConfig(Section):
     num_prompts: int = Field(300, ge=1, description="Held-out prompts scored per model (at most the split's size).")
     num_samples: int = Field(4, ge=1, description="Samples per prompt at `temperature`: sampled accuracy is mean@N.")
@@ -335,6 +410,34 @@ class EvaluationConfig(Section):
         "(e.g. `reward`) or a saved reward model's source (folder, `runs:/…`, `models:/…`, hub id). It must share "
         "the models' tokenizer. null: none.",
     )
+    suites: list[SuiteTask] = Field(
+        default_factory=list,
+        description="lm-evaluation-harness tasks every model is scored on as well, by the harness itself; metrics "
+        "`<task>/<metric>/<filter>` (docs/evaluation.md: Suites). One process only for now.",
+    )
+
+    def names_suite_metric(self, name: str) -> bool:
+        """Whether ``name`` has the shape of a suite task's metric, ``<task>/<metric>/<filter>`` (which
+        metrics a task reports, only the harness knows: a missing one fails the gate, naming those it has)."""
+        parts = name.split("/")
+        return len(parts) == 3 and all(parts) and parts[0] in {suite.label for suite in self.suites}
+
+    def check_suites(self, compute: ComputeConfig, data: DataConfig) -> None:
+        """What the suites need of the rest of the config (their data is checked once prepared)."""
+        if self.suites and compute.num_processes > 1:
+            raise ValueError(
+                "evaluation.suites run in one process for now; set compute.num_processes: 1 for the evaluation "
+                "(or evaluate with `alignflow evaluate` in one process)"
+            )
+        for index, suite in enumerate(self.suites):
+            if suite.task == BUILTIN_ADDITION and data.builtin is None:
+                raise ValueError(
+                    f"evaluation.suites[{index}]: {BUILTIN_ADDITION} scores the built-in task (data.builtin)"
+                )
+            if suite.label is None:
+                raise ValueError(
+                    f"evaluation.suites[{index}].task: {suite.task} is no readable task file with a `task:`"
+                )
 
     def generation(self):
         """These settings as the trainers' evaluation takes them (imports torch)."""
@@ -344,9 +447,10 @@ class EvaluationConfig(Section):
             self.max_new_tokens, self.num_samples, self.temperature, self.batch_size, self.seed, self.generation_backend
         )
 
-    def spec(self, padding_free: PaddingFree):
+    def spec(self, padding_free: PaddingFree, suites: tuple = ()):
         """The whole evaluation of one model as the trainers take it (imports torch), its scoring
-        passes padding-free as ``compute.padding_free`` says."""
+        passes padding-free as ``compute.padding_free`` says, scored on the resolved ``suites``
+        (:func:`trainers.evaluation.harness.resolve_suite` of :attr:`suites`)."""
         from trainers.evaluation.evaluate import EvaluationSpec
 
         return EvaluationSpec(
@@ -356,6 +460,7 @@ class EvaluationConfig(Section):
             self.num_logged_samples,
             self.batch_size,
             padding_free,
+            suites,
         )
 
 
@@ -526,21 +631,27 @@ class ExperimentBase(Section):
                 raise ValueError(f"stage {stage!r} needs {needs} (or data.builtin)")
         scored = self.evaluation.reward_model is not None
         known = evaluation_metric_names(self.evaluation.pass_k, self.evaluation.num_samples, scored)
-        if self.promotion.metric not in known:
+        if self.promotion.metric not in known and not self.evaluation.names_suite_metric(self.promotion.metric):
             raise ValueError(
                 f"promotion.metric: {self.promotion.metric!r} is not a metric the evaluation produces; "
-                f"known: {', '.join(known)}"
+                f"known: {', '.join(known)}, or a metric of a task of evaluation.suites (`<task>/<metric>/<filter>`)"
             )
         paired = per_prompt_metric_names(self.evaluation.pass_k, self.evaluation.num_samples, scored)
         if (
             self.promotion.registered_model
             and self.promotion.confidence is not None
             and self.promotion.metric not in paired
+            and not self.evaluation.names_suite_metric(self.promotion.metric)
         ):
             raise ValueError(
                 f"promotion.metric: {self.promotion.metric!r} has no per-prompt values for the paired test of "
                 f"promotion.confidence; use one of {', '.join(paired)}, or set promotion.confidence: null"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_suites(self) -> ExperimentBase:
+        self.evaluation.check_suites(self.compute, self.data)
         return self
 
     @model_validator(mode="after")
@@ -667,6 +778,11 @@ class EvaluationRequest(Section):
     @classmethod
     def _import_plugins(cls, data: Any) -> Any:
         return with_plugins_imported(data)
+
+    @model_validator(mode="after")
+    def _check_suites(self) -> EvaluationRequest:
+        self.evaluation.check_suites(self.compute, self.data)
+        return self
 
     @model_validator(mode="after")
     def _reward_model_is_a_source(self) -> EvaluationRequest:
