@@ -26,8 +26,7 @@ from tasks.launch import launch
 from tasks.mlflow_runs import client, log_metrics
 from tasks.reference import with_reference_columns
 from tasks.tracking import stage_run_id, tracked_run
-from trainers.data.synthetic import AdditionTask, generate_addition
-from trainers.evaluation.harness import HarnessTask, is_suite_metric, resolve_suite
+from trainers.evaluation.harness import HarnessTask, is_suite_metric
 from trainers.models.devices import load_dtype
 from trainers.scoring.metrics import ModelScores
 
@@ -113,27 +112,11 @@ def suite_metrics(rows: dict[str, dict[str, float]], suites: Sequence[HarnessTas
     return sorted({name for m in rows.values() for name in m if name.startswith(prefixes) and is_suite_metric(name)})
 
 
-def builtin_held_out(builtin: AdditionTaskConfig | None, num_prompts: int) -> list[dict]:
-    """The built-in task's held-out problems the evaluation scores (``builtin:addition``'s documents)."""
-    if builtin is None:
-        return []
-    return generate_addition(AdditionTask(**builtin.model_dump()))["eval_prompts"][:num_prompts]
-
-
-def resolve_suites(
-    config: EvaluationConfig, builtin: AdditionTaskConfig | None, folder: Path
-) -> tuple[HarnessTask, ...]:
-    """``evaluation.suites`` ready to run, their generated data in ``folder``; raises
-    ``trainers.evaluation.harness.SuiteError`` naming a task whose data would be downloaded."""
-    held_out = builtin_held_out(builtin, config.num_prompts)
-    return tuple(resolve_suite(suite.request(index), folder, held_out) for index, suite in enumerate(config.suites))
-
-
 def check_suites(config: EvaluationConfig, builtin: AdditionTaskConfig | None) -> None:
     """Refuse, before any stage trains or any model is scored, a suite task that cannot run here."""
     if config.suites:
         with tempfile.TemporaryDirectory(prefix="suites-") as folder:
-            resolve_suites(config, builtin, Path(folder))
+            config.resolved_suites(builtin, Path(folder))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +138,7 @@ class Scoring:
     chat_template: str | None = None
     plugins: tuple[str, ...] = ()
     suites: tuple[HarnessTask, ...] = ()
+    builtin: AdditionTaskConfig | None = None  # ``data.builtin``, which the suites' were resolved from
 
     def pairs_of(self, handle: ModelHandle) -> list[dict] | None:
         return None if handle.fingerprint == self.reference else self.pairs
@@ -238,6 +222,7 @@ def evaluate_job(handles: list[ModelHandle], scoring: Scoring, folder: Path) -> 
         beta=scoring.beta,
         reward_model=scoring.reward_model,
         chat_template=scoring.chat_template,
+        builtin=scoring.builtin,
     )
 
 
@@ -369,7 +354,7 @@ def evaluate(
         parent_run_id, "evaluate", StageFolder.of(config_name, "evaluate", str(flow_run.get_id() or "local"))
     )
     suite_folder = tempfile.TemporaryDirectory(prefix="suites-")
-    suites = resolve_suites(config, builtin, Path(suite_folder.name))  # before any model is scored
+    suites = config.resolved_suites(builtin, Path(suite_folder.name))  # before any model is scored
     scoring = Scoring(
         prompts,
         pairs,
@@ -381,6 +366,7 @@ def evaluate(
         chat_template=data.chat_template,
         plugins=tuple(plugins),
         suites=suites,
+        builtin=builtin,
     )
     keys = [
         scores_key(

@@ -116,6 +116,9 @@ def evaluate(spec: EvaluateJob) -> BaseModel:
     source = (
         None if rm is None else RewardModelSource(rm.path, rm.revision, spec.compute.dtype, spec.compute.padding_free)
     )
+    suite_folder = spec.launch_dir / f"suites-{state.process_index}"  # each process writes its own
+    suite_folder.mkdir(parents=True, exist_ok=True)
+    suites = spec.evaluation.resolved_suites(spec.builtin, suite_folder)
     vllm = spec.evaluation.generation_backend == "vllm"
     engines = evaluation_engine(spec.evaluation.seed, replaceable=False) if vllm else None
     scores = []
@@ -124,7 +127,7 @@ def evaluate(spec: EvaluateJob) -> BaseModel:
             spec.models,
             load,
             prompts,
-            spec.evaluation.spec(spec.compute.padding_free),
+            spec.evaluation.spec(spec.compute.padding_free, suites),
             spec.beta,
             state,
             source,

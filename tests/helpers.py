@@ -364,3 +364,45 @@ def launch_worker(module: str, spec: dict, processes: int, folder: Path) -> list
     results = json.loads((folder / "result.json").read_text())
     assert [r["world_size"] for r in results] == [processes] * processes
     return results
+
+
+# A multiple-choice task over the built-in task's problems: every model, trained or not, gets a
+# log-likelihood of each choice, so two fresh models score apart and the comparison is of the harness's numbers.
+CHOICE_TASK = """task: addition_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{prompt}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+
+def choice_task(folder: Path) -> Path:
+    """The task YAML and its local data (30 problems, the right answer among three)."""
+    from trainers.data.synthetic import AdditionTask, generate_addition
+
+    rows = generate_addition(AdditionTask(max_operand=9, num_eval_problems=30))["eval_prompts"]
+    data = folder / "choice.jsonl"
+    with data.open("w") as out:
+        for index, row in enumerate(rows):
+            answer = int(row["answer"])
+            choices = [str(answer + offset) for offset in (-1, 0, 1)]
+            label = index % 3  # the right answer in every place
+            choices[label], choices[1] = choices[1], choices[label]
+            out.write(json.dumps({"prompt": row["prompt"], "choices": choices, "label": label}) + "\n")
+    task = folder / "addition_choice.yaml"
+    task.write_text(CHOICE_TASK.format(data=data))
+    return task

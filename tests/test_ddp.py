@@ -25,10 +25,10 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from helpers import dask_cluster, gone_within, processes_naming
+from helpers import choice_task, dask_cluster, gone_within, processes_naming
 from safetensors.torch import load_file
 
-from infra.core.config import ComputeConfig, EvaluationConfig
+from infra.core.config import AdditionTaskConfig, ComputeConfig, EvaluationConfig
 from infra.core.handles import ModelHandle, PreparedData, ReferenceLogps
 from infra.core.ports import free_port
 from infra.core.settings import get_settings
@@ -668,6 +668,39 @@ def test_the_evaluation_task_over_two_processes_scores_what_one_process_scores(w
     # the samples differ between batches: each batch has its own seed, not one stream cut in shards
     assert len(set(reference.samples["completion"])) > 1
     assert list(get_settings().launches.glob("evaluate-*")) == []
+
+
+@pytest.mark.slow
+def test_suites_over_two_processes_score_what_one_process_scores(workdir, teacher_checkpoint, launch_log, tmp_path):
+    """lm-evaluation-harness tasks (a generated one and a multiple-choice one) launched over two
+    processes, each running its share of the requests: the first process's metrics on both, the
+    same as one process's."""
+    from tasks.evaluate import Scoring, score_models
+
+    spec, _ = workdir
+    builtin = AdditionTaskConfig(max_operand=9, num_eval_problems=20)
+    suites = [{"task": str(choice_task(tmp_path)), "batch_size": 4}, {"task": "builtin:addition", "batch_size": 4}]
+    evaluation = EvaluationConfig(num_prompts=7, suites=suites)  # 7 addition documents, 30 choice ones
+    resolved = evaluation.resolved_suites(builtin, tmp_path)
+    models = [spec["policy"], teacher_checkpoint]
+    scoring = Scoring([], None, evaluation, None, ComputeConfig(cpu=True), suites=resolved, builtin=builtin)
+    with one_torch_thread():
+        one = list(score_models(models, scoring))
+    two = list(score_models(models, dataclasses.replace(scoring, compute=cpu(2))))
+    assert launch_log.text.count("evaluation of init, teacher on 2 processes: ") == 1
+    # each process ran its share: the first process's progress lines, 45 of the 90 choices' log-likelihoods
+    assert "loglikelihood requests: 100%" in launch_log.text and "| 45/45 [" in launch_log.text
+    assert "| 90/90 [" not in launch_log.text
+    # the per-document values are one process's; a standard error sums them in another order (the
+    # first process's, then the second's), so it may differ in its last bit
+    assert [s.per_prompt for s in two] == [s.per_prompt for s in one]
+    for two_scores, one_scores in zip(two, one):
+        assert two_scores.metrics.keys() == one_scores.metrics.keys()
+        for name, value in one_scores.metrics.items():
+            assert two_scores.metrics[name] == (pytest.approx(value, rel=1e-12) if "_stderr/" in name else value), name
+    assert len(one[0].per_prompt["addition_choice/acc/none"]) == 30
+    assert len(one[0].per_prompt["addition/exact_match/none"]) == 7
+    assert one[0].metrics["addition_choice/acc/none"] != one[1].metrics["addition_choice/acc/none"]
 
 
 @pytest.mark.unit

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Iterator, Literal, U
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, TypeAdapter, model_validator
 
-from infra.core.config import ComputeConfig, EvaluationConfig
+from infra.core.config import AdditionTaskConfig, ComputeConfig, EvaluationConfig
 from infra.core.fingerprints import staging_copies
 from infra.core.handles import ModelHandle, PreparedData, ReferenceLogps
 from infra.core.settings import get_settings
@@ -255,6 +255,7 @@ class EvaluateJob(RowsJob):
     beta: float | None
     reward_model: ModelHandle | None = None  # scores the samples (``evaluation.reward_model``, resolved)
     chat_template: str | None = None  # over the models' tokenizers' (``Scoring.chat_template``)
+    builtin: AdditionTaskConfig | None = None  # ``data.builtin``: the documents of ``builtin:addition`` suites
 
     PROMPTS: ClassVar[str] = "prompts"  # held-out prompts with answers
     PAIRS: ClassVar[str] = "pairs"  # held-out pairs with their reference log-probs

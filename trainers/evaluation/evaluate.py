@@ -65,7 +65,7 @@ class EvaluationSpec:
     num_logged_samples: int  # rows of the samples table
     pair_batch_size: int  # held-out pairs per forward
     padding_free: PaddingFree = "auto"  # of the held-out pairs' forward (``compute.padding_free``)
-    suites: tuple[HarnessTask, ...] = ()  # scored by lm-evaluation-harness (one process)
+    suites: tuple[HarnessTask, ...] = ()  # scored by lm-evaluation-harness
 
 
 @dataclass(frozen=True)
@@ -395,9 +395,7 @@ def evaluate_model(
             preference_rewards(model, tokenizer, pairs, beta, spec.pair_batch_size, state, spec.padding_free)
         )
     if spec.suites:
-        if state is not None and state.num_processes > 1:
-            raise ValueError("evaluation.suites are scored in one process")
-        suites = harness_scores(model, tokenizer, spec.suites, spec.generation.seed)
+        suites = harness_scores(model, tokenizer, spec.suites, spec.generation.seed, state)
         scores.metrics.update(suites.metrics)
         scores.per_prompt.update(suites.per_prompt)
     return scores

@@ -221,20 +221,24 @@ def averaged_metrics(config: Mapping[str, Any]) -> set[str]:
     return {m["metric"] for m in config.get("metric_list") or [] if m.get("aggregation") == "mean"}
 
 
-def run_task(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: HarnessTask, seed: int) -> dict:
+def run_task(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: HarnessTask, seed: int, state: Any | None = None
+) -> dict | None:
     """``simple_evaluate``'s output for ``task`` on ``model`` (the harness's HF wrapper around the
     instance, with ``tokenizer`` and its chat template where the request asks for it, or by default
     where the tokenizer has one and the task is no :data:`PLAIN_TEXT_TASKS`'), every seed the harness
-    takes set to ``seed``."""
+    takes set to ``seed``. With ``state`` (a launch's ``PartialState``) each process runs its share of
+    the requests and the first process gets the output, the others None."""
     from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
+
+    from trainers.evaluation.lm_eval_compat import harness_lm
 
     request, chat = task.request, task.request.apply_chat_template
     if chat is None:
         chat = request.task not in PLAIN_TEXT_TASKS and bool(tokenizer.chat_template)
     return simple_evaluate(
-        model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=request.batch_size),
+        model=harness_lm(model, tokenizer, request.batch_size, state),
         tasks=[task.config],
         task_manager=TaskManager(include_defaults=False),
         num_fewshot=request.num_fewshot,
@@ -249,22 +253,35 @@ def run_task(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: H
 
 
 def harness_scores(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, tasks: Sequence[HarnessTask], seed: int
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    tasks: Sequence[HarnessTask],
+    seed: int,
+    state: Any | None = None,
 ) -> HarnessScores:
-    """Every suite task's metrics of ``model``, as the harness computes them (:func:`run_task`)."""
+    """Every suite task's metrics of ``model``, as the harness computes them (:func:`run_task`); with
+    ``state`` over its processes, every process getting the first one's."""
+    from trainers.runtime.work_split import from_first
+
     scores = HarnessScores({}, {})
     for task in tasks:
-        output = run_task(model, tokenizer, task, seed)
-        averaged = averaged_metrics(task.config)
-        for key, value in output["results"][task.name].items():
-            name = metric_name(task.name, key)
-            if name is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue  # a standard error the harness could not compute is "N/A"
-            scores.metrics[name] = float(value)
-            metric, _, filter_name = key.partition(",")
-            if metric in averaged:
-                documents = sorted(
-                    (s for s in output["samples"][task.name] if s["filter"] == filter_name), key=lambda s: s["doc_id"]
-                )
-                scores.per_prompt[name] = [float(s[metric]) for s in documents]
-    return scores
+        output = run_task(model, tokenizer, task, seed, state)
+        if output is not None:
+            add_task_scores(scores, task, output)
+    return from_first(scores if state is None or state.is_main_process else None, state)
+
+
+def add_task_scores(scores: HarnessScores, task: HarnessTask, output: dict) -> None:
+    """``output``'s (``simple_evaluate``'s) metrics of ``task`` into ``scores``."""
+    averaged = averaged_metrics(task.config)
+    for key, value in output["results"][task.name].items():
+        name = metric_name(task.name, key)
+        if name is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue  # a standard error the harness could not compute is "N/A"
+        scores.metrics[name] = float(value)
+        metric, _, filter_name = key.partition(",")
+        if metric in averaged:
+            documents = sorted(
+                (s for s in output["samples"][task.name] if s["filter"] == filter_name), key=lambda s: s["doc_id"]
+            )
+            scores.per_prompt[name] = [float(s[metric]) for s in documents]

@@ -1,6 +1,7 @@
 """What alignflow reads of lm-evaluation-harness beyond ``simple_evaluate`` and ``HFLM``, in one
 place (contract: ``tests/test_harness.py``): a task's whole config as the harness builds it from its
-YAML file (includes merged), and where a task of the harness's own registry is defined."""
+YAML file (includes merged), where a task of the harness's own registry is defined, and its HF
+wrapper over the processes of a launch."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import torch
+from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from lm_eval.tasks._yaml_loader import load_yaml
 
@@ -32,3 +35,37 @@ def registered_task_file(name: str) -> Path | None:
     if entry is None or entry.yaml_path is None or entry.kind.name != "TASK":
         return None
     return Path(entry.yaml_path)
+
+
+class ShardedHFLM(HFLM):
+    """The harness's HF wrapper around a model instance, its requests sharded over the processes of
+    a launch (accelerate's ``PartialState``: ``torch.distributed`` is set up). The harness shards only
+    a model it loads itself under ``accelerate launch``; here the wrapper reports the launch's rank and
+    size and gathers over its process group, which is all the harness's evaluator asks of it."""
+
+    def __init__(self, state: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.state = state
+
+    @property
+    def rank(self) -> int:
+        return self.state.process_index
+
+    @property
+    def world_size(self) -> int:
+        return self.state.num_processes
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        parts = [torch.zeros_like(tensor) for _ in range(self.world_size)]
+        torch.distributed.all_gather(parts, tensor)
+        return torch.cat([part.reshape(-1) for part in parts])
+
+    def barrier(self) -> None:
+        self.state.wait_for_everyone()
+
+
+def harness_lm(model: Any, tokenizer: Any, batch_size: int, state: Any | None) -> HFLM:
+    """The harness's HF wrapper around ``model``: over the processes of ``state`` where it has several."""
+    if state is None or state.num_processes == 1:
+        return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    return ShardedHFLM(state, pretrained=model, tokenizer=tokenizer, batch_size=batch_size)

@@ -43,3 +43,15 @@ def gather_shards(local: list[Item], state: Any | None) -> list[Item]:
     from accelerate.utils import gather_object
 
     return gather_object(local)
+
+
+def from_first(value: Item | None, state: Any | None) -> Item:
+    """The first process's ``value`` on every process (the others pass None)."""
+    if state is None or state.num_processes == 1:
+        if value is None:
+            raise ValueError("one process: its value is the value")
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    (first,) = broadcast_object_list([value], from_process=0)
+    return first

@@ -30,7 +30,14 @@ from infra.core.config.compute import ComputeConfig
 from infra.core.config.tree import get_path, set_path
 from infra.core.settings import get_settings
 from trainers.catalog import STAGES, StageName
-from trainers.evaluation.harness import BUILTIN_ADDITION, LOCAL_BUILDERS, SuiteData, SuiteRequest
+from trainers.evaluation.harness import (
+    BUILTIN_ADDITION,
+    LOCAL_BUILDERS,
+    HarnessTask,
+    SuiteData,
+    SuiteRequest,
+    resolve_suite,
+)
 from trainers.models.builtin import BUILTIN_MODELS
 from trainers.models.lora import LoraSettings
 from trainers.plugins import import_plugins
@@ -413,7 +420,7 @@ class EvaluationConfig(Section):
     suites: list[SuiteTask] = Field(
         default_factory=list,
         description="lm-evaluation-harness tasks every model is scored on as well, by the harness itself; metrics "
-        "`<task>/<metric>/<filter>` (docs/evaluation.md: Suites). One process only for now.",
+        "`<task>/<metric>/<filter>` (docs/evaluation.md: Suites).",
     )
 
     def names_suite_metric(self, name: str) -> bool:
@@ -422,13 +429,19 @@ class EvaluationConfig(Section):
         parts = name.split("/")
         return len(parts) == 3 and all(parts) and parts[0] in {suite.label for suite in self.suites}
 
-    def check_suites(self, compute: ComputeConfig, data: DataConfig) -> None:
+    def resolved_suites(self, builtin: AdditionTaskConfig | None, folder: Path) -> tuple[HarnessTask, ...]:
+        """:attr:`suites` ready to run (``trainers.evaluation.harness.resolve_suite``), their generated
+        data in ``folder``: ``builtin:addition`` scores the first :attr:`num_prompts` held-out problems
+        of ``builtin`` (``data.builtin``). Raises ``SuiteError`` naming a task whose data would be
+        downloaded."""
+        from trainers.data.synthetic import AdditionTask, generate_addition
+
+        held_out = [] if builtin is None else generate_addition(AdditionTask(**builtin.model_dump()))["eval_prompts"]
+        requests = [suite.request(index) for index, suite in enumerate(self.suites)]
+        return tuple(resolve_suite(request, folder, held_out[: self.num_prompts]) for request in requests)
+
+    def check_suites(self, data: DataConfig) -> None:
         """What the suites need of the rest of the config (their data is checked once prepared)."""
-        if self.suites and compute.num_processes > 1:
-            raise ValueError(
-                "evaluation.suites run in one process for now; set compute.num_processes: 1 for the evaluation "
-                "(or evaluate with `alignflow evaluate` in one process)"
-            )
         for index, suite in enumerate(self.suites):
             if suite.task == BUILTIN_ADDITION and data.builtin is None:
                 raise ValueError(
@@ -651,7 +664,7 @@ class ExperimentBase(Section):
 
     @model_validator(mode="after")
     def _check_suites(self) -> ExperimentBase:
-        self.evaluation.check_suites(self.compute, self.data)
+        self.evaluation.check_suites(self.data)
         return self
 
     @model_validator(mode="after")
@@ -781,7 +794,7 @@ class EvaluationRequest(Section):
 
     @model_validator(mode="after")
     def _check_suites(self) -> EvaluationRequest:
-        self.evaluation.check_suites(self.compute, self.data)
+        self.evaluation.check_suites(self.data)
         return self
 
     @model_validator(mode="after")
