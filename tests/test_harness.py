@@ -4,12 +4,14 @@ cache, the promotion gate, and what alignflow reads of the harness (``lm_eval_co
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import choice_task
+import yaml
+from helpers import choice_task, mlflow_client
 
 from infra.core.config import EvaluationRequest, ExperimentConfig, load_config
 from tasks.evaluate import EvalReport, check_suites
@@ -57,15 +59,31 @@ def test_alignflow_evaluate_reports_what_the_harness_cli_prints_and_a_rerun_skip
         models={label: str(path) for label, path in models.items()},
         data=minimal.data,
         evaluation=minimal.evaluation.model_dump() | {"suites": [{"task": str(task)}, {"task": "builtin:addition"}]},
-        tracking={"experiment_name": "harness-test"},
+        tracking={"experiment_name": "harness-cli"},
     )
-    report = evaluation(request)
+    (tmp_path / "request.yaml").write_text(yaml.safe_dump(request.model_dump(mode="json")))
+    env = {**os.environ, "PREFECT_API_URL": prefect_api_url, "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "infra.ops.cli", "evaluate", str(tmp_path / "request.yaml")]
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    client = mlflow_client()
+    (parent,) = client.search_runs(
+        [client.get_experiment_by_name("harness-cli").experiment_id], "tags.`alignflow.kind` = 'evaluation'"
+    )
+    logged = parent.data.metrics
+
+    def harness_must_not_run(*args, **kwargs):
+        raise AssertionError("a cached model's suites ran again")
+
+    monkeypatch.setattr("trainers.evaluation.harness.run_task", harness_must_not_run)
+    report = evaluation(request)  # the same request again, in this process: every model from the cache
 
     for label, path in models.items():
         expected = cli_results(path, task, tmp_path / f"cli-{label}")
         assert set(expected) == {
             f"addition_choice/{m}/none" for m in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")
         }
+        assert {name: logged[f"eval/{label}/{name}"] for name in expected} == pytest.approx(expected, rel=1e-12)
         assert {name: report.rows[label][name] for name in expected} == expected
         # the built-in task as a harness task: the same held-out prompts, greedy, as the built-in greedy accuracy
         assert report.rows[label]["addition/exact_match/none"] == report.rows[label]["greedy_accuracy"]
@@ -75,13 +93,6 @@ def test_alignflow_evaluate_reports_what_the_harness_cli_prints_and_a_rerun_skip
     assert report.suite_metrics == [
         "addition/exact_match/none", "addition_choice/acc/none", "addition_choice/acc_norm/none"
     ]  # fmt: skip
-
-    def harness_must_not_run(*args, **kwargs):
-        raise AssertionError("a cached model's suites ran again")
-
-    monkeypatch.setattr("trainers.evaluation.harness.run_task", harness_must_not_run)
-    again = evaluation(request)
-    assert again.rows == report.rows
 
 
 @pytest.mark.flow
