@@ -154,20 +154,13 @@ def placeless(config: Mapping[str, Any]) -> dict[str, Any]:
     return {**config, "dataset_kwargs": kwargs} | ({"dataset_path": "local folder"} if local_folder else {})
 
 
-def file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def resolve_suite(request: SuiteRequest, folder: Path, held_out: Sequence[Mapping[str, str]] = ()) -> HarnessTask:
     """``request`` ready to run (:class:`HarnessTask`): ``builtin:addition`` scores ``held_out``
     (``prompt`` / ``answer`` rows, written to ``folder``), the others their config's data or
     ``request.dataset``. Raises :class:`SuiteError` naming the entry where the task or its data cannot
     be had without a download."""
     from trainers.evaluation.lm_eval_compat import task_yaml
+    from trainers.runtime.checkpoints import file_sha256
 
     path = task_file(request)
     data = request.dataset
@@ -186,7 +179,7 @@ def resolve_suite(request: SuiteRequest, folder: Path, held_out: Sequence[Mappin
     check_local(raw, request)
     hashed = {
         "config": placeless(raw),
-        "data": [file_digest(f) for f in data_files(raw)],  # contents, not where they lie
+        "data": [file_sha256(f) for f in data_files(raw)],  # contents, not where they lie
         "lm_eval": harness_version(),
     }
     fingerprint = hashlib.sha256(json.dumps(hashed, sort_keys=True, default=str).encode()).hexdigest()
