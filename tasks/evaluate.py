@@ -26,7 +26,7 @@ from tasks.launch import launch
 from tasks.mlflow_runs import client, log_metrics
 from tasks.reference import with_reference_columns
 from tasks.tracking import stage_run_id, tracked_run
-from trainers.evaluation.harness import HarnessTask, is_suite_metric
+from trainers.evaluation.harness import HarnessTask, is_suite_metric, stderr_name
 from trainers.models.devices import load_dtype
 from trainers.scoring.metrics import ModelScores
 
@@ -94,16 +94,9 @@ def format_cell(metrics: dict[str, float], name: str) -> str:
         return "—"
     low, high = metrics.get(f"{name}_ci_low"), metrics.get(f"{name}_ci_high")
     interval = f" [{low:.2f}, {high:.2f}]" if low is not None and high is not None else ""
-    stderr = metrics.get(stderr_name(name))
+    stderr = metrics.get(spread_name) if (spread_name := stderr_name(name)) is not None else None
     spread = f" ± {stderr:.3f}" if stderr is not None and not math.isnan(stderr) else ""
     return f"{metrics[name]:.3f}{interval}{spread}"
-
-
-def stderr_name(suite_metric: str) -> str:
-    """``<task>/<metric>_stderr/<filter>``: the harness's standard error of a suite metric."""
-    task, _, rest = suite_metric.partition("/")
-    metric, _, filter_name = rest.partition("/")
-    return f"{task}/{metric}_stderr/{filter_name}"
 
 
 def suite_metrics(rows: dict[str, dict[str, float]], suites: Sequence[HarnessTask]) -> list[str]:

@@ -202,10 +202,23 @@ def metric_name(task: str, key: str) -> str | None:
     return f"{task}/{metric}/{filter_name}" if comma else None
 
 
+def suite_metric_parts(name: str) -> tuple[str, str, str] | None:
+    """``(task, metric, filter)`` of a name of the suites' shape, ``<task>/<metric>/<filter>``; None for another."""
+    parts = name.split("/")
+    return (parts[0], parts[1], parts[2]) if len(parts) == 3 and all(parts) else None
+
+
 def is_suite_metric(name: str) -> bool:
     """Whether ``name`` is a suite metric (``<task>/<metric>/<filter>``), not its standard error."""
-    parts = name.split("/")
-    return len(parts) == 3 and all(parts) and not parts[1].endswith("_stderr")
+    parts = suite_metric_parts(name)
+    return parts is not None and not parts[1].endswith("_stderr")
+
+
+def stderr_name(name: str) -> str | None:
+    """``<task>/<metric>_stderr/<filter>``: the harness's standard error of the suite metric ``name``;
+    None for a name of another shape."""
+    parts = suite_metric_parts(name)
+    return None if parts is None else f"{parts[0]}/{parts[1]}_stderr/{parts[2]}"
 
 
 def averaged_metrics(config: Mapping[str, Any]) -> set[str]:

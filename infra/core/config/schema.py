@@ -37,6 +37,7 @@ from trainers.evaluation.harness import (
     SuiteData,
     SuiteRequest,
     resolve_suite,
+    suite_metric_parts,
 )
 from trainers.models.builtin import BUILTIN_MODELS
 from trainers.models.lora import LoraSettings
@@ -426,8 +427,8 @@ class EvaluationConfig(Section):
     def names_suite_metric(self, name: str) -> bool:
         """Whether ``name`` has the shape of a suite task's metric, ``<task>/<metric>/<filter>`` (which
         metrics a task reports, only the harness knows: a missing one fails the gate, naming those it has)."""
-        parts = name.split("/")
-        return len(parts) == 3 and all(parts) and parts[0] in {suite.label for suite in self.suites}
+        parts = suite_metric_parts(name)
+        return parts is not None and parts[0] in {suite.label for suite in self.suites}
 
     def resolved_suites(self, builtin: AdditionTaskConfig | None, folder: Path) -> tuple[HarnessTask, ...]:
         """:attr:`suites` ready to run (``trainers.evaluation.harness.resolve_suite``), their generated
@@ -460,7 +461,7 @@ class EvaluationConfig(Section):
             self.max_new_tokens, self.num_samples, self.temperature, self.batch_size, self.seed, self.generation_backend
         )
 
-    def spec(self, padding_free: PaddingFree, suites: tuple = ()):
+    def spec(self, padding_free: PaddingFree, suites: tuple[HarnessTask, ...] = ()):
         """The whole evaluation of one model as the trainers take it (imports torch), its scoring
         passes padding-free as ``compute.padding_free`` says, scored on the resolved ``suites``
         (:func:`trainers.evaluation.harness.resolve_suite` of :attr:`suites`)."""
