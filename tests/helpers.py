@@ -406,3 +406,16 @@ def choice_task(folder: Path) -> Path:
     task = folder / "addition_choice.yaml"
     task.write_text(CHOICE_TASK.format(data=data))
     return task
+
+
+def assert_suites_as_one_process(two: list, one: list) -> None:
+    """Suite scores of two processes (``ModelScores`` per model) are one process's: the same per-document
+    values; a standard error sums them in another order (the first process's, then the second's), so
+    it may differ in its last bit. Of :func:`choice_task` (30 documents) and 7 addition prompts."""
+    assert [s.per_prompt for s in two] == [s.per_prompt for s in one]
+    for two_scores, one_scores in zip(two, one):
+        assert two_scores.metrics.keys() == one_scores.metrics.keys()
+        for name, value in one_scores.metrics.items():
+            assert two_scores.metrics[name] == (pytest.approx(value, rel=1e-12) if "_stderr/" in name else value), name
+    assert len(one[0].per_prompt["addition_choice/acc/none"]) == 30
+    assert len(one[0].per_prompt["addition/exact_match/none"]) == 7

@@ -25,7 +25,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
-from helpers import choice_task, dask_cluster, gone_within, processes_naming
+from helpers import assert_suites_as_one_process, choice_task, dask_cluster, gone_within, processes_naming
 from safetensors.torch import load_file
 
 from infra.core.config import AdditionTaskConfig, ComputeConfig, EvaluationConfig
@@ -691,15 +691,7 @@ def test_suites_over_two_processes_score_what_one_process_scores(workdir, teache
     # each process ran its share: the first process's progress lines, 45 of the 90 choices' log-likelihoods
     assert "loglikelihood requests: 100%" in launch_log.text and "| 45/45 [" in launch_log.text
     assert "| 90/90 [" not in launch_log.text
-    # the per-document values are one process's; a standard error sums them in another order (the
-    # first process's, then the second's), so it may differ in its last bit
-    assert [s.per_prompt for s in two] == [s.per_prompt for s in one]
-    for two_scores, one_scores in zip(two, one):
-        assert two_scores.metrics.keys() == one_scores.metrics.keys()
-        for name, value in one_scores.metrics.items():
-            assert two_scores.metrics[name] == (pytest.approx(value, rel=1e-12) if "_stderr/" in name else value), name
-    assert len(one[0].per_prompt["addition_choice/acc/none"]) == 30
-    assert len(one[0].per_prompt["addition/exact_match/none"]) == 7
+    assert_suites_as_one_process(two, one)
     assert one[0].metrics["addition_choice/acc/none"] != one[1].metrics["addition_choice/acc/none"]
 
 

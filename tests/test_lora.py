@@ -313,7 +313,7 @@ def test_the_default_chain_trains_lora_adapters_in_every_stage_and_evaluates_the
             "adapter": f"runs:/{runs['grpo'].info.run_id}/adapter",  # downloaded from MLflow
         },
         data=config.data,
-        evaluation=config.evaluation,
+        evaluation=config.evaluation.model_dump() | {"suites": [{"task": "builtin:addition"}]},
     )
     # the GRPO adapter's base folder (DPO's merged copy) gone, as on another machine or after `alignflow
     # gc`: it is fetched from the DPO run's model/ artifact, the source recorded beside the adapter
@@ -328,6 +328,8 @@ def test_the_default_chain_trains_lora_adapters_in_every_stage_and_evaluates_the
         away.rename(grpo_init.parent)
     merged, adapter = scored.rows["merged"], scored.rows["adapter"]
     assert merged["greedy_accuracy"] == adapter["greedy_accuracy"] == report.rows["grpo"]["greedy_accuracy"]
+    # the harness scores the adapter (its base with the adapter's layers in it) as its merged copy
+    assert merged["addition/exact_match/none"] == adapter["addition/exact_match/none"] == merged["greedy_accuracy"]
 
 
 @pytest.mark.slow

@@ -367,7 +367,13 @@ def evaluate_model(
     per-prompt values), the ``reward_model``'s mean score of its samples, implicit rewards at
     ``beta`` of ``pairs`` (rows with ``ref_*`` log-probs), and the harness's metrics of ``spec.suites``.
     With ``state`` (a launch's ``PartialState``) the work is sharded over its processes and every
-    process returns what one process would; ``engines`` is the vLLM engine the models of an evaluation share."""
+    process returns what one process would; ``engines`` is the vLLM engine the models of an evaluation
+    share (with the ``vllm`` backend and none given, one for this model: its completions and suites share it)."""
+    vllm = spec.generation.backend == "vllm"
+    if vllm and engines is None:
+        require_vllm()
+        with evaluation_engine(spec.generation.seed) as own:
+            return evaluate_model(model, tokenizer, prompts, pairs, spec, beta, state, reward_model, own)
     scores = ModelScores({}, {}, {})
     if prompts:
         results = score_prompts(model, tokenizer, prompts, spec.generation, state, engines)
@@ -395,7 +401,8 @@ def evaluate_model(
             preference_rewards(model, tokenizer, pairs, beta, spec.pair_batch_size, state, spec.padding_free)
         )
     if spec.suites:
-        suites = harness_scores(model, tokenizer, spec.suites, spec.generation.seed, state)
+        llm = engines.serving(model).llm if vllm and engines is not None else None
+        suites = harness_scores(model, tokenizer, spec.suites, spec.generation.seed, state, llm)
         scores.metrics.update(suites.metrics)
         scores.per_prompt.update(suites.per_prompt)
     return scores

@@ -228,23 +228,35 @@ def averaged_metrics(config: Mapping[str, Any]) -> set[str]:
 
 
 def run_task(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: HarnessTask, seed: int, state: Any | None = None
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: HarnessTask,
+    seed: int,
+    state: Any | None = None,
+    llm: Any | None = None,
 ) -> dict | None:
     """``simple_evaluate``'s output for ``task`` on ``model`` (the harness's HF wrapper around the
-    instance, with ``tokenizer`` and its chat template where the request asks for it, or by default
-    where the tokenizer has one and the task is no :data:`PLAIN_TEXT_TASKS`'), every seed the harness
-    takes set to ``seed``. With ``state`` (a launch's ``PartialState``) each process runs its share of
-    the requests and the first process gets the output, the others None."""
+    instance, or with ``llm``, a vLLM engine holding its weights, the harness's vLLM backend over it;
+    with ``tokenizer`` and its chat template where the request asks for it, or by default where the
+    tokenizer has one and the task is no :data:`PLAIN_TEXT_TASKS`'), every seed the harness takes set
+    to ``seed``. With ``state`` (a launch's ``PartialState``) each process runs its share of the
+    requests and the first process gets the output, the others None."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    from trainers.evaluation.lm_eval_compat import harness_lm
-
     request, chat = task.request, task.request.apply_chat_template
+    if llm is None:
+        from trainers.evaluation.lm_eval_compat import harness_lm
+
+        lm = harness_lm(model, tokenizer, request.batch_size, state)
+    else:
+        from trainers.evaluation.lm_eval_vllm import EngineLM  # vLLM's environment only
+
+        lm = EngineLM(llm, model, tokenizer, request.batch_size, state)
     if chat is None:
         chat = request.task not in PLAIN_TEXT_TASKS and bool(tokenizer.chat_template)
     return simple_evaluate(
-        model=harness_lm(model, tokenizer, request.batch_size, state),
+        model=lm,
         tasks=[task.config],
         task_manager=TaskManager(include_defaults=False),
         num_fewshot=request.num_fewshot,
@@ -264,14 +276,15 @@ def harness_scores(
     tasks: Sequence[HarnessTask],
     seed: int,
     state: Any | None = None,
+    llm: Any | None = None,
 ) -> HarnessScores:
-    """Every suite task's metrics of ``model``, as the harness computes them (:func:`run_task`); with
-    ``state`` over its processes, every process getting the first one's."""
+    """Every suite task's metrics of ``model``, as the harness computes them (:func:`run_task`, on the
+    vLLM engine ``llm`` where given); with ``state`` over its processes, every process getting the first one's."""
     from trainers.runtime.work_split import from_first
 
     scores = HarnessScores({}, {})
     for task in tasks:
-        output = run_task(model, tokenizer, task, seed, state)
+        output = run_task(model, tokenizer, task, seed, state, llm)
         if output is not None:
             add_task_scores(scores, task, output)
     return from_first(scores if state is None or state.is_main_process else None, state)

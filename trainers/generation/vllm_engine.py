@@ -29,6 +29,7 @@ import logging
 import os
 import random
 import tempfile
+import weakref
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ import torch
 
 from trainers.data.collators import pad_right
 from trainers.data.lengths import config_context
-from trainers.models.lora import has_adapters, merged_weights
+from trainers.models.lora import carries_adapters, has_adapters, merged_weights
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel
@@ -111,7 +112,7 @@ def serving_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     A merged push costs what a full fine-tune's does, and the engine then runs the base model's
     kernels; serving the adapter instead would need vLLM's LoRA kernels and an adapter reload per
     round."""
-    if has_adapters(model):
+    if carries_adapters(model):
         return merged_weights(model)
     return {name: param.detach() for name, param in model.named_parameters()}
 
@@ -417,11 +418,15 @@ class ReusedEngine:
         self.options, self.seed, self.replaceable = options, seed, replaceable
         self.engine: ColocatedEngine | None = None
         self.shape: str | None = None
+        self.held: weakref.ref[torch.nn.Module] | None = None
         self.models = 0
         self.builds = 0
 
     def serving(self, model: torch.nn.Module) -> ColocatedEngine:
-        """The engine, holding ``model``'s weights."""
+        """The engine, holding ``model``'s weights: the model it holds already (the same object: an
+        evaluation changes no weights) is not synced again."""
+        if self.engine is not None and self.held is not None and self.held() is model:
+            return self.engine
         shape = serving_shape(model)
         if self.engine is not None and shape != self.shape and not self.replaceable:
             raise EngineShapeChanged(f"{architecture(served_model(model))}: another shape than the engine's")
@@ -433,12 +438,13 @@ class ReusedEngine:
             engine = ColocatedEngine(model, serving_weights(model), self.options, self.seed, step=self.models)
             self.engine, self.shape = engine, shape
             self.builds += 1
+        self.held = weakref.ref(model)
         return self.engine
 
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
-            self.engine, self.shape = None, None
+            self.engine, self.shape, self.held = None, None, None
 
     def __enter__(self) -> ReusedEngine:
         return self

@@ -87,21 +87,31 @@ def live_reference(ref_model: torch.nn.Module | None, policy: torch.nn.Module) -
         policy.train(was_training)
 
 
-def merged_weights(policy: PeftModel) -> dict[str, torch.Tensor]:
-    """The LoRA ``policy``'s weights as a plain checkpoint of its base architecture names them: each
-    adapted layer's ``W + (α/r)·B·A`` (computed out of place: merging in place and unmerging after
-    would leave rounding error in the frozen ``W`` at every call), every other parameter as it is;
-    no adapter parameters. What an inference engine that serves the base architecture loads."""
+def carries_adapters(model: torch.nn.Module) -> bool:
+    """Whether ``model`` computes with LoRA adapters: a peft ``PeftModel`` (a LoRA stage's policy), or a
+    transformers model an adapter folder was loaded into (``from_pretrained(adapter_folder)``: the
+    adapters are layers of the model itself)."""
+    from peft.tuners.lora import LoraLayer
+
+    return has_adapters(model) or any(isinstance(module, LoraLayer) for module in model.modules())
+
+
+def merged_weights(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The LoRA ``policy``'s weights (:func:`carries_adapters`) as a plain checkpoint of its base
+    architecture names them: each adapted layer's ``W + (α/r)·B·A`` for its active adapter (computed
+    out of place: merging in place and unmerging after would leave rounding error in the frozen ``W``
+    at every call), every other parameter as it is; no adapter parameters. What an inference engine
+    that serves the base architecture loads."""
     import torch
     from peft.tuners.lora import LoraLayer
 
-    base = policy.get_base_model()
-    (adapter,) = policy.active_adapters
+    base = policy.get_base_model() if has_adapters(policy) else policy
     weights = {}
     for name, module in base.named_modules():
         if isinstance(module, LoraLayer):
             weight = module.get_base_layer().weight
             assert isinstance(weight, torch.Tensor)
+            (adapter,) = module.active_adapters
             delta = cast("DeltaWeight", module).get_delta_weight(adapter)
             weights[f"{name}.weight"] = weight.detach() + delta.detach().to(weight.dtype)
     for name, param in base.named_parameters():
