@@ -134,6 +134,14 @@ def test_the_reward_models_score_is_an_objective_when_the_base_evaluation_has_a_
     assert objective_errors(load_sweep(path, rlhf))[0].startswith("objective.metric: 'reward_model_score' is not")
 
 
+def test_a_suite_tasks_metric_is_an_objective_when_the_base_evaluation_scores_that_task(tmp_path):
+    path = write_sweep(tmp_path, objective={"metric": "addition/exact_match/none"})
+    assert objective_errors(load_sweep(path, ["base.evaluation.suites=[{task: 'builtin:addition'}]"])) == []
+    (problem,) = objective_errors(load_sweep(path, ["base.evaluation.suites=[]"]))
+    assert problem.startswith("objective.metric: 'addition/exact_match/none' is not a metric the evaluation produces")
+    assert problem.endswith("or a metric of a task of evaluation.suites (`<task>/<metric>/<filter>`)")
+
+
 def test_a_combination_invalid_only_together_names_its_trial(tmp_path, capsys):
     """Each value is valid over the base (max_length 32, max_prompt_length 16); 20 with 24 is not."""
     path = write_sweep(tmp_path, space={"data.max_length": [20, 32], "data.max_prompt_length": [16, 24]})

@@ -21,7 +21,6 @@ from infra.core.config import (
     read_yaml,
     set_path,
 )
-from trainers.scoring.metrics import evaluation_metric_names
 from trainers.sections import Section, Seed
 
 # Kept in step with tasks.search.SAMPLERS (which imports Optuna; a test checks both agree).
@@ -53,7 +52,9 @@ class Range(Section):
 
 class Objective(Section):
     metric: str = Field(
-        "sampled_accuracy", description="Evaluation metric of the trial's final stage (its `final/<metric>`)."
+        "sampled_accuracy",
+        description="Evaluation metric of the trial's final stage (its `final/<metric>`): a built-in score or a "
+        "metric of a task of the base's evaluation.suites (`<task>/<metric>/<filter>`).",
     )
     direction: Literal["maximize", "minimize"] = "maximize"
 
@@ -213,10 +214,7 @@ def objective_errors(spec: SweepConfig) -> list[str]:
     except (ValidationError, ValueError):
         return []  # the base's own problems are reported with each axis value
     errors = []
-    scored = base.evaluation.reward_model is not None
-    known = evaluation_metric_names(base.evaluation.pass_k, base.evaluation.num_samples, scored)
-    if spec.objective.metric not in known:
-        problem = f"{spec.objective.metric!r} is not a metric the evaluation produces; known: {', '.join(known)}"
+    if (problem := base.evaluation.metric_problem(spec.objective.metric)) is not None:
         errors.append(f"objective.metric: {problem}")
     if spec.promote and not base.promotion.registered_model:
         errors.append("promote: the base config's promotion.registered_model is not set")

@@ -424,6 +424,17 @@ class EvaluationConfig(Section):
         "`<task>/<metric>/<filter>` (docs/evaluation.md: Suites).",
     )
 
+    def metric_problem(self, name: str) -> str | None:
+        """Why ``name`` is no metric this evaluation produces; None where it is one: a built-in score
+        or a metric of a task of :attr:`suites` (:meth:`names_suite_metric`)."""
+        known = evaluation_metric_names(self.pass_k, self.num_samples, self.reward_model is not None)
+        if name in known or self.names_suite_metric(name):
+            return None
+        return (
+            f"{name!r} is not a metric the evaluation produces; known: {', '.join(known)}, "
+            "or a metric of a task of evaluation.suites (`<task>/<metric>/<filter>`)"
+        )
+
     def names_suite_metric(self, name: str) -> bool:
         """Whether ``name`` has the shape of a suite task's metric, ``<task>/<metric>/<filter>`` (which
         metrics a task reports, only the harness knows: a missing one fails the gate, naming those it has)."""
@@ -643,13 +654,9 @@ class ExperimentBase(Section):
             if self.data.builtin is None and all(getattr(self.data, split) is None for split in splits):
                 needs = " or ".join(f"data.{split}" for split in splits)
                 raise ValueError(f"stage {stage!r} needs {needs} (or data.builtin)")
+        if (problem := self.evaluation.metric_problem(self.promotion.metric)) is not None:
+            raise ValueError(f"promotion.metric: {problem}")
         scored = self.evaluation.reward_model is not None
-        known = evaluation_metric_names(self.evaluation.pass_k, self.evaluation.num_samples, scored)
-        if self.promotion.metric not in known and not self.evaluation.names_suite_metric(self.promotion.metric):
-            raise ValueError(
-                f"promotion.metric: {self.promotion.metric!r} is not a metric the evaluation produces; "
-                f"known: {', '.join(known)}, or a metric of a task of evaluation.suites (`<task>/<metric>/<filter>`)"
-            )
         paired = per_prompt_metric_names(self.evaluation.pass_k, self.evaluation.num_samples, scored)
         if (
             self.promotion.registered_model
