@@ -346,62 +346,62 @@ def evaluate(
     run_id = stage_run_id(
         parent_run_id, "evaluate", StageFolder.of(config_name, "evaluate", str(flow_run.get_id() or "local"))
     )
-    suite_folder = tempfile.TemporaryDirectory(prefix="suites-")
-    suites = config.resolved_suites(builtin, Path(suite_folder.name))  # before any model is scored
-    scoring = Scoring(
-        prompts,
-        pairs,
-        config,
-        beta,
-        compute,
-        reward_model,
-        reference=reference_fingerprint,
-        chat_template=data.chat_template,
-        plugins=tuple(plugins),
-        suites=suites,
-        builtin=builtin,
-    )
-    keys = [
-        scores_key(
-            model,
-            data,
-            reference_logps if scoring.pairs_of(model) else None,
+    with tempfile.TemporaryDirectory(prefix="suites-") as suite_folder:  # the suites' generated data
+        suites = config.resolved_suites(builtin, Path(suite_folder))  # before any model is scored
+        scoring = Scoring(
+            prompts,
+            pairs,
             config,
             beta,
-            load_dtype(model.path, model.revision, compute.dtype),
+            compute,
             reward_model,
-            plugins,
-            suites,
+            reference=reference_fingerprint,
+            chat_template=data.chat_template,
+            plugins=tuple(plugins),
+            suites=suites,
+            builtin=builtin,
         )
-        for model in models.values()
-    ]
-    rows, per_prompt = {}, {}
-    with suite_folder, tracked_run(run_id), shared_engine(config) as engines:
-        for label, scores in zip(models, cached_scores(list(models.values()), scoring, keys, engines)):
-            rows[label], per_prompt[label] = scores.metrics, scores.per_prompt
-            log_metrics(run_id, {f"{label}/{name}": value for name, value in rows[label].items()})
-            log_metrics(parent_run_id, {f"eval/{label}/{name}": value for name, value in rows[label].items()})
-            if scores.samples:
-                client().log_table(run_id, data=scores.samples, artifact_file=f"samples/{label}.json")
-        if final_label is not None:
-            log_metrics(parent_run_id, {f"final/{name}": value for name, value in rows[final_label].items()})
-            client().set_tag(parent_run_id, "alignflow.final_stage", final_label)
-        report = EvalReport(
-            rows=rows,
-            num_prompts=len(prompts),
-            num_pairs=len(pairs or []),
-            mlflow_run_id=run_id,
-            per_prompt=per_prompt,
-            suite_metrics=suite_metrics(rows, suites),
-        )
-        columns = [*TABLE_COLUMNS, *report.suite_metrics]
-        client().log_table(
-            run_id,
-            data={"model": list(rows), **{c: [m.get(c) for m in rows.values()] for c in columns}},
-            artifact_file="eval_table.json",
-        )
-        for table_run in (run_id, parent_run_id):  # the parent, found first in the UI, carries it too
-            client().log_text(table_run, report.markdown(), "eval_table.md")
+        keys = [
+            scores_key(
+                model,
+                data,
+                reference_logps if scoring.pairs_of(model) else None,
+                config,
+                beta,
+                load_dtype(model.path, model.revision, compute.dtype),
+                reward_model,
+                plugins,
+                suites,
+            )
+            for model in models.values()
+        ]
+        rows, per_prompt = {}, {}
+        with tracked_run(run_id), shared_engine(config) as engines:
+            for label, scores in zip(models, cached_scores(list(models.values()), scoring, keys, engines)):
+                rows[label], per_prompt[label] = scores.metrics, scores.per_prompt
+                log_metrics(run_id, {f"{label}/{name}": value for name, value in rows[label].items()})
+                log_metrics(parent_run_id, {f"eval/{label}/{name}": value for name, value in rows[label].items()})
+                if scores.samples:
+                    client().log_table(run_id, data=scores.samples, artifact_file=f"samples/{label}.json")
+            if final_label is not None:
+                log_metrics(parent_run_id, {f"final/{name}": value for name, value in rows[final_label].items()})
+                client().set_tag(parent_run_id, "alignflow.final_stage", final_label)
+            report = EvalReport(
+                rows=rows,
+                num_prompts=len(prompts),
+                num_pairs=len(pairs or []),
+                mlflow_run_id=run_id,
+                per_prompt=per_prompt,
+                suite_metrics=suite_metrics(rows, suites),
+            )
+            columns = [*TABLE_COLUMNS, *report.suite_metrics]
+            client().log_table(
+                run_id,
+                data={"model": list(rows), **{c: [m.get(c) for m in rows.values()] for c in columns}},
+                artifact_file="eval_table.json",
+            )
+            for table_run in (run_id, parent_run_id):  # the parent, found first in the UI, carries it too
+                client().log_text(table_run, report.markdown(), "eval_table.md")
     create_table_artifact(
         key="evaluation",
         table=[{"model": label, **{c: round(m[c], 4) for c in columns if c in m}} for label, m in rows.items()],
