@@ -311,6 +311,16 @@ def test_the_generation_backend_and_its_engine_options():
             "grpo.vllm_gpu_memory_utilization=0.5"
         ],
         "vllm_importance_sampling_cap: 2.0 has no effect": ["grpo.vllm_importance_sampling_cap=2"],
+        "vllm_importance_sampling_mode: sequence_mask has no effect with vllm_importance_sampling_cap null": [
+            "grpo.generation_backend=vllm",
+            "grpo.vllm_importance_sampling_mode=sequence_mask",
+        ],
+        "unknown vllm_importance_sampling_mode 'sequence'": ["grpo.vllm_importance_sampling_mode=sequence"],
+        "vllm_importance_sampling_clip_min \\(3.0\\) must be below vllm_importance_sampling_cap \\(2.0\\)": [
+            "grpo.generation_backend=vllm",
+            "grpo.vllm_importance_sampling_cap=2",
+            "grpo.vllm_importance_sampling_clip_min=3",
+        ],
         "unknown generation_backend 'sglang'|Input should be 'hf' or 'vllm'": ["grpo.generation_backend=sglang"],
         "vllm_server_url: http://gen:8000 has no effect with vllm_mode 'colocate'": [
             "grpo.generation_backend=vllm",

@@ -30,7 +30,6 @@ from trainers.grpo.losses import (
     sequence_log_ratio,
     token_entropy,
     token_log_ratio,
-    truncated_importance_weights,
     weighted_rewards,
 )
 from trainers.grpo.rewards import REWARD_FUNCTIONS, RewardError, allow_module, get_reward, score_completions
@@ -90,16 +89,6 @@ def test_clipping_with_hand_made_ratios():
     assert logps.grad[1].tolist() == pytest.approx([0.0, 0.9, 1.0, 1.1, 1.5], abs=1e-6)
     low, high = clip_fractions(logps.detach(), old, advantages, torch.ones(2, 5), 0.2, 0.28)
     assert (low.item(), high.item()) == pytest.approx((0.1, 0.1))
-
-
-def test_truncated_importance_weights_formula_without_gradient():
-    trainer = torch.tensor([[-1.0, -0.5, -2.0, -0.1]], dtype=torch.float64, requires_grad=True)
-    sampler = torch.tensor([[-1.2, -0.5, -0.5, -3.0]], dtype=torch.float64)
-    # min(exp(trainer − sampler), cap) with cap 3: e^0.2, 1, e^−1.5, then e^2.9 capped at 3
-    expected = [math.exp(0.2), 1.0, math.exp(-1.5), 3.0]
-    weights = truncated_importance_weights(trainer, sampler, cap=3.0)
-    assert weights[0].tolist() == pytest.approx(expected, rel=1e-12)
-    assert not weights.requires_grad
 
 
 def test_k3_kl_formula():

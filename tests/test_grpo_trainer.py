@@ -547,3 +547,45 @@ def test_a_completion_that_would_pass_the_models_context_is_refused_before_the_f
         make_trainer(
             tiny, prompts, tmp_path, generation_backend="vllm", vllm_max_model_len=64, max_completion_length=61
         )
+
+
+def test_the_mismatch_correction_and_the_off_policy_mask_weight_the_trainers_loss(tiny, prompts, tmp_path):
+    """A slice as a vLLM run gives it: the engine's log-probs ``π_old − log 2`` at every token, so every
+    token's ratio π_old / π_vllm is 2. ``token_truncate`` (cap 3) doubles the
+    loss, ``token_mask`` at a cap of 1.5 drops every token, ``sequence_mask`` keeps the completions
+    whose ratio is under the cap, at their ratio's weight; the off-policy mask drops the completions with negative
+    advantages once π has drifted from π_old. The options are set on the built arguments: an hf trainer
+    refuses vllm options."""
+    trainer = make_trainer(tiny, prompts, tmp_path, max_steps=1)
+    (first, *_) = trainer.generate_and_score(trainer.model, next(iter(trainer.get_train_dataloader())))
+    old = torch.full(first["input_ids"].shape, -4.0)[:, 1:]  # π_old, which π (log π > −4 mostly) drifted from
+    engine = torch.cat([torch.zeros_like(old[:, :1]), old - math.log(2.0)], 1)
+    inputs = first | {"old_logps": old}
+
+    def loss(batch: dict, **options) -> float:
+        for name, value in options.items():
+            setattr(trainer.args, name, value)
+        try:
+            return GRPOTrainer.compute_loss(trainer, trainer.model, dict(batch)).item()  # not the recording one
+        finally:
+            for name in options:
+                setattr(trainer.args, name, GRPOStageConfig.model_fields[name].default)
+
+    plain, served = loss(inputs), inputs | {"engine_logps": engine}
+    assert plain != 0.0 and loss(served) == plain  # the engine's log-probs alone change nothing
+    assert loss(served, vllm_importance_sampling_cap=3.0) == pytest.approx(2 * plain, rel=1e-6)
+    assert loss(served, vllm_importance_sampling_cap=1.5, vllm_importance_sampling_mode="token_mask") == 0.0
+    # per completion, by the sum of its tokens' gaps g: one gap per completion, e^(g·|y|) against a cap of 3
+    lengths = first["completion_mask"][:, 1:].sum(-1).to(old.dtype)
+    gaps = torch.linspace(0.1, 1.0, len(lengths))
+    ratios = torch.exp(gaps * lengths)
+    assert (ratios <= 3).any() and (ratios > 3).any()
+    by_row = torch.cat([torch.zeros_like(old[:, :1]), old - gaps[:, None]], 1)
+    sequence_mask = {"vllm_importance_sampling_mode": "sequence_mask", "vllm_importance_sampling_cap": 3.0}
+    # a weight w ≥ 0 of a completion's loss is its advantage times w (the objective is homogeneous in A)
+    weighted = inputs | {"advantages": inputs["advantages"] * torch.where(ratios <= 3, ratios, 0.0)}
+    assert loss(inputs | {"engine_logps": by_row}, **sequence_mask) == pytest.approx(loss(weighted), rel=1e-6)
+    negative = inputs | {"advantages": -inputs["advantages"].abs() - 0.1}
+    positive = inputs | {"advantages": inputs["advantages"].abs() + 0.1}
+    assert loss(negative, off_policy_mask_threshold=0.5) == 0.0 != loss(negative)
+    assert loss(positive, off_policy_mask_threshold=0.5) == loss(positive) != 0.0

@@ -194,6 +194,9 @@ class TestWeightSyncs:
         # separates the two (a stale tied output head gave gaps of 0.1 here). With LoRA the trainer adds
         # B·A·x to W·x while the engine multiplies by the merged W + B·A: the rounding differs more.
         assert max(gaps) < (1e-4 if lora else 1e-5), gaps
+        # so the correction's weights (token_truncate, cap 2) are 1 up to that noise, none past the cap
+        assert [entry["vllm/is_outside_fraction"] for entry in logs] == [0.0] * 6
+        assert max(abs(entry["vllm/is_ratio_mean"] - 1.0) for entry in logs) < (1e-4 if lora else 1e-5)
 
 
 def test_sampled_tokens_follow_the_models_distribution_and_carry_their_log_probs():

@@ -185,18 +185,6 @@ def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1
 
 
-def truncated_importance_weights(trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance sampling of a sampler–trainer mismatch: ``w_t = min(π_old(y_t) /
-    π_sampler(y_t), C)`` per token, without gradient (Yao et al. 2025, "Your Efficient RL Framework
-    Secretly Brings You Off-Policy RL Training"; TRL's ``vllm_importance_sampling_correction``).
-
-    The completions were sampled by an inference engine (``sampler_logps``) whose kernels differ
-    from the trainer's (``trainer_logps``, the policy that sampled them as the trainer computes it);
-    weighting each token's loss by ``w_t`` makes the gradient that of the trainer's own policy,
-    and the cap ``C`` bounds its variance."""
-    return torch.exp(trainer_logps - sampler_logps).clamp(max=cap).detach()
-
-
 def bias_corrected_k3_kl(logps: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     """k3 weighted by the token's importance ratio π/π_old, *with* its gradient (DeepSeek-V3.2,
     arXiv:2512.02556, its unbiased KL estimate; TRL's ``use_bias_correction_kl``):

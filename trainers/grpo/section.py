@@ -20,6 +20,7 @@ from trainers.grpo.losses import (
     PolicyObjectiveName,
     RewardScaleName,
 )
+from trainers.grpo.off_policy import MismatchCorrectionName
 from trainers.grpo.rewards import RewardInputs, check_reward_names, reward_model_target
 from trainers.sections import EvalStrategy, Placement, Seed, StageCompute, TrainingConfig, check_placement
 
@@ -201,9 +202,27 @@ class GRPOStageConfig(TrainingConfig):
     vllm_importance_sampling_cap: float | None = Field(
         None,
         ge=1.0,
-        description="vllm: weight each token's loss by min(π_old / π_vllm, cap), the truncated importance-sampling "
-        "correction of the engine's and the trainer's log-prob mismatch (TRL's vllm_importance_sampling_correction); "
-        "null: off.",
+        description="vllm: weight the loss by the ratio π_old / π_vllm bounded by this cap, the importance-sampling "
+        "correction of the engine's and the trainer's mismatch as vllm_importance_sampling_mode says (TRL's "
+        "vllm_importance_sampling_clip_max); null: off.",
+    )
+    vllm_importance_sampling_clip_min: float | None = Field(
+        None,
+        ge=0.0,
+        description="vllm: the importance-sampling correction's lower bound (TRL's name): ratios below it are "
+        "raised to it (`*_truncate`) or dropped (`*_mask`); null: none.",
+    )
+    vllm_importance_sampling_mode: MismatchCorrectionName = Field(
+        "token_truncate",
+        description="vllm: how vllm_importance_sampling_cap bounds the π_old / π_vllm ratio (TRL's names; "
+        "trainers/grpo/off_policy.py): per token, or per completion (`sequence_*`: its whole likelihood ratio), "
+        "truncated at the cap (`*_truncate`, TIS) or dropped above it (`*_mask`, MIS).",
+    )
+    off_policy_mask_threshold: float | None = Field(
+        None,
+        ge=0.0,
+        description="Leave out of the loss each completion with a negative advantage whose mean log π_old − log π "
+        "per token exceeds this (DeepSeek-V3.2's off-policy sequence mask, TRL's name); null: off.",
     )
     log_completions_steps: int = Field(
         100, ge=0, description="Log a table of sample completions every N steps; 0 = never."
@@ -341,6 +360,16 @@ def check_engine_options(options: GRPOOptions) -> None:
         value, default = getattr(options, field), GRPOStageConfig.model_fields[field].default
         if value != default:
             raise ValueError(f"{field}: {value} has no effect with {because}")
+    if options.vllm_importance_sampling_cap is None:
+        for field in ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min"):
+            value, default = getattr(options, field), GRPOStageConfig.model_fields[field].default
+            if value != default:
+                raise ValueError(f"{field}: {value} has no effect with vllm_importance_sampling_cap null")
+    low, cap = options.vllm_importance_sampling_clip_min, options.vllm_importance_sampling_cap
+    if low is not None and cap is not None and low >= cap:
+        raise ValueError(
+            f"vllm_importance_sampling_clip_min ({low}) must be below vllm_importance_sampling_cap ({cap})"
+        )
 
 
 def objective_fields() -> set[str]:

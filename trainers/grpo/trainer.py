@@ -43,9 +43,9 @@ from trainers.grpo.losses import (
     nan_std,
     normalized_advantages,
     sequence_kl,
-    truncated_importance_weights,
     weighted_rewards,
 )
+from trainers.grpo.off_policy import MISMATCH_CORRECTIONS, off_policy_sequence_mask
 from trainers.grpo.rewards import RewardError, RewardFunction, resolve_rewards, reward_kwargs, score_completions
 from trainers.grpo.rollouts import GENERATION_BACKENDS, Rollouts
 from trainers.grpo.samplers import generation_dataloader
@@ -435,6 +435,11 @@ class GRPOTrainer(Trainer):
         log_ratio = self.log_ratio(logps, old_logps, mask)
         per_token = self.objective(log_ratio, logps, advantages, self.objective_params)
         metrics: dict[str, torch.Tensor] = {}
+        if args.off_policy_mask_threshold is not None:
+            sampler = inputs["engine_logps"][:, 1:] if "engine_logps" in inputs else old_logps  # what sampled
+            kept = off_policy_sequence_mask(advantages, logps, sampler, mask, args.off_policy_mask_threshold)
+            per_token = per_token * kept
+            metrics["off_policy/masked_fraction"] = 1.0 - kept.mean()
         if "engine_logps" in inputs:
             # π_old as the trainer computes it (stored, or this pass on an on-policy batch) against the
             # engine's log-probs of the same tokens: how far the engine's sampler is from the policy
@@ -443,8 +448,16 @@ class GRPOTrainer(Trainer):
             if gap.numel():  # a slice of masked completions only has none
                 metrics |= {"vllm/logp_diff_mean": gap.mean(), "vllm/logp_diff_max": gap.max()}
             if args.vllm_importance_sampling_cap is not None:
-                weights = truncated_importance_weights(old_logps, engine_logps, args.vllm_importance_sampling_cap)
-                per_token = per_token * weights
+                correction = MISMATCH_CORRECTIONS.lookup(args.vllm_importance_sampling_mode)
+                weighted = correction.weights(
+                    old_logps,
+                    engine_logps,
+                    mask,
+                    args.vllm_importance_sampling_cap,
+                    args.vllm_importance_sampling_clip_min,
+                )
+                per_token = per_token * weighted.weights
+                metrics |= weighted.metrics(mask)
         if args.entropy_coef:
             per_token = per_token - args.entropy_coef * entropy  # the one use of the entropy's gradient
         if args.top_entropy_quantile < 1.0:
