@@ -589,3 +589,14 @@ def test_the_mismatch_correction_and_the_off_policy_mask_weight_the_trainers_los
     positive = inputs | {"advantages": inputs["advantages"].abs() + 0.1}
     assert loss(negative, off_policy_mask_threshold=0.5) == 0.0 != loss(negative)
     assert loss(positive, off_policy_mask_threshold=0.5) == loss(positive) != 0.0
+
+
+def test_each_step_logs_how_many_versions_old_the_policy_that_sampled_its_slice_is(tiny, prompts, tmp_path):
+    """One generation batch of 3 slices, each trained on twice (``num_iterations`` 2), all sampled by
+    the policy of version 0 (no step taken): the slice trained at step s was sampled s optimizer steps
+    before. The next batch is sampled at step 6 and trained from it."""
+    trainer = make_trainer(tiny, prompts, tmp_path, steps_per_generation=3, num_iterations=2, max_steps=8)
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert [log["staleness/versions_max"] for log in logs] == [0, 1, 2, 3, 4, 5, 0, 1]
+    assert [log["staleness/versions_mean"] for log in logs] == [0, 1, 2, 3, 4, 5, 0, 1]

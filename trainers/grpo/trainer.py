@@ -143,6 +143,16 @@ def is_max_metric(name: str) -> bool:
     return name.endswith("_max")
 
 
+def is_min_metric(name: str) -> bool:
+    """A ``…_min`` metric takes the min over processes and over the logging window."""
+    return name.endswith("_min")
+
+
+def window_value(name: str, values: list[float]) -> float:
+    """A metric's value over its logging window: the max, the min, or the mean (by its name)."""
+    return max(values) if is_max_metric(name) else min(values) if is_min_metric(name) else sum(values) / len(values)
+
+
 def keep_rows(features: list[dict]) -> list[dict]:
     """The dataloader hands over raw rows; tensors are built after generation."""
     return features
@@ -353,6 +363,8 @@ class GRPOTrainer(Trainer):
             advantages = normalized_advantages(advantages, ~rewards.isnan())
         for part, values in zip(slices, advantages[local].split(args.per_device_train_batch_size)):
             part["advantages"] = values
+            # the policy's version (optimizer steps taken) that sampled the slice's completions
+            part["policy_version"] = torch.full_like(values, self.state.global_step, dtype=torch.long)
         self.record_generation(rewards, per_function, completions, truncated)
         self.latest_samples = self.sample_table(prompt_texts, texts, rewards[local], per_function[:, local])
         return slices
@@ -435,6 +447,9 @@ class GRPOTrainer(Trainer):
         log_ratio = self.log_ratio(logps, old_logps, mask)
         per_token = self.objective(log_ratio, logps, advantages, self.objective_params)
         metrics: dict[str, torch.Tensor] = {}
+        if "policy_version" in inputs:  # a slice of a checkpoint written before versions were recorded has none
+            staleness = (self.state.global_step - inputs["policy_version"]).float()
+            metrics |= {"staleness/versions_mean": staleness.mean(), "staleness/versions_max": staleness.max()}
         if args.off_policy_mask_threshold is not None:
             sampler = inputs["engine_logps"][:, 1:] if "engine_logps" in inputs else old_logps  # what sampled
             kept = off_policy_sequence_mask(advantages, logps, sampler, mask, args.off_policy_mask_threshold)
@@ -492,12 +507,12 @@ class GRPOTrainer(Trainer):
         return self.accelerator.gather(tensor.to(self.accelerator.device)).cpu()
 
     def record_step(self, metrics: dict[str, torch.Tensor]) -> None:
-        """A micro-step's metrics, over the processes: the mean, or the max of a ``…_max`` metric
-        (which the logged window also takes the max of)."""
+        """A micro-step's metrics, over the processes: the mean, or the max of a ``…_max`` metric and
+        the min of a ``…_min`` one (which the logged window also takes, :func:`window_value`)."""
         names = list(metrics)
         gathered = self.gather(torch.stack([metrics[n].detach().float() for n in names]).unsqueeze(0))
-        for name, mean, top in zip(names, gathered.mean(0).tolist(), gathered.amax(0).tolist()):
-            self.window[name].append(top if is_max_metric(name) else mean)
+        for name, column in zip(names, gathered.T.tolist()):
+            self.window[name].append(window_value(name, column))
 
     def record_generation(
         self, rewards: torch.Tensor, per_function: torch.Tensor, completions: list[list[int]], truncated: list[bool]
@@ -536,9 +551,7 @@ class GRPOTrainer(Trainer):
         steps = self.state.global_step - self.window_start_step
         if self.window and steps > 0 and self.window_started is not None:
             generation_seconds = sum(self.window.pop("time/generation", []))
-            logs.update(
-                {name: max(v) if is_max_metric(name) else sum(v) / len(v) for name, v in self.window.items() if v}
-            )
+            logs.update({name: window_value(name, values) for name, values in self.window.items() if values})
             step_seconds = (time.perf_counter() - self.window_started) / steps
             logs["time/generation_per_step"] = generation_seconds / steps
             logs["time/training_per_step"] = step_seconds - generation_seconds / steps
