@@ -33,6 +33,9 @@ from trainers.grpo.trainer import GRPOConfig, GRPOTrainer
 from trainers.models.builtin import build_builtin_model
 from trainers.models.pretrained import load_causal_lm
 
+# A benchmark's trainer: no reporting, no checkpoints, no progress bars, no pinned memory.
+QUIET = dict(report_to=[], save_strategy="no", disable_tqdm=True, dataloader_pin_memory=False)
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -70,10 +73,7 @@ def run(
     model, tokenizer = load(options)
     args = GRPOConfig(
         output_dir=output_dir,
-        report_to=[],
-        save_strategy="no",
-        disable_tqdm=True,
-        dataloader_pin_memory=False,
+        **QUIET,
         per_device_train_batch_size=options.batch_size,
         gradient_accumulation_steps=options.accumulation,
         steps_per_generation=steps_per_generation,

@@ -598,5 +598,5 @@ def test_each_step_logs_how_many_versions_old_the_policy_that_sampled_its_slice_
     trainer = make_trainer(tiny, prompts, tmp_path, steps_per_generation=3, num_iterations=2, max_steps=8)
     trainer.train()
     logs = [log for log in trainer.state.log_history if "loss" in log]
-    assert [log["staleness/versions_max"] for log in logs] == [0, 1, 2, 3, 4, 5, 0, 1]
-    assert [log["staleness/versions_mean"] for log in logs] == [0, 1, 2, 3, 4, 5, 0, 1]
+    assert [log["staleness/steps_max"] for log in logs] == [0, 1, 2, 3, 4, 5, 0, 1]
+    assert [log["staleness/steps_mean"] for log in logs] == [0, 1, 2, 3, 4, 5, 0, 1]

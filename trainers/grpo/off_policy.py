@@ -14,11 +14,15 @@ Every weight and mask is without gradient; positions outside ``mask`` count for 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Callable
+from typing import TYPE_CHECKING, Annotated, Callable
 
-import torch
-
+from trainers.lazy import LazyModule
 from trainers.registry import RegisteredName, Registry
+
+if TYPE_CHECKING:
+    import torch
+else:  # the registry is read at config validation, which imports no torch
+    torch = LazyModule("torch")
 
 
 def token_mismatch_log_ratio(

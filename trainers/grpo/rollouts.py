@@ -40,10 +40,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Rollouts:
-    """Sampled completion tokens ``[N, L]`` (shorter rows padded with a stop token) and, when an engine
-    sampled them, each token's log-prob under the engine's sampling distribution (0 on padding)."""
+    """Sampled completion tokens ``[N, L]`` (shorter rows padded with a stop token), the version of the
+    policy that sampled them (its optimizer steps) and, when an engine sampled them, each token's
+    log-prob under the engine's sampling distribution (0 on padding)."""
 
     tokens: torch.Tensor
+    version: int
     engine_logps: torch.Tensor | None = None
 
 
@@ -71,10 +73,11 @@ class GenerationBackend(ABC):
     def close(self) -> None:  # noqa: B027 (a hook: nothing to close by default)
         """Give back what :meth:`start` took, at the end of training."""
 
-    def seeds(self, generation_seed: int, count: int) -> list[int]:
+    def seeds(self, generation_seed: int, count: int, ahead: int = 0) -> list[int]:
         """:func:`completion_seed` (of ``generation_seed``) of each of this process's ``count`` rows, by
-        its place in the generation batch over all processes (``count`` rows on each)."""
-        calls, first = self.trainer.generation_calls, self.trainer.accelerator.process_index * count
+        its place in the generation batch over all processes (``count`` rows on each); of the batch
+        ``ahead`` batches after the one the trainer counts now."""
+        calls, first = self.trainer.generation_calls + ahead, self.trainer.accelerator.process_index * count
         return [completion_seed(generation_seed, calls, first + row) for row in range(count)]
 
 
@@ -107,7 +110,7 @@ class PolicyBackend(GenerationBackend):
                     logits_processor=self.processors,
                 )
                 completions = output[:, input_ids.shape[1] :].cpu()
-        return Rollouts(completions)
+        return Rollouts(completions, trainer.state.global_step)
 
     def sample_seeded(self, model, prompts: list[list[int]]) -> torch.Tensor:
         """Each completion generated alone under the seed :func:`completion_seed` of its place in the
@@ -221,17 +224,29 @@ class EngineBackend(GenerationBackend):
     def sample(self, model, prompts: list[list[int]]) -> Rollouts:
         """Completions and their engine log-probs, the engine's weights synced to the policy's first if
         an optimizer step changed them."""
+        self.sync(model)
+        return self.sample_synced(prompts, self.completion_seeds(len(prompts)))
+
+    def sync(self, model) -> None:
+        """The engine ready, holding the policy's weights as they are now (pushed if an optimizer step
+        changed them; gathered only then: the first round samples the weights the engine was built from)."""
         engine = self.built(model)
         step = self.trainer.state.global_step
-        # gathered only for a sync: the first round samples the weights the engine was just built from
         if engine.holds(step):
             engine.wake({}, step)
         else:
             with self.policy_weights(model) as weights:
                 engine.wake(weights, step)
-        samples = engine.generate(prompts, self.completion_seeds(len(prompts)), self.options)
-        engine.rest()
-        return Rollouts(*samples.padded(self.trainer.stop_ids[0]))
+
+    def sample_synced(self, prompts: list[list[int]], seeds: list[int]) -> Rollouts:
+        """Completions of ``prompts`` under ``seeds`` from the weights the engine holds (:meth:`sync`).
+        Reads nothing of the trainer's that a training step changes: a thread may run it while the trainer trains."""
+        assert self.engine is not None  # synced first
+        version = self.engine.synced_step
+        samples = self.engine.generate(prompts, seeds, self.options)
+        self.engine.rest()
+        tokens, logps = samples.padded(self.trainer.stop_ids[0])
+        return Rollouts(tokens, version, logps)
 
     @contextmanager
     def policy_weights(self, model) -> Iterator[dict[str, torch.Tensor]]:
@@ -244,13 +259,14 @@ class EngineBackend(GenerationBackend):
         with self.trainer.sharding.full_parameters(model) as weights:
             yield weights
 
-    def completion_seeds(self, count: int) -> list[int]:
+    def completion_seeds(self, count: int, ahead: int = 0) -> list[int]:
         """One seed per completion: with ``generation_seed``, :func:`completion_seed` of its place in the
-        generation batch over all processes; otherwise drawn from this process's torch generator."""
+        generation batch over all processes (the batch ``ahead`` batches after the trainer's current
+        one); otherwise drawn from this process's torch generator."""
         seed = self.trainer.args.generation_seed
         if seed is None:
             return torch.randint(0, 2**62, (count,)).tolist()
-        return self.seeds(seed, count)
+        return self.seeds(seed, count, ahead)
 
     def close(self) -> None:
         if self.engine is not None:

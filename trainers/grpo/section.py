@@ -199,6 +199,13 @@ class GRPOStageConfig(TrainingConfig):
         False, description="vllm: the engine gives its GPU memory back between generations (GPUs only)."
     )
     vllm_cpu_kv_cache_gib: int = Field(1, ge=1, description="vllm on a CPU: the KV cache's size in GiB.")
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="Generation rounds the engine's weights may lag the trainer's: 0 is synchronous GRPO; k ≥ 1 "
+        "samples the next k generation batches on the vLLM server (vllm_mode: server) while the trainer trains, "
+        "each from the weights of up to k rounds before (docs/algorithms/grpo.md: Asynchronous GRPO).",
+    )
     vllm_importance_sampling_cap: float | None = Field(
         None,
         ge=1.0,
@@ -365,6 +372,16 @@ def check_engine_options(options: GRPOOptions) -> None:
             value, default = getattr(options, field), GRPOStageConfig.model_fields[field].default
             if value != default:
                 raise ValueError(f"{field}: {value} has no effect with vllm_importance_sampling_cap null")
+    if options.max_staleness and (options.generation_backend != "vllm" or options.vllm_mode != "server"):
+        raise ValueError(
+            f"max_staleness: {options.max_staleness} samples ahead on a vLLM server: it needs generation_backend "
+            "vllm with vllm_mode server"
+        )
+    if options.max_staleness and options.vllm_importance_sampling_cap is None:
+        raise ValueError(
+            f"max_staleness: {options.max_staleness} trains on samples of older weights, which needs the "
+            "importance-sampling correction: set vllm_importance_sampling_cap"
+        )
     low, cap = options.vllm_importance_sampling_clip_min, options.vllm_importance_sampling_cap
     if low is not None and cap is not None and low >= cap:
         raise ValueError(

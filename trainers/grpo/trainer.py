@@ -28,6 +28,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer
 from trainers.data.collators import prompt_completion_batch
 from trainers.data.lengths import model_context, prompt_lengths
 from trainers.generation.vllm_engine import EngineOptions
+from trainers.grpo.ahead import AheadSampler
 from trainers.grpo.layout import GenerationLayout
 from trainers.grpo.losses import (
     IMPORTANCE_LEVELS,
@@ -47,8 +48,8 @@ from trainers.grpo.losses import (
 )
 from trainers.grpo.off_policy import MISMATCH_CORRECTIONS, off_policy_sequence_mask
 from trainers.grpo.rewards import RewardError, RewardFunction, resolve_rewards, reward_kwargs, score_completions
-from trainers.grpo.rollouts import GENERATION_BACKENDS, Rollouts
-from trainers.grpo.samplers import generation_dataloader
+from trainers.grpo.rollouts import GENERATION_BACKENDS, EngineBackend, Rollouts
+from trainers.grpo.samplers import RepeatSampler, generation_dataloader
 from trainers.grpo.section import (
     COMPLETIONS_LOG_KEY,
     GRPOStageConfig,
@@ -81,6 +82,10 @@ class GRPOConfig(PassArguments):
         self.layout  # noqa: B018  (check the batch arithmetic now, not at the first step)
         check_policy_options(self)
         check_engine_options(self)
+        if self.max_staleness and self.world_size > 1:
+            raise ValueError(
+                f"max_staleness: {self.max_staleness} runs on one training process (not {self.world_size})"
+            )
 
     @property
     def layout(self) -> GenerationLayout:
@@ -114,8 +119,12 @@ class GRPOConfig(PassArguments):
 
     @property
     def reuses_generations(self) -> bool:
-        """Whether a generation batch outlives the policy that sampled it (off-policy reuse)."""
-        return self.layout.steps_per_generation > self.gradient_accumulation_steps or self.num_iterations > 1
+        """Whether a generation batch outlives the policy that sampled it (off-policy reuse, or sampled ahead)."""
+        return (
+            self.layout.steps_per_generation > self.gradient_accumulation_steps
+            or self.num_iterations > 1
+            or self.max_staleness > 0
+        )
 
     @property
     def engine_options(self) -> EngineOptions:
@@ -151,6 +160,11 @@ def is_min_metric(name: str) -> bool:
 def window_value(name: str, values: list[float]) -> float:
     """A metric's value over its logging window: the max, the min, or the mean (by its name)."""
     return max(values) if is_max_metric(name) else min(values) if is_min_metric(name) else sum(values) / len(values)
+
+
+def prompt_ids(row: dict, limit: int | None) -> list[int]:
+    """A prompt row's token ids as GRPO samples from them: the last ``limit`` (``max_prompt_length``)."""
+    return row["prompt_ids"][-limit:] if limit else row["prompt_ids"]
 
 
 def keep_rows(features: list[dict]) -> list[dict]:
@@ -246,6 +260,9 @@ class GRPOTrainer(Trainer):
         self.buffer = GenerationBuffer(args.num_iterations)
         self.generation_calls = 0
         self.backend = GENERATION_BACKENDS[args.generation_backend](self)
+        # max_staleness ≥ 1: batches sampled ahead on the server (trainers/grpo/ahead.py)
+        self.ahead = AheadSampler(cast(EngineBackend, self.backend), args.max_staleness) if args.max_staleness else None
+        self.prompt_sampler: RepeatSampler | None = None  # the train dataloader's, once it is built
         self.window: dict[str, list[float]] = defaultdict(list)  # metrics since the last log
         self.window_started: float | None = None
         self.window_start_step = 0
@@ -287,6 +304,7 @@ class GRPOTrainer(Trainer):
             num_workers=args.dataloader_num_workers,
             pin_memory=args.dataloader_pin_memory,
         )
+        self.prompt_sampler = cast(RepeatSampler, loader.sampler)  # the order upcoming() reads (its epoch is set)
         return self.accelerator.prepare(loader)
 
     # ---- generation buffer -----------------------------------------------------------------
@@ -310,19 +328,45 @@ class GRPOTrainer(Trainer):
         """Sampled completion tokens ``[N, ≤ max_completion_length]`` by the ``generation_backend``
         (:mod:`trainers.grpo.rollouts`)."""
         self.generation_calls += 1
-        return self.backend.sample(model, prompts)
+        if self.ahead is None:
+            return self.backend.sample(model, prompts)
+        backend = cast(EngineBackend, self.backend)  # max_staleness needs a server (checked with the arguments)
+        rollouts = self.ahead.take(prompts)
+        if rollouts is None:  # not sampled ahead: the first round of an epoch, or of a resumed run
+            rollouts = backend.sample(model, prompts)
+        self.ahead.settle()
+        backend.sync(model)
+        self.ahead.ask(self.upcoming(prompts), lambda index: backend.completion_seeds(len(prompts), ahead=1 + index))
+        return rollouts
+
+    def upcoming(self, prompts: list[list[int]]) -> list[list[list[int]]]:
+        """The prompts of the generation batches after the one of ``prompts`` in this epoch, as the
+        dataloader will give them (the sampler's chunks, each prompt ``num_generations`` times): up to
+        ``max_staleness`` of them; none where ``prompts`` is no batch of the epoch's order."""
+        assert self.train_dataset is not None and self.prompt_sampler is not None  # training
+        dataset, repeat, limit = self.train_dataset, self.args.num_generations, self.args.max_prompt_length
+
+        def batch(chunk: list[int]) -> list[list[int]]:
+            return [prompt_ids(dataset[index], limit) for index in chunk for _ in range(repeat)]
+
+        chunks = self.prompt_sampler.chunks()
+        for position, chunk in enumerate(chunks):  # a chunk's first prompt read, its whole batch only if that matches
+            if prompt_ids(dataset[chunk[0]], limit) == prompts[0] and batch(chunk) == prompts:
+                return [batch(later) for later in chunks[position + 1 : position + 1 + self.args.max_staleness]]
+        return []
 
     def train(self, *args, **kwargs):
         try:
             return super().train(*args, **kwargs)
         finally:
+            if self.ahead is not None:
+                self.ahead.close()  # the batches asked ahead are answered first: the engine is idle
             self.backend.close()
 
     def generate_and_score(self, model, rows: list[dict]) -> list[dict[str, torch.Tensor]]:
         args = self.args
         tokenizer = self.processing_class
-        limit = args.max_prompt_length
-        prompts = [r["prompt_ids"][-limit:] if limit else r["prompt_ids"] for r in rows]
+        prompts = [prompt_ids(row, args.max_prompt_length) for row in rows]
         self.backend.start(model)  # outside time/generation
         started = time.perf_counter()
         rollouts = self.generate(model, prompts)
@@ -363,8 +407,8 @@ class GRPOTrainer(Trainer):
             advantages = normalized_advantages(advantages, ~rewards.isnan())
         for part, values in zip(slices, advantages[local].split(args.per_device_train_batch_size)):
             part["advantages"] = values
-            # the policy's version (optimizer steps taken) that sampled the slice's completions
-            part["policy_version"] = torch.full_like(values, self.state.global_step, dtype=torch.long)
+            # the version of the policy (its optimizer steps) that sampled the slice's completions
+            part["policy_version"] = torch.full_like(values, rollouts.version, dtype=torch.long)
         self.record_generation(rewards, per_function, completions, truncated)
         self.latest_samples = self.sample_table(prompt_texts, texts, rewards[local], per_function[:, local])
         return slices
@@ -449,7 +493,7 @@ class GRPOTrainer(Trainer):
         metrics: dict[str, torch.Tensor] = {}
         if "policy_version" in inputs:  # a slice of a checkpoint written before versions were recorded has none
             staleness = (self.state.global_step - inputs["policy_version"]).float()
-            metrics |= {"staleness/versions_mean": staleness.mean(), "staleness/versions_max": staleness.max()}
+            metrics |= {"staleness/steps_mean": staleness.mean(), "staleness/steps_max": staleness.max()}
         if args.off_policy_mask_threshold is not None:
             sampler = inputs["engine_logps"][:, 1:] if "engine_logps" in inputs else old_logps  # what sampled
             kept = off_policy_sequence_mask(advantages, logps, sampler, mask, args.off_policy_mask_threshold)
