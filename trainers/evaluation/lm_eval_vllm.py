@@ -19,6 +19,7 @@ from lm_eval.models.vllm_causallms import VLLM
 from vllm import SamplingParams
 
 from trainers.evaluation.lm_eval_compat import LaunchShards
+from trainers.models.stop_tokens import eos_token_ids
 
 # Fields of SamplingParams that its __post_init__ derives from the others.
 DERIVED_FIELDS = frozenset({"output_text_buffer_length"})
@@ -71,14 +72,6 @@ class EngineCalls:
         return {token for token in singles if self.tokenizer.decode([token]) in stops}
 
 
-def eos_ids(tokenizer: Any, model: Any) -> frozenset[int]:
-    """The ids a vLLM engine built from ``model``'s folder stops at: the tokenizer's EOS and each of the
-    generation config's ``eos_token_id``."""
-    configured = getattr(model.generation_config, "eos_token_id", None)
-    ids = [tokenizer.eos_token_id, *(configured if isinstance(configured, (list, tuple)) else [configured])]
-    return frozenset(int(i) for i in ids if i is not None)
-
-
 class EngineLM(LaunchShards, VLLM):
     """lm-eval's vLLM backend over ``llm`` (an engine holding ``model``'s weights), with ``model``'s
     ``tokenizer`` (and its chat template); over the processes of ``state`` where it has several (each
@@ -94,7 +87,7 @@ class EngineLM(LaunchShards, VLLM):
         self.data_parallel_size = 1
         self.model_args: dict[str, Any] = {}
         self.batch_size = batch_size
-        self.model = EngineCalls(llm, tokenizer, eos_ids(tokenizer, model))
+        self.model = EngineCalls(llm, tokenizer, frozenset(eos_token_ids(tokenizer, model.generation_config)))
         self.add_bos_token = None
         self._config = model.config
         self.tokenizer = configure_pad_token(tokenizer, model_config=model.config)

@@ -50,8 +50,7 @@ class AheadSampler:
         if self.asked and self.asked[0].prompts == prompts:
             self.taken += 1
             return self.asked.popleft().rollouts.result()
-        self.settle()
-        self.asked.clear()
+        self.discard()
         return None
 
     def settle(self) -> None:
@@ -66,7 +65,7 @@ class AheadSampler:
             future = self.worker.submit(self.backend.sample_synced, upcoming[index], seeds(index))
             self.asked.append(Asked(upcoming[index], future))
 
-    def close(self) -> None:
-        """At the end of training: every batch asked answered, none kept (its worker stays for another run)."""
+    def discard(self) -> None:
+        """Every batch asked answered (the engine idle), none kept; the worker stays for what comes next."""
         self.settle()
         self.asked.clear()

@@ -346,6 +346,9 @@ READ_ONLY_BY: dict[str, dict[str, tuple[str, ...]]] = {
     },
 }
 
+# What the importance-sampling correction reads beside its cap (null: the correction is off).
+CORRECTION_OPTIONS = ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min")
+
 
 def unread_engine_options(options: GRPOOptions) -> Iterator[tuple[str, str]]:
     """The ``vllm_*`` options that ``options`` leaves unread, each with the setting that says so."""
@@ -358,20 +361,18 @@ def unread_engine_options(options: GRPOOptions) -> Iterator[tuple[str, str]]:
         for other, fields in readers.items():
             if other != value:
                 yield from ((field, f"{setting} {value!r}") for field in fields if field not in readers[value])
+    if options.vllm_importance_sampling_cap is None:  # the correction is off: its other options unread
+        yield from ((field, "vllm_importance_sampling_cap null") for field in CORRECTION_OPTIONS)
 
 
 def check_engine_options(options: GRPOOptions) -> None:
     """A ``vllm_*`` option away from its default has no effect unless vLLM generates, nor one that
-    only another value of a setting reads (:data:`READ_ONLY_BY`)."""
+    only another value of a setting reads (:data:`READ_ONLY_BY`), nor one of the importance-sampling
+    correction's without its cap (:data:`CORRECTION_OPTIONS`)."""
     for field, because in unread_engine_options(options):
         value, default = getattr(options, field), GRPOStageConfig.model_fields[field].default
         if value != default:
             raise ValueError(f"{field}: {value} has no effect with {because}")
-    if options.vllm_importance_sampling_cap is None:
-        for field in ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min"):
-            value, default = getattr(options, field), GRPOStageConfig.model_fields[field].default
-            if value != default:
-                raise ValueError(f"{field}: {value} has no effect with vllm_importance_sampling_cap null")
     if options.max_staleness and (options.generation_backend != "vllm" or options.vllm_mode != "server"):
         raise ValueError(
             f"max_staleness: {options.max_staleness} samples ahead on a vLLM server: it needs generation_backend "

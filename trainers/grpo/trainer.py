@@ -360,7 +360,7 @@ class GRPOTrainer(Trainer):
             return super().train(*args, **kwargs)
         finally:
             if self.ahead is not None:
-                self.ahead.close()  # the batches asked ahead are answered first: the engine is idle
+                self.ahead.discard()  # the batches asked ahead are answered first: the engine is idle
             self.backend.close()
 
     def generate_and_score(self, model, rows: list[dict]) -> list[dict[str, torch.Tensor]]:
@@ -494,15 +494,15 @@ class GRPOTrainer(Trainer):
         if "policy_version" in inputs:  # a slice of a checkpoint written before versions were recorded has none
             staleness = (self.state.global_step - inputs["policy_version"]).float()
             metrics |= {"staleness/steps_mean": staleness.mean(), "staleness/steps_max": staleness.max()}
+        engine_logps = inputs["engine_logps"][:, 1:] if "engine_logps" in inputs else None
         if args.off_policy_mask_threshold is not None:
-            sampler = inputs["engine_logps"][:, 1:] if "engine_logps" in inputs else old_logps  # what sampled
+            sampler = old_logps if engine_logps is None else engine_logps  # what sampled the completions
             kept = off_policy_sequence_mask(advantages, logps, sampler, mask, args.off_policy_mask_threshold)
             per_token = per_token * kept
             metrics["off_policy/masked_fraction"] = 1.0 - kept.mean()
-        if "engine_logps" in inputs:
+        if engine_logps is not None:
             # π_old as the trainer computes it (stored, or this pass on an on-policy batch) against the
             # engine's log-probs of the same tokens: how far the engine's sampler is from the policy
-            engine_logps = inputs["engine_logps"][:, 1:]
             gap = (old_logps - engine_logps).abs()[mask.bool()]
             if gap.numel():  # a slice of masked completions only has none
                 metrics |= {"vllm/logp_diff_mean": gap.mean(), "vllm/logp_diff_max": gap.max()}

@@ -45,18 +45,27 @@ def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
     return specials[max(found, key=len)] if found else None  # the longest, should one be a prefix of another
 
 
+def eos_token_ids(
+    tokenizer: PreTrainedTokenizerBase, generation_config: GenerationConfig | None = None
+) -> tuple[int, ...]:
+    """The tokenizer's EOS and every id of ``generation_config.eos_token_id`` (an int or a list), in
+    this order and without repeats: what a vLLM engine built from the model's folder stops at."""
+    configured = generation_config.eos_token_id if generation_config is not None else None
+    candidates = [tokenizer.eos_token_id, *(configured if isinstance(configured, (list, tuple)) else [configured])]
+    return tuple(dict.fromkeys(int(i) for i in candidates if i is not None))
+
+
 def stop_token_ids(
     tokenizer: PreTrainedTokenizerBase, generation_config: GenerationConfig | None = None
 ) -> tuple[int, ...]:
-    """The ids that end a completion, in this order and without repeats: the tokenizer's EOS, every
-    id of ``generation_config.eos_token_id`` (an int or a list), the chat template's end of turn."""
-    configured = generation_config.eos_token_id if generation_config is not None else None
-    candidates = [
-        tokenizer.eos_token_id,
-        *(configured if isinstance(configured, (list, tuple)) else [configured]),
-        end_of_turn_id(tokenizer),
-    ]
-    ids = tuple(dict.fromkeys(int(i) for i in candidates if i is not None))
+    """The ids that end a completion, in this order and without repeats: :func:`eos_token_ids`, then
+    the chat template's end of turn."""
+    end_of_turn = end_of_turn_id(tokenizer)
+    ids = tuple(
+        dict.fromkeys(
+            [*eos_token_ids(tokenizer, generation_config), *([end_of_turn] if end_of_turn is not None else [])]
+        )
+    )
     if not ids:
         raise ValueError(
             "no token ends a completion: the tokenizer has no eos_token, the model's generation_config no "
